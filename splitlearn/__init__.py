@@ -1,0 +1,19 @@
+"""splitlearn: split learning for Hugging Face GPT-2.
+
+Cut a GPT-2 at block boundaries (2-way or U-shape), prove the split equals the whole, run the
+pieces as separate processes over HTTP, and measure what each piece costs.
+"""
+from .data import ByteTokenizer, get_tokenizer, load_corpus
+from .errors import ConfigError, SegmentFileError, SplitLearnError
+from .export import export_segments, load_segment, load_segments
+from .loading import load_config, load_model
+from .partition import Partition, partition, validate_cuts
+from .segments import Segment, SegmentCache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ByteTokenizer", "ConfigError", "Partition", "Segment", "SegmentCache", "SegmentFileError",
+    "SplitLearnError", "export_segments", "get_tokenizer", "load_config", "load_corpus",
+    "load_model", "load_segment", "load_segments", "partition", "validate_cuts", "__version__",
+]

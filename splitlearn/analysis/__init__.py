@@ -1,0 +1,1 @@
+"""splitlearn.analysis (filled by its issue)."""

@@ -1,0 +1,1 @@
+"""splitlearn.client (filled by its issue)."""

@@ -1,0 +1,96 @@
+"""Offline data: a byte-level tokenizer, the shipped corpus, and language-model batches.
+
+:class:`ByteTokenizer` maps UTF-8 bytes to ids 0..255 and uses 256 as end-of-text, so the
+tiny specs in ``models/`` (vocab 257) need no download. :func:`get_tokenizer` returns a
+Hugging Face tokenizer instead when given a local directory or hub id that has one.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+CORPUS = Path(__file__).resolve().parent / "corpus" / "tiny_stories.txt"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (0..255); ``eos_token_id`` = 256. Vocabulary size 257."""
+
+    vocab_size = 257
+    eos_token_id = 256
+    pad_token_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def __call__(self, texts: Union[str, list[str]]) -> dict:
+        """Left-padded batch, like a Hugging Face tokenizer with ``padding_side="left"``."""
+        texts = [texts] if isinstance(texts, str) else texts
+        return left_pad([self.encode(t) for t in texts], self.pad_token_id)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict:
+    """Batch sequences of different lengths with padding on the left.
+
+    Returns ``{"input_ids": (B, T) long, "attention_mask": (B, T) long}``.
+    """
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, T - len(s):] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, T - len(s):] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def get_tokenizer(source: Optional[str] = None):
+    """A Hugging Face tokenizer for a local directory / hub id that has one, else bytes.
+
+    Spec names, ``random:`` sources and JSON configs get the :class:`ByteTokenizer`.
+    """
+    from .loading import is_spec_source
+
+    if source is None or not isinstance(source, (str, Path)):
+        return ByteTokenizer()
+    s = str(source)
+    local = Path(s).is_dir()
+    if (Path(s).exists() and not local) or is_spec_source(s):
+        return ByteTokenizer()
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(s, local_files_only=local)
+    except Exception:  # a checkpoint without tokenizer files, or no hub: bytes
+        return ByteTokenizer()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_corpus(path: Optional[Union[str, Path]] = None) -> str:
+    """The text of ``path``, or of the corpus shipped with splitlearn."""
+    return Path(path or CORPUS).read_text(encoding="utf-8")
+
+
+def lm_batches(ids: Sequence[int], batch_size: int, seq_len: int, *, seed: int = 0,
+               steps: Optional[int] = None) -> Iterator[torch.Tensor]:
+    """Random windows of ``seq_len`` tokens from one token stream, ``batch_size`` per batch.
+
+    Yields (batch_size, seq_len) long tensors, reproducibly for a seed; forever unless
+    ``steps`` is given.
+    """
+    data = torch.tensor(list(ids), dtype=torch.long)
+    if len(data) <= seq_len:
+        raise ValueError(f"the corpus has {len(data)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    while steps is None or n < steps:
+        starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=gen)
+        yield torch.stack([data[s:s + seq_len] for s in starts.tolist()])  # (B, T)
+        n += 1

@@ -1,0 +1,101 @@
+"""Every error splitlearn raises, in one place.
+
+The root is :class:`SplitLearnError`. Each subclass carries the HTTP status the server
+answers with; the server turns any of them into a JSON body ``{"error": CODE, "message":
+TEXT}`` and the client turns that body back into the same class (see :func:`from_payload`).
+``retryable`` says whether repeating the same request can succeed (like requests'
+``ConnectionError`` versus ``HTTPError``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class SplitLearnError(Exception):
+    """Root of every splitlearn error."""
+
+    status: int = 500
+    code: str = "internal"
+    retryable: bool = False
+
+    def __init__(self, message: str, *, retry_after: Optional[float] = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after  # seconds, for 429/503 answers
+
+    def to_payload(self) -> dict:
+        return {"error": self.code, "message": self.message}
+
+
+class ConfigError(SplitLearnError, ValueError):
+    """A model, cut or option that cannot work (bad cuts, not a GPT-2, unknown dtype)."""
+
+    status, code = 400, "config"
+
+
+class SegmentFileError(SplitLearnError, ValueError):
+    """An exported segment whose files do not match their spec (hash, shapes, keys)."""
+
+    status, code = 400, "segment_file"
+
+
+class BadRequest(SplitLearnError, ValueError):
+    """A request the server refuses before it touches the model."""
+
+    status, code = 400, "bad_request"
+
+
+class Unauthorized(SplitLearnError):
+    status, code = 401, "unauthorized"
+
+
+class NotFound(SplitLearnError):
+    """Unknown route, or a generation session that does not exist (for this token)."""
+
+    status, code = 404, "not_found"
+
+
+class Conflict(SplitLearnError):
+    """A step number or position that does not follow the state the server holds."""
+
+    status, code = 409, "conflict"
+
+
+class PayloadTooLarge(SplitLearnError):
+    status, code = 413, "payload_too_large"
+
+
+class UnsupportedMediaType(SplitLearnError):
+    status, code = 415, "unsupported_media_type"
+
+
+class TooManyRequests(SplitLearnError):
+    status, code, retryable = 429, "too_many_requests", True
+
+
+class ServiceUnavailable(SplitLearnError):
+    status, code, retryable = 503, "unavailable", True
+
+
+class TransportError(SplitLearnError):
+    """The server could not be reached, or answered something that is not splitlearn's."""
+
+    status, code, retryable = 502, "transport", True
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        SplitLearnError, ConfigError, SegmentFileError, BadRequest, Unauthorized, NotFound,
+        Conflict, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServiceUnavailable,
+        TransportError,
+    )
+}
+
+
+def from_payload(status: int, payload: dict, retry_after: Optional[float] = None) -> SplitLearnError:
+    """Rebuild the error a server sent as JSON (client side)."""
+    cls = _BY_CODE.get(str(payload.get("error")), SplitLearnError)
+    err = cls(str(payload.get("message", f"HTTP {status}")), retry_after=retry_after)
+    err.status = status
+    return err

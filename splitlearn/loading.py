@@ -1,0 +1,132 @@
+"""``load_model(source)``: a ``GPT2LMHeadModel`` from a hub id, a local directory, a JSON
+config, a ``GPT2Config`` or a model spec shipped in ``models/``.
+
+Sources, tried in this order:
+
+========================================  =====================================================
+``GPT2LMHeadModel`` / ``GPT2Config``       the model itself / a random init from the config
+an existing directory                      ``from_pretrained`` (``save_pretrained`` layout), offline
+an existing ``.json`` file                 a GPT-2 config: random init
+``random:NAME`` or a spec-only ``NAME``    ``models/NAME.json``: random init (offline)
+anything else                              a hub id, ``from_pretrained`` (needs the hub or its cache)
+========================================  =====================================================
+
+Random inits are seeded (``seed=0`` by default), so two processes that load the same spec
+hold the same weights: that is how a client and a server agree on a model without moving it.
+Specs of real checkpoints (``gpt2``, ``gpt2-medium``, ...) carry ``"hub_id"``: their bare name
+means the hub checkpoint, ``random:gpt2`` the same shape with random weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from .devices import resolve_device, resolve_dtype
+from .errors import ConfigError
+from .partition import check_gpt2
+
+log = logging.getLogger(__name__)
+
+ModelSource = Union[str, Path, GPT2Config, GPT2LMHeadModel]
+
+
+def specs_dir() -> Path:
+    """Where the shipped model specs live (``models/`` of the checkout, or the installed copy)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "models", here / "_models"):
+        if candidate.is_dir():
+            return candidate
+    raise ConfigError("the model specs directory (models/) is missing from this installation")
+
+
+def list_specs() -> list[str]:
+    return sorted(p.stem for p in specs_dir().glob("*.json"))
+
+
+def read_spec(name: str) -> dict:
+    path = specs_dir() / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"no model spec named {name!r}; shipped specs: {', '.join(list_specs())}")
+    return json.loads(path.read_text())
+
+
+def config_from_dict(d: dict) -> GPT2Config:
+    d = {k: v for k, v in d.items() if k not in ("hub_id", "description")}
+    model_type = d.get("model_type", "gpt2")
+    if model_type != "gpt2":
+        raise ConfigError(f"model_type is {model_type!r}; splitlearn cuts GPT-2 models only")
+    return GPT2Config(**d)
+
+
+def load_config(source: ModelSource) -> GPT2Config:
+    """The ``GPT2Config`` that :func:`load_model` would build, without any weights."""
+    if isinstance(source, GPT2LMHeadModel):
+        return source.config
+    if isinstance(source, GPT2Config):
+        return source
+    s = str(source)
+    p = Path(s)
+    if p.is_dir():
+        return config_from_dict(json.loads((p / "config.json").read_text()))
+    if is_spec_source(s):
+        return config_from_dict(json.loads(p.read_text()) if p.is_file()
+                                else read_spec(s.removeprefix("random:")))
+    try:
+        cfg = GPT2Config.from_pretrained(s)
+    except Exception as e:  # hub unreachable, unknown id
+        raise ConfigError(f"cannot load a config for {s!r}: {e}") from None
+    return config_from_dict(cfg.to_dict())
+
+
+def random_model(config: GPT2Config, seed: int = 0) -> GPT2LMHeadModel:
+    """A randomly initialised GPT-2, the same for the same config and seed on any machine."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(config)
+
+
+def load_model(source: ModelSource, *, dtype: Union[str, torch.dtype, None] = None,
+               device: Union[str, torch.device, None] = None, seed: int = 0) -> GPT2LMHeadModel:
+    """Load a GPT-2 language model.
+
+    source: see the module docstring (hub id, directory, JSON config, GPT2Config, spec name).
+    dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; None keeps float32.
+    device: ``"cpu"``, ``"cuda"``, ``"auto"``; None means cpu.
+    seed: the seed of random inits (ignored for checkpoints).
+    Returns a ``GPT2LMHeadModel`` in eval mode.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device or "cpu")
+    if isinstance(source, GPT2LMHeadModel):
+        model = check_gpt2(source)
+    else:
+        s = str(source) if not isinstance(source, GPT2Config) else None
+        if s is not None and Path(s).is_dir():
+            try:
+                model = GPT2LMHeadModel.from_pretrained(s, local_files_only=True)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"cannot load a GPT-2 checkpoint from {s}: {e}") from None
+        elif s is not None and not is_spec_source(s):
+            try:
+                model = GPT2LMHeadModel.from_pretrained(s)
+            except Exception as e:
+                hint = f"; for random weights of that shape use 'random:{s}'" if s in list_specs() else ""
+                raise ConfigError(f"cannot load {s!r} from the Hugging Face hub: {e}{hint}") from None
+        else:
+            model = random_model(load_config(source), seed)
+    check_gpt2(model)
+    model = model.to(device=dev, dtype=torch_dtype) if torch_dtype else model.to(dev)
+    return model.eval()
+
+
+def is_spec_source(s: str) -> bool:
+    p = Path(s)
+    if p.suffix == ".json" and p.is_file():
+        return True
+    name = s.removeprefix("random:")
+    return s.startswith("random:") or (name in list_specs() and "hub_id" not in read_spec(name))

@@ -1,0 +1,153 @@
+"""Cut a GPT-2 at block boundaries: ``partition(model, cuts)``.
+
+One cut ``c`` gives a 2-way split, two cuts ``c1 < c2`` the U-shape::
+
+    2-way:    client [bottom: emb + h[0:c]]  ->  server [top: h[c:n] + ln_f + lm_head]
+    U-shape:  client [bottom: emb + h[0:c1]] ->  server [trunk: h[c1:c2]]
+              -> client [top: h[c2:n] + ln_f + lm_head]
+
+Every ``0 <= c1 < c2 <= n_layer`` is valid (a bottom of just the embeddings, a top of just
+``ln_f`` + ``lm_head``).
+
+The segments share the model's modules: no parameter is copied, so training a segment trains
+the model. GPT-2 ties ``lm_head.weight`` to ``wte.weight``; in one process the bottom's
+``wte`` and the top's ``lm_head`` are therefore the *same* tensor, still tied, and its gradient
+is the sum of both uses exactly as in the unsplit model. A segment exported alone
+(:mod:`splitlearn.export`) carries its own copy; :func:`splitlearn.load_segments` re-ties the
+two when it loads bottom and top together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from .errors import ConfigError
+from .segments import Segment, SegmentCache, labels_from_batch, loss_from_logits
+
+
+def validate_cuts(cuts: Sequence[int] | int, n_layer: int) -> tuple[int, ...]:
+    """Check cut points against a model of ``n_layer`` blocks; return them as a tuple.
+
+    Raises :class:`ConfigError` naming the problem: not integers, none or more than two,
+    out of ``[0, n_layer]``, unsorted or duplicated.
+    """
+    if isinstance(cuts, int):
+        cuts = (cuts,)
+    cuts = tuple(cuts)
+    if not cuts or len(cuts) > 2:
+        raise ConfigError(f"give one cut (2-way) or two cuts (U-shape), got {len(cuts)}: {cuts}")
+    for c in cuts:
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise ConfigError(f"cuts must be integers, got {c!r}")
+        if not 0 <= c <= n_layer:
+            raise ConfigError(f"cut {c} is out of range: this model has {n_layer} blocks, "
+                              f"so cuts must lie in [0, {n_layer}]")
+    if len(cuts) == 2 and cuts[0] == cuts[1]:
+        raise ConfigError(f"duplicated cut {cuts[0]}: the two cuts of a U-shape must differ")
+    if len(cuts) == 2 and cuts[0] > cuts[1]:
+        raise ConfigError(f"cuts must be sorted, got {list(cuts)}; did you mean {sorted(cuts)}?")
+    return cuts
+
+
+def check_gpt2(model: nn.Module) -> GPT2LMHeadModel:
+    """Refuse anything that is not a Hugging Face ``GPT2LMHeadModel``."""
+    if not isinstance(model, GPT2LMHeadModel):
+        raise ConfigError(f"splitlearn cuts GPT-2 models (transformers.GPT2LMHeadModel); "
+                          f"got {type(model).__name__}")
+    if getattr(model.config, "add_cross_attention", False):
+        raise ConfigError("GPT-2 with cross-attention is not supported")
+    return model
+
+
+def segment_ranges(cuts: tuple[int, ...], n_layer: int) -> list[tuple[str, int, int]]:
+    """``[(kind, start, end), ...]`` for validated cuts."""
+    bounds = (0, *cuts, n_layer)
+    kinds = ("bottom", "top") if len(cuts) == 1 else ("bottom", "trunk", "top")
+    return [(k, bounds[i], bounds[i + 1]) for i, k in enumerate(kinds)]
+
+
+@dataclass
+class Partition:
+    """The segments of one split model, in order; iterate, index, or use the names."""
+
+    config: GPT2Config
+    cuts: tuple[int, ...]
+    segments: list[Segment]
+
+    def __iter__(self) -> Iterator[Segment]:
+        return iter(self.segments)
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+    def __getitem__(self, i: int) -> Segment:
+        return self.segments[i]
+
+    @property
+    def bottom(self) -> Segment:
+        return self.segments[0]
+
+    @property
+    def top(self) -> Segment:
+        return self.segments[-1]
+
+    @property
+    def trunk(self) -> Optional[Segment]:
+        return self.segments[1] if len(self.segments) == 3 else None
+
+    @property
+    def u_shape(self) -> bool:
+        return len(self.cuts) == 2
+
+    def new_caches(self) -> list[SegmentCache]:
+        return [s.new_cache() for s in self.segments]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                caches: Optional[list[SegmentCache]] = None) -> torch.Tensor:
+        """Chain all segments in this process: input_ids (B, T) -> logits (B, T, V)."""
+        x = input_ids
+        for i, seg in enumerate(self.segments):
+            x = seg(x, attention_mask, caches[i] if caches is not None else None)
+        return x
+
+    __call__ = forward
+
+    def loss(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal-LM loss of the chained segments, as ``model(input_ids, labels=input_ids)``."""
+        logits = self.forward(input_ids, attention_mask)
+        return loss_from_logits(logits, labels_from_batch(input_ids, attention_mask))
+
+
+def partition(model: GPT2LMHeadModel, cuts: Sequence[int] | int) -> Partition:
+    """Cut ``model`` at block indices ``cuts``; the segments share the model's parameters.
+
+    model: a ``transformers.GPT2LMHeadModel`` (any size).
+    cuts: one cut ``c`` (bottom, top) or two cuts ``c1 < c2`` (bottom, trunk, top).
+    Returns a :class:`Partition` whose segments are ``nn.Module``s.
+    """
+    check_gpt2(model)
+    cfg = model.config
+    cuts = validate_cuts(cuts, cfg.n_layer)
+    tr = model.transformer
+    segments = []
+    for kind, start, end in segment_ranges(cuts, cfg.n_layer):
+        modules = {"h": list(tr.h[start:end])}
+        if kind == "bottom":
+            modules.update(wte=tr.wte, wpe=tr.wpe, drop=tr.drop)
+        if kind == "top":
+            modules.update(ln_f=tr.ln_f, lm_head=model.lm_head)
+        segments.append(Segment(cfg, kind, start, end, modules))
+    return Partition(cfg, cuts, segments)
+
+
+def whole(model: GPT2LMHeadModel) -> Segment:
+    """The whole model as one ``full`` segment (shares parameters); handy for baselines."""
+    check_gpt2(model)
+    tr = model.transformer
+    return Segment(model.config, "full", 0, model.config.n_layer,
+                   dict(wte=tr.wte, wpe=tr.wpe, drop=tr.drop, h=list(tr.h), ln_f=tr.ln_f,
+                        lm_head=model.lm_head))

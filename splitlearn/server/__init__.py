@@ -1,0 +1,1 @@
+"""splitlearn.server (filled by its issue)."""
