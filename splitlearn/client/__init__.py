@@ -1,1 +1,5 @@
-"""splitlearn.client (filled by its issue)."""
+"""The splitlearn client: ``SplitClient`` for training and generation over HTTP."""
+from .core import SplitClient
+from .transport import TransportConfig, WireStats
+
+__all__ = ["SplitClient", "TransportConfig", "WireStats"]

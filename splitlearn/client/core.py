@@ -1,0 +1,286 @@
+"""``SplitClient``: the client side of split training and generation.
+
+The client holds the bottom (2-way) or the bottom and the top (U-shape); the server holds
+the rest. A training step::
+
+    2-way:   ids -> bottom -> h --POST /v1/train/step (h, labels)--> loss, dL/dh -> bottom.backward
+    U-shape: ids -> bottom -> h1 --POST /v1/train/forward--> h2 -> top -> loss
+             loss.backward -> dL/dh2 --POST /v1/train/backward--> dL/dh1 -> bottom.backward
+
+In 2-way the labels (the text itself) go to the server; in the U-shape they never leave the
+client. Both sides apply their optimizer step in the same step, so N split steps equal N
+unsplit steps (float32 wire). In 2-way the server's LM head is its own copy of the tied
+``wte`` weight (the two live in different processes), so 2-way training equals an unsplit
+model with untied embeddings; the U-shape keeps them tied.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import torch
+
+from .. import protocol as P
+from ..checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
+from ..devices import resolve_device
+from ..errors import ConfigError, Conflict, NotFound, TransportError
+from ..export import load_segments
+from ..generation import GenerationConfig, decode as decode_loop
+from ..loading import load_model
+from ..partition import partition
+from ..segments import Segment, labels_from_batch, loss_from_logits
+from ..wire import check_wire_dtype, decode, encode, pack, unpack
+from .transport import Transport, TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+class SplitClient:
+    """Client of a splitlearn server.
+
+    url: the server, e.g. ``http://127.0.0.1:8000``.
+    model: the same model source the server was started with (spec name, directory, JSON,
+        hub id, a ``GPT2LMHeadModel``), or a directory of exported segments.
+    token: bearer token (default ``$SPLITLEARN_TOKEN``).
+    optimizer, lr, weight_decay: the client's optimizer (``adamw`` or ``sgd``).
+    device: ``auto``, ``cpu`` or ``cuda``. wire_dtype: ``float32``, ``bfloat16``,
+    ``float16`` or ``int8`` for the tensors this client sends and asks for.
+    """
+
+    def __init__(self, url: str, model, *, token: Optional[str] = None, optimizer: str = "adamw",
+                 lr: float = 1e-3, weight_decay: float = 0.0, device: str = "auto",
+                 wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
+                 timeout_s: float = 300.0, retries: int = 6):
+        self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
+                                                   read_timeout_s=timeout_s, retries=retries))
+        self.info = self.transport.get_json(P.INFO)
+        if self.info.get("protocol_version") != P.PROTOCOL_VERSION:
+            raise ConfigError(f"server speaks protocol {self.info.get('protocol_version')}, "
+                              f"this client {P.PROTOCOL_VERSION}")
+        self.cuts = tuple(self.info["cuts"])
+        self.u_shape = len(self.cuts) == 2
+        self.device = resolve_device(device)
+        self.wire_dtype = check_wire_dtype(wire_dtype)
+        self.segments = self._own_segments(model, seed)
+        self.bottom = self.segments[0]
+        self.top: Optional[Segment] = self.segments[1] if self.u_shape else None
+        self.optimizer = make_optimizer(unique_parameters(self.segments), optimizer, lr, weight_decay)
+        self.client_id = client_id or uuid.uuid4().hex[:16]
+        self.step = 0  # last training step applied on both sides
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def _own_segments(self, model, seed: int) -> list[Segment]:
+        kinds = ["bottom", "top"] if self.u_shape else ["bottom"]
+        if isinstance(model, (str, Path)) and (Path(model) / "bottom.json").is_file():
+            segs = [s.to(self.device) for s in load_segments(model, kinds)]
+        else:
+            m = load_model(model, device=self.device, seed=seed)
+            self._check_config(m.config)
+            parts = partition(m, self.cuts)
+            segs = [parts.bottom, parts.top] if self.u_shape else [parts.bottom]
+            # The server's segment dies with `m` and `parts`: the client keeps only its own.
+        self._check_config(segs[0].config)
+        return segs
+
+    def _check_config(self, cfg) -> None:
+        server = self.info["model_config"]
+        for key in ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"):
+            if server.get(key) != getattr(cfg, key):
+                raise ConfigError(f"the local model's {key}={getattr(cfg, key)} differs from the "
+                                  f"server's {server.get(key)}: load the same model on both sides")
+
+    @property
+    def stats(self):
+        """Calls, bytes sent/received, (de)serialise time, round trips, server compute."""
+        return self.transport.stats
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> "SplitClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- calls -------------------------------------------------------------------------
+
+    def _call(self, path: str, tensors: dict, meta: Optional[dict] = None) -> dict:
+        t0 = time.perf_counter()
+        body = encode(tensors, meta)
+        t1 = time.perf_counter()
+        answer = self.transport.post_bytes(path, body)
+        t2 = time.perf_counter()
+        out, _ = decode(answer)
+        self.stats.serialize_s += t1 - t0
+        self.stats.deserialize_s += time.perf_counter() - t2
+        return out
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.bottom.parameters()).dtype
+        return x.to(device=self.device, dtype=dtype)
+
+    def _batch(self, input_ids, attention_mask):
+        ids = torch.as_tensor(input_ids).to(self.device)
+        if ids.ndim == 1:
+            ids = ids[None]
+        mask = None if attention_mask is None else torch.as_tensor(attention_mask).to(self.device)
+        return ids, mask
+
+    # -- training ----------------------------------------------------------------------
+
+    def train_step(self, input_ids, attention_mask=None) -> float:
+        """One optimizer step on both sides for a batch (B, T); returns the loss."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        labels = labels_from_batch(ids, mask)
+        meta = P.StepMeta(self.client_id, self.step + 1, self.wire_dtype).to_meta()
+        extra = {} if mask is None else {P.MASK: mask.cpu()}
+        for seg in self.segments:
+            seg.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        h = self.bottom(ids, mask)  # (B, T, d)
+        if not self.u_shape:
+            out = self._call(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
+                                            P.LABELS: labels.cpu(), **extra}, meta)
+            loss = float(out[P.LOSS])
+        else:
+            out = self._call(P.TRAIN_FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
+            h2 = self._local(unpack(out, P.HIDDEN)).requires_grad_()  # (B, T, d)
+            loss_t = loss_from_logits(self.top(h2, mask), labels)
+            loss_t.backward()
+            out = self._call(P.TRAIN_BACKWARD, pack(P.GRAD, h2.grad, self.wire_dtype), meta)
+            loss = float(loss_t.detach())
+        h.backward(self._local(unpack(out, P.GRAD)))
+        self.optimizer.step()
+        self.step += 1
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, input_ids, attention_mask=None) -> float:
+        """Loss on a batch without changing any weight, on either side."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        labels = labels_from_batch(ids, mask)
+        for seg in self.segments:
+            seg.eval()
+        extra = {} if mask is None else {P.MASK: mask.cpu()}
+        h = self.bottom(ids, mask)
+        meta = {"wire_dtype": self.wire_dtype}
+        if not self.u_shape:
+            out = self._call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype),
+                                         P.LABELS: labels.cpu(), **extra}, meta)
+            return float(out[P.LOSS])
+        out = self._call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
+        return float(loss_from_logits(self.top(self._local(unpack(out, P.HIDDEN)), mask), labels))
+
+    # -- persistence -------------------------------------------------------------------
+
+    def save(self, directory: Union[str, Path], server_checkpoint: bool = True) -> Path:
+        """Save this side's segments, optimizer state, client id and step to ``directory``.
+
+        Also asks the server to checkpoint now (if it has a checkpoint dir), so the two
+        sides' saved states belong to the same step.
+        """
+        save_state(directory, "client", self.segments, self.optimizer,
+                   {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
+        if server_checkpoint:
+            try:
+                self.transport.post_json(P.CHECKPOINT, {})
+            except Exception as e:  # a server without --checkpoint-dir
+                log.warning("server did not checkpoint: %s", e)
+        return Path(directory)
+
+    def load(self, directory: Union[str, Path]) -> int:
+        """Restore a :meth:`save`; check the server is at the same step; return the step."""
+        if not has_state(directory, "client"):
+            raise ConfigError(f"no client checkpoint in {directory}")
+        counters = load_state(directory, "client", self.segments, self.optimizer)
+        if tuple(counters["cuts"]) != self.cuts:
+            raise ConfigError(f"checkpoint was made with cuts {counters['cuts']}, server has {list(self.cuts)}")
+        self.client_id, self.step = counters["client_id"], int(counters["step"])
+        server_step = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))["step"]
+        if server_step != self.step:
+            raise Conflict(f"client checkpoint is at step {self.step} but the server has applied "
+                           f"step {server_step} for client {self.client_id!r}: resume both sides "
+                           f"from checkpoints of the same step")
+        return self.step
+
+    # -- generation --------------------------------------------------------------------
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 32, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_token_id: Optional[int] = None, seed: Optional[int] = None,
+                 pad_token_id: Optional[int] = None) -> torch.LongTensor:
+        """Prompt + new tokens (B, T + new), like ``model.generate``; prompts left-padded."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        new = list(self.generate_stream(ids, mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                        temperature=temperature, top_k=top_k, top_p=top_p,
+                                        eos_token_id=eos_token_id, seed=seed, pad_token_id=pad_token_id))
+        return torch.cat([ids] + [t[:, None] for t in new], dim=1)
+
+    def generate_stream(self, input_ids, attention_mask=None, **kwargs) -> Iterator[torch.Tensor]:
+        """Yield the next token of every row, (B,), as each arrives (same arguments as generate)."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        cfg = GenerationConfig(**kwargs)
+        remote = _RemoteDecoder(self, ids.shape[0])
+        try:
+            yield from decode_loop(remote.step, ids, mask, cfg)
+        finally:
+            remote.close()
+
+
+class _RemoteDecoder:
+    """The ``step`` of :func:`splitlearn.generation.decode` with the server in the middle.
+
+    The client keeps the KV caches of its own segments and the bottom's outputs so far;
+    each step sends only the new positions. If the server loses the session (restart,
+    expiry), a new session is opened and the bottom outputs so far are replayed once.
+    """
+
+    def __init__(self, client: SplitClient, rows: int):
+        self.c = client
+        self.rows = rows
+        self.caches = [s.new_cache() for s in client.segments]
+        self.history: Optional[torch.Tensor] = None  # (B, L, d) bottom outputs so far
+        self.sid = self._open()
+
+    def _open(self) -> str:
+        return self.c.transport.post_json(P.SESSIONS, {"rows": self.rows})["session_id"]
+
+    def _server(self, h: torch.Tensor, mask: torch.Tensor, position: int) -> torch.Tensor:
+        c = self.c
+        path = P.SESSION_STEP.format(session_id=self.sid)
+        meta = P.SessionStepMeta(position, c.wire_dtype).to_meta()
+        out = c._call(path, {**pack(P.HIDDEN, h, c.wire_dtype), P.MASK: mask.cpu()}, meta)
+        return c._local(unpack(out, P.LOGITS if not c.u_shape else P.HIDDEN))
+
+    @torch.no_grad()
+    def step(self, new_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        for seg in c.segments:
+            seg.eval()
+        T = new_ids.shape[1]
+        h = c.bottom(new_ids, mask, self.caches[0])  # (B, T, d)
+        self.history = h if self.history is None else torch.cat([self.history, h], dim=1)
+        position = self.history.shape[1] - T
+        try:
+            out = self._server(h, mask, position)
+        except (NotFound, TransportError) as e:
+            log.warning("generation session lost (%s); replaying %d positions", e, self.history.shape[1])
+            self.sid = self._open()
+            out = self._server(self.history, mask, 0)
+            if c.u_shape:
+                out = out[:, -T:]  # the top's cache already holds the earlier positions
+        if not c.u_shape:
+            return out  # (B, V) logits of the last position
+        return c.top(out, mask, self.caches[1])[:, -1, :]  # (B, V)
+
+    def close(self) -> None:
+        try:
+            self.c.transport.delete(P.SESSION.format(session_id=self.sid))
+        except Exception:  # the session may be gone already; nothing to free then
+            pass

@@ -1,0 +1,102 @@
+"""Routes, message fields and the protocol version, shared by client and server.
+
+Bodies with tensors are safetensors (:mod:`splitlearn.wire`); their ``__metadata__`` holds
+the string fields below. JSON is used only for small control messages (info, health,
+sessions, errors). ``docs/PROTOCOL.md`` describes every route with its bytes.
+
+============================  =======  ==========================================================
+route                          method   what
+============================  =======  ==========================================================
+/v1/health                     GET      liveness; the only route without a token
+/v1/info                       GET      model config, cuts, segment held, dtypes, limits
+/v1/clients/<client_id>        GET      the last training step applied for a client
+/v1/train/step                 POST     2-way: hidden + labels -> loss + grad; optimizer step
+/v1/train/forward              POST     U-shape: hidden -> trunk output (graph kept)
+/v1/train/backward             POST     U-shape: grad of output -> grad of input; optimizer step
+/v1/forward                    POST     no-grad forward (evaluation); changes nothing
+/v1/checkpoint                 POST     save segment + optimizer + step counters now
+/v1/sessions                   POST     open a generation session (KV cache on the server)
+/v1/sessions/<sid>/step        POST     new positions' hidden -> output (hidden or logits)
+/v1/sessions/<sid>             DELETE   close a session
+============================  =======  ==========================================================
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import BadRequest
+from .wire import check_wire_dtype
+
+PROTOCOL_VERSION = 1
+CONTENT_TYPE = "application/octet-stream"
+SERVER_TIME_HEADER = "X-Server-Time-Ms"  # server compute time of the request, milliseconds
+
+HEALTH = "/v1/health"
+INFO = "/v1/info"
+CLIENT_STATE = "/v1/clients/{client_id}"
+TRAIN_STEP = "/v1/train/step"
+TRAIN_FORWARD = "/v1/train/forward"
+TRAIN_BACKWARD = "/v1/train/backward"
+FORWARD = "/v1/forward"
+CHECKPOINT = "/v1/checkpoint"
+SESSIONS = "/v1/sessions"
+SESSION = "/v1/sessions/{session_id}"
+SESSION_STEP = "/v1/sessions/{session_id}/step"
+
+# tensor names in bodies
+HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"
+
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _int_field(meta: dict, key: str, minimum: int = 0) -> int:
+    raw = meta.get(key)
+    if raw is None:
+        raise BadRequest(f"metadata field {key!r} is missing")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"metadata field {key!r} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise BadRequest(f"metadata field {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    """Fields of every training request: who, which step, and the answer's wire dtype."""
+
+    client_id: str  # 1-64 of [A-Za-z0-9_.-], chosen by the client
+    step: int  # 1, 2, 3... per client; a retry repeats the number
+    wire_dtype: str = "float32"  # dtype of the tensors in the answer
+
+    def to_meta(self) -> dict[str, str]:
+        return {"client_id": self.client_id, "step": str(self.step), "wire_dtype": self.wire_dtype}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "StepMeta":
+        client_id = meta.get("client_id", "")
+        if not _CLIENT_ID.match(client_id):
+            raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+        return cls(client_id, _int_field(meta, "step", 1),
+                   check_wire_dtype(meta.get("wire_dtype", "float32")))
+
+
+@dataclass(frozen=True)
+class SessionStepMeta:
+    """Fields of a generation step: where the new positions start, the answer's dtype."""
+
+    position: int  # tokens the session has already seen; must equal the server's count
+    wire_dtype: str = "float32"
+
+    def to_meta(self) -> dict[str, str]:
+        return {"position": str(self.position), "wire_dtype": self.wire_dtype}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "SessionStepMeta":
+        return cls(_int_field(meta, "position", 0), check_wire_dtype(meta.get("wire_dtype", "float32")))
+
+
+def valid_client_id(client_id: str) -> bool:
+    return bool(_CLIENT_ID.match(client_id))

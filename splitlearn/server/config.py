@@ -1,0 +1,73 @@
+"""``ServerConfig``: everything a splitlearn server is started with, validated once."""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+
+
+@dataclass
+class ServerConfig:
+    model: Optional[str] = None  # model source (hub id, dir, JSON, spec name); or use `segment`
+    cuts: tuple[int, ...] = ()  # one cut (server holds the top) or two (server holds the trunk)
+    segment: Optional[str] = None  # an exported segment (its .json) to serve instead of `model`
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # compute dtype of the segment: float32 | bfloat16 | float16
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3  # learning rate of the server's optimizer
+    weight_decay: float = 0.0  # decoupled (AdamW) or L2 (SGD) weight decay
+    seed: int = 0  # seed of random inits; must match the client's
+    tokens: tuple[str, ...] = ()  # accepted bearer tokens; from SPLITLEARN_TOKEN (comma-separated) if empty
+    checkpoint_dir: Optional[str] = None  # where the segment + optimizer state are saved
+    checkpoint_every: int = 100  # steps between periodic checkpoints (0: only on SIGTERM/request)
+    max_body_bytes: int = 256 << 20  # requests larger than this get 413 unread
+    max_batch: int = 64  # rows per request
+    threads: int = 4  # WSGI worker threads
+    session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
+    max_sessions: int = 64  # open generation sessions on this server
+    max_tokens_per_client: int = 65536  # cached tokens (rows x length) per token holder
+    batch_window_ms: float = 1.0  # how long a decode step waits to be batched with others
+    generated_token: bool = field(default=False, repr=False)  # True when we made the token up
+
+    def __post_init__(self):
+        if (self.model is None) == (self.segment is None):
+            raise ConfigError("give exactly one of --model (with --cut) or --segment")
+        if self.model is not None and not 1 <= len(self.cuts) <= 2:
+            raise ConfigError("--model needs one --cut (2-way) or two (U-shape)")
+        if self.segment is not None and not Path(self.segment).with_suffix(".json").is_file():
+            raise ConfigError(f"--segment {self.segment}: no such exported segment spec")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        for name in ("max_body_bytes", "max_batch", "threads", "max_sessions", "max_tokens_per_client"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tokens:
+            env = os.environ.get("SPLITLEARN_TOKEN", "")
+            self.tokens = tuple(t.strip() for t in env.split(",") if t.strip())
+        if not self.tokens:
+            self.tokens = (secrets.token_urlsafe(24),)
+            self.generated_token = True
+        self.tokens = tuple(self.tokens)
+        self.cuts = tuple(self.cuts)
+
+
+def read_token_file(path: str) -> tuple[str, ...]:
+    """Tokens from a file, one per line (blank lines and ``#`` comments ignored)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read --token-file {path}: {e}") from None
+    tokens = tuple(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
+    if not tokens:
+        raise ConfigError(f"--token-file {path} holds no token")
+    return tokens

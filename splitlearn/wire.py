@@ -1,0 +1,118 @@
+"""The wire format: safetensors bytes, never pickle.
+
+Every request and response body that carries tensors is one safetensors buffer
+(``Content-Type: application/octet-stream``)::
+
+    +----------+---------------------------------+-------------------------------------+
+    | N: u64le | header: N bytes of UTF-8 JSON   | data: the tensors' raw bytes,       |
+    |          | {"__metadata__": {str: str},    | little-endian, row-major, packed    |
+    |          |  NAME: {"dtype": "F32",         | in the order of their data_offsets  |
+    |          |         "shape": [B, T, d],     |                                     |
+    |          |         "data_offsets": [a, b]}}|                                     |
+    +----------+---------------------------------+-------------------------------------+
+
+``__metadata__`` carries the message fields as strings (client id, step, wire dtype...).
+A tensor travels in one of four wire dtypes, chosen per request:
+
+- ``float32`` (F32), ``bfloat16`` (BF16), ``float16`` (F16): the tensor, cast;
+- ``int8`` (activations and gradients only): ``NAME`` is I8 and ``NAME.scale`` is F32 of
+  shape (..., 1), one absmax scale per row of the last dimension:
+  ``scale = max|x| / 127``, ``q = round(x / scale)``, ``x ~ q * scale`` (vector-wise absmax
+  quantisation, Dettmers et al. 2022, "LLM.int8()", section 3.1).
+
+So the bytes on the wire are the raw tensor bytes plus a header of a few hundred bytes.
+Decoding checks the header before any tensor is built: malformed, truncated or unknown
+dtypes raise :class:`~splitlearn.errors.BadRequest`.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .errors import BadRequest
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+               "int8": torch.int8}
+MAX_HEADER = 1 << 20  # bytes; a header this large is not ours
+SCALE = ".scale"
+
+
+def check_wire_dtype(name: str) -> str:
+    if name not in WIRE_DTYPES:
+        raise BadRequest(f"unknown wire dtype {name!r}; choose one of {', '.join(WIRE_DTYPES)}")
+    return name
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax int8: x (..., d) -> q int8 (..., d), scale float32 (..., 1)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0  # (..., 1)
+    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)  # (..., d)
+    return q, scale
+
+
+def pack(name: str, x: torch.Tensor, wire_dtype: str) -> dict[str, torch.Tensor]:
+    """The entries that carry activation/gradient ``x`` in ``wire_dtype``."""
+    x = x.detach()
+    if wire_dtype == "int8":
+        q, scale = quantize_int8(x)
+        return {name: q.cpu(), name + SCALE: scale.cpu()}
+    return {name: x.to(dtype=WIRE_DTYPES[wire_dtype]).cpu().contiguous()}
+
+
+def unpack(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Rebuild activation/gradient ``name`` (dequantising int8); raises BadRequest if absent."""
+    if name not in tensors:
+        raise BadRequest(f"the body has no tensor {name!r} (it has {sorted(tensors)})")
+    x = tensors[name]
+    if x.dtype == torch.int8:
+        scale = tensors.get(name + SCALE)
+        if scale is None or scale.dtype != torch.float32 or scale.shape != (*x.shape[:-1], 1):
+            raise BadRequest(f"int8 tensor {name!r} needs a float32 {name + SCALE!r} of shape "
+                             f"{[*x.shape[:-1], 1]}")
+        return x.float() * scale
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise BadRequest(f"tensor {name!r} has dtype {x.dtype}; activations travel as "
+                         f"float32, bfloat16, float16 or int8")
+    return x
+
+
+def encode(tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> bytes:
+    """Tensors (on any device) + string metadata -> safetensors bytes."""
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return st_save(cpu, metadata=meta)
+
+
+def read_metadata(body: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer, checking the header's framing."""
+    if len(body) < 8:
+        raise BadRequest(f"body of {len(body)} bytes is not safetensors (no 8-byte header length)")
+    (n,) = struct.unpack("<Q", body[:8])
+    if n > MAX_HEADER or 8 + n > len(body):
+        raise BadRequest(f"body is not safetensors or is truncated: header of {n} bytes "
+                         f"in a body of {len(body)}")
+    try:
+        header = json.loads(body[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"body is not safetensors: header is not JSON ({e})") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BadRequest("safetensors __metadata__ must map strings to strings")
+    return meta
+
+
+def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors bytes -> (tensors on cpu, metadata); BadRequest on anything malformed."""
+    meta = read_metadata(body)
+    try:
+        tensors = st_load(body)
+    except (SafetensorError, ValueError, RuntimeError, TypeError) as e:
+        raise BadRequest(f"body is not valid safetensors: {e}") from None
+    return tensors, meta
