@@ -30,7 +30,7 @@ setup(
     entry_points={
         "console_scripts": [
             "splitlearn-server=splitlearn.server.__main__:main",
-            "splitlearn-client=splitlearn.client.__main__:main",
+            "splitlearn-client=splitlearn.client.cli:main",
             "analyze_model_performance=splitlearn.analysis.cli:main",
         ]
     },

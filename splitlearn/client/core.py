@@ -226,6 +226,10 @@ class SplitClient:
         """Yield the next token of every row, (B,), as each arrives (same arguments as generate)."""
         ids, mask = self._batch(input_ids, attention_mask)
         cfg = GenerationConfig(**kwargs)
+        n_pos = self.bottom.config.n_positions
+        if ids.shape[1] + cfg.max_new_tokens > n_pos:
+            raise ConfigError(f"prompt of {ids.shape[1]} tokens + max_new_tokens={cfg.max_new_tokens} "
+                              f"passes the model's n_positions={n_pos}")
         remote = _RemoteDecoder(self, ids.shape[0])
         try:
             yield from decode_loop(remote.step, ids, mask, cfg)

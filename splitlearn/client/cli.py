@@ -1,0 +1,171 @@
+"""``python -m splitlearn.client {train,generate,info}``: the client's command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..data import get_tokenizer, lm_batches, load_corpus
+from ..errors import SplitLearnError
+from .core import SplitClient
+from .transport import Transport, TransportConfig
+
+
+def _token(args) -> Optional[str]:
+    if getattr(args, "token_file", None):
+        return Path(args.token_file).read_text().splitlines()[0].strip()
+    return os.environ.get("SPLITLEARN_TOKEN")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}MB"
+
+
+def cmd_info(args) -> int:
+    t = Transport(TransportConfig(args.server, _token(args), retries=1))
+    print(json.dumps(t.get_json("/v1/info"), indent=2))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from tqdm import tqdm
+
+    tok = get_tokenizer(args.model)
+    ids = tok.encode(load_corpus(args.data))
+    with SplitClient(args.server, args.model, token=_token(args), optimizer=args.optimizer, lr=args.lr,
+                     device=args.device, wire_dtype=args.wire_dtype, seed=args.seed) as client:
+        start = client.load(args.resume) if args.resume else 0
+        batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed + start)
+        first = last = None
+        t0 = time.perf_counter()
+        bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train",
+                   unit="step", file=sys.stderr, disable=args.quiet)
+        for _ in bar:
+            loss = client.train_step(next(batches))
+            first = loss if first is None else first
+            last = loss
+            s = client.stats
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{loss:.3f}",
+                            tok_s=f"{(bar.n + 1 - start) * args.batch_size * args.seq_len / elapsed:.0f}",
+                            wire=_mb(s.bytes_sent + s.bytes_received))
+        if args.save:
+            client.save(args.save)
+        s = client.stats
+        done = args.steps - start
+        summary = {
+            "steps": done, "first_loss": first, "last_loss": last,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "tokens_per_s": round(done * args.batch_size * args.seq_len / max(time.perf_counter() - t0, 1e-9), 1),
+            "stats": s.as_dict(), "saved": args.save,
+        }
+        print(f"trained {done} steps: loss {first:.4f} -> {last:.4f} in {summary['seconds']}s, "
+              f"{summary['tokens_per_s']} tokens/s, {s.calls} calls, sent {_mb(s.bytes_sent)}, "
+              f"received {_mb(s.bytes_received)}, overhead {s.overhead_s / max(s.calls, 1) * 1e3:.2f} ms/call"
+              if done else "nothing to do: already at --steps", file=sys.stderr)
+        if args.json:
+            print(json.dumps(summary))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    tok = get_tokenizer(args.model)
+    if args.prompt_ids is not None:
+        prompt = [int(x) for x in args.prompt_ids.split()]
+    else:
+        prompt = tok.encode(args.prompt)
+    if not prompt:
+        raise SplitLearnError("the prompt is empty")
+    ids = torch.tensor([prompt])
+    sampling = not args.greedy and (args.temperature != 1.0 or args.top_k or args.top_p or args.seed is not None)
+    with SplitClient(args.server, args.model, token=_token(args), device=args.device,
+                     wire_dtype=args.wire_dtype, seed=args.model_seed) as client:
+        t0 = time.perf_counter()
+        new: list[int] = []
+        printed = ""
+        if not args.json:
+            sys.stdout.write(tok.decode(prompt))
+        for t in client.generate_stream(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
+                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                        seed=args.seed, eos_token_id=args.eos_token_id):
+            new.append(int(t[0]))
+            if not args.json:
+                text = tok.decode(new)
+                if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                    sys.stdout.write(text[len(printed):])
+                    sys.stdout.flush()
+                    printed = text
+        seconds = time.perf_counter() - t0
+        stats = {**client.stats.as_dict(), "seconds": seconds, "tokens_per_s": len(new) / max(seconds, 1e-9)}
+    if args.json:
+        print(json.dumps({"ids": [prompt + new], "text": [tok.decode(prompt + new)], "stats": stats}))
+    else:
+        sys.stdout.write(tok.decode(new)[len(printed):] + "\n")
+        print(f"{len(new)} tokens in {seconds:.2f}s ({stats['tokens_per_s']:.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m splitlearn.client",
+                                description="splitlearn client: train or generate with a split GPT-2")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, model=True):
+        sp.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+        sp.add_argument("--token-file", help="file whose first line is the bearer token "
+                                             "(default: $SPLITLEARN_TOKEN)")
+        if model:
+            sp.add_argument("--model", required=True, help="the model source the server was started with")
+            sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+            sp.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"])
+
+    info = sub.add_parser("info", help="print the server's /v1/info")
+    common(info, model=False)
+    info.set_defaults(func=cmd_info)
+
+    tr = sub.add_parser("train", help="train the split model on a text file")
+    common(tr)
+    tr.add_argument("--data", help="UTF-8 text file (default: the corpus shipped with splitlearn)")
+    tr.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
+    tr.add_argument("--batch-size", type=int, default=8)
+    tr.add_argument("--seq-len", type=int, default=64)
+    tr.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--seed", type=int, default=0, help="seed of the model init and of the batches")
+    tr.add_argument("--save", help="save the client's state here at the end (the server checkpoints too)")
+    tr.add_argument("--resume", help="resume from a --save directory")
+    tr.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.set_defaults(func=cmd_train)
+
+    ge = sub.add_parser("generate", help="generate text, streaming it as it comes")
+    common(ge)
+    src = ge.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help='prompt token ids, e.g. "1 2 3"')
+    ge.add_argument("--max-new-tokens", type=int, default=64)
+    ge.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless sampling flags are given)")
+    ge.add_argument("--temperature", type=float, default=1.0)
+    ge.add_argument("--top-k", type=int)
+    ge.add_argument("--top-p", type=float)
+    ge.add_argument("--seed", type=int, help="seed of the sampler (sampling is reproducible with it)")
+    ge.add_argument("--eos-token-id", type=int, help="stop at this token")
+    ge.add_argument("--model-seed", type=int, default=0, help="seed of random model inits (match the server's)")
+    ge.add_argument("--json", action="store_true", help='print {"ids", "text", "stats"} and nothing else on stdout')
+    ge.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SplitLearnError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
