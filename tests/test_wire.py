@@ -1,0 +1,122 @@
+"""splitlearn.wire: safetensors bytes in, the same tensors out; anything malformed is a BadRequest."""
+import json
+import struct
+
+import pytest
+import torch
+
+from splitlearn.errors import BadRequest
+from splitlearn.wire import (check_wire_dtype, decode, encode, pack, quantize_int8, read_metadata,
+                             unpack)
+
+
+def _activations(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * 3.0
+
+
+def _header(header: dict) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "bfloat16", "float16"])
+def test_round_trip_is_exact_in_the_wire_dtype(wire_dtype):
+    x = _activations(2, 5, 32)
+    tensors, meta = decode(encode(pack("hidden", x, wire_dtype), {"step": 3}))
+    y = unpack(tensors, "hidden")
+    assert y.dtype == getattr(torch, wire_dtype)
+    assert y.shape == x.shape
+    assert torch.equal(y, x.to(getattr(torch, wire_dtype)))  # bit-exact after the cast
+    assert meta == {"step": "3"}
+
+
+def test_float32_round_trip_keeps_every_bit():
+    x = _activations(3, 4, 8)
+    x[0, 0, 0] = float("1e-40")  # a subnormal survives too
+    out, _ = decode(encode({"x": x}))
+    assert torch.equal(out["x"], x)
+
+
+def test_int8_error_is_at_most_half_a_step_per_row():
+    x = _activations(4, 16, 64)
+    x[1, 2] = 0.0  # an all-zero row must come back as zeros, not NaN
+    x[2, 3, 5] = 1e4  # one outlier only coarsens its own row
+    tensors, _ = decode(encode(pack("grad", x, "int8")))
+    assert tensors["grad"].dtype == torch.int8
+    assert tensors["grad.scale"].shape == (4, 16, 1)
+    deq = unpack(tensors, "grad")
+    _, scale = quantize_int8(x)
+    err = (x - deq).abs()  # (4, 16, 64)
+    assert bool((err <= scale / 2 * (1 + 1e-5)).all())
+    assert torch.equal(deq[1, 2], torch.zeros(64))
+    # the outlier's row is coarse, its neighbours are not
+    assert float(scale[2, 3]) > 70.0 and float(scale[2, 4]) < 0.2
+
+
+def test_bytes_on_the_wire_are_the_raw_bytes_plus_a_small_header():
+    x = _activations(4, 128, 768)
+    raw = x.numel() * 4
+    body = encode(pack("hidden", x, "float32"), {"client_id": "c1", "step": 17, "wire_dtype": "float32"})
+    assert raw <= len(body) <= raw + 1024
+    half = encode(pack("hidden", x, "bfloat16"))
+    assert raw // 2 <= len(half) <= raw // 2 + 1024
+    q = encode(pack("hidden", x, "int8"))
+    assert len(q) <= raw // 4 + 4 * 128 * 4 + 1024  # int8 values + one float32 scale per row
+
+
+def test_metadata_round_trips_as_strings():
+    meta = {"client_id": "alice-1", "step": 5, "wire_dtype": "int8", "note": "é ü"}
+    body = encode({"t": torch.zeros(1)}, meta)
+    assert read_metadata(body) == {k: str(v) for k, v in meta.items()}
+    assert decode(body)[1] == read_metadata(body)
+    assert read_metadata(encode({"t": torch.zeros(1)})) == {}
+
+
+GOOD = encode({"hidden": torch.ones(2, 3, 4)}, {"step": "1"})
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"", "0 bytes"),
+    (b"abc", "3 bytes"),
+    (struct.pack("<Q", 10_000) + b"{}", "header of 10000"),
+    (struct.pack("<Q", 1 << 40) + b"{}", "header of"),
+    (struct.pack("<Q", 7) + b"not-js!", "not JSON"),
+    (struct.pack("<Q", 2) + b"\xff\xfe", "not JSON"),
+    (GOOD[:-5], "not valid safetensors"),  # data truncated
+    (_header({"__metadata__": {"step": 1}}), "__metadata__"),
+    (_header({"__metadata__": ["a"]}), "__metadata__"),
+    (_header([1, 2]) , "__metadata__"),
+    (_header({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}), "not valid"),
+    (_header({"x": {"dtype": "Q99", "shape": [1], "data_offsets": [0, 1]}}) + b"\0", "not valid"),
+])
+def test_malformed_bodies_raise_bad_request(body, words):
+    with pytest.raises(BadRequest) as e:
+        decode(body)
+    assert words in str(e.value)
+    assert e.value.status == 400
+
+
+def test_int8_without_its_scale_is_refused():
+    q = pack("grad", _activations(2, 3, 8), "int8")
+    with pytest.raises(BadRequest, match="grad.scale"):
+        unpack(decode(encode({"grad": q["grad"]}))[0], "grad")
+    wrong = {"grad": q["grad"], "grad.scale": q["grad.scale"][:, :1]}  # wrong shape
+    with pytest.raises(BadRequest, match="grad.scale"):
+        unpack(wrong, "grad")
+    wrong = {"grad": q["grad"], "grad.scale": q["grad.scale"].half()}  # wrong dtype
+    with pytest.raises(BadRequest, match="float32"):
+        unpack(wrong, "grad")
+
+
+def test_unpack_refuses_missing_and_integer_activations():
+    with pytest.raises(BadRequest, match="no tensor 'hidden'"):
+        unpack({"other": torch.zeros(1)}, "hidden")
+    with pytest.raises(BadRequest, match="int64"):
+        unpack({"hidden": torch.zeros(1, 2, 3, dtype=torch.int64)}, "hidden")
+
+
+def test_wire_dtype_names_are_checked():
+    assert check_wire_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(BadRequest, match="float64"):
+        check_wire_dtype("float64")
