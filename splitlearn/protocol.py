@@ -47,7 +47,7 @@ SESSION_STEP = "/v1/sessions/{session_id}/step"
 # tensor names in bodies
 HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"
 
-_CLIENT_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_CLIENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: `$` would accept a trailing "\n"
 
 
 def _int_field(meta: dict, key: str, minimum: int = 0) -> int:
@@ -77,7 +77,7 @@ class StepMeta:
     @classmethod
     def from_meta(cls, meta: dict) -> "StepMeta":
         client_id = meta.get("client_id", "")
-        if not _CLIENT_ID.match(client_id):
+        if not _CLIENT_ID.fullmatch(client_id):
             raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
         return cls(client_id, _int_field(meta, "step", 1),
                    check_wire_dtype(meta.get("wire_dtype", "float32")))
@@ -99,4 +99,4 @@ class SessionStepMeta:
 
 
 def valid_client_id(client_id: str) -> bool:
-    return bool(_CLIENT_ID.match(client_id))
+    return bool(_CLIENT_ID.fullmatch(client_id))
