@@ -37,7 +37,10 @@ def validate_cuts(cuts: Sequence[int] | int, n_layer: int) -> tuple[int, ...]:
     """
     if isinstance(cuts, int):
         cuts = (cuts,)
-    cuts = tuple(cuts)
+    try:
+        cuts = tuple(cuts)
+    except TypeError:  # None, 2.5: neither a cut nor a sequence of cuts
+        raise ConfigError(f"cuts must be an integer or a sequence of integers, got {cuts!r}") from None
     if not cuts or len(cuts) > 2:
         raise ConfigError(f"give one cut (2-way) or two cuts (U-shape), got {len(cuts)}: {cuts}")
     for c in cuts:

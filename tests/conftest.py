@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random GPT-2 (models/tiny.json), the byte tokenizer, and batches.
+
+Everything runs offline on a CPU: the model is 4 blocks of width 32 over a 257-token byte
+vocabulary, seeded, so every test sees the same weights.
+"""
+import itertools
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network in tests
+
+import pytest
+import torch
+
+from splitlearn import ByteTokenizer, load_model
+from splitlearn.segments import positions_from_mask
+
+torch.set_num_threads(1)  # tiny models; the CI machine's two cores are shared
+
+N_LAYER = 4  # models/tiny.json
+PROMPTS = ["Once upon a time", "Hi", "The cat sat on the mat."]
+
+
+def all_cuts(n_layer: int = N_LAYER) -> list[tuple[int, ...]]:
+    """Every valid cut tuple: (c,) for 0 <= c <= n, and (c1, c2) for 0 <= c1 < c2 <= n."""
+    return [(c,) for c in range(n_layer + 1)] + list(itertools.combinations(range(n_layer + 1), 2))
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The tiny spec, seeded random init, eval mode. Tests must not modify it."""
+    model = load_model("tiny")
+    assert model.config.n_layer == N_LAYER
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return ByteTokenizer()
+
+
+@pytest.fixture
+def padded_batch(tokenizer):
+    """(input_ids, attention_mask), both (3, T), left-padded prompts of different lengths."""
+    b = tokenizer(PROMPTS)
+    return b["input_ids"], b["attention_mask"]
+
+
+@pytest.fixture
+def batch():
+    """Unpadded input_ids (2, 12), seeded."""
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def hf_forward(model, input_ids, attention_mask=None, **kw):
+    """The unsplit model, with positions derived from the mask as ``generate()`` does."""
+    pos = positions_from_mask(attention_mask, input_ids.shape[1]) if attention_mask is not None else None
+    return model(input_ids, attention_mask=attention_mask, position_ids=pos, **kw)
