@@ -1,0 +1,93 @@
+"""Helpers for the server tests: requests through Flask's test client, and a real server process.
+
+Imported explicitly by the test modules (``from serverproc import ...``); no fixture lives here,
+so nothing depends on another module's conftest.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import requests
+import torch
+from safetensors.torch import load_file
+
+from splitlearn import protocol as P
+from splitlearn.server.process import LocalServer
+from splitlearn.wire import decode, encode
+
+TOKEN, OTHER = "tok", "other"
+
+
+def auth(token: Optional[str] = TOKEN) -> dict:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def post_tensors(client, path: str, tensors: dict, meta: Optional[dict] = None, *,
+                 token: Optional[str] = TOKEN, content_type: Optional[str] = P.CONTENT_TYPE,
+                 data: Optional[bytes] = None):
+    """POST a safetensors body (or raw ``data``) with Flask's test client."""
+    body = encode(tensors, meta) if data is None else data
+    headers = auth(token)
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    return client.post(path, data=body, headers=headers)
+
+
+def tensors_of(resp) -> dict:
+    assert resp.status_code == 200, resp.get_data(as_text=True)
+    assert resp.mimetype == P.CONTENT_TYPE
+    return decode(resp.get_data())[0]
+
+
+def assert_error(resp, status: int, words: str = "") -> dict:
+    """The answer is ``status`` with a JSON ``{"error", "message"}`` whose message has ``words``."""
+    assert resp.status_code == status, (resp.status_code, resp.get_data(as_text=True))
+    payload = json.loads(resp.get_data())
+    assert set(payload) == {"error", "message"}
+    assert words.lower() in payload["message"].lower(), payload
+    return payload
+
+
+def segment_of(app):
+    return app.extensions["splitlearn"].segment
+
+
+def snapshot(module: torch.nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- a real server process ---------------------------------------------------------------
+
+class ServerProcess(LocalServer):
+    """``python -m splitlearn.server --model tiny`` on a free loopback port, token ``tok``.
+
+    ``restart()`` stops it with SIGTERM (it checkpoints) and starts it again on the same port.
+    """
+
+    def __init__(self, cuts, *, optimizer: str = "adamw", lr: float = 1e-2,
+                 checkpoint_dir: Optional[Path] = None, extra=()):
+        args = ["--model", "tiny", "--optimizer", optimizer, "--lr", str(lr), "--threads", "2"]
+        for c in cuts:
+            args += ["--cut", str(c)]
+        if checkpoint_dir is not None:
+            args += ["--checkpoint-dir", str(checkpoint_dir)]
+        super().__init__(args + list(extra), token=TOKEN, env={"OMP_NUM_THREADS": "1"})
+        self.checkpoint_dir = checkpoint_dir
+
+    def restart(self) -> "ServerProcess":
+        code = self.stop()
+        assert code == 0, f"server exited with {code} on SIGTERM"
+        return self.start()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The server's segment weights now (Hugging Face names), via POST /v1/checkpoint."""
+        r = requests.post(self.url + P.CHECKPOINT, json={}, headers=auth(), timeout=30)
+        r.raise_for_status()
+        return load_file(str(Path(self.checkpoint_dir) / "server.weights.safetensors"))
+

@@ -1,0 +1,258 @@
+"""splitlearn.server.app through Flask's test client: auth, refused requests, exactly-once steps.
+
+Every refused request must answer a 4xx JSON error naming the problem, leave the segment's
+weights bit-for-bit unchanged, and leave the server answering.
+"""
+import pytest
+import torch
+
+from splitlearn import protocol as P
+from splitlearn.server.app import create_app
+from splitlearn.server.config import ServerConfig
+from splitlearn.wire import encode, pack
+
+from serverproc import (OTHER, TOKEN, assert_error, auth, post_tensors, same_weights, segment_of,
+                        snapshot, tensors_of)
+
+D, NPOS, VOCAB = 32, 64, 257  # models/tiny.json
+
+
+@pytest.fixture
+def u_app():
+    return create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=(TOKEN, OTHER)))
+
+
+@pytest.fixture
+def two_way_app():
+    return create_app(ServerConfig(model="tiny", cuts=(2,), tokens=(TOKEN, OTHER)))
+
+
+@pytest.fixture
+def u(u_app):
+    return u_app.test_client()
+
+
+@pytest.fixture
+def two_way(two_way_app):
+    return two_way_app.test_client()
+
+
+def hidden(B=2, T=6, seed=0):
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))  # (B, T, d)
+
+
+def step_body(step=1, client="c1", B=2, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed + 100)
+    tensors = {P.HIDDEN: hidden(B, T, seed), P.LABELS: torch.randint(0, VOCAB, (B, T), generator=g)}
+    return tensors, P.StepMeta(client, step).to_meta()
+
+
+def test_health_needs_no_token_and_info_describes_the_segment(u, two_way):
+    r = u.get(P.HEALTH)
+    assert r.status_code == 200 and r.get_json()["protocol_version"] == P.PROTOCOL_VERSION
+    info = u.get(P.INFO, headers=auth()).get_json()
+    assert info["cuts"] == [1, 3] and info["shape"] == "u" and info["segment"]["blocks"] == [1, 3]
+    assert not info["labels_leave_client"]
+    info = two_way.get(P.INFO, headers=auth(OTHER)).get_json()  # every configured token works
+    assert info["shape"] == "2-way" and info["segment"] == {"kind": "top", "blocks": [2, 4]}
+
+
+@pytest.mark.parametrize("headers", [
+    {}, {"Authorization": "Bearer wrong"}, {"Authorization": "tok"}, {"Authorization": "Basic tok"},
+    {"Authorization": "Bearer "}, {"Authorization": "Bearer tokx"},
+], ids=["none", "wrong", "no-scheme", "basic", "empty", "prefix"])
+def test_missing_or_wrong_token_is_401(two_way_app, two_way, headers):
+    before = snapshot(segment_of(two_way_app))
+    assert_error(two_way.get(P.INFO, headers=headers), 401, "bearer token")
+    tensors, meta = step_body()
+    r = two_way.post(P.TRAIN_STEP, data=encode(tensors, meta),
+                     headers={**headers, "Content-Type": P.CONTENT_TYPE})
+    assert assert_error(r, 401)["error"] == "unauthorized"
+    assert_error(two_way.get("/v1/nowhere", headers=headers), 401)  # no route probing without a token
+    assert same_weights(before, snapshot(segment_of(two_way_app)))
+    assert two_way.get(P.CLIENT_STATE.format(client_id="c1"), headers=auth()).get_json()["step"] == 0
+
+
+def _nan():
+    h = hidden()
+    h[1, 2, 3] = float("nan")
+    return h
+
+
+def _inf():
+    h = hidden()
+    h[0, 0, 0] = float("inf")
+    return h
+
+
+def _with(**changes):
+    """A valid step-1 body with some tensors replaced (None removes one)."""
+    tensors, meta = step_body()
+    for k, v in changes.items():
+        if v is None:
+            tensors.pop(k)
+        else:
+            tensors[k] = v
+    return tensors, meta
+
+
+GOOD = encode(*step_body())
+
+BAD_STEPS = {  # name: (tensors, meta, raw body or None, content type, status, words)
+    "not-safetensors": ({}, {}, b"hello, I am not tensors at all", P.CONTENT_TYPE, 400, "not safetensors"),
+    "truncated": ({}, {}, GOOD[:-7], P.CONTENT_TYPE, 400, "safetensors"),
+    "empty": ({}, {}, b"", P.CONTENT_TYPE, 400, "0 bytes"),
+    "no-hidden": (*_with(hidden=None), None, P.CONTENT_TYPE, 400, "'hidden'"),
+    "no-labels": (*_with(labels=None), None, P.CONTENT_TYPE, 400, "'labels'"),
+    "wrong-width": (*_with(hidden=torch.zeros(2, 6, 16)), None, P.CONTENT_TYPE, 400, "shape"),
+    "2d-hidden": (*_with(hidden=torch.zeros(6, D)), None, P.CONTENT_TYPE, 400, "shape"),
+    "int64-hidden": (*_with(hidden=torch.zeros(2, 6, D, dtype=torch.int64)), None, P.CONTENT_TYPE,
+                     400, "int64"),
+    "float64-hidden": (*_with(hidden=torch.zeros(2, 6, D, dtype=torch.float64)), None,
+                       P.CONTENT_TYPE, 400, "float64"),
+    "int8-no-scale": (*_with(hidden=pack("h", hidden(), "int8")["h"]), None, P.CONTENT_TYPE, 400,
+                      "hidden.scale"),
+    "nan": (*_with(hidden=_nan()), None, P.CONTENT_TYPE, 400, "NaN"),
+    "inf": (*_with(hidden=_inf()), None, P.CONTENT_TYPE, 400, "inf"),
+    "too-long": ({P.HIDDEN: hidden(1, NPOS + 1), P.LABELS: torch.zeros(1, NPOS + 1, dtype=torch.long)},
+                 P.StepMeta("c1", 1).to_meta(), None, P.CONTENT_TYPE, 400, "n_positions"),
+    "labels-shape": (*_with(labels=torch.zeros(2, 5, dtype=torch.long)), None, P.CONTENT_TYPE, 400,
+                     "labels"),
+    "labels-range": (*_with(labels=torch.full((2, 6), VOCAB)), None, P.CONTENT_TYPE, 400, "labels"),
+    "labels-float": (*_with(labels=torch.zeros(2, 6)), None, P.CONTENT_TYPE, 400, "labels"),
+    "mask-not-01": (*_with(attention_mask=torch.full((2, 6), 2)), None, P.CONTENT_TYPE, 400, "0 and 1"),
+    "mask-right-pad": (*_with(attention_mask=torch.tensor([[1] * 6, [1] * 5 + [0]])), None,
+                       P.CONTENT_TYPE, 400, "pad on the left"),
+    "mask-shape": (*_with(attention_mask=torch.ones(2, 7, dtype=torch.long)), None, P.CONTENT_TYPE,
+                   400, "attention_mask"),
+    "no-client-id": (step_body()[0], {"step": "1"}, None, P.CONTENT_TYPE, 400, "client_id"),
+    "bad-step": (step_body()[0], {"client_id": "c1", "step": "zero"}, None, P.CONTENT_TYPE, 400, "step"),
+    "bad-wire": (step_body()[0], {"client_id": "c1", "step": "1", "wire_dtype": "fp8"}, None,
+                 P.CONTENT_TYPE, 400, "wire dtype"),
+    "text-content-type": (*step_body(), None, "text/plain", 415, "application/octet-stream"),
+    "form-content-type": (*step_body(), None, "application/x-www-form-urlencoded", 415, "octet-stream"),
+    "no-content-type": (*step_body(), None, None, 415, "no content type"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_STEPS)
+def test_bad_train_step_is_refused_and_changes_nothing(two_way_app, two_way, name):
+    tensors, meta, raw, ctype, status, words = BAD_STEPS[name]
+    before = snapshot(segment_of(two_way_app))
+    r = post_tensors(two_way, P.TRAIN_STEP, tensors, meta, data=raw, content_type=ctype)
+    assert_error(r, status, words)
+    assert same_weights(before, snapshot(segment_of(two_way_app)))
+    assert two_way.get(P.HEALTH).status_code == 200
+    assert two_way.get(P.CLIENT_STATE.format(client_id="c1"), headers=auth()).get_json()["step"] == 0
+    # and the server still takes the next good request as step 1
+    assert P.GRAD in tensors_of(post_tensors(two_way, P.TRAIN_STEP, *step_body()))
+
+
+@pytest.mark.parametrize("path, method, status", [
+    ("/v1/nowhere", "get", 404), ("/v2/train/step", "post", 404), (P.TRAIN_STEP, "get", 405),
+    (P.HEALTH, "post", 405),
+])
+def test_unknown_route_or_method_is_a_json_error(two_way, path, method, status):
+    r = getattr(two_way, method)(path, headers=auth())
+    payload = assert_error(r, status)
+    if status == 404:
+        assert path in payload["message"] and payload["error"] == "not_found"
+
+
+def test_body_over_the_limit_is_413_unread():
+    app = create_app(ServerConfig(model="tiny", cuts=(2,), tokens=(TOKEN,), max_body_bytes=2048))
+    client = app.test_client()
+    before = snapshot(segment_of(app))
+    tensors, meta = step_body(T=10)  # 2 x 10 x 32 float32 = 2560 bytes of hidden alone
+    assert len(encode(tensors, meta)) > 2048
+    r = post_tensors(client, P.TRAIN_STEP, tensors, meta)
+    assert_error(r, 413, "too large")
+    assert same_weights(before, snapshot(segment_of(app)))
+    assert client.get(P.HEALTH).status_code == 200
+    assert P.GRAD in tensors_of(post_tensors(client, P.TRAIN_STEP, *step_body(T=3)))  # small fits
+
+
+def test_bad_u_shape_requests_change_nothing(u_app, u):
+    before = snapshot(segment_of(u_app))
+    meta = P.StepMeta("c1", 1).to_meta()
+    assert_error(post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: _nan()}, meta), 400, "NaN")
+    assert_error(post_tensors(u, P.TRAIN_FORWARD, {"h": hidden()}, meta), 400, "'hidden'")
+    assert_error(post_tensors(u, P.TRAIN_STEP, *step_body()), 400, "2-way")  # wrong shape of split
+    assert_error(post_tensors(u, P.FORWARD, {P.HIDDEN: hidden(1, NPOS + 1)}, {}), 400, "n_positions")
+    # a grad that does not match the pending forward
+    assert tensors_of(post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: hidden()}, meta))
+    assert_error(post_tensors(u, P.TRAIN_BACKWARD, {P.GRAD: hidden(2, 5)}, meta), 400, "shape")
+    assert_error(post_tensors(u, P.TRAIN_BACKWARD, {P.GRAD: _inf()}, meta), 400, "inf")
+    assert same_weights(before, snapshot(segment_of(u_app)))
+    assert u.get(P.HEALTH).status_code == 200
+
+
+# -- exactly-once training steps ----------------------------------------------------------
+
+def _client_step(client, cid="c1"):
+    return client.get(P.CLIENT_STATE.format(client_id=cid), headers=auth()).get_json()["step"]
+
+
+def test_two_way_steps_apply_exactly_once(two_way_app, two_way):
+    seg = segment_of(two_way_app)
+    w0 = snapshot(seg)
+    first = post_tensors(two_way, P.TRAIN_STEP, *step_body(1))
+    out = tensors_of(first)
+    assert out[P.GRAD].shape == (2, 6, D) and torch.isfinite(out[P.LOSS]).all()
+    w1 = snapshot(seg)
+    assert not same_weights(w0, w1)  # step 1 was applied
+
+    again = post_tensors(two_way, P.TRAIN_STEP, *step_body(1))  # a retry: same step number
+    assert again.get_data() == first.get_data()
+    assert same_weights(w1, snapshot(seg))  # ...and the retry did not step again
+
+    assert_error(post_tensors(two_way, P.TRAIN_STEP, *step_body(3)), 409, "next is 2")
+    assert same_weights(w1, snapshot(seg))
+    tensors_of(post_tensors(two_way, P.TRAIN_STEP, *step_body(2, seed=1)))
+    w2 = snapshot(seg)
+    assert_error(post_tensors(two_way, P.TRAIN_STEP, *step_body(1)), 409, "applied step 2")  # stale
+    assert same_weights(w2, snapshot(seg))
+    assert _client_step(two_way) == 2
+    # another client counts its own steps
+    assert _client_step(two_way, "c2") == 0
+    tensors_of(post_tensors(two_way, P.TRAIN_STEP, *step_body(1, client="c2")))
+    assert _client_step(two_way, "c2") == 1 and _client_step(two_way) == 2
+
+
+def test_u_shape_steps_apply_exactly_once(u_app, u):
+    seg = segment_of(u_app)
+    w0 = snapshot(seg)
+    meta1 = P.StepMeta("c1", 1).to_meta()
+    grad = {P.GRAD: hidden(seed=5)}
+    assert_error(post_tensors(u, P.TRAIN_BACKWARD, grad, meta1), 409, "forward")  # no forward yet
+    assert same_weights(w0, snapshot(seg))
+
+    fwd = post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: hidden()}, meta1)
+    assert tensors_of(fwd)[P.HIDDEN].shape == (2, 6, D)
+    assert post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: hidden()}, meta1).get_data() == fwd.get_data()
+    assert same_weights(w0, snapshot(seg))  # a forward alone changes nothing
+
+    bwd = post_tensors(u, P.TRAIN_BACKWARD, grad, meta1)
+    assert tensors_of(bwd)[P.GRAD].shape == (2, 6, D)
+    w1 = snapshot(seg)
+    assert not same_weights(w0, w1)
+    assert post_tensors(u, P.TRAIN_BACKWARD, grad, meta1).get_data() == bwd.get_data()  # retry
+    assert same_weights(w1, snapshot(seg))
+    assert_error(post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: hidden()}, P.StepMeta("c1", 3).to_meta()),
+                 409, "next is 2")
+    assert_error(post_tensors(u, P.TRAIN_BACKWARD, grad, P.StepMeta("c1", 2).to_meta()), 409, "forward")
+    assert same_weights(w1, snapshot(seg))
+    assert _client_step(u) == 1
+
+
+def test_checkpoint_without_a_directory_is_refused(u):
+    assert_error(u.post(P.CHECKPOINT, json={}, headers=auth()), 400, "--checkpoint-dir")
+
+
+def test_evaluation_forward_changes_nothing(two_way_app, two_way):
+    before = snapshot(segment_of(two_way_app))
+    tensors, _ = step_body()
+    out = tensors_of(post_tensors(two_way, P.FORWARD, tensors, {"wire_dtype": "bfloat16"}))
+    assert out[P.LOGITS].shape == (2, VOCAB) and out[P.LOGITS].dtype == torch.bfloat16
+    assert torch.isfinite(out[P.LOSS]).all()
+    assert same_weights(before, snapshot(segment_of(two_way_app)))
