@@ -1,0 +1,29 @@
+"""WSGI entry for running the app under another server (waitress-serve, gunicorn).
+
+The server's flags come from ``$SPLITLEARN_ARGS`` (the same flags as
+``python -m splitlearn.server``), the token from ``$SPLITLEARN_TOKEN``::
+
+    SPLITLEARN_ARGS="--model gpt2 --cut 2 --cut 10 --checkpoint-dir /var/lib/splitlearn" \\
+        waitress-serve --listen 127.0.0.1:8000 --call splitlearn.server.wsgi:create_app_from_env
+
+Run exactly one worker process: the segment, its optimizer and the per-client step
+counters live in that process (threads are fine; gunicorn: ``-w 1 -k gthread --threads 4``).
+Checkpoint-on-SIGTERM is done by ``python -m splitlearn.server``; under another server,
+rely on ``--checkpoint-every`` and ``POST /v1/checkpoint``.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+
+from flask import Flask
+
+from .__main__ import parse_args
+from .app import create_app
+
+
+def create_app_from_env() -> Flask:
+    args = os.environ.get("SPLITLEARN_ARGS")
+    if not args:
+        raise RuntimeError('set SPLITLEARN_ARGS to the server flags, e.g. "--model gpt2 --cut 2 --cut 10"')
+    return create_app(parse_args(shlex.split(args)))
