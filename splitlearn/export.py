@@ -38,7 +38,7 @@ from .devices import dtype_name, resolve_device, resolve_dtype
 from .errors import SegmentFileError
 from .loading import config_from_dict
 from .partition import Partition, partition
-from .segments import Segment
+from .segments import KINDS, Segment
 
 FORMAT, VERSION = "splitlearn-segment", 1
 
@@ -86,8 +86,13 @@ def read_segment_spec(path: Union[str, Path]) -> tuple[dict, Path]:
         spec = json.loads(spec_path.read_text())
     except json.JSONDecodeError as e:
         raise SegmentFileError(f"{spec_path} is not valid JSON: {e}") from None
-    if spec.get("format") != FORMAT or spec.get("version") != VERSION:
+    if not isinstance(spec, dict) or spec.get("format") != FORMAT or spec.get("version") != VERSION:
         raise SegmentFileError(f"{spec_path} is not a {FORMAT} v{VERSION} spec")
+    missing = [k for k in ("kind", "blocks", "config", "tensors", "sha256") if k not in spec]
+    if missing:
+        raise SegmentFileError(f"{spec_path} lacks the fields {missing}")
+    if spec["kind"] not in KINDS:
+        raise SegmentFileError(f"{spec_path}: unknown segment kind {spec['kind']!r}")
     return spec, spec_path.with_suffix(".safetensors")
 
 
