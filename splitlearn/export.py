@@ -88,7 +88,7 @@ def read_segment_spec(path: Union[str, Path]) -> tuple[dict, Path]:
         raise SegmentFileError(f"{spec_path} is not valid JSON: {e}") from None
     if not isinstance(spec, dict) or spec.get("format") != FORMAT or spec.get("version") != VERSION:
         raise SegmentFileError(f"{spec_path} is not a {FORMAT} v{VERSION} spec")
-    missing = [k for k in ("kind", "blocks", "config", "tensors", "sha256") if k not in spec]
+    missing = [k for k in ("kind", "blocks", "cuts", "config", "tensors", "sha256") if k not in spec]
     if missing:
         raise SegmentFileError(f"{spec_path} lacks the fields {missing}")
     if spec["kind"] not in KINDS:
