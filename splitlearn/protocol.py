@@ -16,7 +16,7 @@ route                          method   what
 /v1/forward                    POST     no-grad forward (evaluation); changes nothing
 /v1/checkpoint                 POST     save segment + optimizer + step counters now
 /v1/sessions                   POST     open a generation session (KV cache on the server)
-/v1/sessions/<sid>/step        POST     new positions' hidden -> output (hidden or logits)
+/v1/sessions/<sid>/step        POST     new positions' hidden + mask -> output (hidden or logits)
 /v1/sessions/<sid>             DELETE   close a session
 ============================  =======  ==========================================================
 """

@@ -259,7 +259,8 @@ class _RemoteDecoder:
         c = self.c
         path = P.SESSION_STEP.format(session_id=self.sid)
         meta = P.SessionStepMeta(position, c.wire_dtype).to_meta()
-        out = c._call(path, {**pack(P.HIDDEN, h, c.wire_dtype), P.MASK: mask.cpu()}, meta)
+        new_mask = mask[:, -h.shape[1]:].cpu()  # (B, T): the server keeps the earlier columns
+        out = c._call(path, {**pack(P.HIDDEN, h, c.wire_dtype), P.MASK: new_mask}, meta)
         return c._local(unpack(out, P.LOGITS if not c.u_shape else P.HIDDEN))
 
     @torch.no_grad()

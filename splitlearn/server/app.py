@@ -168,7 +168,7 @@ def create_app(config: Optional[ServerConfig] = None,
         total = m.position + h.shape[1]
         if total > npos:
             raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
-        mask = validate.attention_mask(t, P.MASK, sess.rows, total, npos)
+        mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
         return _binary(rt.session_step(sess, m.position, h, mask, m.wire_dtype), started)
 
     @app.delete(P.SESSION.replace("{session_id}", "<session_id>"))

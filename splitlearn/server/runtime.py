@@ -61,6 +61,18 @@ def build_segment(cfg: ServerConfig) -> tuple[Segment, tuple[int, ...]]:
     return (parts.trunk if parts.u_shape else parts.top), parts.cuts
 
 
+def _extend_mask(past: Optional[torch.Tensor], new: Optional[torch.Tensor], rows: int,
+                 past_len: int, new_len: int) -> Optional[torch.Tensor]:
+    """The mask of the whole sequence so far, (rows, past_len + new_len); None if no padding yet."""
+    if past is None and new is None:
+        return None
+    if past is None:
+        past = torch.ones(rows, past_len, dtype=torch.long)
+    if new is None:
+        new = torch.ones(rows, new_len, dtype=torch.long)
+    return torch.cat([past, new.long()], dim=1)
+
+
 class SegmentRuntime:
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
@@ -219,14 +231,21 @@ class SegmentRuntime:
     @torch.no_grad()
     def session_step(self, sess: Session, position: int, hidden: torch.Tensor,
                      mask: Optional[torch.Tensor], wire_dtype: str) -> bytes:
-        """Run the new positions through the segment with the session's cache."""
+        """Run the new positions through the segment with the session's cache.
+
+        ``mask`` (rows, T) covers the new positions only; the session keeps the mask of the
+        earlier ones, so a decode step's request does not grow with the sequence.
+        """
         with self.lock:
             if position != sess.cache.length:
                 raise Conflict(f"session {sess.id!r} has seen {sess.cache.length} positions; "
                                f"this step starts at {position}")
             self.sessions.reserve(sess, hidden.shape[1])
+            full = _extend_mask(sess.mask, mask, sess.rows, position, hidden.shape[1])  # (B, past + T)
             self.segment.eval()
-            out = self.segment(self._to_model(hidden), mask, sess.cache)
+            out = self.segment(self._to_model(hidden), None if full is None else full.to(self.device),
+                               sess.cache)
+            sess.mask = full
         if self.segment.has_head:
             return encode(pack(P.LOGITS, out[:, -1, :], wire_dtype))  # (B, V)
         return encode(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from ..errors import NotFound, ServiceUnavailable, TooManyRequests
 from ..segments import SegmentCache
 
@@ -31,6 +33,7 @@ class Session:
     owner: str
     rows: int  # batch size fixed at open
     cache: SegmentCache
+    mask: Optional[torch.Tensor] = None  # (rows, length) 0/1 of the positions seen; None: no padding
     last_used: float = field(default_factory=time.monotonic)
 
     @property
