@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from .devices import resolve_device, resolve_dtype
@@ -72,6 +73,8 @@ def load_config(source: ModelSource) -> GPT2Config:
     s = str(source)
     p = Path(s)
     if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"{p} has no config.json; is it a save_pretrained directory?")
         return config_from_dict(json.loads((p / "config.json").read_text()))
     if is_spec_source(s):
         return config_from_dict(json.loads(p.read_text()) if p.is_file()
@@ -102,11 +105,12 @@ def load_model(source: ModelSource, *, dtype: Union[str, torch.dtype, None] = No
     """
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device or "cpu")
-    if isinstance(source, GPT2LMHeadModel):
+    if isinstance(source, nn.Module):
         model = check_gpt2(source)
     else:
         s = str(source) if not isinstance(source, GPT2Config) else None
         if s is not None and Path(s).is_dir():
+            load_config(s)  # refuses a directory without a GPT-2 config.json
             try:
                 model = GPT2LMHeadModel.from_pretrained(s, local_files_only=True)
             except (OSError, ValueError) as e:
