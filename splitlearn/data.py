@@ -67,6 +67,8 @@ def get_tokenizer(source: Optional[str] = None):
         tok = AutoTokenizer.from_pretrained(s, local_files_only=local)
     except Exception:  # a checkpoint without tokenizer files, or no hub: bytes
         return ByteTokenizer()
+    if not tok.vocab_size:  # transformers 5 builds an empty GPT2Tokenizer where files are missing
+        return ByteTokenizer()
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
