@@ -148,3 +148,13 @@ def test_a_model_that_is_not_gpt2_is_refused(make):
 def test_gpt2_base_model_without_head_is_refused(tiny_model):
     with pytest.raises(ConfigError, match="GPT2Model"):
         partition(tiny_model.transformer, 1)
+
+
+def test_split_equals_unsplit_in_training_mode(tiny_model, padded_batch):
+    """The tiny spec has no dropout, so train mode is as exact as eval mode."""
+    model = copy.deepcopy(tiny_model).train()
+    ids, mask = padded_batch
+    ref = hf_forward(model, ids, mask, labels=labels_from_batch(ids, mask))
+    parts = partition(model, (1, 3))
+    assert all(seg.training for seg in parts)
+    torch.testing.assert_close(parts.loss(ids, mask), ref.loss, rtol=0, atol=ATOL)
