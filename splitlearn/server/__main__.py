@@ -37,7 +37,7 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--max-body-mb", type=float, default=256.0, help="larger request bodies get 413")
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--threads", type=int, default=16, help="WSGI threads; >= concurrent clients so decode steps batch")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session expires")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-tokens-per-client", type=int, default=65536)

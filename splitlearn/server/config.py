@@ -28,11 +28,10 @@ class ServerConfig:
     checkpoint_every: int = 100  # steps between periodic checkpoints (0: only on SIGTERM/request)
     max_body_bytes: int = 256 << 20  # requests larger than this get 413 unread
     max_batch: int = 64  # rows per request
-    threads: int = 4  # WSGI worker threads
+    threads: int = 16  # WSGI worker threads (>= concurrent clients, so their decode steps can batch)
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
     max_tokens_per_client: int = 65536  # cached tokens (rows x length) per token holder
-    batch_window_ms: float = 1.0  # how long a decode step waits to be batched with others
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
 
     def __post_init__(self):

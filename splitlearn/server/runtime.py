@@ -28,6 +28,7 @@ from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, loss_from_logits
 from ..wire import encode, pack
+from .batching import DecodeBatcher, DecodeItem
 from .config import ServerConfig
 from .sessions import Session, SessionStore
 
@@ -86,6 +87,7 @@ class SegmentRuntime:
         self.clients: dict[str, _Progress] = {}
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client)
+        self.batcher = DecodeBatcher(self.segment, self.lock)
         self.steps_applied = 0
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
@@ -228,24 +230,32 @@ class SegmentRuntime:
             raise BadRequest(f"rows must be in 1..{self.cfg.max_batch}, got {rows}")
         return self.sessions.open(owner, rows)
 
-    @torch.no_grad()
     def session_step(self, sess: Session, position: int, hidden: torch.Tensor,
                      mask: Optional[torch.Tensor], wire_dtype: str) -> bytes:
         """Run the new positions through the segment with the session's cache.
 
         ``mask`` (rows, T) covers the new positions only; the session keeps the mask of the
-        earlier ones, so a decode step's request does not grow with the sequence.
+        earlier ones, so a decode step's request does not grow with the sequence. Decode
+        steps (T = 1) go through the :class:`DecodeBatcher`, batched with concurrent ones.
         """
-        with self.lock:
+        T = hidden.shape[1]
+
+        def prepare() -> Optional[torch.Tensor]:  # under the lock, right before computing
             if position != sess.cache.length:
                 raise Conflict(f"session {sess.id!r} has seen {sess.cache.length} positions; "
                                f"this step starts at {position}")
-            self.sessions.reserve(sess, hidden.shape[1])
-            full = _extend_mask(sess.mask, mask, sess.rows, position, hidden.shape[1])  # (B, past + T)
-            self.segment.eval()
-            out = self.segment(self._to_model(hidden), None if full is None else full.to(self.device),
-                               sess.cache)
-            sess.mask = full
+            self.sessions.reserve(sess, T)
+            sess.mask = _extend_mask(sess.mask, mask, sess.rows, position, T)  # (B, past + T)
+            return None if sess.mask is None else sess.mask.to(self.device)
+
+        h = self._to_model(hidden)
+        if T == 1:
+            out = self.batcher.submit(DecodeItem(sess.cache, h, prepare))  # (B, 1, d|V)
+        else:
+            with self.lock, torch.no_grad():
+                full = prepare()
+                self.segment.eval()
+                out = self.segment(h, full, sess.cache)  # (B, T, d|V)
         if self.segment.has_head:
             return encode(pack(P.LOGITS, out[:, -1, :], wire_dtype))  # (B, V)
         return encode(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)

@@ -1,0 +1,115 @@
+"""Cross-session batching of decode steps: batched == one session at a time."""
+import threading
+import time
+
+import pytest
+import torch
+
+import splitlearn as sl
+from splitlearn.errors import Conflict
+from splitlearn.server.batching import DecodeBatcher, DecodeItem, batched_decode
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sl.load_model("tiny")
+
+
+def _server_segment(model, cuts):
+    parts = sl.partition(model, cuts)
+    return parts.trunk if parts.u_shape else parts.top
+
+
+def _prefilled(seg, prompts):
+    """Two independent copies of per-session caches, after the same prefill."""
+    copies = []
+    for _ in range(2):
+        caches = []
+        for h, mask in prompts:
+            c = seg.new_cache()
+            with torch.no_grad():
+                seg(h, mask, c)
+            caches.append(c)
+        copies.append(caches)
+    return copies
+
+
+@pytest.mark.parametrize("cuts", [(1, 3), (2,), (0, 4), (4,)])
+def test_batched_decode_equals_sequential(model, cuts):
+    seg = _server_segment(model, cuts).eval()
+    d = model.config.n_embd
+    g = torch.Generator().manual_seed(0)
+    padded = torch.ones(2, 7, dtype=torch.long)
+    padded[0, :3] = 0
+    prompts = [(torch.randn(1, 5, d, generator=g), None), (torch.randn(2, 7, d, generator=g), padded),
+               (torch.randn(3, 2, d, generator=g), None)]
+    ref, bat = _prefilled(seg, prompts)
+    masks = [m for _, m in prompts]
+    for _ in range(4):
+        new = [torch.randn(h.shape[0], 1, d, generator=g) for h, _ in prompts]
+        masks = [None if m is None else torch.cat([m, torch.ones(m.shape[0], 1, dtype=torch.long)], 1)
+                 for m in masks]
+        with torch.no_grad():
+            expected = [seg(x, m, c) for x, m, c in zip(new, masks, ref)]
+        got = _run_batched(seg, new, masks, bat)
+        for e, o in zip(expected, got):
+            assert o.shape == e.shape
+            torch.testing.assert_close(o, e, atol=1e-6, rtol=1e-5)
+    assert [c.length for c in bat] == [c.length for c in ref]
+
+
+def _run_batched(seg, new, masks, caches):
+    items = [DecodeItem(c, x, prepare=(lambda m=m: m)) for x, m, c in zip(new, masks, caches)]
+    for it in items:
+        it.mask = it.prepare()
+    return batched_decode(seg, items)
+
+
+def test_concurrent_submits_share_one_forward(model):
+    seg = _server_segment(model, (1, 3)).eval()
+    d = model.config.n_embd
+    g = torch.Generator().manual_seed(1)
+    prompts = [(torch.randn(1, 4, d, generator=g), None) for _ in range(3)]
+    ref, bat = _prefilled(seg, prompts)
+    new = [torch.randn(1, 1, d, generator=g) for _ in prompts]
+    lock = threading.RLock()
+    batcher = DecodeBatcher(seg, lock)
+    results = [None] * 3
+
+    def submit(i):
+        results[i] = batcher.submit(DecodeItem(bat[i], new[i]))
+
+    with lock:  # the model is busy: all three steps queue up behind it
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(batcher._queue) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert batcher.batches == 1 and batcher.items == 3
+    with torch.no_grad():
+        for i in range(3):
+            torch.testing.assert_close(results[i], seg(new[i], None, ref[i]), atol=1e-6, rtol=1e-5)
+
+
+def test_refused_step_does_not_disturb_the_others(model):
+    seg = _server_segment(model, (2,)).eval()
+    d = model.config.n_embd
+    g = torch.Generator().manual_seed(2)
+    prompts = [(torch.randn(1, 3, d, generator=g), None) for _ in range(2)]
+    ref, bat = _prefilled(seg, prompts)
+    x = [torch.randn(1, 1, d, generator=g) for _ in prompts]
+
+    def refuse():
+        raise Conflict("position mismatch")
+
+    batcher = DecodeBatcher(seg, threading.RLock())
+    bad, good = DecodeItem(bat[0], x[0], prepare=refuse), DecodeItem(bat[1], x[1])
+    batcher._queue = [bad]
+    out = batcher.submit(good)
+    assert isinstance(bad.error, Conflict) and bad.done.is_set()
+    assert bat[0].length == 3  # the refused session's cache is untouched
+    with torch.no_grad():
+        torch.testing.assert_close(out, seg(x[1], None, ref[1]), atol=1e-6, rtol=1e-5)
