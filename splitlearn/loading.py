@@ -79,6 +79,7 @@ def load_config(source: ModelSource) -> GPT2Config:
     if is_spec_source(s):
         return config_from_dict(json.loads(p.read_text()) if p.is_file()
                                 else read_spec(s.removeprefix("random:")))
+    _refuse_missing_file(s)
     try:
         cfg = GPT2Config.from_pretrained(s)
     except Exception as e:  # hub unreachable, unknown id
@@ -116,6 +117,7 @@ def load_model(source: ModelSource, *, dtype: Union[str, torch.dtype, None] = No
             except (OSError, ValueError) as e:
                 raise ConfigError(f"cannot load a GPT-2 checkpoint from {s}: {e}") from None
         elif s is not None and not is_spec_source(s):
+            _refuse_missing_file(s)
             try:
                 model = GPT2LMHeadModel.from_pretrained(s)
             except Exception as e:
@@ -134,3 +136,9 @@ def is_spec_source(s: str) -> bool:
         return True
     name = s.removeprefix("random:")
     return s.startswith("random:") or (name in list_specs() and "hub_id" not in read_spec(name))
+
+
+def _refuse_missing_file(s: str) -> None:
+    """A ``.json`` source that is not a file is a typo, not a hub id: say so, offline."""
+    if s.endswith(".json"):
+        raise ConfigError(f"config file {s} does not exist")

@@ -132,3 +132,9 @@ def test_a_module_that_is_not_a_gpt2_lm_is_refused(module):
 def test_unknown_random_spec_is_refused():
     with pytest.raises(ConfigError, match="no model spec named 'nope'.*tiny"):
         load_config("random:nope")
+
+
+def test_missing_json_config_is_refused_without_the_hub(tmp_path):
+    for load in (load_config, load_model):
+        with pytest.raises(ConfigError, match="does not exist"):
+            load(tmp_path / "missing.json")
