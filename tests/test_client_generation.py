@@ -1,0 +1,87 @@
+"""SplitClient generation against a real server process: equal to ``model.generate``.
+
+The servers here are never trained, so they hold the seeded random init of models/tiny.json,
+the same weights as the ``tiny_model`` fixture (tied or untied makes no difference before
+training).
+"""
+import logging
+
+import pytest
+import torch
+
+from splitlearn import partition
+from splitlearn.client import SplitClient
+from splitlearn.generation import generate as local_generate
+
+from serverproc import TOKEN, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+NEW = 12  # new tokens per test; prompts are 23 long at most, so positions stay 2 digits
+
+
+@pytest.fixture(scope="module", params=[(2,), (1, 3)], ids=["2way", "u"])
+def server(request):
+    with ServerProcess(request.param) as srv:
+        srv.cuts = request.param
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with SplitClient(server.url, "tiny", token=TOKEN, device="cpu") as c:
+        yield c
+
+
+@pytest.mark.parametrize("eos", [None, 256])
+def test_greedy_equals_hf_generate(client, tiny_model, padded_batch, eos):
+    ids, mask = padded_batch  # (3, 23), left-padded
+    got = client.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=256)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                               eos_token_id=eos, pad_token_id=256)
+    assert torch.equal(got, want)
+
+
+def test_sampling_with_a_seed_is_reproducible(client, server, tiny_model, padded_batch):
+    ids, mask = padded_batch
+    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
+    a = client.generate(ids, mask, seed=11, **kw)
+    assert torch.equal(a, client.generate(ids, mask, seed=11, **kw))
+    # the same draw as the segments run in one process with that seed
+    assert torch.equal(a, local_generate(partition(tiny_model, server.cuts), ids, mask, seed=11, **kw))
+    assert not torch.equal(a, client.generate(ids, mask, seed=12, **kw))
+
+
+def test_stream_yields_the_generated_tokens(client, padded_batch):
+    ids, mask = padded_batch
+    whole = client.generate(ids, mask, max_new_tokens=NEW)
+    streamed = list(client.generate_stream(ids, mask, max_new_tokens=NEW))
+    assert len(streamed) == NEW and all(t.shape == (3,) for t in streamed)
+    assert torch.equal(torch.stack(streamed, dim=1), whole[:, ids.shape[1]:])
+
+
+def test_each_decode_step_sends_only_the_new_position(client, padded_batch):
+    ids, mask = padded_batch
+    B, T = ids.shape
+    d = client.bottom.config.n_embd
+    sent = [client.stats.bytes_sent]
+    for _ in client.generate_stream(ids, mask, max_new_tokens=NEW):
+        sent.append(client.stats.bytes_sent)
+    per_step = [b - a for a, b in zip(sent, sent[1:])]
+    prefill, decode = per_step[0], per_step[1:]
+    assert len(set(decode)) == 1, f"decode steps grow with the sequence: {decode}"
+    # B x 1 x d float32 activations, a (B, 1) mask and a header; the prefill carried B x T x d
+    assert B * d * 4 <= decode[0] <= B * d * 4 + B * 8 + 512
+    assert prefill >= B * T * d * 4
+
+
+def test_server_restart_mid_generation_changes_nothing(client, server, padded_batch, caplog):
+    ids, mask = padded_batch
+    want = client.generate(ids, mask, max_new_tokens=NEW)[:, ids.shape[1]:]
+    stream = client.generate_stream(ids, mask, max_new_tokens=NEW)
+    got = [next(stream) for _ in range(4)]
+    server.restart()  # SIGTERM and a new process on the same port: the session is gone
+    with caplog.at_level(logging.WARNING, logger="splitlearn.client.core"):
+        got += list(stream)
+    assert "generation session lost" in caplog.text  # the client really had to replay
+    assert torch.equal(torch.stack(got, dim=1), want)
