@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m splitlearn.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
