@@ -1,0 +1,97 @@
+"""``python -m splitlearn.client``: train, generate (text and --json), info, bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import splitlearn as sl
+from splitlearn.client.cli import main
+from splitlearn.server.process import LocalServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LocalServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--device", "cpu"]) as srv:
+        yield srv
+
+
+@pytest.fixture
+def env(server, monkeypatch):
+    monkeypatch.setenv("SPLITLEARN_TOKEN", server.token)
+    return server
+
+
+def test_info_prints_the_servers_info(env, capsys):
+    assert main(["info", "--server", env.url]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["cuts"] == [1, 3] and info["segment"]["kind"] == "trunk"
+
+
+def test_train_reports_a_summary_and_saves(tmp_path, capsys, monkeypatch):
+    # its own server: training changes the weights the generation tests compare against
+    with LocalServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--device", "cpu"]) as srv:
+        monkeypatch.setenv("SPLITLEARN_TOKEN", srv.token)
+        _train_and_resume(srv, tmp_path, capsys)
+
+
+def _train_and_resume(env, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 40)
+    rc = main(["train", "--server", env.url, "--model", "tiny", "--device", "cpu", "--data", str(corpus),
+               "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--save", str(tmp_path / "ck"),
+               "--json", "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out)
+    assert summary["steps"] == 3 and summary["stats"]["calls"] == 6  # forward + backward per step
+    assert summary["stats"]["bytes_sent"] > 3 * 2 * 16 * 32 * 4  # at least the activations
+    assert "trained 3 steps" in out.err
+    assert (tmp_path / "ck" / "client.json").is_file()
+    # resuming at the saved step with --steps equal to it has nothing to do
+    assert main(["train", "--server", env.url, "--model", "tiny", "--device", "cpu", "--data", str(corpus),
+                 "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--resume", str(tmp_path / "ck"),
+                 "--quiet"]) == 0
+    assert "nothing to do" in capsys.readouterr().err
+
+
+def test_generate_json_is_one_object_equal_to_hf_generate(env):
+    """A real subprocess: stdout must hold exactly one JSON object and nothing else."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitlearn.client", "generate", "--server", env.url, "--model", "tiny",
+         "--device", "cpu", "--prompt-ids", "72 101 108 108 111", "--max-new-tokens", "8", "--greedy",
+         "--json"], capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "SPLITLEARN_TOKEN": env.token})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # the whole stdout parses as one object
+    assert set(out) == {"ids", "text", "stats"}
+    model = sl.load_model("tiny")
+    ref = model.generate(torch.tensor([[72, 101, 108, 108, 111]]), max_new_tokens=8, do_sample=False,
+                         eos_token_id=None, pad_token_id=256)
+    assert out["ids"] == ref.tolist()
+    assert out["text"][0].startswith("Hello")
+    assert out["stats"]["calls"] == 8  # one prefill + 7 decode steps
+
+
+def test_generate_streams_text(env, capsys):
+    assert main(["generate", "--server", env.url, "--model", "tiny", "--device", "cpu", "--prompt", "Hi",
+                 "--max-new-tokens", "5", "--temperature", "0.9", "--seed", "3"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("Hi") and "5 tokens" in out.err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--prompt", "x" * 70, "--max-new-tokens", "4"], "n_positions"),
+    (["generate", "--prompt", "", "--max-new-tokens", "4"], "empty"),
+])
+def test_bad_generate_input_exits_2_with_a_message(env, capsys, argv, words):
+    rc = main([argv[0], "--server", env.url, "--model", "tiny", "--device", "cpu", *argv[1:]])
+    assert rc == 2
+    assert words in capsys.readouterr().err
+
+
+def test_wrong_token_is_a_clear_error(server, monkeypatch, capsys):
+    monkeypatch.setenv("SPLITLEARN_TOKEN", "wrong")
+    assert main(["info", "--server", server.url]) == 2
+    assert "token" in capsys.readouterr().err
