@@ -256,3 +256,22 @@ def test_evaluation_forward_changes_nothing(two_way_app, two_way):
     assert out[P.LOGITS].shape == (2, VOCAB) and out[P.LOGITS].dtype == torch.bfloat16
     assert torch.isfinite(out[P.LOSS]).all()
     assert same_weights(before, snapshot(segment_of(two_way_app)))
+
+
+def test_a_retry_after_a_restart_gets_the_stored_answer(tmp_path):
+    """The step was applied and checkpointed, the answer lost with the process: the client's
+    retry of that step must get the same answer, not 409 (it could never catch up then)."""
+    cfg = dict(model="tiny", cuts=(2,), tokens=(TOKEN,), checkpoint_dir=str(tmp_path))
+    before = create_app(ServerConfig(**cfg)).test_client()
+    first = post_tensors(before, P.TRAIN_STEP, *step_body(1))
+    tensors_of(first)
+    assert before.post(P.CHECKPOINT, json={}, headers=auth()).status_code == 200
+
+    app = create_app(ServerConfig(**cfg))  # the restarted server, from the checkpoint
+    after = app.test_client()
+    w1 = snapshot(segment_of(app))
+    assert _client_step(after) == 1
+    again = post_tensors(after, P.TRAIN_STEP, *step_body(1))
+    assert again.get_data() == first.get_data()
+    assert same_weights(w1, snapshot(segment_of(app)))
+    tensors_of(post_tensors(after, P.TRAIN_STEP, *step_body(2)))  # and training goes on

@@ -11,6 +11,7 @@ step other than the next gets 409.
 """
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -91,7 +92,9 @@ class SegmentRuntime:
         self.steps_applied = 0
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
-            self.clients = {c: _Progress(step=s) for c, s in counters["clients"].items()}
+            answers = counters.get("answers", {})  # base64 of each client's last answer
+            self.clients = {c: _Progress(step=s, response=base64.b64decode(answers.get(c, "")))
+                            for c, s in counters["clients"].items()}
             self.steps_applied = counters["steps_applied"]
             log.info("resumed from %s: %d steps applied", cfg.checkpoint_dir, self.steps_applied)
 
@@ -269,6 +272,9 @@ class SegmentRuntime:
         with self.lock:
             t = time.perf_counter()
             counters = {"clients": {c: p.step for c, p in self.clients.items()},
+                        # so a retry of the last step after a restart is replayed, not refused
+                        "answers": {c: base64.b64encode(p.response).decode()
+                                    for c, p in self.clients.items() if p.response},
                         "steps_applied": self.steps_applied}
             save_state(self.cfg.checkpoint_dir, "server", [self.segment], self.optimizer, counters)
             log.info("checkpoint saved to %s in %.2fs", self.cfg.checkpoint_dir, time.perf_counter() - t)
