@@ -157,3 +157,27 @@ def test_checkpoint_and_resume(tmp_path):
         with client_of(srv, optimizer) as stale:
             with pytest.raises(Conflict, match="step 2 but the server has applied step 4"):
                 stale.load(tmp_path / "client")
+
+
+def test_restart_between_forward_and_backward_redoes_the_forward(tmp_path):
+    """The server dies after a U-shape forward: the client resends it; nothing is lost or doubled."""
+    cuts, optimizer = (1, 3), "adamw"
+    srv = ServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer], checkpoint_dir=tmp_path / "server")
+    with srv:
+        with client_of(srv, optimizer) as client:
+            client.train_step(*BATCHES[0])
+            real_call = client._call
+            restarted = []
+
+            def call(path, tensors, meta=None):
+                if path.endswith("/backward") and not restarted:
+                    restarted.append(path)
+                    srv.restart()  # the pending forward is gone with the old process
+                return real_call(path, tensors, meta)
+
+            client._call = call
+            for ids, mask in BATCHES[1:3]:
+                client.train_step(ids, mask)
+            assert restarted and client.step == 3
+            reference, _ = unsplit_steps(cuts, optimizer, BATCHES[:3])
+            assert_both_sides_equal(reference, client, srv)

@@ -149,11 +149,20 @@ class SplitClient:
                                             P.LABELS: labels.cpu(), **extra}, meta)
             loss = float(out[P.LOSS])
         else:
-            out = self._call(P.TRAIN_FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
+            forward = {**pack(P.HIDDEN, h, self.wire_dtype), **extra}
+            out = self._call(P.TRAIN_FORWARD, forward, meta)
             h2 = self._local(unpack(out, P.HIDDEN)).requires_grad_()  # (B, T, d)
             loss_t = loss_from_logits(self.top(h2, mask), labels)
             loss_t.backward()
-            out = self._call(P.TRAIN_BACKWARD, pack(P.GRAD, h2.grad, self.wire_dtype), meta)
+            backward = pack(P.GRAD, h2.grad, self.wire_dtype)
+            try:
+                out = self._call(P.TRAIN_BACKWARD, backward, meta)
+            except Conflict:
+                # The server restarted between forward and backward and lost the pending
+                # graph; the step was not applied, so the same forward gives the same graph.
+                log.warning("server lost the forward of step %s; sending it again", meta["step"])
+                self._call(P.TRAIN_FORWARD, forward, meta)
+                out = self._call(P.TRAIN_BACKWARD, backward, meta)
             loss = float(loss_t.detach())
         h.backward(self._local(unpack(out, P.GRAD)))
         self.optimizer.step()
