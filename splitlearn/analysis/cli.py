@@ -1,0 +1,133 @@
+"""``analyze_model_performance``: the command line (also ``analysis/analyze_model_performance.py``).
+
+Examples::
+
+    analyze_model_performance --model random:gpt2 --cut 2 --cut 10 --batch-size 1 --seq-len 6
+    analyze_model_performance --model random:gpt2 --sweep --seq-len 128 \\
+        --link-mbps 100 --rtt-ms 20 --plot sweep.png
+
+Bad input (a cut out of range, a sequence longer than n_positions, ``--device cuda`` without
+a GPU, ...) prints one line on stderr and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import SplitLearnError
+from . import plots, report
+from .core import AnalysisConfig, analyze_partition, prepare_model
+from .sweep import LinkConfig, sweep
+
+log = logging.getLogger(__name__)
+PROG = "analyze_model_performance"
+
+
+def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
+                 do_sweep: bool = False, model: Optional[torch.nn.Module] = None) -> dict:
+    """The data the command writes as JSON: :func:`~.core.analyze`'s report for
+    ``config.cuts`` (if any) plus, with ``do_sweep``, a "sweep" entry (see :mod:`.sweep`)."""
+    model, part, device = prepare_model(config, model)
+    if part is not None:
+        out = analyze_partition(model, part, device, config)
+    else:
+        from .core import device_info
+        out = {"config": {**vars(config), "cuts": []},
+               "model": {"n_layer": model.config.n_layer, "params": sum(p.numel() for p in model.parameters()),
+                         "dtype": str(model.dtype).removeprefix("torch.")},
+               "device": device_info(device), "roofline": None, "segments": [], "cuts": [],
+               "tied_parameters": []}
+    if do_sweep:
+        out["sweep"] = sweep(model, config, link or LinkConfig(), device)
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="What each segment of a split GPT-2 costs "
+                                "(params, MACs/FLOPs, latency, memory, bytes per cut), and where to cut.")
+    p.add_argument("--model", default="tiny", help="hub id, directory, JSON config or spec name "
+                   "(tiny, random:gpt2, ...); default tiny")
+    p.add_argument("--cut", type=int, action="append", dest="cuts", metavar="C",
+                   help="cut after block C; give twice for a U-shape (bottom, trunk, top)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=6, help="tokens (the KV length in decode)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--mode", default="prefill", choices=("prefill", "decode", "train"))
+    p.add_argument("--repeats", type=int, default=20, help="timed runs (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    p.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s (default: measured)")
+    p.add_argument("--mem-bw-gbs", type=float, help="device memory bandwidth GB/s (default: measured)")
+    p.add_argument("--no-roofline", action="store_true", help="skip the per-operator breakdown")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads (torch.set_num_threads); on a "
+                   "CPU shared with other work, 1 avoids stalls where a thread waits for a core")
+    p.add_argument("--sweep", action="store_true", help="analyse every 2-way cut and plot compute "
+                   "per side against bytes crossing")
+    p.add_argument("--link-mbps", type=float, help="link bandwidth in Mbit/s (sweep step estimate)")
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time in ms (default 0)")
+    p.add_argument("--server-speedup", type=float, default=1.0,
+                   help="how many times faster the server computes than this machine")
+    p.add_argument("--wire-dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8"))
+    p.add_argument("--min-client-blocks", type=int, default=1,
+                   help="blocks the client keeps at least, for privacy (default 1)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--csv", metavar="FILE")
+    p.add_argument("--markdown", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="segment plot; the sweep's goes to "
+                   "FILE_sweep.png (or FILE when there are no cuts)")
+    p.add_argument("--quiet", action="store_true", help="no table on stdout")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise SplitLearnError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
+        if not args.cuts and not args.sweep:
+            raise SplitLearnError("give --cut C (twice for a U-shape) and/or --sweep")
+        config = AnalysisConfig(
+            model=args.model, cuts=tuple(args.cuts or ()), batch_size=args.batch_size,
+            seq_len=args.seq_len, device=args.device, dtype=args.dtype, mode=args.mode,
+            repeats=args.repeats, warmup=args.warmup, peak_tflops=args.peak_tflops,
+            mem_bw_gbs=args.mem_bw_gbs, roofline=not args.no_roofline, seed=args.seed)
+        link = LinkConfig(link_mbps=args.link_mbps, rtt_ms=args.rtt_ms,
+                          server_speedup=args.server_speedup, wire_dtype=args.wire_dtype,
+                          min_client_blocks=args.min_client_blocks)
+        data = build_report(config, link, args.sweep)
+    except (SplitLearnError, ValueError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    write_outputs(data, args)
+    return 0
+
+
+def write_outputs(data: dict, args: argparse.Namespace) -> None:
+    if not args.quiet:
+        print(report.to_text(data))
+    for path, render in ((args.json, report.to_json), (args.csv, report.to_csv),
+                         (args.markdown, report.to_markdown)):
+        if path:
+            Path(path).write_text(render(data))
+    if args.plot:
+        plot = Path(args.plot)
+        if data["segments"]:
+            plots.plot_segments(data, plot)
+        if data.get("sweep"):
+            target = plot.with_name(plot.stem + "_sweep" + plot.suffix) if data["segments"] else plot
+            plots.plot_sweep(data["sweep"], target)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""``analyze(config)``: what each segment of a split GPT-2 costs, as one JSON-able dict.
+
+For every segment (bottom, trunk, top) and each of its submodules (wte, wpe, drop, every
+block, and inside a block ln_1, attn, ln_2, mlp; ln_f, lm_head) it reports parameters, MACs
+and FLOPs, latency (median and p90, from the same timed runs), peak memory and output bytes;
+for every cut, the bytes that cross it per wire dtype; per operator, the roofline class.
+
+Segments run on their *real* inputs: random token ids go through the partition, and each
+segment gets the activations the one before it produced. The modes:
+
+- ``prefill``: the segment on T new tokens, no cache;
+- ``decode``: one new token with a KV cache of T tokens (the cache built by a real prefill);
+- ``train``: forward + backward of T tokens; the top's loss is the causal-LM loss, the other
+  segments backpropagate a fixed random gradient (what the next segment would send back).
+  Dropout is off (eval mode), so runs are repeatable.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..devices import dtype_name, resolve_device, resolve_dtype
+from ..errors import ConfigError
+from ..loading import load_model
+from ..partition import Partition, partition, validate_cuts
+from ..segments import Segment, loss_from_logits
+from . import memory, roofline, timing
+from .counting import SegmentRunner, count_segment
+from .traffic import cut_traffic, kv_cache_bytes, tied_parameters
+
+log = logging.getLogger(__name__)
+
+MODES = ("prefill", "decode", "train")
+
+
+@dataclass
+class AnalysisConfig:
+    """What to analyse and how; every field is also a command-line flag."""
+
+    model: str = "tiny"                  # load_model source: spec name, hub id, dir, JSON
+    cuts: tuple[int, ...] = (2,)         # one cut (2-way) or two (U-shape); () = none (sweep)
+    batch_size: int = 1                  # sequences per batch
+    seq_len: int = 6                     # tokens per sequence (the KV length in decode)
+    device: str = "cpu"                  # cpu | cuda | auto
+    dtype: str = "float32"               # float32 | bfloat16 | float16 (compute dtype)
+    mode: str = "prefill"                # prefill | decode | train
+    repeats: int = 20                    # timed runs per segment
+    warmup: int = 5                      # untimed runs before them
+    peak_tflops: Optional[float] = None  # device peak, 10^12 FLOP/s (None: measure)
+    mem_bw_gbs: Optional[float] = None   # device memory bandwidth, GB/s (None: measure)
+    roofline: bool = True                # per-operator arithmetic intensity
+    seed: int = 0                        # random weights and token ids
+
+    def __post_init__(self):
+        if isinstance(self.cuts, int):
+            self.cuts = (self.cuts,)
+        self.cuts = tuple(self.cuts)
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for name in ("batch_size", "seq_len", "repeats"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+        if self.mode == "train" and self.seq_len < 2:
+            raise ConfigError("train mode needs seq_len >= 2 (the loss predicts the next token)")
+        for name in ("peak_tflops", "mem_bw_gbs"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"{name} must be > 0, got {v}")
+        resolve_dtype(self.dtype)  # raises ConfigError on unknown names
+
+
+def check_shapes(cfg, config: AnalysisConfig) -> None:
+    """Refuse sequences the model cannot position (prefill T, decode T + 1 tokens)."""
+    need = config.seq_len + (1 if config.mode == "decode" else 0)
+    if need > cfg.n_positions:
+        raise ConfigError(f"sequence of {need} tokens ({config.mode}) is longer than the model's "
+                          f"n_positions={cfg.n_positions}")
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+def segment_inputs(part: Partition, config: AnalysisConfig, device: torch.device) -> list[tuple]:
+    """The real arguments of each segment's :class:`SegmentRunner` call, in order."""
+    gen = torch.Generator().manual_seed(config.seed)
+    shape = (config.batch_size, config.seq_len)
+    ids = torch.randint(0, part.config.vocab_size, shape, generator=gen).to(device)  # (B, T)
+    args = []
+    with torch.no_grad():
+        if config.mode != "decode":
+            x = ids
+            for seg in part.segments:
+                args.append((x,))
+                x = seg(x)
+            return args
+        caches = part.new_caches()
+        part(ids, caches=caches)  # prefill fills every segment's cache
+        x = torch.randint(0, part.config.vocab_size, (config.batch_size, 1), generator=gen)
+        x = x.to(device)  # (B, 1)
+        for seg, cache in zip(part.segments, caches):
+            kv = []
+            for layer in range(seg.start, seg.end):
+                slot = cache.kv.layers[layer]
+                kv += [slot.keys, slot.values]  # (B, H, T, d/H) each
+            args.append((x, *kv))
+            x = seg(x, cache=cache)
+    return args
+
+
+def named_submodules(seg: Segment) -> dict[str, tuple[nn.Module, str]]:
+    """name -> (module, parent name): direct children, then the parts of each block."""
+    out = {}
+    if seg.has_embeddings:
+        for n in ("wte", "wpe", "drop"):
+            out[n] = (getattr(seg, n), "")
+    for i, block in enumerate(seg.h):
+        out[f"h.{i}"] = (block, "")
+        for part in ("ln_1", "attn", "ln_2", "mlp"):
+            out[f"h.{i}.{part}"] = (getattr(block, part), f"h.{i}")
+    if seg.has_head:
+        out["ln_f"], out["lm_head"] = (seg.ln_f, ""), (seg.lm_head, "")
+    return out
+
+
+def make_run(seg: Segment, args: tuple, mode: str, seed: int):
+    """(prepare, run): ``run()`` does one step of ``mode``; ``prepare()`` zeroes gradients."""
+    runner = SegmentRunner(seg)
+    if mode != "train":
+        def run():
+            with torch.no_grad():
+                runner(*args)
+        return (lambda: None), run
+    x = args[0] if args[0].is_floating_point() else None
+    if seg.has_head:
+        labels = torch.randint(0, seg.config.vocab_size, args[0].shape[:2],
+                               generator=torch.Generator().manual_seed(seed)).to(args[0].device)
+    else:
+        grad = torch.randn(*args[0].shape[:2], seg.config.n_embd,
+                           generator=torch.Generator().manual_seed(seed))
+        grad = grad.to(args[0].device, seg.h[0].ln_1.weight.dtype if len(seg.h) else torch.float32)
+
+    def prepare():
+        seg.zero_grad(set_to_none=True)
+
+    def run():
+        with torch.enable_grad():
+            inp = x.detach().requires_grad_() if x is not None else args[0]
+            out = runner(inp, *args[1:])
+            if seg.has_head:
+                loss_from_logits(out, labels).backward()
+            else:
+                out.backward(grad.to(out.dtype))
+    return prepare, run
+
+
+# -- one segment ------------------------------------------------------------------------------
+
+def output_shapes(seg: Segment, args: tuple, subs: dict) -> dict[str, tuple]:
+    """Shape and element size of every submodule's output (one forward with hooks)."""
+    shapes, handles = {}, []
+    for name, (mod, _) in subs.items():
+        def hook(_m, _i, out, n=name):
+            t = out[0] if isinstance(out, tuple) else out
+            shapes[n] = (tuple(t.shape), t.element_size())
+        handles.append(mod.register_forward_hook(hook))
+    with torch.no_grad():
+        out = SegmentRunner(seg)(*args)
+    for h in handles:
+        h.remove()
+    shapes[""] = (tuple(out.shape), out.element_size())
+    return shapes
+
+
+def _row(name: str, mod: nn.Module, macs: dict, lat: timing.Latency, peak: int, shape) -> dict:
+    m = macs.get(name, 0)
+    n_out = 1
+    for s in shape[0]:
+        n_out *= s
+    return {"name": name, "params": sum(p.numel() for p in mod.parameters()),
+            "macs": m, "flops": 2 * m, "latency_ms": lat.to_dict(),
+            "peak_memory_bytes": memory.resident_bytes(mod) + peak,
+            "output_shape": list(shape[0]), "output_bytes": n_out * shape[1]}
+
+
+def analyze_segment(seg: Segment, args: tuple, config: AnalysisConfig, device: torch.device,
+                    peaks: Optional[roofline.DevicePeaks]) -> dict:
+    """Every figure of one segment (see the module docstring); JSON-able."""
+    subs = named_submodules(seg)
+    mods = {n: m for n, (m, _) in subs.items()}
+    S = args[0].shape[1]
+    keys = S + (args[1].shape[2] if len(args) > 1 else 0)
+    counts = count_segment(seg, args, config.batch_size, S, keys, train=config.mode == "train")
+    prepare, run = make_run(seg, args, config.mode, config.seed)
+    t = timing.time_runs(run, mods, device, config.repeats, config.warmup,
+                         backward=config.mode == "train", prepare=prepare)
+    prepare()
+    peak_total, peak_sub = memory.measure_peaks(run, mods, device)
+    prepare()
+    shapes = output_shapes(seg, args, subs)
+    row = _row("", seg, counts.fvcore, t.total, peak_total, shapes[""])
+    row.pop("name")
+    checks = []
+    for parent in [""] + [n for n, (_, p) in subs.items() if p == "" and n.startswith("h.")]:
+        kids = {n: t.modules[n].median for n, (_, p) in subs.items() if p == parent}
+        parent_ms = t.total.median if parent == "" else t.modules[parent].median
+        checks.append(timing.sum_check(parent, parent_ms, kids).to_dict())
+    out = {"name": seg.kind, "blocks": [seg.start, seg.end], **row,
+           "kv_cache_bytes": kv_cache_bytes(seg, config.batch_size, keys if config.mode == "decode"
+                                            else S),
+           "submodules": [dict(_row(n, m, counts.fvcore, t.modules[n], peak_sub.get(n, 0),
+                                    shapes.get(n, ((0,), 0))), parent=p)
+                          for n, (m, p) in subs.items()],
+           "latency_sum_checks": checks,
+           "mac_crosscheck": {"flop_counter": counts.flop_counter.get(""),
+                              "analytic": counts.analytic.get(""),
+                              "mismatches": [asdict(m) for m in counts.mismatches]}}
+    if peaks is not None:
+        prepare()
+        out["operators"] = [o.to_dict(peaks.ridge) for o in roofline.profile_ops(run)]
+    prepare()
+    return out
+
+
+# -- the whole report -------------------------------------------------------------------------
+
+def prepare_model(config: AnalysisConfig, model: Optional[nn.Module] = None):
+    """(model, partition, device) for ``config``; raises ConfigError on anything unusable."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype)
+    model = load_model(model if model is not None else config.model, dtype=dtype, device=device,
+                       seed=config.seed)
+    check_shapes(model.config, config)
+    if not config.cuts:
+        return model, None, device
+    validate_cuts(config.cuts, model.config.n_layer)
+    return model, partition(model, config.cuts), device
+
+
+def analyze(config: AnalysisConfig, model: Optional[nn.Module] = None) -> dict:
+    """Analyse ``config.model`` cut at ``config.cuts``; returns the report documented in
+    docs/ANALYSIS.md (top-level "segments", "cuts", "tied_parameters", ...).
+
+    model: an already loaded ``GPT2LMHeadModel`` to use instead of loading ``config.model``.
+    Raises :class:`~splitlearn.errors.ConfigError` on unusable input.
+    """
+    model, part, device = prepare_model(config, model)
+    if part is None:
+        raise ConfigError("analyze needs at least one cut (config.cuts is empty)")
+    return analyze_partition(model, part, device, config)
+
+
+def analyze_partition(model: nn.Module, part: Partition, device: torch.device,
+                      config: AnalysisConfig) -> dict:
+    """:func:`analyze` for a model already loaded and partitioned."""
+    peaks = (roofline.measure_peaks(device, model.dtype, config.peak_tflops, config.mem_bw_gbs)
+             if config.roofline else None)
+    inputs = segment_inputs(part, config, device)
+    segments = []
+    for seg, args in zip(part.segments, inputs):
+        log.info("analysing %s %s", seg.kind, seg.blocks)
+        segments.append(analyze_segment(seg, args, config, device, peaks))
+    cfg = model.config
+    return {
+        "config": {**asdict(config), "cuts": list(config.cuts)},
+        "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
+                  "vocab_size": cfg.vocab_size, "n_positions": cfg.n_positions,
+                  "params": sum(p.numel() for p in model.parameters()),
+                  "dtype": dtype_name(model.dtype)},
+        "device": device_info(device),
+        "roofline": None if peaks is None else {**asdict(peaks), "ridge_flops_per_byte": peaks.ridge},
+        "segments": segments,
+        "cuts": cut_traffic(part, config.batch_size, 1 if config.mode == "decode" else config.seq_len,
+                            config.mode),
+        "tied_parameters": tied_parameters(part),
+    }
+
+
+def device_info(device: torch.device) -> dict:
+    import os
+    import platform
+    if device.type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device)}
+    return {"type": "cpu", "name": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()}

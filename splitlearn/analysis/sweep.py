@@ -1,0 +1,133 @@
+"""Every cut point at once, and which one to use.
+
+The whole model is counted and timed once, as one ``full`` segment with a hook on every
+block (see :mod:`.timing`); a 2-way cut after block c then puts the embeddings and blocks
+[0, c) on the client and blocks [c, n) + ln_f + lm_head on the server, and each side's
+MACs and latency are sums of the parts it holds. A GPT-2 cut always carries a (B, S, d)
+hidden state, so the bytes crossing are the same at every cut; what moves is the compute.
+
+Step time of cut c, given a link (``link_mbps``, ``rtt_ms``) and how much faster the server
+is than this machine (``server_speedup``)::
+
+    step = client_ms(c) + server_ms(c) / server_speedup + rtt_ms + 8 · bytes / link_bps
+
+where bytes are the activations (+ the labels, B·S int64, and the gradient coming back in
+train mode) in the chosen wire dtype: one request and one response per step. The
+recommended cut minimises the step time among cuts that keep at least
+``min_client_blocks`` blocks on the client (a cut right after the embeddings sends a
+hidden state from which the tokens can be read back exactly, so privacy wants >= 1).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import ConfigError
+from ..partition import whole
+from . import timing
+from .core import AnalysisConfig, check_shapes, make_run, named_submodules, segment_inputs
+from .counting import count_segment
+from .traffic import wire_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LinkConfig:
+    """The network between client and server, and the server's speed."""
+
+    link_mbps: Optional[float] = None  # link bandwidth, 10^6 bit/s (None: no step estimate)
+    rtt_ms: float = 0.0                # round-trip time, milliseconds
+    server_speedup: float = 1.0        # server compute is this many times faster than here
+    wire_dtype: str = "float32"        # float32 | bfloat16 | float16 | int8
+    min_client_blocks: int = 1         # blocks the client keeps at least (privacy)
+
+    def __post_init__(self):
+        if self.link_mbps is not None and self.link_mbps <= 0:
+            raise ConfigError(f"link_mbps must be > 0, got {self.link_mbps}")
+        if self.rtt_ms < 0 or self.server_speedup <= 0:
+            raise ConfigError("rtt_ms must be >= 0 and server_speedup > 0")
+        if self.wire_dtype not in ("float32", "bfloat16", "float16", "int8"):
+            raise ConfigError(f"unknown wire dtype {self.wire_dtype!r}")
+        if self.min_client_blocks < 0:
+            raise ConfigError("min_client_blocks must be >= 0")
+
+
+def sweep(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
+    """Analyse every 2-way cut of ``model`` (already on ``device``); JSON-able dict with
+    "points" (one per cut) and, given a link, "recommendation"."""
+    check_shapes(model.config, config)
+    seg = whole(model)
+    n = model.config.n_layer
+    args = segment_inputs(_Single(seg), config, device)[0]
+    S = args[0].shape[1]
+    keys = S + (args[1].shape[2] if len(args) > 1 else 0)
+    counts = count_segment(seg, args, config.batch_size, S, keys, train=config.mode == "train")
+    mods = {name: m for name, (m, parent) in named_submodules(seg).items() if parent == ""}
+    prepare, run = make_run(seg, args, config.mode, config.seed)
+    t = timing.time_runs(run, mods, device, config.repeats, config.warmup,
+                         backward=config.mode == "train", prepare=prepare)
+    prepare()
+    ms = {k: v.median for k, v in t.modules.items()}
+    mac = counts.fvcore
+    emb, head = ("wte", "wpe", "drop"), ("ln_f", "lm_head")
+    tokens = 1 if config.mode == "decode" else config.seq_len
+    per_dir = wire_bytes(config.batch_size, tokens, model.config.n_embd)
+    points = []
+    for c in range(n + 1):
+        client = list(emb) + [f"h.{i}" for i in range(c)]
+        server = [f"h.{i}" for i in range(c, n)] + list(head)
+        bytes_ = {k: v * (2 if config.mode == "train" else 1) for k, v in per_dir.items()}
+        if config.mode == "train":  # labels go to the server, which holds the loss
+            bytes_ = {k: v + 8 * config.batch_size * tokens for k, v in bytes_.items()}
+        p = {"cut": c,
+             "client_macs": sum(mac.get(m, 0) for m in client),
+             "server_macs": sum(mac.get(m, 0) for m in server),
+             "client_ms": sum(ms[m] for m in client), "server_ms": sum(ms[m] for m in server),
+             "bytes": bytes_}
+        if link.link_mbps is not None:
+            p["transfer_ms"] = link.rtt_ms + 8 * bytes_[link.wire_dtype] / (link.link_mbps * 1e3)
+            p["step_ms"] = p["client_ms"] + p["server_ms"] / link.server_speedup + p["transfer_ms"]
+        points.append(p)
+    out = {"mode": config.mode, "link": vars(link), "whole_model_ms": t.total.to_dict(),
+           "latency_sum_check": timing.sum_check("", t.total.median, ms).to_dict(),
+           "mac_mismatches": [vars(m) for m in counts.mismatches], "points": points}
+    if link.link_mbps is not None:
+        out["recommendation"] = recommend(points, link, n)
+    return out
+
+
+class _Single:
+    """A one-segment stand-in for a Partition, for :func:`segment_inputs`."""
+
+    def __init__(self, seg):
+        self.segments, self.config = [seg], seg.config
+
+    def __call__(self, ids, caches=None):
+        return self.segments[0](ids, cache=caches[0] if caches else None)
+
+    def new_caches(self):
+        return [self.segments[0].new_cache()]
+
+
+def recommend(points: list[dict], link: LinkConfig, n_layer: int) -> dict:
+    """The allowed cut with the least step time, and a sentence saying why."""
+    allowed = [p for p in points if link.min_client_blocks <= p["cut"] <= n_layer] or points
+    best = min(allowed, key=lambda p: p["step_ms"])
+    worst = max(allowed, key=lambda p: p["step_ms"])
+    share = best["transfer_ms"] / best["step_ms"] if best["step_ms"] else 0.0
+    if share > 0.5:
+        driver = (f"the link dominates ({100 * share:.0f}% of the step) and every cut sends the "
+                  f"same bytes, so the cut only moves compute; consider a smaller wire dtype")
+    elif link.server_speedup > 1:
+        driver = (f"the server is {link.server_speedup:g}x faster, so the fewest blocks the "
+                  f"client may keep ({link.min_client_blocks}) minimise the step")
+    else:
+        driver = "client and server run at the same speed, so the cut barely changes the step"
+    reason = (f"cut {best['cut']}: {best['step_ms']:.2f} ms per step (client "
+              f"{best['client_ms']:.2f} ms, server {best['server_ms'] / link.server_speedup:.2f} ms, "
+              f"transfer {best['transfer_ms']:.2f} ms of {best['bytes'][link.wire_dtype]} bytes "
+              f"in {link.wire_dtype}); worst allowed is cut {worst['cut']} at "
+              f"{worst['step_ms']:.2f} ms; {driver}")
+    return {"cut": best["cut"], "step_ms": best["step_ms"], "reason": reason}

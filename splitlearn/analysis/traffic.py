@@ -1,0 +1,78 @@
+"""Bytes that cross each cut, bytes each side keeps (KV cache), and weights both sides hold.
+
+A cut after block c carries the hidden state (B, S, d): forward as activations, and in
+training back again as their gradient. Per wire dtype (:mod:`splitlearn.wire`):
+
+=========  ==========================================================================
+float32    4 bytes per element
+bfloat16   2 bytes per element
+float16    2 bytes per element
+int8       1 byte per element + one float32 scale per row of d (B·S rows): n + 4·B·S
+           (vector-wise absmax, Dettmers et al. 2022, "LLM.int8()", §3.1)
+=========  ==========================================================================
+
+These are tensor bytes; the safetensors header adds a few hundred bytes per message.
+
+The KV cache of a segment holds, for each of its blocks, K and V of shape (B, H, T, d/H):
+2 · blocks · B · T · d elements in the compute dtype.
+
+GPT-2 ties ``lm_head.weight`` to ``wte.weight``. When the bottom and the top are different
+processes each needs the matrix, so each segment that holds it counts it in its parameters;
+:func:`tied_parameters` lists every such shared tensor so the report can say so.
+"""
+from __future__ import annotations
+
+from ..partition import Partition
+from ..segments import Segment
+
+WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SCALE_BYTES = 4  # one float32 absmax scale per row in int8
+
+
+def wire_bytes(batch: int, tokens: int, width: int) -> dict[str, int]:
+    """Bytes of one (batch, tokens, width) tensor per wire dtype."""
+    n = batch * tokens * width
+    out = {name: n * size for name, size in WIRE_BYTES.items()}
+    out["int8"] = n + SCALE_BYTES * batch * tokens
+    return out
+
+
+def cut_traffic(part: Partition, batch: int, tokens: int, mode: str) -> list[dict]:
+    """One entry per cut: where it is, and the bytes crossing it per direction and wire dtype.
+
+    ``tokens`` is the new tokens per step (1 in decode). Gradients only cross in train mode.
+    """
+    d = part.config.n_embd
+    out = []
+    for i, c in enumerate(part.cuts):
+        src, dst = part.segments[i], part.segments[i + 1]
+        entry = {"block": c, "from": src.kind, "to": dst.kind, "shape": [batch, tokens, d],
+                 "activations_bytes": wire_bytes(batch, tokens, d)}
+        if mode == "train":
+            entry["gradients_bytes"] = wire_bytes(batch, tokens, d)
+        out.append(entry)
+    return out
+
+
+def kv_cache_bytes(seg: Segment, batch: int, length: int) -> int:
+    """Bytes of ``seg``'s KV cache after ``length`` tokens (0 for a segment with no blocks)."""
+    if not len(seg.h):
+        return 0
+    elem = seg.h[0].attn.c_attn.weight.element_size()
+    return 2 * len(seg.h) * batch * length * seg.config.n_embd * elem
+
+
+def tied_parameters(part: Partition) -> list[dict]:
+    """Tensors held by more than one segment (GPT-2: lm_head.weight is wte.weight)."""
+    owners: dict[int, list[tuple[str, str, int]]] = {}
+    for seg in part.segments:
+        for name, p in seg.named_parameters():
+            owners.setdefault(p.data_ptr(), []).append((seg.kind, name, p.numel()))
+    tied = []
+    for holders in owners.values():
+        if len(holders) > 1:
+            tied.append({"holders": [{"segment": s, "parameter": n} for s, n, _ in holders],
+                         "params": holders[0][2],
+                         "note": "one tensor held by several segments; each segment that "
+                                 "holds a copy counts it in its params"})
+    return tied
