@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="prefill", choices=("prefill", "decode", "train"))
     p.add_argument("--repeats", type=int, default=20, help="timed runs (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    p.add_argument("--max-seconds", type=float, default=10.0,
+                   help="timing budget per segment in seconds; at least 3 runs (default 10)")
     p.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s (default: measured)")
     p.add_argument("--mem-bw-gbs", type=float, help="device memory bandwidth GB/s (default: measured)")
     p.add_argument("--no-roofline", action="store_true", help="skip the per-operator breakdown")
@@ -100,7 +102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = AnalysisConfig(
             model=args.model, cuts=tuple(args.cuts or ()), batch_size=args.batch_size,
             seq_len=args.seq_len, device=args.device, dtype=args.dtype, mode=args.mode,
-            repeats=args.repeats, warmup=args.warmup, peak_tflops=args.peak_tflops,
+            repeats=args.repeats, warmup=args.warmup, max_seconds=args.max_seconds,
+            peak_tflops=args.peak_tflops,
             mem_bw_gbs=args.mem_bw_gbs, roofline=not args.no_roofline, seed=args.seed)
         link = LinkConfig(link_mbps=args.link_mbps, rtt_ms=args.rtt_ms,
                           server_speedup=args.server_speedup, wire_dtype=args.wire_dtype,

@@ -50,6 +50,7 @@ class AnalysisConfig:
     mode: str = "prefill"                # prefill | decode | train
     repeats: int = 20                    # timed runs per segment
     warmup: int = 5                      # untimed runs before them
+    max_seconds: float = 10.0            # timing budget per segment, s (>= 3 runs kept)
     peak_tflops: Optional[float] = None  # device peak, 10^12 FLOP/s (None: measure)
     mem_bw_gbs: Optional[float] = None   # device memory bandwidth, GB/s (None: measure)
     roofline: bool = True                # per-operator arithmetic intensity
@@ -64,6 +65,8 @@ class AnalysisConfig:
         for name in ("batch_size", "seq_len", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_seconds <= 0:
+            raise ConfigError(f"max_seconds must be > 0, got {self.max_seconds}")
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
         if self.mode == "train" and self.seq_len < 2:
@@ -197,7 +200,8 @@ def analyze_segment(seg: Segment, args: tuple, config: AnalysisConfig, device: t
     counts = count_segment(seg, args, config.batch_size, S, keys, train=config.mode == "train")
     prepare, run = make_run(seg, args, config.mode, config.seed)
     t = timing.time_runs(run, mods, device, config.repeats, config.warmup,
-                         backward=config.mode == "train", prepare=prepare)
+                         backward=config.mode == "train", prepare=prepare,
+                         max_seconds=config.max_seconds)
     prepare()
     peak_total, peak_sub = memory.measure_peaks(run, mods, device)
     prepare()

@@ -67,7 +67,8 @@ def sweep(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
     mods = {name: m for name, (m, parent) in named_submodules(seg).items() if parent == ""}
     prepare, run = make_run(seg, args, config.mode, config.seed)
     t = timing.time_runs(run, mods, device, config.repeats, config.warmup,
-                         backward=config.mode == "train", prepare=prepare)
+                         backward=config.mode == "train", prepare=prepare,
+                         max_seconds=config.max_seconds)
     prepare()
     ms = {k: v.median for k, v in t.modules.items()}
     mac = counts.fvcore
@@ -114,8 +115,9 @@ class _Single:
 def recommend(points: list[dict], link: LinkConfig, n_layer: int) -> dict:
     """The allowed cut with the least step time, and a sentence saying why."""
     allowed = [p for p in points if link.min_client_blocks <= p["cut"] <= n_layer] or points
-    best = min(allowed, key=lambda p: p["step_ms"])
-    worst = max(allowed, key=lambda p: p["step_ms"])
+    best = min(allowed, key=lambda p: (round(p["step_ms"], 6), p["cut"]))
+    worst = max(allowed, key=lambda p: (round(p["step_ms"], 6), p["cut"]))
+    spread = (worst["step_ms"] - best["step_ms"]) / best["step_ms"] if best["step_ms"] else 0.0
     share = best["transfer_ms"] / best["step_ms"] if best["step_ms"] else 0.0
     if share > 0.5:
         driver = (f"the link dominates ({100 * share:.0f}% of the step) and every cut sends the "
@@ -124,10 +126,12 @@ def recommend(points: list[dict], link: LinkConfig, n_layer: int) -> dict:
         driver = (f"the server is {link.server_speedup:g}x faster, so the fewest blocks the "
                   f"client may keep ({link.min_client_blocks}) minimise the step")
     else:
-        driver = "client and server run at the same speed, so the cut barely changes the step"
+        driver = ("client and server run at the same speed, so the cut only moves work between "
+                  "them; take the smallest cut the privacy floor allows, which keeps the least "
+                  "compute on the (usually weaker) client")
     reason = (f"cut {best['cut']}: {best['step_ms']:.2f} ms per step (client "
               f"{best['client_ms']:.2f} ms, server {best['server_ms'] / link.server_speedup:.2f} ms, "
               f"transfer {best['transfer_ms']:.2f} ms of {best['bytes'][link.wire_dtype]} bytes "
-              f"in {link.wire_dtype}); worst allowed is cut {worst['cut']} at "
-              f"{worst['step_ms']:.2f} ms; {driver}")
+              f"in {link.wire_dtype}); the allowed cuts span {100 * spread:.1f}% "
+              f"(worst: cut {worst['cut']}, {worst['step_ms']:.2f} ms); {driver}")
     return {"cut": best["cut"], "step_ms": best["step_ms"], "reason": reason}

@@ -17,7 +17,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from ..devices import synchronize
 log = logging.getLogger(__name__)
 
 SUM_TOLERANCE = 0.10  # submodule medians must sum to within 10% of their parent's
+MIN_RUNS = 3  # timed runs kept even past max_seconds
 
 
 class _Clock:
@@ -61,7 +62,7 @@ class Latency:
         return cls(statistics.median(runs), percentile(runs, 90), list(runs))
 
     def to_dict(self) -> dict:
-        return {"median": self.median, "p90": self.p90}
+        return {"median": self.median, "p90": self.p90, "runs": len(self.runs)}
 
 
 def percentile(sorted_runs: Sequence[float], q: float) -> float:
@@ -123,17 +124,29 @@ class Timing:
 
 def time_runs(run: Callable[[], None], modules: dict[str, nn.Module], device: torch.device,
               repeats: int, warmup: int, backward: bool = False,
-              prepare: Callable[[], None] = lambda: None) -> Timing:
+              prepare: Callable[[], None] = lambda: None,
+              max_seconds: Optional[float] = None) -> Timing:
     """Call ``run()`` ``warmup + repeats`` times with hooks on ``modules`` (name -> module);
     ``prepare()`` runs before each call, outside the timed interval (fresh caches, zeroed
-    gradients). Returns the total and per-module latencies of the timed runs."""
+    gradients). Returns the total and per-module latencies of the timed runs.
+
+    ``max_seconds`` bounds slow runs (like ``timeit``'s autorange): warm-up stops after one
+    run once it has used a quarter of it, timing once it is used and :data:`MIN_RUNS` runs
+    are in. The number of runs taken is in each :class:`Latency`."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     clock = _Clock(device)
     hooks = _Hooks(modules, clock, backward)
     totals, per_module = [], {n: [] for n in modules}
+    budget = float("inf") if max_seconds is None else max_seconds
+    began, warm_end = time.perf_counter(), warmup
     try:
         for i in range(warmup + repeats):
+            spent = time.perf_counter() - began
+            if i < warm_end and i >= 1 and spent > budget / 4:
+                warm_end = i  # enough warm-up for a slow run
+            if i >= warm_end and len(totals) >= MIN_RUNS and spent > budget:
+                break
             prepare()
             synchronize(device)
             start = clock.mark()
@@ -141,7 +154,7 @@ def time_runs(run: Callable[[], None], modules: dict[str, nn.Module], device: to
             stop = clock.mark()
             synchronize(device)
             ms = hooks.collect_ms()
-            if i >= warmup:
+            if i >= warm_end:
                 totals.append(clock.elapsed_ms(start, stop))
                 for n, v in ms.items():
                     per_module[n].append(v)
