@@ -1,0 +1,59 @@
+"""Sweep: every cut's compute per side, bytes crossing, step estimate and advice."""
+import pytest
+
+from splitlearn.analysis.core import AnalysisConfig
+from splitlearn.analysis.sweep import LinkConfig, recommend, sweep
+from splitlearn.errors import ConfigError
+
+CFG = AnalysisConfig(cuts=(), seq_len=8, repeats=2, warmup=1, roofline=False)
+
+
+def test_sweep_points(tiny_model):
+    out = sweep(tiny_model, CFG, LinkConfig(link_mbps=8.0, rtt_ms=5.0), tiny_model.device)
+    pts = out["points"]
+    assert [p["cut"] for p in pts] == [0, 1, 2, 3, 4]
+    block = 12 * 8 * 32 ** 2 + 2 * 64 * 32
+    head = 8 * 32 * 257
+    for p in pts:
+        assert p["client_macs"] == p["cut"] * block
+        assert p["server_macs"] == (4 - p["cut"]) * block + head
+        assert p["bytes"]["float32"] == 8 * 32 * 4
+        # 8 Mbit/s = 1 byte per microsecond: 1024 bytes = 1.024 ms, plus the 5 ms round trip
+        assert p["transfer_ms"] == pytest.approx(5 + 1.024)
+        assert p["step_ms"] == pytest.approx(p["client_ms"] + p["server_ms"] + p["transfer_ms"])
+    assert out["recommendation"]["cut"] >= 1  # min_client_blocks=1
+    assert "cut" in out["recommendation"]["reason"]
+
+
+def test_train_sends_gradients_and_labels(tiny_model):
+    cfg = AnalysisConfig(cuts=(), seq_len=8, repeats=2, warmup=1, roofline=False, mode="train")
+    out = sweep(tiny_model, cfg, LinkConfig(), tiny_model.device)
+    assert out["points"][2]["bytes"]["float32"] == 2 * 8 * 32 * 4 + 8 * 8
+    assert "recommendation" not in out
+
+
+def _pts(client, server, transfer=1.0):
+    return [{"cut": c, "client_ms": a, "server_ms": b, "transfer_ms": transfer,
+             "step_ms": a + b + transfer, "bytes": {"float32": 100}}
+            for c, (a, b) in enumerate(zip(client, server))]
+
+
+def test_recommend_fast_server_keeps_the_client_small():
+    link = LinkConfig(link_mbps=100, server_speedup=10.0, min_client_blocks=1)
+    pts = _pts([1, 2, 3, 4], [30, 20, 10, 0])
+    for p in pts:
+        p["step_ms"] = p["client_ms"] + p["server_ms"] / 10 + 1
+    rec = recommend(pts, link, 3)
+    assert rec["cut"] == 1 and "10x faster" in rec["reason"]
+
+
+def test_recommend_says_when_link_dominates():
+    rec = recommend(_pts([1, 1, 1], [1, 1, 1], transfer=100.0), LinkConfig(link_mbps=1), 2)
+    assert "link dominates" in rec["reason"]
+
+
+def test_link_validation():
+    with pytest.raises(ConfigError):
+        LinkConfig(link_mbps=0)
+    with pytest.raises(ConfigError):
+        LinkConfig(wire_dtype="int4")

@@ -1,0 +1,59 @@
+"""Latencies: submodule medians sum to their segment's, from the same runs."""
+import time
+
+import pytest
+import torch
+from torch import nn
+from transformers import GPT2Config
+
+from splitlearn import load_model
+from splitlearn.analysis.core import AnalysisConfig, analyze
+from splitlearn.analysis.timing import Latency, percentile, sum_check, time_runs
+
+
+def test_percentile_and_latency():
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    lat = Latency.of([5.0, 1.0, 3.0])
+    assert (lat.median, lat.runs) == (3.0, [1.0, 3.0, 5.0])
+
+
+def test_hooks_time_what_runs_inside_them():
+    """A module that sleeps 5 ms inside a run that sleeps 2 ms outside it."""
+    class Sleepy(nn.Module):
+        def forward(self):
+            time.sleep(0.005)
+
+    mod = Sleepy()
+
+    def run():
+        mod()
+        time.sleep(0.002)
+
+    t = time_runs(run, {"sleepy": mod}, torch.device("cpu"), repeats=5, warmup=1)
+    assert 5.0 <= t.modules["sleepy"].median < 6.5
+    assert 7.0 <= t.total.median < 9.5
+    assert len(t.total.runs) == 5
+    assert not sum_check("", t.total.median, {"sleepy": t.modules["sleepy"].median}).ok
+
+
+def test_budget_stops_slow_runs_after_min_runs():
+    t = time_runs(lambda: time.sleep(0.02), {}, torch.device("cpu"), repeats=50, warmup=10,
+                  max_seconds=0.05)
+    assert len(t.total.runs) == 3
+
+
+def test_segment_submodules_sum_to_segment():
+    """Blocks big enough that Python overhead is small: d=256, T=64 (about 5 ms a block)."""
+    cfg = GPT2Config(n_embd=256, n_layer=3, n_head=4, vocab_size=512, n_positions=64,
+                     resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    model = load_model(cfg)
+    report = analyze(AnalysisConfig(cuts=(1, 2), seq_len=64, repeats=7, warmup=2,
+                                    roofline=False), model=model)
+    for seg in report["segments"]:
+        top_level = [s for s in seg["submodules"] if s["parent"] == ""]
+        parts = sum(s["latency_ms"]["median"] for s in top_level)
+        assert parts == pytest.approx(seg["latency_ms"]["median"], rel=0.10), seg["name"]
+        check = seg["latency_sum_checks"][0]
+        assert check["parent"] == "" and check["ok"]
+        assert check["children_ms"] == pytest.approx(parts)
+        assert all(s["latency_ms"]["p90"] >= s["latency_ms"]["median"] for s in seg["submodules"])
