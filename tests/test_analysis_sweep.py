@@ -2,14 +2,14 @@
 import pytest
 
 from splitlearn.analysis.core import AnalysisConfig
-from splitlearn.analysis.sweep import LinkConfig, recommend, sweep
+from splitlearn.analysis.sweep import LinkConfig, recommend, sweep_cuts
 from splitlearn.errors import ConfigError
 
 CFG = AnalysisConfig(cuts=(), seq_len=8, repeats=2, warmup=1, roofline=False)
 
 
 def test_sweep_points(tiny_model):
-    out = sweep(tiny_model, CFG, LinkConfig(link_mbps=8.0, rtt_ms=5.0), tiny_model.device)
+    out = sweep_cuts(tiny_model, CFG, LinkConfig(link_mbps=8.0, rtt_ms=5.0), tiny_model.device)
     pts = out["points"]
     assert [p["cut"] for p in pts] == [0, 1, 2, 3, 4]
     block = 12 * 8 * 32 ** 2 + 2 * 64 * 32
@@ -27,7 +27,7 @@ def test_sweep_points(tiny_model):
 
 def test_train_sends_gradients_and_labels(tiny_model):
     cfg = AnalysisConfig(cuts=(), seq_len=8, repeats=2, warmup=1, roofline=False, mode="train")
-    out = sweep(tiny_model, cfg, LinkConfig(), tiny_model.device)
+    out = sweep_cuts(tiny_model, cfg, LinkConfig(), tiny_model.device)
     assert out["points"][2]["bytes"]["float32"] == 2 * 8 * 32 * 4 + 8 * 8
     assert "recommendation" not in out
 

@@ -12,6 +12,6 @@ sweep (every cut, advice), report (text, JSON, CSV, Markdown), plots (PNG), cli.
 """
 from .cli import build_report, main
 from .core import AnalysisConfig, analyze
-from .sweep import LinkConfig, sweep
+from .sweep import LinkConfig, sweep_cuts
 
-__all__ = ["AnalysisConfig", "LinkConfig", "analyze", "build_report", "main", "sweep"]
+__all__ = ["AnalysisConfig", "LinkConfig", "analyze", "build_report", "main", "sweep_cuts"]

@@ -22,7 +22,7 @@ import torch
 from ..errors import SplitLearnError
 from . import plots, report
 from .core import AnalysisConfig, analyze_partition, prepare_model
-from .sweep import LinkConfig, sweep
+from .sweep import LinkConfig, sweep_cuts
 
 log = logging.getLogger(__name__)
 PROG = "analyze_model_performance"
@@ -43,7 +43,7 @@ def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
                "device": device_info(device), "roofline": None, "segments": [], "cuts": [],
                "tied_parameters": []}
     if do_sweep:
-        out["sweep"] = sweep(model, config, link or LinkConfig(), device)
+        out["sweep"] = sweep_cuts(model, config, link or LinkConfig(), device)
     return out
 
 

@@ -54,7 +54,7 @@ class LinkConfig:
             raise ConfigError("min_client_blocks must be >= 0")
 
 
-def sweep(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
+def sweep_cuts(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
     """Analyse every 2-way cut of ``model`` (already on ``device``); JSON-able dict with
     "points" (one per cut) and, given a link, "recommendation"."""
     check_shapes(model.config, config)
