@@ -8,6 +8,7 @@ import torch
 import splitlearn as sl
 from splitlearn.errors import Conflict
 from splitlearn.server.batching import DecodeBatcher, DecodeItem, batched_decode
+from splitlearn.server.compute import ComputeThread
 
 
 @pytest.fixture(scope="module")
@@ -72,22 +73,25 @@ def test_concurrent_submits_share_one_forward(model):
     prompts = [(torch.randn(1, 4, d, generator=g), None) for _ in range(3)]
     ref, bat = _prefilled(seg, prompts)
     new = [torch.randn(1, 1, d, generator=g) for _ in prompts]
-    lock = threading.RLock()
-    batcher = DecodeBatcher(seg, lock)
+    compute = ComputeThread()
+    batcher = DecodeBatcher(seg, compute)
     results = [None] * 3
 
     def submit(i):
         results[i] = batcher.submit(DecodeItem(bat[i], new[i]))
 
-    with lock:  # the model is busy: all three steps queue up behind it
-        threads = [threading.Thread(target=submit, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 10
-        while len(batcher._queue) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+    busy = threading.Event()
+    compute.submit(busy.wait, 10)  # the model is busy: all three steps queue up behind it
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(batcher._queue) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    busy.set()
     for t in threads:
         t.join(10)
+    compute.close()
     assert batcher.batches == 1 and batcher.items == 3
     with torch.no_grad():
         for i in range(3):
@@ -105,11 +109,33 @@ def test_refused_step_does_not_disturb_the_others(model):
     def refuse():
         raise Conflict("position mismatch")
 
-    batcher = DecodeBatcher(seg, threading.RLock())
+    batcher = DecodeBatcher(seg, ComputeThread())
     bad, good = DecodeItem(bat[0], x[0], prepare=refuse), DecodeItem(bat[1], x[1])
     batcher._queue = [bad]
     out = batcher.submit(good)
-    assert isinstance(bad.error, Conflict) and bad.done.is_set()
+    assert isinstance(bad.future.exception(timeout=0), Conflict)
+    assert batcher.batches == 1 and batcher.items == 1
     assert bat[0].length == 3  # the refused session's cache is untouched
     with torch.no_grad():
         torch.testing.assert_close(out, seg(x[1], None, ref[1]), atol=1e-6, rtol=1e-5)
+
+
+def test_unbatched_mode_runs_each_step_alone(model):
+    seg = _server_segment(model, (1, 3)).eval()
+    d = model.config.n_embd
+    g = torch.Generator().manual_seed(3)
+    prompts = [(torch.randn(1, 4, d, generator=g), None) for _ in range(3)]
+    ref, bat = _prefilled(seg, prompts)
+    new = [torch.randn(1, 1, d, generator=g) for _ in prompts]
+    compute = ComputeThread()
+    batcher = DecodeBatcher(seg, compute, batching=False)
+    busy = threading.Event()
+    compute.submit(busy.wait, 10)
+    futures = [batcher.enqueue(DecodeItem(c, x)) for c, x in zip(bat, new)]
+    busy.set()
+    outs = [f.result(10) for f in futures]
+    compute.close()
+    assert batcher.batches == 3 and batcher.items == 3
+    with torch.no_grad():
+        for i in range(3):
+            torch.testing.assert_close(outs[i], seg(new[i], None, ref[i]), atol=1e-6, rtol=1e-5)

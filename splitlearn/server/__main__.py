@@ -38,6 +38,10 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--max-body-mb", type=float, default=256.0, help="larger request bodies get 413")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--threads", type=int, default=16, help="WSGI threads; >= concurrent clients so decode steps batch")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="intra-op threads for the segment (default: torch's, one per core)")
+    p.add_argument("--no-batching", action="store_true",
+                   help="run concurrent sessions' decode steps one at a time (for comparison)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session expires")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-tokens-per-client", type=int, default=65536)
@@ -50,8 +54,8 @@ def parse_args(argv=None) -> ServerConfig:
         seed=a.seed, tokens=read_token_file(a.token_file) if a.token_file else (),
         checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         max_body_bytes=int(a.max_body_mb * (1 << 20)), max_batch=a.max_batch, threads=a.threads,
-        session_ttl_s=a.session_ttl, max_sessions=a.max_sessions,
-        max_tokens_per_client=a.max_tokens_per_client)
+        torch_threads=a.torch_threads, batching=not a.no_batching, session_ttl_s=a.session_ttl,
+        max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client)
 
 
 def serve(cfg: ServerConfig) -> None:

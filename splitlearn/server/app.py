@@ -1,7 +1,8 @@
 """The Flask app: ``create_app(config)`` -> a WSGI app serving one segment.
 
-Each route decodes and validates its request completely (:mod:`.validate`) before calling
-the :class:`~.runtime.SegmentRuntime`; every failure is a :class:`SplitLearnError` turned
+Each route reads its request's bytes on the WSGI thread, then decodes and validates them
+completely (:mod:`.validate`) and calls the :class:`~.runtime.SegmentRuntime`, all on the
+runtime's compute thread (every tensor operation runs there: see :mod:`.compute`). Every failure is a :class:`SplitLearnError` turned
 into ``{"error": CODE, "message": TEXT}`` with its HTTP status by one handler, so a bad
 request changes nothing and the server keeps serving.
 """
@@ -43,12 +44,12 @@ def _binary(body: bytes, started: float, status: int = 200) -> Response:
     return resp
 
 
-def _body() -> tuple[dict, dict]:
-    """The request's tensors and metadata; 415 for another content type, 400 if malformed."""
+def _body() -> bytes:
+    """The request's safetensors bytes; 415 for another content type."""
     if request.mimetype != P.CONTENT_TYPE:
         raise UnsupportedMediaType(f"send tensors as {P.CONTENT_TYPE} (safetensors), "
                                    f"not {request.mimetype or 'no content type'}")
-    return decode(request.get_data(cache=False))
+    return request.get_data(cache=False)
 
 
 def create_app(config: Optional[ServerConfig] = None,
@@ -111,37 +112,53 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.post(P.TRAIN_STEP)
     def train_step():
-        started = time.perf_counter()
-        t, meta = _body()
-        m = P.StepMeta.from_meta(meta)
-        h, mask = _hidden_and_mask(t)
-        y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
-        return _binary(rt.train_step(m, h, y, mask), started)
+        started, body = time.perf_counter(), _body()
+
+        def work() -> bytes:
+            t, meta = decode(body)
+            m = P.StepMeta.from_meta(meta)
+            h, mask = _hidden_and_mask(t)
+            y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
+            return rt.train_step(m, h, y, mask)
+
+        return _binary(rt.compute.run(work), started)
 
     @app.post(P.TRAIN_FORWARD)
     def train_forward():
-        started = time.perf_counter()
-        t, meta = _body()
-        m = P.StepMeta.from_meta(meta)
-        h, mask = _hidden_and_mask(t)
-        return _binary(rt.train_forward(m, h, mask), started)
+        started, body = time.perf_counter(), _body()
+
+        def work() -> bytes:
+            t, meta = decode(body)
+            m = P.StepMeta.from_meta(meta)
+            h, mask = _hidden_and_mask(t)
+            return rt.train_forward(m, h, mask)
+
+        return _binary(rt.compute.run(work), started)
 
     @app.post(P.TRAIN_BACKWARD)
     def train_backward():
-        started = time.perf_counter()
-        t, meta = _body()
-        m = P.StepMeta.from_meta(meta)
-        grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
-        return _binary(rt.train_backward(m, grad), started)
+        started, body = time.perf_counter(), _body()
+
+        def work() -> bytes:
+            t, meta = decode(body)
+            m = P.StepMeta.from_meta(meta)
+            grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
+            return rt.train_backward(m, grad)
+
+        return _binary(rt.compute.run(work), started)
 
     @app.post(P.FORWARD)
     def forward():
-        started = time.perf_counter()
-        t, meta = _body()
-        h, mask = _hidden_and_mask(t)
-        y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
-        wire = check_wire_dtype(meta.get("wire_dtype", "float32"))
-        return _binary(rt.forward(h, mask, y, wire), started)
+        started, body = time.perf_counter(), _body()
+
+        def work() -> bytes:
+            t, meta = decode(body)
+            h, mask = _hidden_and_mask(t)
+            y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+            wire = check_wire_dtype(meta.get("wire_dtype", "float32"))
+            return rt.forward(h, mask, y, wire)
+
+        return _binary(rt.compute.run(work), started)
 
     @app.post(P.CHECKPOINT)
     def checkpoint():
@@ -162,14 +179,19 @@ def create_app(config: Optional[ServerConfig] = None,
     def session_step(session_id: str):
         started = time.perf_counter()
         sess = rt.sessions.get(g.owner, session_id)
-        t, meta = _body()
-        m = P.SessionStepMeta.from_meta(meta)
-        h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=sess.rows)
-        total = m.position + h.shape[1]
-        if total > npos:
-            raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
-        mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
-        return _binary(rt.session_step(sess, m.position, h, mask, m.wire_dtype), started)
+        body = _body()
+
+        def work():  # -> a future of the answer: decode steps wait for their batch
+            t, meta = decode(body)
+            m = P.SessionStepMeta.from_meta(meta)
+            h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=sess.rows)
+            total = m.position + h.shape[1]
+            if total > npos:
+                raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
+            mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
+            return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
+
+        return _binary(rt.compute.run(work).result(), started)
 
     @app.delete(P.SESSION.replace("{session_id}", "<session_id>"))
     def close_session(session_id: str):

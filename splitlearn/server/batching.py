@@ -12,14 +12,16 @@ server stacks their new rows and runs the weight-heavy parts of each block once:
 Attention stays per session: each keeps its own KV cache, positions and padding mask, built
 exactly as :class:`~splitlearn.segments.Segment` builds them, and calls the same attention
 kernel; only the row-wise matrix products are shared. No request waits for others: a step
-that arrives while the model is busy queues, and whichever request gets the model next runs
-everything queued (see :class:`DecodeBatcher`).
+queues, and the first step queued schedules one *drain* on the server's compute thread
+(:mod:`.compute`); when the drain runs it takes every step queued by then, so steps that
+arrive while the model is busy share the next pass (see :class:`DecodeBatcher`).
 """
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from transformers.masking_utils import create_causal_mask
@@ -27,24 +29,26 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
 from ..segments import Segment, SegmentCache
+from .compute import ComputeThread
 
 
 @dataclass
 class DecodeItem:
     """One session's decode step: its cache and new rows (B, 1, d).
 
-    ``prepare`` runs under the model lock just before the batch: it raises if the step may
+    ``prepare`` runs on the compute thread just before the batch: it raises if the step may
     not run now (a 409 or 429 for this session alone) and returns the mask of the whole
-    sequence, (B, past + 1), or None for no padding.
+    sequence, (B, past + 1), or None for no padding. ``finish`` turns the step's output
+    (B, 1, d|V) into the answer (the response bytes), also on the compute thread. ``future``
+    gets that answer, or the step's error.
     """
 
     cache: SegmentCache
     hidden: torch.Tensor
     prepare: Callable[[], Optional[torch.Tensor]] = lambda: None
+    finish: Callable[[torch.Tensor], Any] = lambda out: out
     mask: Optional[torch.Tensor] = None
-    output: Optional[torch.Tensor] = None
-    error: Optional[BaseException] = None
-    done: threading.Event = field(default_factory=threading.Event)
+    future: Future = field(default_factory=Future)
 
 
 @torch.no_grad()
@@ -83,51 +87,69 @@ def batched_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tens
 
 
 class DecodeBatcher:
-    """Collects concurrent decode steps and runs them together under the model lock."""
+    """Collects decode steps from any thread and runs them together on the compute thread.
 
-    def __init__(self, segment: Segment, lock: threading.RLock):
+    ``batching=False`` runs each queued step alone (the benchmark's unbatched baseline).
+    ``lock``, if given, is held while a batch runs (the runtime's state lock).
+    """
+
+    def __init__(self, segment: Segment, compute: ComputeThread, lock: Optional[threading.RLock] = None,
+                 batching: bool = True):
         self.segment = segment
-        self.lock = lock
+        self.compute = compute
+        self.lock = lock or threading.RLock()
+        self.batching = batching
         self._queue: list[DecodeItem] = []
         self._queue_lock = threading.Lock()
+        self._scheduled = False  # a drain is queued on the compute thread
         self.batches = 0  # forwards run
         self.items = 0  # steps served
 
-    def submit(self, item: DecodeItem) -> torch.Tensor:
-        """Queue ``item``; return its output once some thread has run it (maybe this one)."""
+    def enqueue(self, item: DecodeItem) -> Future:
+        """Queue ``item`` (from any thread, the compute thread included); its future."""
         with self._queue_lock:
             self._queue.append(item)
-        while not item.done.is_set():
-            with self.lock:
-                if item.done.is_set():
-                    break
-                with self._queue_lock:
-                    batch, self._queue = self._queue, []
-                self._run(batch)
-        if item.error is not None:
-            raise item.error
-        return item.output
+            if not self._scheduled:
+                self._scheduled = True
+                self.compute.submit(self.drain)
+        return item.future
+
+    def submit(self, item: DecodeItem):
+        """Queue ``item`` and wait for its answer (not from the compute thread itself)."""
+        return self.enqueue(item).result()
+
+    def drain(self) -> None:
+        """Run everything queued so far (on the compute thread)."""
+        with self._queue_lock:
+            batch, self._queue, self._scheduled = self._queue, [], False
+        if self.batching:
+            self._run(batch)
+        else:
+            for it in batch:
+                self._run([it])
 
     def _run(self, batch: list[DecodeItem]) -> None:
-        ready = []
-        for it in batch:
+        with self.lock:
+            ready = []
+            for it in batch:
+                try:
+                    it.mask = it.prepare()
+                    ready.append(it)
+                except Exception as e:  # this step is refused; the others go on
+                    it.future.set_exception(e)
+            if not ready:
+                return
             try:
-                it.mask = it.prepare()
-                ready.append(it)
-            except Exception as e:  # this step is refused; the others go on
-                it.error = e
-                it.done.set()
-        if not ready:
-            return
-        try:
-            self.segment.eval()
-            outputs = batched_decode(self.segment, ready)
-            self.batches += 1
-            self.items += len(ready)
-            for it, out in zip(ready, outputs):
-                it.output = out
-        except Exception as e:
-            for it in ready:
-                it.error = e
-        for it in ready:
-            it.done.set()
+                self.segment.eval()
+                outputs = batched_decode(self.segment, ready)
+                self.batches += 1
+                self.items += len(ready)
+            except Exception as e:
+                for it in ready:
+                    it.future.set_exception(e)
+                return
+        for it, out in zip(ready, outputs):
+            try:
+                it.future.set_result(it.finish(out))
+            except Exception as e:
+                it.future.set_exception(e)

@@ -29,6 +29,8 @@ class ServerConfig:
     max_body_bytes: int = 256 << 20  # requests larger than this get 413 unread
     max_batch: int = 64  # rows per request
     threads: int = 16  # WSGI worker threads (>= concurrent clients, so their decode steps can batch)
+    torch_threads: Optional[int] = None  # intra-op threads of the compute thread (default: torch's)
+    batching: bool = True  # batch concurrent sessions' decode steps into one forward
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
     max_tokens_per_client: int = 65536  # cached tokens (rows x length) per token holder
@@ -50,6 +52,8 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_batch", "threads", "max_sessions", "max_tokens_per_client"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError(f"--torch-threads must be >= 1, got {self.torch_threads}")
         if not self.tokens:
             env = os.environ.get("SPLITLEARN_TOKEN", "")
             self.tokens = tuple(t.strip() for t in env.split(",") if t.strip())

@@ -1,8 +1,10 @@
 """The server's segment and everything that changes it: training steps, sessions, checkpoints.
 
-One :class:`SegmentRuntime` per process holds one copy of the segment. A lock serialises
-every use of the weights, so concurrent requests are safe; the WSGI server's threads still
-overlap reading bodies, decoding and encoding with computation.
+One :class:`SegmentRuntime` per process holds one copy of the segment. It loads the segment
+on, and runs every method that touches tensors on, its :class:`~.compute.ComputeThread`
+(why one thread: see :mod:`.compute`), and a lock guards the state that other threads read,
+so concurrent requests are safe; the WSGI server's threads overlap reading and writing bytes
+with computation.
 
 Exactly-once training steps. Each client numbers its steps 1, 2, 3...; the runtime keeps,
 per client, the last step applied and the bytes it answered. A request for that same step
@@ -15,6 +17,7 @@ import base64
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,6 +33,7 @@ from ..partition import partition
 from ..segments import Segment, loss_from_logits
 from ..wire import encode, pack
 from .batching import DecodeBatcher, DecodeItem
+from .compute import ComputeThread, on_compute_thread
 from .config import ServerConfig
 from .sessions import Session, SessionStore
 
@@ -76,8 +80,13 @@ def _extend_mask(past: Optional[torch.Tensor], new: Optional[torch.Tensor], rows
 
 
 class SegmentRuntime:
-    def __init__(self, cfg: ServerConfig):
+    def __init__(self, cfg: ServerConfig, compute: Optional[ComputeThread] = None):
         self.cfg = cfg
+        self.compute = compute or ComputeThread(cfg.torch_threads)
+        self.compute.run(self._load)
+
+    def _load(self) -> None:
+        cfg = self.cfg
         self.segment, self.cuts = build_segment(cfg)
         self.config = self.segment.config
         self.device = next(self.segment.parameters()).device
@@ -88,7 +97,7 @@ class SegmentRuntime:
         self.clients: dict[str, _Progress] = {}
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client)
-        self.batcher = DecodeBatcher(self.segment, self.lock)
+        self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching)
         self.steps_applied = 0
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
@@ -144,6 +153,7 @@ class SegmentRuntime:
     def _to_model(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(device=self.device, dtype=self.dtype, non_blocking=True)
 
+    @on_compute_thread
     def train_step(self, meta: P.StepMeta, hidden: torch.Tensor, labels: torch.Tensor,
                    mask: Optional[torch.Tensor]) -> bytes:
         """2-way: loss of the top on ``hidden``; optimizer step; answer loss + grad of input."""
@@ -167,6 +177,7 @@ class SegmentRuntime:
             self._applied(prog, meta.step, body)
             return body
 
+    @on_compute_thread
     def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> bytes:
         """U-shape: trunk output for ``hidden``; the graph waits for the backward."""
         if not self.u_shape:
@@ -184,6 +195,7 @@ class SegmentRuntime:
             prog.pending = _Pending(meta.step, h, out, body)
             return body
 
+    @on_compute_thread
     def train_backward(self, meta: P.StepMeta, grad: torch.Tensor) -> bytes:
         """U-shape: backpropagate ``grad`` of the trunk output; optimizer step; grad of input."""
         with self.lock:
@@ -214,6 +226,7 @@ class SegmentRuntime:
 
     # -- inference ---------------------------------------------------------------------
 
+    @on_compute_thread
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor], wire_dtype: str) -> bytes:
@@ -233,13 +246,15 @@ class SegmentRuntime:
             raise BadRequest(f"rows must be in 1..{self.cfg.max_batch}, got {rows}")
         return self.sessions.open(owner, rows)
 
+    @on_compute_thread
     def session_step(self, sess: Session, position: int, hidden: torch.Tensor,
-                     mask: Optional[torch.Tensor], wire_dtype: str) -> bytes:
+                     mask: Optional[torch.Tensor], wire_dtype: str) -> Future:
         """Run the new positions through the segment with the session's cache.
 
         ``mask`` (rows, T) covers the new positions only; the session keeps the mask of the
         earlier ones, so a decode step's request does not grow with the sequence. Decode
         steps (T = 1) go through the :class:`DecodeBatcher`, batched with concurrent ones.
+        Returns a future of the response bytes: wait for it off the compute thread.
         """
         T = hidden.shape[1]
 
@@ -251,20 +266,25 @@ class SegmentRuntime:
             sess.mask = _extend_mask(sess.mask, mask, sess.rows, position, T)  # (B, past + T)
             return None if sess.mask is None else sess.mask.to(self.device)
 
+        def finish(out: torch.Tensor) -> bytes:  # (B, T, d|V) -> response bytes
+            if self.segment.has_head:
+                return encode(pack(P.LOGITS, out[:, -1, :], wire_dtype))  # (B, V)
+            return encode(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)
+
         h = self._to_model(hidden)
         if T == 1:
-            out = self.batcher.submit(DecodeItem(sess.cache, h, prepare))  # (B, 1, d|V)
-        else:
-            with self.lock, torch.no_grad():
-                full = prepare()
-                self.segment.eval()
-                out = self.segment(h, full, sess.cache)  # (B, T, d|V)
-        if self.segment.has_head:
-            return encode(pack(P.LOGITS, out[:, -1, :], wire_dtype))  # (B, V)
-        return encode(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)
+            return self.batcher.enqueue(DecodeItem(sess.cache, h, prepare, finish))
+        with self.lock, torch.no_grad():
+            full = prepare()
+            self.segment.eval()
+            out = self.segment(h, full, sess.cache)  # (B, T, d|V)
+        done: Future = Future()
+        done.set_result(finish(out))
+        return done
 
     # -- persistence -------------------------------------------------------------------
 
+    @on_compute_thread
     def checkpoint(self) -> Optional[str]:
         """Save segment, optimizer state and step counters to ``--checkpoint-dir``."""
         if not self.cfg.checkpoint_dir:
