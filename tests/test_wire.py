@@ -5,6 +5,7 @@ import struct
 import pytest
 import torch
 
+from splitlearn import wire
 from splitlearn.errors import BadRequest
 from splitlearn.wire import (check_wire_dtype, decode, encode, pack, quantize_int8, read_metadata,
                              unpack)
@@ -120,3 +121,25 @@ def test_wire_dtype_names_are_checked():
     assert check_wire_dtype("bfloat16") == "bfloat16"
     with pytest.raises(BadRequest, match="float64"):
         check_wire_dtype("float64")
+
+
+def test_encode_writes_safetensors_the_library_reads():
+    from safetensors.torch import load as st_load
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(2, 3, 4, generator=g), "bf16": torch.randn(3, 5, generator=g).bfloat16(),
+               "f16": torch.randn(7, generator=g).half(), "i8": torch.tensor([-127, 0, 127], dtype=torch.int8),
+               "i64": torch.arange(6).reshape(2, 3), "flag": torch.tensor([True, False]),
+               "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4),
+               "strided": torch.randn(4, 6, generator=g).t()}  # not contiguous
+    body = wire.encode(tensors, {"step": 3})
+    assert isinstance(body, bytes)
+    (n,) = struct.unpack("<Q", body[:8])
+    assert n % 8 == 0  # data 8-byte aligned, as safetensors.torch.save writes it
+    back = st_load(body)
+    assert back.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    assert wire.read_metadata(body) == {"step": "3"}
+    payload = sum(v.numel() * v.element_size() for v in tensors.values())
+    assert len(body) - payload < 1024  # raw bytes plus a small header
