@@ -70,6 +70,7 @@ def serve(cfg: ServerConfig) -> None:
     server = waitress.create_server(
         app, host=cfg.host, port=cfg.port, threads=cfg.threads,
         inbuf_overflow=body_limit, outbuf_overflow=body_limit, max_request_body_size=body_limit,
+        recv_bytes=256 << 10,  # default 8 KiB: a 1.5 MB body took 190 reads (echo 8.8 -> 6.3 ms)
         channel_timeout=300, connection_limit=256, ident="splitlearn")
 
     def stop(signum, _frame):

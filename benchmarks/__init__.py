@@ -1,0 +1,1 @@
+"""splitlearn benchmarks: run with `make bench` or `python benchmarks/run.py` (see README.md)."""

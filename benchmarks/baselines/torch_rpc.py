@@ -1,0 +1,354 @@
+"""The PyTorch-native baseline: a U-shape split over ``torch.distributed.rpc`` (TensorPipe).
+
+What a PyTorch user would write from the RPC tutorials ("Distributed Pipeline Parallelism
+Using RPC", "Implementing a Parameter Server"): two workers on loopback, world size 2, the
+trunk held by worker ``server`` (rank 0, which also hosts the rendezvous store), bottom + top
+by worker ``client`` (rank 1). Training uses distributed autograd and a
+``DistributedOptimizer(torch.optim.AdamW, ...)`` over parameter RRefs of both workers;
+generation keeps the trunk's KV cache on the server in a session object behind an RRef::
+
+    set-up     client --rpc.remote(_served_trunk)-->    RRef[trunk]        (the module stays there)
+               client --rpc_sync(_parameter_rrefs)-->   [RRef[param], ...] (for the optimizer)
+
+    training   (inside dist_autograd.context() as ctx)
+      client: ids -> bottom -> h1 (B, T, d) --rpc_sync(_trunk_forward)--> server: trunk(h1)
+              <-- h2 (B, T, d)
+      client: h2 -> top -> loss; dist_autograd.backward(ctx, [loss])
+              dL/dh2 (B, T, d) --autograd RPC--> server: trunk backward --> dL/dh1 (B, T, d)
+      client: optimizer.step(ctx): one RPC per worker runs its local AdamW on its gradients
+
+    generation (greedy)
+      client --rpc.remote(_DecodeSession, RRef[trunk])--> session (holds trunk.new_cache())
+      prefill: h1 (B, T, d) --session.rpc_sync().step--> h2 (B, T, d)
+      decode:  h1 (B, 1, d) --session.rpc_sync().step--> h2 (B, 1, d)   (one new position)
+
+    ping: rpc_sync(_noop), nothing computed
+
+Tensors travel as TensorPipe messages (pickled Python objects with the tensor storages sent
+beside them): the RPC layer unpickles what the peer sends, so it is for trusted peers only.
+
+Pitfalls found (torch 2.13, CPU):
+- ``rpc.init_rpc`` works once per process: a second ``init_rpc`` after ``rpc.shutdown()`` hangs.
+  Enter one :class:`TorchRpcSplit` per process (a second raises); benchmarks and tests run it in
+  a child process.
+- Functions and classes called remotely are pickled by qualified name, so the server must
+  import this file as ``benchmarks.baselines.torch_rpc``, not as ``__main__`` (which would hold
+  a second, empty ``_TRUNK``): the script entry below re-imports itself under that name.
+- ``DistributedOptimizer(torch.optim.AdamW, ...)`` swaps in TorchScript's ``_FunctionalAdamW``,
+  whose default ``weight_decay`` is 0.01 like ``torch.optim.AdamW``'s; splitlearn uses 0, so
+  pass ``weight_decay=0.0``. The losses then equal local AdamW's (see the tests).
+- TensorPipe and the Gloo group ``init_rpc`` builds pick their interface from the host name
+  unless ``TP_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` say otherwise; both are set to ``lo``.
+- If the server dies before the rendezvous, the client's ``init_rpc`` would wait for it; the
+  server prints a ready line after loading the model and the client waits for that first.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.optim import DistributedOptimizer
+
+from splitlearn import load_model, partition
+from splitlearn.checkpoint import unique_parameters
+from splitlearn.segments import Segment, loss_from_logits
+from splitlearn.server.process import free_port
+
+SCRIPT = Path(__file__).resolve()
+REPO = SCRIPT.parents[2]
+READY = "torch_rpc server ready"
+RPC_TIMEOUT_S = 600.0  # per RPC call; a GPT-2 small training forward takes seconds on a CPU
+LOOPBACK_ENV = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+
+_TRUNK: Optional[Segment] = None  # the server's trunk, set by serve()
+_RPC_USED = False  # rpc.init_rpc has run in this process (it cannot run twice)
+
+
+@dataclass
+class RpcServerConfig:
+    model: str  # model source, as for splitlearn.load_model ("tiny", "random:gpt2", a directory)
+    cuts: tuple[int, int]  # U-shape cuts c1 < c2: the server holds blocks [c1, c2)
+    master_port: int  # TCP port on 127.0.0.1 of the rendezvous store (the server hosts it)
+    seed: int = 0  # seed of random inits; the client must use the same
+    torch_threads: Optional[int] = None  # torch intra-op threads of the server; None: torch's default
+
+    def __post_init__(self):
+        self.cuts = tuple(int(c) for c in self.cuts)
+        if len(self.cuts) != 2:
+            raise ValueError(f"the RPC baseline is a U-shape: give two cuts, got {list(self.cuts)}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must lie in [1, 65535], got {self.master_port}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+
+    def argv(self) -> list[str]:
+        """The command-line arguments of :func:`main` that rebuild this config."""
+        args = ["--model", self.model, "--cut", str(self.cuts[0]), "--cut", str(self.cuts[1]),
+                "--master-port", str(self.master_port), "--seed", str(self.seed)]
+        return args + ([] if self.torch_threads is None else ["--torch-threads", str(self.torch_threads)])
+
+    def backend_options(self) -> rpc.TensorPipeRpcBackendOptions:
+        return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{self.master_port}",
+                                               rpc_timeout=RPC_TIMEOUT_S)
+
+
+def _init_rpc(name: str, rank: int, cfg: RpcServerConfig) -> None:
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    with warnings.catch_warnings():  # init_rpc's own Gloo barrier warns that it is deprecated
+        warnings.filterwarnings("ignore", message=".*ProcessGroupGloo.*", category=UserWarning)
+        rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=cfg.backend_options())
+
+
+# -- what the server runs, called by the client ------------------------------------------
+
+def _noop() -> None:
+    return None
+
+
+def _served_trunk() -> Segment:
+    """The server's trunk; called through ``rpc.remote`` it stays there and the caller gets an RRef."""
+    if _TRUNK is None:
+        raise RuntimeError("this worker serves no trunk: start it with `python benchmarks/baselines/torch_rpc.py`")
+    return _TRUNK
+
+
+def _trunk_config(trunk_rref: rpc.RRef) -> dict:
+    t = trunk_rref.local_value()
+    keys = ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")
+    return {"blocks": list(t.blocks), **{k: getattr(t.config, k) for k in keys}}
+
+
+def _parameter_rrefs(module_rref: rpc.RRef) -> list[rpc.RRef]:
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+def _trunk_forward(trunk_rref: rpc.RRef, h1: torch.Tensor) -> torch.Tensor:
+    trunk = trunk_rref.local_value()
+    trunk.train()
+    return trunk(h1)  # (B, T, d); distributed autograd records the graph on both sides
+
+
+class _DecodeSession:
+    """One generation on the server: the trunk's KV cache for one batch of sequences."""
+
+    def __init__(self, trunk_rref: rpc.RRef):
+        self.trunk: Segment = trunk_rref.local_value()
+        self.cache = self.trunk.new_cache()
+
+    @torch.no_grad()
+    def step(self, h1: torch.Tensor) -> torch.Tensor:
+        self.trunk.eval()
+        return self.trunk(h1, None, self.cache)  # (B, T, d) for the new positions only
+
+
+def serve(cfg: RpcServerConfig) -> None:
+    """Load the trunk, join as worker ``server`` (rank 0), and serve until the client shuts down."""
+    global _TRUNK
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
+    _TRUNK = partition(load_model(cfg.model, seed=cfg.seed), cfg.cuts).trunk
+    print(READY, flush=True)
+    _init_rpc("server", 0, cfg)
+    rpc.shutdown()  # blocks until the client has called rpc.shutdown() too
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="torch.distributed.rpc split-learning server (U-shape trunk)")
+    p.add_argument("--model", required=True, help="model source: tiny, random:gpt2, a directory, ...")
+    p.add_argument("--cut", type=int, action="append", required=True, help="give twice: c1 and c2")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=None)
+    a = p.parse_args(argv)
+    serve(RpcServerConfig(a.model, tuple(a.cut), a.master_port, a.seed, a.torch_threads))
+
+
+# -- client ------------------------------------------------------------------------------
+
+class TorchRpcSplit:
+    """Bottom + top here (worker ``client``), the trunk in a child process (worker ``server``).
+
+    model_src, cuts, seed: as for the server (both sides load the same model).
+    lr: AdamW learning rate on both workers (DistributedOptimizer, no weight decay).
+    torch_threads: the server's torch threads (this process keeps its own setting).
+    ``stats``: ``calls`` (remote calls), ``bytes_sent`` / ``bytes_received``. RPC does not
+    report its message sizes, so the bytes are estimates: the tensor payloads
+    (``numel * element_size``), without pickled headers or TensorPipe framing.
+
+    ``rpc.init_rpc`` can run only once per process, so only one ``TorchRpcSplit`` can be
+    entered per process, ever.
+    """
+
+    def __init__(self, model_src: str, cuts: Sequence[int], *, lr: float = 1e-3, seed: int = 0,
+                 torch_threads: Optional[int] = None, startup_timeout_s: float = 120.0):
+        if not rpc.is_available():
+            raise RuntimeError("this torch build has no torch.distributed.rpc")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        self.cfg = RpcServerConfig(model_src, tuple(cuts), free_port(), seed, torch_threads)
+        self.lr = lr
+        self.startup_timeout_s = startup_timeout_s
+        parts = partition(load_model(model_src, seed=seed), self.cfg.cuts)
+        self.bottom, self.top = parts.bottom, parts.top  # the trunk dies with `parts`
+        self.stats = {"calls": 0, "bytes_sent": 0, "bytes_received": 0}
+        self.proc: Optional[subprocess.Popen] = None
+        self._stderr = None
+        self._trunk: Optional[rpc.RRef] = None
+        self.optimizer: Optional[DistributedOptimizer] = None
+
+    # -- the server process and the RPC group --------------------------------------------
+
+    def start(self) -> "TorchRpcSplit":
+        global _RPC_USED
+        if _RPC_USED:
+            raise RuntimeError("torch.distributed.rpc was already initialised in this process and cannot "
+                               "be again (a second init_rpc hangs): run each TorchRpcSplit in its own process")
+        _RPC_USED = True
+        env = {**os.environ, **LOOPBACK_ENV,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        if self.cfg.torch_threads is not None:
+            env.update(OMP_NUM_THREADS=str(self.cfg.torch_threads), MKL_NUM_THREADS=str(self.cfg.torch_threads))
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), *self.cfg.argv()], env=env,
+                                     stdout=subprocess.PIPE, stderr=self._stderr)
+        try:
+            self._wait_ready()
+            _init_rpc("client", 1, self.cfg)
+        except BaseException:
+            self._kill()
+            raise
+        self._connect()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline, seen, fd = time.monotonic() + self.startup_timeout_s, b"", self.proc.stdout.fileno()
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.2)[0]:
+                seen += os.read(fd, 4096)  # b"" once the server has exited
+            if READY.encode() in seen:
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"torch_rpc server exited with code {self.proc.returncode}:\n"
+                                   f"{self._stderr_tail()}")
+        raise RuntimeError(f"torch_rpc server was not ready within {self.startup_timeout_s}s")
+
+    def _connect(self) -> None:
+        self._trunk = rpc.remote("server", _served_trunk)  # RRef[Segment], owned by the server
+        server_cfg = rpc.rpc_sync("server", _trunk_config, args=(self._trunk,))
+        for key, value in server_cfg.items():
+            mine = list(self.cfg.cuts) if key == "blocks" else getattr(self.bottom.config, key)
+            if value != mine:
+                raise RuntimeError(f"the server's {key}={value} differs from this side's {mine}: "
+                                   f"load the same model on both sides")
+        remote_params = rpc.rpc_sync("server", _parameter_rrefs, args=(self._trunk,))
+        local_params = [rpc.RRef(p) for p in unique_parameters([self.bottom, self.top])]
+        self.optimizer = DistributedOptimizer(torch.optim.AdamW, local_params + remote_params,
+                                              lr=self.lr, weight_decay=0.0)
+        self.stats["calls"] += 4  # remote, config, parameters, the server's optimizer
+
+    def _stderr_tail(self, chars: int = 2000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-chars:]
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        """Drop the RRefs, shut RPC down on both workers, and wait for the server to exit."""
+        self._trunk = self.optimizer = None
+        if self.proc is None:
+            return
+        try:
+            rpc.shutdown()  # graceful: waits for outstanding calls and RRef deletions on both sides
+            self.proc.wait(30)
+        except Exception:
+            self._kill()
+            raise
+        finally:
+            self.proc.stdout.close()
+            self._stderr.close()
+            self.proc = None
+
+    def __enter__(self) -> "TorchRpcSplit":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def _count(self, sent: Optional[torch.Tensor] = None, received: Optional[torch.Tensor] = None) -> None:
+        self.stats["calls"] += 1
+        for key, t in (("bytes_sent", sent), ("bytes_received", received)):
+            if t is not None:
+                self.stats[key] += t.numel() * t.element_size()  # an estimate: the tensor payload
+
+    def ping(self) -> None:
+        """One remote call that computes nothing: the per-call overhead."""
+        rpc.rpc_sync("server", _noop)
+        self._count()
+
+    def train_step(self, input_ids: torch.Tensor) -> float:
+        """One AdamW step on both workers for a batch (B, T) with labels = input_ids; the loss."""
+        ids = torch.as_tensor(input_ids)
+        self.bottom.train()
+        self.top.train()
+        with dist_autograd.context() as ctx:
+            h1 = self.bottom(ids)  # (B, T, d)
+            h2 = rpc.rpc_sync("server", _trunk_forward, args=(self._trunk, h1))  # (B, T, d)
+            self._count(h1, h2)
+            loss = loss_from_logits(self.top(h2), ids)
+            dist_autograd.backward(ctx, [loss])  # dL/dh2 goes to the server, dL/dh1 comes back
+            self._count(h2, h1)
+            self.optimizer.step(ctx)  # each worker's AdamW on the gradients of this context
+            self._count()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.LongTensor:
+        """Greedy: prompt (B, T) + ``max_new_tokens`` tokens, (B, T + new); no padding.
+
+        Every side keeps a KV cache: after the prompt, one position (B, 1, d) crosses per token.
+        """
+        ids = torch.as_tensor(input_ids)
+        n_pos = self.bottom.config.n_positions
+        if ids.shape[1] + max_new_tokens > n_pos:
+            raise ValueError(f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new passes n_positions={n_pos}")
+        self.bottom.eval()
+        self.top.eval()
+        caches = self.bottom.new_cache(), self.top.new_cache()
+        session = rpc.remote("server", _DecodeSession, args=(self._trunk,))  # RRef[_DecodeSession]
+        self._count()
+        out, new = [ids], ids
+        for _ in range(max_new_tokens):
+            h1 = self.bottom(new, None, caches[0])  # (B, T or 1, d)
+            h2 = session.rpc_sync().step(h1)  # (B, T or 1, d)
+            self._count(h1, h2)
+            new = self.top(h2, None, caches[1])[:, -1, :].argmax(-1)[:, None]  # (B, 1)
+            out.append(new)
+        del session  # the server frees the cache when the RRef's last user is gone
+        return torch.cat(out, dim=1)
+
+
+if __name__ == "__main__":
+    # Import this file under its package name so that the functions the client names
+    # (benchmarks.baselines.torch_rpc._served_trunk, ...) see the _TRUNK that serve() sets.
+    sys.path.insert(0, str(REPO))
+    from benchmarks.baselines.torch_rpc import main as package_main
+
+    package_main()

@@ -1,0 +1,82 @@
+"""``BenchConfig``: what one benchmark run measures, and on what.
+
+Every workload of a run reads the same config, so the systems it compares use the same
+model, cuts, data and thread count. ``quick()`` is the smoke-test variant (a tiny model, one
+repeat) that ``tests/test_benchmarks.py`` runs; the defaults are the published CPU run.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+WORKLOADS = ("codec", "overhead", "generation", "training", "int8_drift", "concurrency")
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+@dataclass
+class BenchConfig:
+    model: str = "random:gpt2"  # GPT-2 small, random weights: the same on every side, offline
+    u_cuts: tuple[int, int] = (2, 10)  # U-shape: client bottom [0,2) + top [10,12), server trunk
+    two_way_cut: int = 2  # 2-way: client bottom [0,2), server top [2,12) with the LM head
+    device: str = "cpu"  # cpu | cuda (servers and clients alike)
+    dtype: str = "float32"  # compute dtype of every model (GPU training uses bfloat16)
+    threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # torch threads per process
+    repeats: int = 3  # timed runs per measurement (the median is reported)
+    warmup: int = 1  # untimed runs before them
+    workloads: tuple[str, ...] = WORKLOADS
+    wire_dtypes: tuple[str, ...] = WIRE_DTYPES
+    # generation
+    prompt_len: int = 32
+    new_tokens: int = 64
+    gen_batches: tuple[int, ...] = (1, 8)
+    naive_new_tokens: int = 8  # the naive baseline resends the whole sequence each step:
+    # it gets these many tokens (its per-token rate only falls as the sequence grows)
+    # training
+    train_batch: int = 4
+    train_seq: int = 128
+    lr: float = 1e-4
+    # codec
+    codec_shape: tuple[int, int, int] = (4, 128, 768)
+    codec_repeats: int = 50
+    # overhead
+    overhead_calls: int = 200
+    # int8 drift: loss difference int8 activations cause over many training steps
+    drift_model: str = "tiny-demo"
+    drift_cuts: tuple[int, int] = (2, 4)
+    drift_steps: int = 100
+    drift_batch: int = 8
+    drift_seq: int = 64
+    drift_lr: float = 5e-3
+    # concurrency: simultaneous generation clients (separate processes) on one server
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    concurrency_new_tokens: int = 64
+    concurrency_prompt_len: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = set(self.workloads) - set(WORKLOADS)
+        if unknown:
+            raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+        bad = set(self.wire_dtypes) - set(WIRE_DTYPES)
+        if bad:
+            raise ValueError(f"unknown wire dtypes {sorted(bad)}; choose from {', '.join(WIRE_DTYPES)}")
+        if self.repeats < 1 or self.warmup < 0 or self.threads < 1:
+            raise ValueError("repeats and threads must be >= 1, warmup >= 0")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.two_way_cut < 1 or not 0 < self.u_cuts[0] < self.u_cuts[1]:
+            raise ValueError("cuts must leave the client at least one block")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def quick(cls, **overrides) -> "BenchConfig":
+        """Seconds, not minutes: the tiny model, small shapes, one repeat (smoke test)."""
+        base = dict(model="tiny", u_cuts=(1, 3), two_way_cut=1, repeats=1, warmup=0,
+                    prompt_len=8, new_tokens=8, gen_batches=(1, 2), naive_new_tokens=4,
+                    train_batch=2, train_seq=16, codec_shape=(2, 16, 32), codec_repeats=3,
+                    overhead_calls=5, drift_model="tiny", drift_cuts=(1, 3), drift_steps=4,
+                    drift_batch=2, drift_seq=16, concurrency=(1, 2), concurrency_new_tokens=4,
+                    concurrency_prompt_len=4, threads=1)
+        return replace(cls(**base), **overrides)

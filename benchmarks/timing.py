@@ -1,0 +1,62 @@
+"""Timing: medians after warm-up, the machine a run was made on, and the command that made it."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class Timing:
+    median_s: float
+    p90_s: float
+    runs: list[float]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+
+
+def measure(fn: Callable[[], object], repeats: int, warmup: int,
+            device: Optional[str] = None) -> Timing:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed (CUDA synchronised)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        runs.append(time.perf_counter() - t0)
+    return Timing(statistics.median(runs), p90(runs), runs)
+
+
+def machine_info(threads: int) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": threads,
+            "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def command_line() -> str:
+    return " ".join(["python", *([os.path.relpath(sys.argv[0])] if sys.argv else []), *sys.argv[1:]])

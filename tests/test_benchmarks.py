@@ -1,0 +1,110 @@
+"""The benchmark harness end to end on the tiny model: every workload produces real rows.
+
+Timing values are not asserted (CI machines are noisy); what is asserted is what the rows
+must hold whatever the speed: split generation gives the unsplit model's tokens, float32
+codec round trips are exact and carry raw bytes plus a small header, the report files exist.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+from benchmarks.run import parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    # A process of its own, as `make bench` runs it (torch.distributed.rpc starts once per process).
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "benchmarks/run.py", "--quick", "--wire-dtypes", "float32,int8",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "wrote " in proc.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def result(out_dir):
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def _rows(result, workload):
+    rows = [r for r in result["rows"] if r["workload"] == workload]
+    assert rows, f"no {workload} rows"
+    for r in rows:
+        assert math.isfinite(r["value"]) and r["value"] >= 0, r
+    return rows
+
+
+def test_generation_compares_every_system_and_split_tokens_equal_unsplit(result):
+    rows = _rows(result, "generation")
+    systems = {r["system"] for r in rows}
+    assert {"unsplit", "splitlearn u float32", "splitlearn 2-way float32", "splitlearn u int8",
+            "naive JSON", "torch.distributed.rpc"} <= systems
+    for r in rows:
+        if r["system"] in ("splitlearn u float32", "splitlearn 2-way float32", "naive JSON",
+                           "torch.distributed.rpc"):
+            assert r["same_tokens"] is True, r["system"]
+        assert r["ratio"] > 0
+    unsplit = [r for r in rows if r["system"] == "unsplit"]
+    assert [r["ratio"] for r in unsplit] == [1.0, 1.0]
+    split = next(r for r in rows if r["system"] == "splitlearn u float32" and r["batch"] == 1)
+    assert 0 < split["overhead_ms_per_call"] and split["bytes_per_call"] > 0
+
+
+def test_training_rows_have_ratios_against_unsplit(result):
+    rows = _rows(result, "training")
+    assert rows[0]["system"] == "unsplit" and rows[0]["ratio"] == 1.0
+    assert {"splitlearn u float32", "splitlearn 2-way int8", "naive JSON",
+            "torch.distributed.rpc"} <= {r["system"] for r in rows}
+    u32 = next(r for r in rows if r["system"] == "splitlearn u float32")
+    u8 = next(r for r in rows if r["system"] == "splitlearn u int8")
+    assert u8["bytes_per_step"] < u32["bytes_per_step"] / 2  # int8 halves bytes (and then some)
+
+
+def test_codec_is_exact_for_float32_and_adds_only_a_header(result):
+    rows = {r["system"]: r for r in _rows(result, "codec")}
+    f32 = rows["splitlearn float32"]
+    assert f32["max_abs_error"] == 0.0
+    assert f32["payload_bytes"] == f32["raw_float32_bytes"] and f32["header_bytes"] <= 1024
+    assert 0 < rows["splitlearn int8"]["max_abs_error"] < 0.05
+    assert rows["JSON lists (naive)"]["bytes"] > 2 * f32["bytes"]
+
+
+def test_overhead_drift_and_concurrency_rows(result):
+    systems = {r["system"] for r in _rows(result, "overhead")}
+    assert {"splitlearn health", "splitlearn decode step", "naive JSON ping",
+            "torch.distributed.rpc ping"} <= systems
+    drift = _rows(result, "int8_drift")
+    assert [r["wire_dtype"] for r in drift] == ["int8"]
+    assert drift[0]["value"] < 0.5  # same data, same init: int8 only nudges the loss
+    conc = _rows(result, "concurrency")
+    assert {(r["system"], r["clients"]) for r in conc} == {
+        (f"splitlearn {s} {b}", n) for s in ("2-way", "u") for b in ("batched", "unbatched") for n in (1, 2)}
+    assert all(r["ratio"] == 1.0 for r in conc if r["clients"] == 1)
+
+
+def test_report_files(result, out_dir):
+    assert result["rows"] and result["config"]["model"] == "tiny" and result["command"]
+    md = (out_dir / "results.md").read_text()
+    assert "## Targets" in md and "## Generation (greedy)" in md and "| splitlearn u float32 |" in md
+    assert (out_dir / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.markdown(result) == md
+    names = [t["target"] for t in report.targets(result)]
+    assert any("codec" in n for n in names) and any("naive JSON" in n for n in names)
+
+
+def test_cli_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--workloads", "nonsense"])
+    assert e.value.code == 2 and "unknown workloads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--wire-dtypes", "float64"])
+    cfg, out = parse_args(["--quick", "--device", "cpu", "--workloads", "codec"])
+    assert cfg.workloads == ("codec",) and out.name == "cpu"

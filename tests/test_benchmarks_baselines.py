@@ -1,0 +1,147 @@
+"""The benchmark baselines compute what splitlearn computes: the unsplit model's tokens and losses.
+
+Both baselines run the tiny model cut at (1, 3) with real server processes on loopback. The
+``torch.distributed.rpc`` baseline runs in a child process of its own, because ``init_rpc``
+works only once per process and this one may need it for something else.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.baselines.naive_json import NaiveJsonSplit, NaiveServerConfig  # noqa: E402
+from splitlearn import load_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CUTS = (1, 3)
+NEW = 8  # new tokens; the prompt is 12 long, so 20 <= n_positions = 64
+LR = 1e-2  # large enough that three steps change the loss visibly
+STEPS = 3
+
+
+def hf_greedy(model, ids):
+    """``model.generate`` greedy, with no eos so it never stops early."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+
+
+def unsplit_losses(ids) -> list[float]:
+    """STEPS AdamW steps (no weight decay) of a fresh unsplit model on ``ids``; the losses."""
+    model = load_model("tiny", seed=0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# -- naive JSON over Flask + requests ----------------------------------------------------
+
+def naive() -> NaiveJsonSplit:
+    return NaiveJsonSplit("tiny", CUTS, lr=LR, seed=0, torch_threads=1)
+
+
+def test_naive_generate_equals_hf_generate(tiny_model, batch):
+    with naive() as split:
+        got = split.generate(batch, NEW)
+        assert torch.equal(got, hf_greedy(tiny_model, batch))
+        assert split.stats["calls"] == NEW  # one POST /infer per token, the whole sequence each time
+        calls, sent = split.stats["calls"], split.stats["bytes_sent"]
+        split.ping()
+        assert split.stats["calls"] == calls + 1 and split.stats["bytes_sent"] == sent + 2  # b"{}"
+
+
+def test_naive_train_steps_equal_unsplit_adamw(batch):
+    with naive() as split:
+        losses = [split.train_step(batch) for _ in range(STEPS)]
+        assert split.stats["calls"] == 2 * STEPS  # /forward and /backward
+        floats = 2 * STEPS * batch.numel() * 32  # (B, T, d) back from each of the 2 calls a step
+        assert split.stats["bytes_received"] > 4 * floats  # JSON text: more than float32's 4 B each
+    want = unsplit_losses(batch)
+    assert losses == pytest.approx(want, abs=1e-4)
+    assert want[0] > want[-1]  # the steps did something
+
+
+def test_naive_config_refuses_a_two_way_split():
+    with pytest.raises(ValueError, match="two cuts"):
+        NaiveServerConfig("tiny", (2,), 8000)
+
+
+# -- torch.distributed.rpc ---------------------------------------------------------------
+
+CHILD = """
+import json, sys, torch
+from benchmarks.baselines.torch_rpc import TorchRpcSplit
+torch.set_num_threads(1)
+ids = torch.tensor(json.loads(sys.argv[1]))
+out = {}
+with TorchRpcSplit("tiny", (1, 3), lr=float(sys.argv[2]), seed=0, torch_threads=1) as split:
+    c0 = split.stats["calls"]
+    out["tokens"] = split.generate(ids, int(sys.argv[3])).tolist()   # before training changes weights
+    c1 = split.stats["calls"]
+    out["losses"] = [split.train_step(ids) for _ in range(int(sys.argv[4]))]
+    c2 = split.stats["calls"]
+    split.ping()
+    out["calls"] = [c0, c1, c2, split.stats["calls"]]
+    out["bytes_sent"] = split.stats["bytes_sent"]
+try:
+    TorchRpcSplit("tiny", (1, 3)).start()
+    out["second"] = "started"
+except RuntimeError as e:
+    out["second"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def rpc_run():
+    """Generation, then training, then a ping, in a child process; what it measured."""
+    if not rpc.is_available():
+        pytest.skip("this torch build has no torch.distributed.rpc")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))  # the `batch` fixture
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(ids.tolist()), str(LR), str(NEW), str(STEPS)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return ids, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_rpc_generate_equals_hf_generate(rpc_run, tiny_model):
+    ids, out = rpc_run
+    assert torch.equal(torch.tensor(out["tokens"]), hf_greedy(tiny_model, ids))
+
+
+def test_rpc_train_steps_equal_unsplit_adamw(rpc_run):
+    ids, out = rpc_run
+    assert out["losses"] == pytest.approx(unsplit_losses(ids), abs=1e-4)
+
+
+def test_rpc_stats_count_calls(rpc_run):
+    ids, out = rpc_run
+    c0, c1, c2, c3 = out["calls"]
+    assert c1 - c0 == 1 + NEW  # the session, then one call per token (prefill included)
+    assert c2 - c1 == 3 * STEPS  # forward, distributed backward, optimizer step
+    assert c3 - c2 == 1
+    d = 32  # n_embd of the tiny model, float32
+    prefill, decode = ids.numel() * d * 4, ids.shape[0] * d * 4 * (NEW - 1)
+    assert out["bytes_sent"] == prefill + decode + 2 * STEPS * ids.numel() * d * 4
+
+
+def test_rpc_second_init_in_one_process_is_refused(rpc_run):
+    _, out = rpc_run
+    assert "own process" in out["second"], out["second"]
