@@ -46,7 +46,7 @@ class BenchConfig:
     drift_steps: int = 100
     drift_batch: int = 8
     drift_seq: int = 64
-    drift_lr: float = 5e-3
+    drift_lr: float = 1e-3
     # concurrency: simultaneous generation clients (separate processes) on one server
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     concurrency_new_tokens: int = 64

@@ -100,9 +100,12 @@ class BenchContext:
         return self._baselines["naive"]
 
     def rpc(self):
-        """The torch.distributed.rpc split (U-shape), started once per process; None if unavailable."""
+        """The torch.distributed.rpc split (U-shape), run in a child process per measurement
+        (see :mod:`benchmarks.isolated_rpc`); None on GPU runs or where RPC is unavailable."""
         if "rpc" not in self._baselines:
             import torch.distributed.rpc as rpc
+
+            from .isolated_rpc import IsolatedRpc
 
             if self.cfg.device != "cpu":
                 self.log("  torch.distributed.rpc baseline: CPU only, skipped on a GPU run")
@@ -111,16 +114,7 @@ class BenchContext:
                 self.log("  torch.distributed.rpc is not available in this torch build: skipped")
                 self._baselines["rpc"] = None
             else:
-                try:
-                    from .baselines.torch_rpc import TorchRpcSplit
-                except ImportError as e:
-                    self.log(f"  torch.distributed.rpc baseline unavailable: {e}")
-                    self._baselines["rpc"] = None
-                    return None
-                self.log("  starting baseline: torch.distributed.rpc")
-                self._baselines["rpc"] = TorchRpcSplit(
-                    self.cfg.model, tuple(self.cfg.u_cuts), lr=self.cfg.lr, seed=self.cfg.seed,
-                    torch_threads=self.cfg.threads).__enter__()
+                self._baselines["rpc"] = IsolatedRpc(self.cfg)
         return self._baselines["rpc"]
 
     def close(self) -> None:
@@ -128,7 +122,7 @@ class BenchContext:
             srv.stop()
         self._servers.clear()
         for b in self._baselines.values():
-            if b is not None:
+            if hasattr(b, "__exit__"):
                 b.__exit__(None, None, None)
         self._baselines.clear()
 

@@ -79,8 +79,7 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
         rpc = ctx.rpc()
         if rpc is not None:
             ctx.log(f"  generation batch {B}: torch.distributed.rpc")
-            out = rpc.generate(ids.cpu(), N)
-            t = measure(lambda: rpc.generate(ids.cpu(), N), cfg.repeats, cfg.warmup)
+            t, out = rpc.measure_generate(ids.cpu(), N)
             rows.append(_row(cfg, B, "torch.distributed.rpc", N, t, shape="u", wire_dtype="float32",
                              same_tokens=bool(torch.equal(out, reference))))
     for r in rows:

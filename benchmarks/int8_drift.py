@@ -45,5 +45,6 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
                      "unit": "max |loss - float32 loss|", "better": "lower",
                      "mean_abs_diff": statistics.fmean(diff), "final_loss": got[-1],
                      "final_loss_float32": ref[-1], "first_loss": got[0],
-                     "relative_final_diff": abs(got[-1] - ref[-1]) / ref[-1]})
+                     "relative_final_diff": abs(got[-1] - ref[-1]) / ref[-1],
+                     "losses": got, "losses_float32": ref})
     return rows

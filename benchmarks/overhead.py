@@ -23,7 +23,7 @@ from splitlearn import protocol as P
 from splitlearn.wire import decode, encode, pack
 
 from .config import BenchConfig
-from .timing import p90
+from .timing import call_samples, p90
 
 
 def _row(system, samples_s, **extra) -> dict:
@@ -31,17 +31,6 @@ def _row(system, samples_s, **extra) -> dict:
     return {"workload": "overhead", "case": "one request", "system": system,
             "value": statistics.median(ms), "unit": "ms/call", "better": "lower",
             "median_s": statistics.median(samples_s), "p90_s": p90(samples_s), "repeats": len(ms), **extra}
-
-
-def _timed(fn, calls: int, warmup: int = 10) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def decode_step_overheads(client, calls: int) -> tuple[list[float], list[float]]:
@@ -72,7 +61,7 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
     rows = []
     with ctx.client("u") as client:
         ctx.log("  overhead: splitlearn")
-        rows.append(_row("splitlearn health", _timed(lambda: client.transport.get_json(P.HEALTH), n)))
+        rows.append(_row("splitlearn health", call_samples(lambda: client.transport.get_json(P.HEALTH), n)))
         trips, server = decode_step_overheads(client, n)
         rows.append(_row("splitlearn decode step", [t - s for t, s in zip(trips, server)],
                          round_trip_ms=1e3 * statistics.median(trips),
@@ -80,9 +69,9 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
     naive = ctx.naive()
     if naive is not None:
         ctx.log("  overhead: naive JSON")
-        rows.append(_row("naive JSON ping", _timed(naive.ping, n)))
+        rows.append(_row("naive JSON ping", call_samples(naive.ping, n)))
     rpc = ctx.rpc()
     if rpc is not None:
         ctx.log("  overhead: torch.distributed.rpc")
-        rows.append(_row("torch.distributed.rpc ping", _timed(rpc.ping, n)))
+        rows.append(_row("torch.distributed.rpc ping", rpc.ping_samples(n)))
     return rows

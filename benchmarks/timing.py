@@ -43,6 +43,18 @@ def measure(fn: Callable[[], object], repeats: int, warmup: int,
     return Timing(statistics.median(runs), p90(runs), runs)
 
 
+def call_samples(fn: Callable[[], object], calls: int, warmup: int = 10) -> list[float]:
+    """Seconds of each of ``calls`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def machine_info(threads: int) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),

@@ -30,7 +30,7 @@ def unsplit_step(model, optimizer, ids: torch.Tensor) -> float:
     loss = loss_from_logits(model(ids).logits, labels_from_batch(ids, None))
     loss.backward()
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _row(cfg, system, t, **extra) -> dict:
@@ -66,7 +66,7 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
     rpc = ctx.rpc()
     if rpc is not None:
         ctx.log("  training: torch.distributed.rpc")
-        t = measure(lambda: rpc.train_step(ids.cpu()), cfg.repeats, cfg.warmup)
+        t = rpc.measure_train(ids.cpu())
         rows.append(_row(cfg, "torch.distributed.rpc", t, shape="u", wire_dtype="float32"))
     base = rows[0]["value"]
     for r in rows:
