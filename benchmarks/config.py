@@ -34,6 +34,7 @@ class BenchConfig:
     # training
     train_batch: int = 4
     train_seq: int = 128
+    train_repeats: int = 5  # interleaved rounds (one step of every system per round)
     lr: float = 1e-4
     # codec
     codec_shape: tuple[int, int, int] = (4, 128, 768)
@@ -75,7 +76,7 @@ class BenchConfig:
         """Seconds, not minutes: the tiny model, small shapes, one repeat (smoke test)."""
         base = dict(model="tiny", u_cuts=(1, 3), two_way_cut=1, repeats=1, warmup=0,
                     prompt_len=8, new_tokens=8, gen_batches=(1, 2), naive_new_tokens=4,
-                    train_batch=2, train_seq=16, codec_shape=(2, 16, 32), codec_repeats=3,
+                    train_batch=2, train_seq=16, train_repeats=1, codec_shape=(2, 16, 32), codec_repeats=3,
                     overhead_calls=5, drift_model="tiny", drift_cuts=(1, 3), drift_steps=4,
                     drift_batch=2, drift_seq=16, concurrency=(1, 2), concurrency_new_tokens=4,
                     concurrency_prompt_len=4, threads=1)

@@ -106,7 +106,7 @@ def markdown(result: dict) -> str:
                 ("overhead", "Per-request overhead", ["ms/call", "round_trip_ms", "server_ms"]),
                 ("int8_drift", "Loss drift of lossy wire dtypes", ["max |diff|", "mean_abs_diff", "final_loss",
                                                                   "final_loss_float32"]),
-                ("concurrency", "Concurrent generation clients", ["tokens/s", "ratio", "median_s"])]
+                ("concurrency", "Concurrent generation clients", ["tokens/s (all clients)", "ratio", "median_s"])]
     for workload, title, cols in sections:
         sub = [r for r in rows if r["workload"] == workload]
         if not sub:
