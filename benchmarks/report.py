@@ -148,13 +148,8 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     ax.set_title("Generation")
     ax.legend(fontsize=7)
     tr = [r for r in rows if r["workload"] == "training"]
-    ax = axes[0][1]
-    ax.barh(range(len(tr)), [r["ratio"] for r in tr])
-    ax.set_yticks(range(len(tr)), [r["system"] for r in tr], fontsize=7)
-    ax.axvline(1.05, color="k", ls="--", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("step time relative to the unsplit model (lower is better; log)")
-    ax.set_title("Training step")
+    _bars(axes[0][1], tr, "ratio", 1.05, "step time relative to the unsplit model (lower is better; log)",
+          "Training step")
     conc = [r for r in rows if r["workload"] == "concurrency"]
     ax = axes[1][0]
     for s in dict.fromkeys(r["system"] for r in conc):
@@ -166,18 +161,22 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     if conc:
         ax.legend(fontsize=7)
     codec = [r for r in rows if r["workload"] == "codec"]
-    ax = axes[1][1]
-    ax.barh(range(len(codec)), [r["value"] for r in codec])
-    ax.set_yticks(range(len(codec)), [r["system"] for r in codec], fontsize=7)
-    ax.axvline(5.0, color="k", ls="--", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("encode + decode GB/s of the float32 tensor (log)")
-    ax.set_title("Wire codec")
+    _bars(axes[1][1], codec, "value", 5.0, "encode + decode GB/s of the float32 tensor (log)", "Wire codec")
     fig.suptitle(f"splitlearn benchmarks, {result['device']}: {result['config']['model']}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _bars(ax, rows: list[dict], key: str, target: float, xlabel: str, title: str) -> None:
+    """One horizontal bar per row (log scale), with the target as a dashed line."""
+    ax.barh(range(len(rows)), [r[key] for r in rows])
+    ax.set_yticks(range(len(rows)), [r["system"] for r in rows], fontsize=7)
+    ax.axvline(target, color="k", ls="--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
 
 
 def write(result: dict, out_dir: Path) -> list[Path]:
