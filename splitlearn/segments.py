@@ -143,14 +143,17 @@ class Segment(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[SegmentCache] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None, logits_to_keep: int = 0) -> torch.Tensor:
         """Run the segment on the new positions ``x``.
 
         x: input_ids (B, T) for a bottom/full segment, else hidden states (B, T, d).
         attention_mask: (B, past + T) 0/1 for the whole sequence so far, or None (no padding).
         cache: this segment's :class:`SegmentCache` to read and extend, or None (no cache).
         position_ids: (B, T) to override the positions derived from the mask (bottom only).
-        Returns hidden states (B, T, d), or logits (B, T, V) for a top/full segment.
+        logits_to_keep: with the head, compute logits for the last this many positions only
+            (0: all), as Hugging Face's ``logits_to_keep``; generation needs just the last.
+        Returns hidden states (B, T, d), or logits (B, T, V) for a top/full segment
+        ((B, logits_to_keep, V) if that is given).
         """
         past = cache.length if cache is not None else 0
         T = x.shape[1]
@@ -170,7 +173,9 @@ class Segment(nn.Module):
         if cache is not None:
             cache.length = past + T
         if self.has_head:
-            x = self.lm_head(self.ln_f(x))  # (B, T, V)
+            if logits_to_keep:
+                x = x[:, -logits_to_keep:]  # (B, k, d): ln_f and lm_head act per position
+            x = self.lm_head(self.ln_f(x))  # (B, T or k, V)
         return x
 
     def _embed(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], past: int,

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from conftest import hf_forward
+import splitlearn as sl
 from splitlearn import Segment, SegmentCache, partition
 from splitlearn.segments import labels_from_batch, loss_from_logits, positions_from_mask
 
@@ -90,3 +91,19 @@ def test_caches_advance_and_decode_equals_full_forward(tiny_model, padded_batch,
         full = hf_forward(tiny_model, torch.cat([ids, nxt], 1), mask2).logits
     assert [c.length for c in caches] == [ids.shape[1] + 1] * len(parts)
     torch.testing.assert_close(step[:, -1], full[:, -1], rtol=0, atol=1e-5)
+
+
+def test_logits_to_keep_gives_the_last_positions_logits():
+    model = sl.load_model("tiny")
+    parts = sl.partition(model, (2,))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = parts.bottom(ids)
+        full = parts.top(h)  # (B, T, V)
+        last = parts.top(h, logits_to_keep=1)  # (B, 1, V)
+        last3 = parts.top(h, logits_to_keep=3)
+        trunk_out = parts.bottom(ids, logits_to_keep=1)  # no head: ignored
+    assert last.shape == (2, 1, model.config.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(last3, full[:, -3:], atol=1e-6, rtol=1e-6)
+    assert trunk_out.shape == h.shape

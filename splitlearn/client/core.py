@@ -291,7 +291,7 @@ class _RemoteDecoder:
                 out = out[:, -T:]  # the top's cache already holds the earlier positions
         if not c.u_shape:
             return out  # (B, V) logits of the last position
-        return c.top(out, mask, self.caches[1])[:, -1, :]  # (B, V)
+        return c.top(out, mask, self.caches[1], logits_to_keep=1)[:, -1, :]  # (B, V)
 
     def close(self) -> None:
         try:

@@ -277,7 +277,8 @@ class SegmentRuntime:
         with self.lock, torch.no_grad():
             full = prepare()
             self.segment.eval()
-            out = self.segment(h, full, sess.cache)  # (B, T, d|V)
+            keep = {"logits_to_keep": 1} if self.segment.has_head else {}  # only the last is answered
+            out = self.segment(h, full, sess.cache, **keep)  # (B, T, d) or (B, 1, V)
         done: Future = Future()
         done.set_result(finish(out))
         return done
