@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from splitlearn.wire import WIRE_DTYPE_NAMES as WIRE_DTYPES
+
 WORKLOADS = ("codec", "overhead", "generation", "training", "int8_drift", "concurrency")
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 @dataclass

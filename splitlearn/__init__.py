@@ -14,6 +14,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ByteTokenizer", "ConfigError", "Partition", "Segment", "SegmentCache", "SegmentFileError",
-    "SplitLearnError", "export_segments", "get_tokenizer", "load_config", "load_corpus",
-    "load_model", "load_segment", "load_segments", "partition", "validate_cuts", "__version__",
+    "SplitClient", "SplitLearnError", "export_segments", "get_tokenizer", "load_config",
+    "load_corpus", "load_model", "load_segment", "load_segments", "partition", "validate_cuts",
+    "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # SplitClient is imported on first use, so `import splitlearn` does not import requests.
+    if name == "SplitClient":
+        from .client import SplitClient
+
+        return SplitClient
+    raise AttributeError(f"module 'splitlearn' has no attribute {name!r}")

@@ -102,7 +102,7 @@ def local_step(parts: Partition) -> Step:
     def step(new_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = new_ids
         for seg, cache in zip(parts, caches):
-            x = seg(x, mask, cache, logits_to_keep=1) if seg.has_head else seg(x, mask, cache)
+            x = seg(x, mask, cache, logits_to_keep=1)  # ignored by segments without the head
         return x[:, -1, :]  # (B, V)
 
     return step

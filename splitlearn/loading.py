@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Optional, Union
 
@@ -34,6 +35,11 @@ from .partition import check_gpt2
 log = logging.getLogger(__name__)
 
 ModelSource = Union[str, Path, GPT2Config, GPT2LMHeadModel]
+
+# transformers' model construction is not safe from several threads of one process at once
+# (some fail with "Cannot copy out of meta tensor"), and anyone simulating many data owners
+# builds clients from threads: loads take turns.
+_LOAD_LOCK = threading.RLock()
 
 
 def specs_dir() -> Path:
@@ -106,6 +112,14 @@ def load_model(source: ModelSource, *, dtype: Union[str, torch.dtype, None] = No
     """
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device or "cpu")
+    with _LOAD_LOCK:
+        model = _build(source, seed)
+    check_gpt2(model)
+    model = model.to(device=dev, dtype=torch_dtype) if torch_dtype else model.to(dev)
+    return model.eval()
+
+
+def _build(source: ModelSource, seed: int) -> GPT2LMHeadModel:
     if isinstance(source, nn.Module):
         model = check_gpt2(source)
     else:
@@ -125,9 +139,7 @@ def load_model(source: ModelSource, *, dtype: Union[str, torch.dtype, None] = No
                 raise ConfigError(f"cannot load {s!r} from the Hugging Face hub: {e}{hint}") from None
         else:
             model = random_model(load_config(source), seed)
-    check_gpt2(model)
-    model = model.to(device=dev, dtype=torch_dtype) if torch_dtype else model.to(dev)
-    return model.eval()
+    return model
 
 
 def is_spec_source(s: str) -> bool:

@@ -21,9 +21,10 @@ A tensor travels in one of four wire dtypes, chosen per request:
   quantisation, Dettmers et al. 2022, "LLM.int8()", section 3.1).
 
 So the bytes on the wire are the raw tensor bytes plus a header of a few hundred bytes.
-Encoding writes that layout directly into one preallocated buffer (one copy of each
-tensor; ``safetensors.torch.save`` makes two, which halves the codec's throughput), and
-decoding reads it with ``safetensors.torch.load``. Decoding checks the header before any tensor is built: malformed, truncated or unknown
+Encoding writes that layout itself, joining the header and each tensor's memory into the
+body in one copy (``safetensors.torch.save`` makes two, which halves the codec's
+throughput); decoding reads it with ``safetensors.torch.load``. Decoding checks the header
+before any tensor is built: malformed, truncated or unknown
 dtypes raise :class:`~splitlearn.errors.BadRequest`.
 """
 from __future__ import annotations
@@ -45,6 +46,9 @@ WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
               torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
               torch.float64: "F64", torch.bool: "BOOL"}
+WIRE_DTYPE_NAMES = tuple(WIRE_DTYPES)  # the names every command line and config offers
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+SCALE_BYTES = 4  # int8: one float32 absmax scale per row
 MAX_HEADER = 1 << 20  # bytes; a header this large is not ours
 SCALE = ".scale"
 
@@ -53,6 +57,12 @@ def check_wire_dtype(name: str) -> str:
     if name not in WIRE_DTYPES:
         raise BadRequest(f"unknown wire dtype {name!r}; choose one of {', '.join(WIRE_DTYPES)}")
     return name
+
+
+def tensor_bytes(wire_dtype: str, elements: int, rows: int) -> int:
+    """Bytes of a tensor of ``elements`` values in ``rows`` rows on the wire (no header)."""
+    extra = SCALE_BYTES * rows if wire_dtype == "int8" else 0
+    return elements * ELEMENT_BYTES[wire_dtype] + extra
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

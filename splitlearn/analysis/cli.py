@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import SplitLearnError
+from ..wire import WIRE_DTYPE_NAMES
 from . import plots, report
 from .core import AnalysisConfig, analyze_partition, prepare_model
 from .sweep import LinkConfig, sweep_cuts
@@ -48,7 +49,7 @@ def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="What each segment of a split GPT-2 costs "
+    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description="What each segment of a split GPT-2 costs "
                                 "(params, MACs/FLOPs, latency, memory, bytes per cut), and where to cut.")
     p.add_argument("--model", default="tiny", help="hub id, directory, JSON config or spec name "
                    "(tiny, random:gpt2, ...); default tiny")
@@ -75,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time in ms (default 0)")
     p.add_argument("--server-speedup", type=float, default=1.0,
                    help="how many times faster the server computes than this machine")
-    p.add_argument("--wire-dtype", default="float32", choices=("float32", "bfloat16", "float16", "int8"))
+    p.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES)
     p.add_argument("--min-client-blocks", type=int, default=1,
                    help="blocks the client keeps at least, for privacy (default 1)")
     p.add_argument("--json", metavar="FILE")

@@ -8,6 +8,8 @@ import csv
 import io
 import json
 
+from ..wire import WIRE_DTYPE_NAMES
+
 CSV_FIELDS = ("segment", "name", "parent", "blocks", "params", "macs", "flops",
               "latency_median_ms", "latency_p90_ms", "peak_memory_bytes", "output_bytes")
 
@@ -106,9 +108,9 @@ def cut_lines(report: dict, markdown: bool) -> list[str]:
             b = c.get(f"{direction}_bytes")
             if b:
                 body.append([f"after block {c['block']} ({c['from']} -> {c['to']})", direction]
-                            + [b[k] for k in ("float32", "bfloat16", "float16", "int8")])
+                            + [b[k] for k in WIRE_DTYPE_NAMES])
     return (["Bytes crossing each cut per step:", ""]
-            + _table(["cut", "what", "float32", "bfloat16", "float16", "int8"], body, markdown) + [""])
+            + _table(["cut", "what", *WIRE_DTYPE_NAMES], body, markdown) + [""])
 
 
 def tied_lines(report: dict) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..partition import whole
+from ..wire import WIRE_DTYPE_NAMES
 from . import timing
 from .core import AnalysisConfig, check_shapes, make_run, named_submodules, segment_inputs
 from .counting import count_segment
@@ -48,7 +49,7 @@ class LinkConfig:
             raise ConfigError(f"link_mbps must be > 0, got {self.link_mbps}")
         if self.rtt_ms < 0 or self.server_speedup <= 0:
             raise ConfigError("rtt_ms must be >= 0 and server_speedup > 0")
-        if self.wire_dtype not in ("float32", "bfloat16", "float16", "int8"):
+        if self.wire_dtype not in WIRE_DTYPE_NAMES:
             raise ConfigError(f"unknown wire dtype {self.wire_dtype!r}")
         if self.min_client_blocks < 0:
             raise ConfigError("min_client_blocks must be >= 0")

@@ -24,17 +24,13 @@ from __future__ import annotations
 
 from ..partition import Partition
 from ..segments import Segment
-
-WIRE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SCALE_BYTES = 4  # one float32 absmax scale per row in int8
+from ..wire import WIRE_DTYPE_NAMES, tensor_bytes
 
 
 def wire_bytes(batch: int, tokens: int, width: int) -> dict[str, int]:
     """Bytes of one (batch, tokens, width) tensor per wire dtype."""
-    n = batch * tokens * width
-    out = {name: n * size for name, size in WIRE_BYTES.items()}
-    out["int8"] = n + SCALE_BYTES * batch * tokens
-    return out
+    return {name: tensor_bytes(name, batch * tokens * width, batch * tokens)
+            for name in WIRE_DTYPE_NAMES}
 
 
 def cut_traffic(part: Partition, batch: int, tokens: int, mode: str) -> list[dict]:

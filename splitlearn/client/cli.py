@@ -13,6 +13,7 @@ import torch
 
 from ..data import get_tokenizer, lm_batches, load_corpus
 from ..errors import SplitLearnError
+from ..wire import WIRE_DTYPE_NAMES
 from .core import SplitClient
 from .transport import Transport, TransportConfig
 
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         if model:
             sp.add_argument("--model", required=True, help="the model source the server was started with")
             sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-            sp.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16", "int8"])
+            sp.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES)
 
     info = sub.add_parser("info", help="print the server's /v1/info")
     common(info, model=False)

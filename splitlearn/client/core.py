@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -27,13 +26,14 @@ import torch
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
 from ..devices import resolve_device
-from ..errors import ConfigError, Conflict, NotFound, TransportError
+from ..errors import ConfigError, Conflict
 from ..export import load_segments
 from ..generation import GenerationConfig, decode as decode_loop
 from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, loss_from_logits
-from ..wire import check_wire_dtype, decode, encode, pack, unpack
+from ..wire import check_wire_dtype, pack, unpack
+from .generation import RemoteDecoder
 from .transport import Transport, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -110,17 +110,6 @@ class SplitClient:
 
     # -- calls -------------------------------------------------------------------------
 
-    def _call(self, path: str, tensors: dict, meta: Optional[dict] = None) -> dict:
-        t0 = time.perf_counter()
-        body = encode(tensors, meta)
-        t1 = time.perf_counter()
-        answer = self.transport.post_bytes(path, body)
-        t2 = time.perf_counter()
-        out, _ = decode(answer)
-        self.stats.serialize_s += t1 - t0
-        self.stats.deserialize_s += time.perf_counter() - t2
-        return out
-
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         dtype = next(self.bottom.parameters()).dtype
         return x.to(device=self.device, dtype=dtype)
@@ -145,24 +134,24 @@ class SplitClient:
         self.optimizer.zero_grad(set_to_none=True)
         h = self.bottom(ids, mask)  # (B, T, d)
         if not self.u_shape:
-            out = self._call(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
+            out = self.transport.call(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
                                             P.LABELS: labels.cpu(), **extra}, meta)
             loss = float(out[P.LOSS])
         else:
             forward = {**pack(P.HIDDEN, h, self.wire_dtype), **extra}
-            out = self._call(P.TRAIN_FORWARD, forward, meta)
+            out = self.transport.call(P.TRAIN_FORWARD, forward, meta)
             h2 = self._local(unpack(out, P.HIDDEN)).requires_grad_()  # (B, T, d)
             loss_t = loss_from_logits(self.top(h2, mask), labels)
             loss_t.backward()
             backward = pack(P.GRAD, h2.grad, self.wire_dtype)
             try:
-                out = self._call(P.TRAIN_BACKWARD, backward, meta)
+                out = self.transport.call(P.TRAIN_BACKWARD, backward, meta)
             except Conflict:
                 # The server restarted between forward and backward and lost the pending
                 # graph; the step was not applied, so the same forward gives the same graph.
                 log.warning("server lost the forward of step %s; sending it again", meta["step"])
-                self._call(P.TRAIN_FORWARD, forward, meta)
-                out = self._call(P.TRAIN_BACKWARD, backward, meta)
+                self.transport.call(P.TRAIN_FORWARD, forward, meta)
+                out = self.transport.call(P.TRAIN_BACKWARD, backward, meta)
             loss = float(loss_t.detach())
         h.backward(self._local(unpack(out, P.GRAD)))
         self.optimizer.step()
@@ -180,10 +169,10 @@ class SplitClient:
         h = self.bottom(ids, mask)
         meta = {"wire_dtype": self.wire_dtype}
         if not self.u_shape:
-            out = self._call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype),
+            out = self.transport.call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype),
                                          P.LABELS: labels.cpu(), **extra}, meta)
             return float(out[P.LOSS])
-        out = self._call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
+        out = self.transport.call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
         return float(loss_from_logits(self.top(self._local(unpack(out, P.HIDDEN)), mask), labels))
 
     # -- persistence -------------------------------------------------------------------
@@ -239,62 +228,8 @@ class SplitClient:
         if ids.shape[1] + cfg.max_new_tokens > n_pos:
             raise ConfigError(f"prompt of {ids.shape[1]} tokens + max_new_tokens={cfg.max_new_tokens} "
                               f"passes the model's n_positions={n_pos}")
-        remote = _RemoteDecoder(self, ids.shape[0])
+        remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local)
         try:
             yield from decode_loop(remote.step, ids, mask, cfg)
         finally:
             remote.close()
-
-
-class _RemoteDecoder:
-    """The ``step`` of :func:`splitlearn.generation.decode` with the server in the middle.
-
-    The client keeps the KV caches of its own segments and the bottom's outputs so far;
-    each step sends only the new positions. If the server loses the session (restart,
-    expiry), a new session is opened and the bottom outputs so far are replayed once.
-    """
-
-    def __init__(self, client: SplitClient, rows: int):
-        self.c = client
-        self.rows = rows
-        self.caches = [s.new_cache() for s in client.segments]
-        self.history: Optional[torch.Tensor] = None  # (B, L, d) bottom outputs so far
-        self.sid = self._open()
-
-    def _open(self) -> str:
-        return self.c.transport.post_json(P.SESSIONS, {"rows": self.rows})["session_id"]
-
-    def _server(self, h: torch.Tensor, mask: torch.Tensor, position: int) -> torch.Tensor:
-        c = self.c
-        path = P.SESSION_STEP.format(session_id=self.sid)
-        meta = P.SessionStepMeta(position, c.wire_dtype).to_meta()
-        new_mask = mask[:, -h.shape[1]:].cpu()  # (B, T): the server keeps the earlier columns
-        out = c._call(path, {**pack(P.HIDDEN, h, c.wire_dtype), P.MASK: new_mask}, meta)
-        return c._local(unpack(out, P.LOGITS if not c.u_shape else P.HIDDEN))
-
-    @torch.no_grad()
-    def step(self, new_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        c = self.c
-        for seg in c.segments:
-            seg.eval()
-        T = new_ids.shape[1]
-        h = c.bottom(new_ids, mask, self.caches[0])  # (B, T, d)
-        self.history = h if self.history is None else torch.cat([self.history, h], dim=1)
-        position = self.history.shape[1] - T
-        try:
-            out = self._server(h, mask, position)
-        except (NotFound, TransportError) as e:
-            log.warning("generation session lost (%s); replaying %d positions", e, self.history.shape[1])
-            self.sid = self._open()
-            out = self._server(self.history, mask, 0)
-            if c.u_shape:
-                out = out[:, -T:]  # the top's cache already holds the earlier positions
-        if not c.u_shape:
-            return out  # (B, V) logits of the last position
-        return c.top(out, mask, self.caches[1], logits_to_keep=1)[:, -1, :]  # (B, V)
-
-    def close(self) -> None:
-        try:
-            self.c.transport.delete(P.SESSION.format(session_id=self.sid))
-        except Exception:  # the session may be gone already; nothing to free then
-            pass

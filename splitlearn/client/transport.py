@@ -1,5 +1,9 @@
 """HTTP transport of the client: one keep-alive ``requests.Session``, retries, statistics.
 
+Every tensor exchange goes through :meth:`Transport.call`: encode the tensors (safetensors,
+:mod:`splitlearn.wire`), POST them, decode the answer, and count bytes and times in
+:class:`WireStats`. JSON control calls use :meth:`get_json` / :meth:`post_json`.
+
 Only connection failures are retried (with exponential backoff): the request never
 reached the server, or the server went away mid-request. That is safe for every splitlearn
 route because training steps are numbered and answered exactly once (a retry of an applied
@@ -16,7 +20,8 @@ from typing import Optional
 import requests
 
 from .. import protocol as P
-from ..errors import SplitLearnError, TransportError, from_payload
+from ..errors import ConfigError, SplitLearnError, TransportError, from_payload
+from ..wire import decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +38,9 @@ class TransportConfig:
     def __post_init__(self):
         self.url = self.url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"server URL must start with http:// or https://, got {self.url!r}")
+            raise ConfigError(f"server URL must start with http:// or https://, got {self.url!r}")
         if self.retries < 0 or self.backoff_s < 0:
-            raise ValueError("retries and backoff_s must be >= 0")
+            raise ConfigError("retries and backoff_s must be >= 0")
 
 
 @dataclass
@@ -107,6 +112,18 @@ class Transport:
 
     def delete(self, path: str) -> None:
         self._send("DELETE", path)
+
+    def call(self, path: str, tensors: dict, meta: Optional[dict] = None) -> dict:
+        """POST ``tensors`` (+ string ``meta``) as safetensors; return the answer's tensors."""
+        t0 = time.perf_counter()
+        body = encode(tensors, meta)
+        t1 = time.perf_counter()
+        answer = self.post_bytes(path, body)
+        t2 = time.perf_counter()
+        out, _ = decode(answer)
+        self.stats.serialize_s += t1 - t0
+        self.stats.deserialize_s += time.perf_counter() - t2
+        return out
 
     def post_bytes(self, path: str, body: bytes) -> bytes:
         """POST a safetensors body; return the answer's bytes, counting everything."""

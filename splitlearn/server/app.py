@@ -2,8 +2,8 @@
 
 Each route reads its request's bytes on the WSGI thread, then decodes and validates them
 completely (:mod:`.validate`) and calls the :class:`~.runtime.SegmentRuntime`, all on the
-runtime's compute thread (every tensor operation runs there: see :mod:`.compute`). Every failure is a :class:`SplitLearnError` turned
-into ``{"error": CODE, "message": TEXT}`` with its HTTP status by one handler, so a bad
+runtime's compute thread (every tensor operation runs there: see :mod:`.compute`). Every
+failure is a :class:`SplitLearnError` turned into ``{"error": CODE, "message": TEXT}`` with its HTTP status by one handler, so a bad
 request changes nothing and the server keeps serving.
 """
 from __future__ import annotations
@@ -110,55 +110,52 @@ def create_app(config: Optional[ServerConfig] = None,
         B, T, _ = h.shape
         return h, validate.attention_mask(t, P.MASK, B, T, npos)
 
+    def _computed(work) -> Response:
+        """Read the body here, then decode, validate and run ``work(body)`` on the compute thread."""
+        started, body = time.perf_counter(), _body()
+        return _binary(rt.compute.run(work, body), started)
+
     @app.post(P.TRAIN_STEP)
     def train_step():
-        started, body = time.perf_counter(), _body()
-
-        def work() -> bytes:
+        def work(body: bytes) -> bytes:
             t, meta = decode(body)
             m = P.StepMeta.from_meta(meta)
             h, mask = _hidden_and_mask(t)
             y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
             return rt.train_step(m, h, y, mask)
 
-        return _binary(rt.compute.run(work), started)
+        return _computed(work)
 
     @app.post(P.TRAIN_FORWARD)
     def train_forward():
-        started, body = time.perf_counter(), _body()
-
-        def work() -> bytes:
+        def work(body: bytes) -> bytes:
             t, meta = decode(body)
             m = P.StepMeta.from_meta(meta)
             h, mask = _hidden_and_mask(t)
             return rt.train_forward(m, h, mask)
 
-        return _binary(rt.compute.run(work), started)
+        return _computed(work)
 
     @app.post(P.TRAIN_BACKWARD)
     def train_backward():
-        started, body = time.perf_counter(), _body()
-
-        def work() -> bytes:
+        def work(body: bytes) -> bytes:
             t, meta = decode(body)
             m = P.StepMeta.from_meta(meta)
             grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
             return rt.train_backward(m, grad)
 
-        return _binary(rt.compute.run(work), started)
+        return _computed(work)
 
     @app.post(P.FORWARD)
     def forward():
-        started, body = time.perf_counter(), _body()
-
-        def work() -> bytes:
+        def work(body: bytes) -> bytes:
             t, meta = decode(body)
             h, mask = _hidden_and_mask(t)
             y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
             wire = check_wire_dtype(meta.get("wire_dtype", "float32"))
             return rt.forward(h, mask, y, wire)
 
-        return _binary(rt.compute.run(work), started)
+        return _computed(work)
 
     @app.post(P.CHECKPOINT)
     def checkpoint():

@@ -277,8 +277,7 @@ class SegmentRuntime:
         with self.lock, torch.no_grad():
             full = prepare()
             self.segment.eval()
-            keep = {"logits_to_keep": 1} if self.segment.has_head else {}  # only the last is answered
-            out = self.segment(h, full, sess.cache, **keep)  # (B, T, d) or (B, 1, V)
+            out = self.segment(h, full, sess.cache, logits_to_keep=1)  # (B, T, d) or (B, 1, V)
         done: Future = Future()
         done.set_result(finish(out))
         return done
