@@ -100,3 +100,8 @@ class SessionStepMeta:
 
 def valid_client_id(client_id: str) -> bool:
     return bool(_CLIENT_ID.fullmatch(client_id))
+
+
+# Transport diagnostics (``python -m splitlearn.client diagnose``): the body comes back
+# unchanged, with no tensor work on the server (token required, limited by max_body_bytes).
+ECHO = "/v1/echo"

@@ -95,6 +95,11 @@ def create_app(config: Optional[ServerConfig] = None,
     def health():
         return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
 
+    @app.post(P.ECHO)
+    def echo():  # transport diagnostics: the body back as is, no tensor work (see diagnose)
+        started = time.perf_counter()
+        return _binary(request.get_data(cache=False), started)
+
     @app.get(P.INFO)
     def info():
         return jsonify(rt.info())
