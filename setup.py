@@ -11,7 +11,7 @@ setup(
     # Only `splitlearn` is importable; the top-level models/ directory ships inside it as
     # splitlearn/_models so that no top-level `models` package lands in site-packages.
     packages=["splitlearn", "splitlearn.client", "splitlearn.server", "splitlearn.analysis",
-              "splitlearn._models"],
+              "splitlearn.privacy", "splitlearn._models"],
     package_dir={"splitlearn._models": "models"},
     package_data={"splitlearn": ["corpus/*.txt"], "splitlearn._models": ["*.json"]},
     install_requires=[
@@ -25,6 +25,7 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "numpy",
+        "dp-accounting>=0.4",  # epsilon of the Gaussian defense (splitlearn.privacy)
     ],
     extras_require={"test": ["pytest>=8"]},
     entry_points={

@@ -1,0 +1,185 @@
+"""Client-side defenses: what the client does to the cut-layer activations before they leave.
+
+The client (``SplitClient(..., defense=...)``) calls, on every forward that sends activations
+to the server::
+
+    h = bottom(input_ids)                  # (B, T, d), never leaves the client
+    sent = defense.apply(h)                # (B, T, d), what the server receives
+    ...                                    # the server's gradient flows back through apply()
+    loss = task_loss + (defense.loss(inputs_embeds, h) or 0)
+
+- :class:`GaussianNoise` (DP-Forward, Du et al., CCS 2023, arXiv 2309.06746): per-token L2
+  clipping to ``clip``, then Gaussian noise of standard deviation ``sigma * clip``; with an
+  (epsilon, delta) guarantee per :meth:`GaussianNoise.epsilon` (see :mod:`.accounting`).
+- :class:`NoPeek` (Vepakomma et al. 2020, arXiv 2008.09161): no change to what is sent; a
+  training loss ``weight * dCor(inputs, h)`` that decorrelates the activations from the raw
+  input, with dCor the distance correlation of Szekely, Rizzo and Bakirov (2007). No formal
+  guarantee.
+
+The server cannot tell a defended activation from an undefended one: the shape, dtype and
+protocol are unchanged.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+from .accounting import gaussian_epsilon
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Defense:
+    """Base class: a defense that sends ``h`` unchanged and adds no loss."""
+
+    name = "none"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field (subclasses extend)."""
+
+    def apply(self, h: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """What is sent for the bottom's output ``h`` (B, T, d); differentiable in ``h``."""
+        return h
+
+    def loss(self, inputs: torch.Tensor, h: torch.Tensor) -> Optional[torch.Tensor]:
+        """The extra training loss (a scalar) given the token embeddings ``inputs`` (B, T, d)
+        and the bottom's output ``h`` (B, T, d); None when the defense adds none."""
+        return None
+
+    def epsilon(self, delta: float, steps: int = 1, tokens: int = 1,
+                accountant: str = "rdp") -> Optional[float]:
+        """epsilon at ``delta``; None for defenses without a formal guarantee."""
+        return None
+
+    def describe(self) -> dict:
+        """JSON-able ``{"name": ..., <fields>}`` (the generator left out)."""
+        d = {k: v for k, v in asdict(self).items() if k != "generator"}
+        return {"name": self.name, **d}
+
+
+@dataclass
+class GaussianNoise(Defense):
+    """Clip each token's activation to L2 norm ``clip``, add N(0, (sigma * clip)^2) noise."""
+
+    sigma: float = 1.0                 # noise multiplier: noise std = sigma * clip
+    clip: float = 1.0                  # per-token L2 norm bound C, in activation units
+    generator: Optional[torch.Generator] = field(default=None, repr=False, compare=False)
+
+    name = "gaussian"
+
+    def validate(self) -> None:
+        for f in ("sigma", "clip"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ConfigError(f"GaussianNoise.{f} must be a number, got {v!r}")
+        if self.sigma < 0:
+            raise ConfigError(f"GaussianNoise.sigma must be >= 0, got {self.sigma}")
+        if self.clip <= 0:
+            raise ConfigError(f"GaussianNoise.clip must be > 0, got {self.clip}")
+
+    def clip_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` (B, T, d) with each token's vector scaled to L2 norm <= clip."""
+        norms = h.norm(dim=-1, keepdim=True)  # (B, T, 1)
+        scale = (self.clip / norms.clamp_min(1e-12)).clamp(max=1.0)  # (B, T, 1)
+        return h * scale  # (B, T, d)
+
+    def apply(self, h: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        gen = generator if generator is not None else self.generator
+        clipped = self.clip_tokens(h)  # (B, T, d)
+        if self.sigma == 0:
+            return clipped
+        noise = torch.randn(h.shape, generator=gen, device=h.device, dtype=h.dtype)  # (B, T, d)
+        return clipped + (self.sigma * self.clip) * noise  # (B, T, d)
+
+    @property
+    def noise_multiplier(self) -> float:
+        """Noise std over L2 sensitivity: ``sigma * clip / (2 * clip)`` (replace-one relation,
+        every clipped vector in a ball of radius clip, so two differ by at most 2 * clip)."""
+        return self.sigma / 2
+
+    def epsilon(self, delta: float, steps: int = 1, tokens: int = 1,
+                accountant: str = "rdp") -> float:
+        """epsilon at ``delta`` for ``tokens * steps`` released vectors.
+
+        tokens: vectors released per send that may depend on the protected input (the
+            sequence length T in training or prefill).
+        steps: how many times such a send happens (epochs over the same text; in generation
+            give ``tokens=prompt_length + new_tokens, steps=1``).
+        accountant: ``"rdp"`` or ``"pld"`` (dp-accounting). See :mod:`.accounting`.
+        """
+        for name, v in (("steps", steps), ("tokens", tokens)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        return gaussian_epsilon(self.noise_multiplier, steps * tokens, delta, accountant)
+
+
+@dataclass
+class NoPeek(Defense):
+    """Add ``weight * dCor(inputs, h)`` to the client's training loss (NoPeek).
+
+    ``inputs`` are the token embeddings ``wte(input_ids)`` (B, T, d), detached: the loss moves
+    the activations away from the input, not the embeddings towards anything. ``unit`` says
+    what one sample of the distance correlation is: ``"sequence"`` (NoPeek's choice: each
+    sequence's (T, d) flattened, B samples per batch) or ``"token"`` (each token's d-vector,
+    B * T samples; sharper against per-token inverters, O((B T)^2) memory).
+    """
+
+    weight: float = 0.1   # multiplier of the distance correlation in the loss (>= 0)
+    unit: str = "sequence"  # sequence | token
+
+    name = "nopeek"
+
+    def validate(self) -> None:
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
+                or not self.weight >= 0:
+            raise ConfigError(f"NoPeek.weight must be a number >= 0, got {self.weight!r}")
+        if self.unit not in ("sequence", "token"):
+            raise ConfigError(f"NoPeek.unit must be 'sequence' or 'token', got {self.unit!r}")
+
+    def loss(self, inputs: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x, z = inputs.detach(), h
+        if self.unit == "sequence":
+            x, z = x.reshape(x.shape[0], -1), z.reshape(z.shape[0], -1)  # (B, T*d)
+        else:
+            x, z = x.reshape(-1, x.shape[-1]), z.reshape(-1, z.shape[-1])  # (B*T, d)
+        return self.weight * distance_correlation(x, z)
+
+
+def _centered_distances(x: torch.Tensor) -> torch.Tensor:
+    """Double-centred Euclidean distance matrix of the rows of ``x`` (n, p) -> (n, n)."""
+    sq = (x[:, None, :] - x[None, :, :]).pow(2).sum(-1)  # (n, n)
+    d = sq.clamp_min(1e-12).sqrt()  # finite gradient on the diagonal
+    return d - d.mean(0, keepdim=True) - d.mean(1, keepdim=True) + d.mean()
+
+
+def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Sample distance correlation dCor(x, z) in [0, 1] of paired rows (Szekely et al. 2007).
+
+    x: (n, p), z: (n, q), n >= 2. dCor^2 = dCov^2(x, z) / sqrt(dVar^2(x) dVar^2(z)); returns
+    dCor (the square root), differentiable in both arguments.
+    """
+    if x.shape[0] != z.shape[0] or x.shape[0] < 2:
+        raise ConfigError(f"distance correlation needs the same number (>= 2) of rows, got "
+                          f"{x.shape[0]} and {z.shape[0]}")
+    a, b = _centered_distances(x.float()), _centered_distances(z.float())  # (n, n) each
+    dcov2 = (a * b).mean()
+    denom = ((a * a).mean() * (b * b).mean()).sqrt().clamp_min(1e-12)
+    return (dcov2 / denom).clamp_min(1e-12).sqrt()
+
+
+DEFENSES = {"none": Defense, "gaussian": GaussianNoise, "nopeek": NoPeek}
+
+
+def make_defense(name: str, **kwargs) -> Defense:
+    """A defense by name (``none``, ``gaussian``, ``nopeek``) and its fields."""
+    if name not in DEFENSES:
+        raise ConfigError(f"unknown defense {name!r}; known: {', '.join(DEFENSES)}")
+    return DEFENSES[name](**kwargs)
