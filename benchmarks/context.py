@@ -14,7 +14,7 @@ from transformers import GPT2LMHeadModel
 
 from splitlearn import load_model
 from splitlearn.client import SplitClient
-from splitlearn.server.process import LocalServer
+from splitlearn.localserver import LocalServer
 
 from .config import BenchConfig
 

@@ -11,6 +11,8 @@ from typing import Callable, Optional
 
 import torch
 
+from splitlearn.analysis.timing import percentile
+
 
 @dataclass
 class Timing:
@@ -23,8 +25,8 @@ class Timing:
 
 
 def p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+    """90th percentile, linear interpolation: the same definition as the analyzer's."""
+    return percentile(sorted(values), 90)
 
 
 def measure(fn: Callable[[], object], repeats: int, warmup: int,

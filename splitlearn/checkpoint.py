@@ -20,7 +20,7 @@ from typing import Sequence, Union
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import SegmentFileError
+from .errors import ConfigError, SegmentFileError
 from .segments import Segment
 
 
@@ -31,7 +31,7 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float = 0.0) -> t
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose adamw or sgd")
+    raise ConfigError(f"unknown optimizer {name!r}; choose adamw or sgd")
 
 
 def unique_parameters(segments: Sequence[Segment]) -> list[torch.nn.Parameter]:

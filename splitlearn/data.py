@@ -11,6 +11,8 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
+from .errors import ConfigError
+
 CORPUS = Path(__file__).resolve().parent / "corpus" / "tiny_stories.txt"
 
 
@@ -89,7 +91,7 @@ def lm_batches(ids: Sequence[int], batch_size: int, seq_len: int, *, seed: int =
     """
     data = torch.tensor(list(ids), dtype=torch.long)
     if len(data) <= seq_len:
-        raise ValueError(f"the corpus has {len(data)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ConfigError(f"the corpus has {len(data)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
     gen = torch.Generator().manual_seed(seed)
     n = 0
     while steps is None or n < steps:

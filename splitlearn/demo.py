@@ -17,7 +17,7 @@ import torch
 from . import ByteTokenizer, load_corpus, load_model, partition
 from .client import SplitClient
 from .data import lm_batches
-from .server.process import LocalServer
+from .localserver import LocalServer
 
 MODEL, CUTS = "tiny-demo", (2, 4)
 
@@ -40,7 +40,7 @@ def check_partition() -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m splitlearn.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m splitlearn.demo", allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=800, help="training steps")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)

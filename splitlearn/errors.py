@@ -93,6 +93,17 @@ _BY_CODE = {
 }
 
 
+def from_status(status: int, message: str) -> SplitLearnError:
+    """The error class that answers with HTTP ``status`` (server side: other servers' errors)."""
+    by_status: dict[int, type] = {}
+    for c in (BadRequest, *_BY_CODE.values()):  # 400 is a BadRequest, not a ConfigError
+        by_status.setdefault(c.status, c)
+    cls = by_status.get(status, BadRequest if status < 500 else SplitLearnError)
+    err = cls(message)
+    err.status = status
+    return err
+
+
 def from_payload(status: int, payload: dict, retry_after: Optional[float] = None) -> SplitLearnError:
     """Rebuild the error a server sent as JSON (client side)."""
     cls = _BY_CODE.get(str(payload.get("error")), SplitLearnError)

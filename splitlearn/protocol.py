@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
-from .errors import BadRequest
+from .errors import BadRequest, ConfigError
 from .wire import check_wire_dtype
 
 PROTOCOL_VERSION = 1
@@ -105,3 +106,15 @@ def valid_client_id(client_id: str) -> bool:
 # Transport diagnostics (``python -m splitlearn.client diagnose``): the body comes back
 # unchanged, with no tensor work on the server (token required, limited by max_body_bytes).
 ECHO = "/v1/echo"
+
+
+def read_token_file(path: str) -> tuple[str, ...]:
+    """Tokens from a file, one per line (blank lines and ``#`` comments ignored)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read --token-file {path}: {e}") from None
+    tokens = tuple(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
+    if not tokens:
+        raise ConfigError(f"--token-file {path} holds no token")
+    return tokens

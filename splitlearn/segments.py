@@ -12,7 +12,7 @@ Every segment takes the 2-D ``attention_mask`` of the whole sequence so far, sha
 (B, past + T), 1 for real tokens and 0 for (left) padding, and builds its own 4-D causal
 mask with ``transformers.masking_utils.create_causal_mask`` sized against a cache slot it
 holds: transformers 5 caches read slot 0 by default, which a segment without block 0 never
-fills (see NOTES.md). Positions are derived the way ``generate()`` derives them, from the
+fills (docs/INTERNALS.md, "transformers 5 and segments"). Positions are derived the way ``generate()`` derives them, from the
 mask (cumsum - 1), so left-padded rows get the same positions as in Hugging Face generation.
 
 Blocks keep their global ``layer_idx``, so one :class:`SegmentCache` per segment (a
@@ -28,6 +28,8 @@ from torch import nn
 from transformers import DynamicCache, GPT2Config
 from transformers.masking_utils import create_causal_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from .errors import ConfigError
 
 KINDS = ("bottom", "trunk", "top", "full")
 
@@ -88,7 +90,7 @@ class Segment(nn.Module):
                  modules: Optional[dict] = None):
         super().__init__()
         if kind not in KINDS:
-            raise ValueError(f"segment kind must be one of {KINDS}, got {kind!r}")
+            raise ConfigError(f"segment kind must be one of {KINDS}, got {kind!r}")
         self.config = config
         self.kind = kind
         self.start, self.end = start, end
@@ -158,7 +160,7 @@ class Segment(nn.Module):
         past = cache.length if cache is not None else 0
         T = x.shape[1]
         if attention_mask is not None and attention_mask.shape[-1] != past + T:
-            raise ValueError(
+            raise ConfigError(
                 f"attention_mask covers {attention_mask.shape[-1]} positions but the segment has "
                 f"seen {past} and is given {T} new ones")
         if self.has_embeddings:
@@ -187,7 +189,7 @@ class Segment(nn.Module):
             else:
                 position_ids = torch.arange(past, past + T, device=input_ids.device)[None]  # (1, T)
         if int(position_ids.max()) >= self.config.n_positions:
-            raise ValueError(f"position {int(position_ids.max())} is past n_positions="
+            raise ConfigError(f"position {int(position_ids.max())} is past n_positions="
                              f"{self.config.n_positions}")
         h = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, d)
         return self.drop(h)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from splitlearn import protocol as P
-from splitlearn.server.process import LocalServer
+from splitlearn.localserver import LocalServer
 from splitlearn.wire import decode, encode
 
 TOKEN, OTHER = "tok", "other"

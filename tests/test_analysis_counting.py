@@ -77,4 +77,4 @@ def test_published_table_counts():
     assert ft["lm_head"] == 6 * 768 * 50257 and round(ft["lm_head"] / 1e9, 2) == 0.23
     assert 0.08 <= fb[""] / 1e9 < 0.09  # 0.085 G; the seed's table truncates to 0.08
     assert round(ft[""] / 1e9, 2) == 0.32
-    assert fb["h.0"] == 12 * 6 * 768 ** 2 + 2 * 6 * 6 * 768  # 0.0425 G, as NOTES.md measured
+    assert fb["h.0"] == 12 * 6 * 768 ** 2 + 2 * 6 * 6 * 768  # 0.0425 G (docs/INTERNALS.md, "fvcore")

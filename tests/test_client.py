@@ -181,3 +181,29 @@ def test_restart_between_forward_and_backward_redoes_the_forward(tmp_path):
             assert restarted and client.step == 3
             reference, _ = unsplit_steps(cuts, optimizer, BATCHES[:3])
             assert_both_sides_equal(reference, client, srv)
+
+
+def test_clients_built_from_many_threads_at_once_all_work():
+    """Simulating many data owners in one process: construction is thread-safe."""
+    import threading
+
+    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"]) as srv:
+        built, errors = [], []
+
+        def build(i):
+            try:
+                built.append(SplitClient(srv.url, "tiny", token=TOKEN, optimizer="sgd", lr=LR["sgd"],
+                                         client_id=f"owner-{i}"))
+            except Exception as e:  # noqa: BLE001 - the test reports every failure
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=build, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and len(built) == 6
+        reference = built[0].bottom.state_dict()
+        for c in built:  # every client holds the same seeded weights
+            assert all(torch.equal(v, reference[k]) for k, v in c.bottom.state_dict().items())
+            c.close()

@@ -8,7 +8,7 @@ import torch
 
 import splitlearn as sl
 from splitlearn.client.cli import main
-from splitlearn.server.process import LocalServer
+from splitlearn.localserver import LocalServer
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +95,20 @@ def test_wrong_token_is_a_clear_error(server, monkeypatch, capsys):
     monkeypatch.setenv("SPLITLEARN_TOKEN", "wrong")
     assert main(["info", "--server", server.url]) == 2
     assert "token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["train", "--server", "http://127.0.0.1:9", "--mod", "tiny", "--steps", "1"],
+                                  ["generate", "--server", "http://127.0.0.1:9", "--model", "tiny", "--prom", "x"]])
+def test_abbreviated_options_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and ("is required" in err or "are required" in err)  # not abbreviated
+
+
+def test_token_file_is_read_as_the_server_reads_it(tmp_path, server, capsys, monkeypatch):
+    monkeypatch.delenv("SPLITLEARN_TOKEN", raising=False)
+    f = tmp_path / "tokens"
+    f.write_text(f"# the token of this client\n\n{server.token}\n")
+    assert main(["info", "--server", server.url, "--token-file", str(f)]) == 0
+    assert json.loads(capsys.readouterr().out)["cuts"] == [1, 3]

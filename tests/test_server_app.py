@@ -275,3 +275,24 @@ def test_a_retry_after_a_restart_gets_the_stored_answer(tmp_path):
     assert again.get_data() == first.get_data()
     assert same_weights(w1, snapshot(segment_of(app)))
     tensors_of(post_tensors(after, P.TRAIN_STEP, *step_body(2)))  # and training goes on
+
+
+@pytest.mark.parametrize("body", [b"\x00\xffgarbage", b'{"rows": 2', b'[1, 2]', b'{"rows": 2, "x": 1}',
+                                  b'{"rows": "2"}', b'{"rows": 0}', encode({"rows": torch.ones(1)})])
+def test_opening_a_session_with_a_bad_body_is_400_and_opens_nothing(u_app, u, body):
+    rt = u_app.extensions["splitlearn"]
+    r = u.post(P.SESSIONS, data=body, headers={**auth(), "Content-Type": "application/json"})
+    assert_error(r, 400)
+    assert rt.sessions.count() == 0
+
+
+def test_opening_a_session_with_an_empty_body_means_one_row(u):
+    r = u.post(P.SESSIONS, headers=auth())
+    assert r.status_code == 201 and r.get_json()["rows"] == 1
+
+
+def test_echo_returns_the_body_untouched(u):
+    body = bytes(range(256)) * 64
+    r = u.post(P.ECHO, data=body, headers={**auth(), "Content-Type": P.CONTENT_TYPE})
+    assert r.status_code == 200 and r.get_data() == body
+    assert_error(u.post(P.ECHO, data=body), 401)

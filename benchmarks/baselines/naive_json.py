@@ -51,7 +51,7 @@ from flask import Flask, jsonify, request
 from splitlearn import load_model, partition
 from splitlearn.checkpoint import make_optimizer, unique_parameters
 from splitlearn.segments import Segment, loss_from_logits
-from splitlearn.server.process import free_port
+from splitlearn.localserver import free_port
 
 SCRIPT = Path(__file__).resolve()
 

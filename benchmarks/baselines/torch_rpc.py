@@ -64,7 +64,7 @@ from torch.distributed.optim import DistributedOptimizer
 from splitlearn import load_model, partition
 from splitlearn.checkpoint import unique_parameters
 from splitlearn.segments import Segment, loss_from_logits
-from splitlearn.server.process import free_port
+from splitlearn.localserver import free_port
 
 SCRIPT = Path(__file__).resolve()
 REPO = SCRIPT.parents[2]

@@ -4,7 +4,7 @@
    multiply-add as one "flop", i.e. MACs. It has no handler for
    ``aten::scaled_dot_product_attention`` (it warns and leaves attention out), so one is
    registered here; Hugging Face ``Cache`` objects never reach the traced outputs because a
-   wrapper builds the cache inside the trace and returns the output tensor only (NOTES.md).
+   wrapper builds the cache inside the trace and returns the output tensor only (docs/INTERNALS.md, "fvcore").
 2. **torch.utils.flop_counter** (cross-check): counts 2 FLOPs per multiply-add; on CPU it does
    not know ``aten._scaled_dot_product_flash_attention_for_cpu`` (nor its backward), mapped here.
 3. **Analytic** (cross-check), for S new tokens attending to T keys, width d, MLP width f=4d:

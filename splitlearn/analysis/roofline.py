@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..devices import synchronize
 from .counting import _custom_mapping
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class DevicePeaks:
 
     def __post_init__(self):
         if self.tflops <= 0 or self.mem_bw_gbs <= 0:
-            raise ValueError(f"peak TFLOP/s and bandwidth must be > 0, got {self.tflops}, "
+            raise ConfigError(f"peak TFLOP/s and bandwidth must be > 0, got {self.tflops}, "
                              f"{self.mem_bw_gbs}")
 
     @property

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..devices import synchronize
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def time_runs(run: Callable[[], None], modules: dict[str, nn.Module], device: to
     run once it has used a quarter of it, timing once it is used and :data:`MIN_RUNS` runs
     are in. The number of runs taken is in each :class:`Latency`."""
     if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     clock = _Clock(device)
     hooks = _Hooks(modules, clock, backward)
     totals, per_module = [], {n: [] for n in modules}

@@ -12,7 +12,9 @@ from typing import Optional
 import torch
 
 from ..data import get_tokenizer, lm_batches, load_corpus
+from .. import protocol as P
 from ..errors import SplitLearnError
+from ..protocol import read_token_file
 from ..wire import WIRE_DTYPE_NAMES
 from .core import SplitClient
 from .transport import Transport, TransportConfig
@@ -20,7 +22,7 @@ from .transport import Transport, TransportConfig
 
 def _token(args) -> Optional[str]:
     if getattr(args, "token_file", None):
-        return Path(args.token_file).read_text().splitlines()[0].strip()
+        return read_token_file(args.token_file)[0]  # the server's rule: first non-comment line
     return os.environ.get("SPLITLEARN_TOKEN")
 
 
@@ -30,7 +32,7 @@ def _mb(n: int) -> str:
 
 def cmd_info(args) -> int:
     t = Transport(TransportConfig(args.server, _token(args), retries=1))
-    print(json.dumps(t.get_json("/v1/info"), indent=2))
+    print(json.dumps(t.get_json(P.INFO), indent=2))
     return 0
 
 
@@ -113,11 +115,12 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m splitlearn.client",
+    p = argparse.ArgumentParser(prog="python -m splitlearn.client", allow_abbrev=False,
                                 description="splitlearn client: train or generate with a split GPT-2")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp, model=True):
+        sp.allow_abbrev = False  # subparsers do not inherit it: `--mode` must not mean `--model`
         sp.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000")
         sp.add_argument("--token-file", help="file whose first line is the bearer token "
                                              "(default: $SPLITLEARN_TOKEN)")

@@ -1,17 +1,27 @@
 """The Flask app: ``create_app(config)`` -> a WSGI app serving one segment.
 
-Each route reads its request's bytes on the WSGI thread, then decodes and validates them
-completely (:mod:`.validate`) and calls the :class:`~.runtime.SegmentRuntime`, all on the
-runtime's compute thread (every tensor operation runs there: see :mod:`.compute`). Every
-failure is a :class:`SplitLearnError` turned into ``{"error": CODE, "message": TEXT}`` with its HTTP status by one handler, so a bad
-request changes nothing and the server keeps serving.
+Every route that carries tensors has the same shape, written once in :func:`tensor_route`::
+
+    WSGI thread:     read the body (415 unless application/octet-stream)
+    compute thread:  decode (safetensors, never pickle) -> validate (:mod:`.validate`)
+                     -> the runtime's method -> an Answer, or a future of one (decode steps)
+    WSGI thread:     wait for the future, encode the Answer, add X-Server-Time-Ms
+
+so requests are decoded and answers encoded at this one layer, and the route decorator is
+the only way onto the runtime's compute thread (every tensor operation runs there: see
+:mod:`.compute`). Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE,
+"message": TEXT}`` with its HTTP status by one handler, so a bad request changes nothing and
+the server keeps serving.
 """
 from __future__ import annotations
 
+import functools
 import hmac
+import json
 import logging
 import time
-from typing import Optional
+from concurrent.futures import Future
+from typing import Callable, Optional
 
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
@@ -22,6 +32,7 @@ from ..errors import (BadRequest, NotFound, PayloadTooLarge, SplitLearnError, Un
 from ..wire import check_wire_dtype, decode
 from . import validate
 from .config import ServerConfig
+from .ledger import Answer
 from .runtime import SegmentRuntime
 from .sessions import owner_of
 
@@ -30,17 +41,11 @@ log = logging.getLogger(__name__)
 _HTTP_CODES = {404: NotFound, 413: PayloadTooLarge, 415: UnsupportedMediaType}
 
 
-def _error_response(err: SplitLearnError) -> Response:
+def error_response(err: SplitLearnError) -> Response:
     resp = jsonify(err.to_payload())
     resp.status_code = err.status
     if err.retry_after is not None:
         resp.headers["Retry-After"] = str(int(round(err.retry_after)))
-    return resp
-
-
-def _binary(body: bytes, started: float, status: int = 200) -> Response:
-    resp = Response(body, status=status, mimetype=P.CONTENT_TYPE)
-    resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
     return resp
 
 
@@ -50,6 +55,24 @@ def _body() -> bytes:
         raise UnsupportedMediaType(f"send tensors as {P.CONTENT_TYPE} (safetensors), "
                                    f"not {request.mimetype or 'no content type'}")
     return request.get_data(cache=False)
+
+
+def session_rows(body: bytes, max_batch: int) -> int:
+    """``rows`` of a ``POST /v1/sessions`` body: JSON ``{"rows": N}``; an empty body means 1."""
+    if not body.strip():
+        return 1
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BadRequest('the body must be JSON {"rows": <int>} (or empty for one row)') from None
+    if not isinstance(payload, dict) or set(payload) - {"rows"}:
+        raise BadRequest(f'the body must be a JSON object {{"rows": <int>}}, got {str(payload)[:80]}')
+    rows = payload.get("rows", 1)
+    if not isinstance(rows, int) or isinstance(rows, bool):
+        raise BadRequest(f"'rows' must be an integer, got {rows!r}")
+    if not 1 <= rows <= max_batch:
+        raise BadRequest(f"rows must be in 1..{max_batch}, got {rows}")
+    return rows
 
 
 def create_app(config: Optional[ServerConfig] = None,
@@ -65,7 +88,7 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.errorhandler(SplitLearnError)
     def _splitlearn_error(err: SplitLearnError):
-        return _error_response(err)
+        return error_response(err)
 
     @app.errorhandler(HTTPException)
     def _http_error(err: HTTPException):
@@ -73,12 +96,12 @@ def create_app(config: Optional[ServerConfig] = None,
         e = cls(f"{err.name}: {err.description}" if err.code != 404 else
                 f"no route {request.method} {request.path}")
         e.status = err.code or 400
-        return _error_response(e)
+        return error_response(e)
 
     @app.errorhandler(Exception)
     def _internal(err: Exception):
         log.exception("internal error on %s %s", request.method, request.path)
-        return _error_response(SplitLearnError(f"internal server error: {type(err).__name__}: {err}"))
+        return error_response(SplitLearnError(f"internal server error: {type(err).__name__}: {err}"))
 
     @app.before_request
     def _authenticate():
@@ -91,14 +114,51 @@ def create_app(config: Optional[ServerConfig] = None,
         g.owner = owner_of(given.decode())
         return None
 
+    def tensor_route(rule: str, *, owner: bool = False) -> Callable:
+        """Register ``handler(tensors, meta, **url_args) -> Answer | Future[Answer]`` as a POST
+        route taking and answering safetensors (see the module docstring). ``owner=True``
+        also passes ``owner``, the digest of the caller's token (Flask's ``g`` does not reach
+        the compute thread)."""
+
+        def register(handler: Callable) -> Callable:
+            @functools.wraps(handler)
+            def view(**url_args) -> Response:
+                started, body = time.perf_counter(), _body()
+                if owner:
+                    url_args["owner"] = g.owner
+
+                def work():  # on the compute thread
+                    tensors, meta = decode(body)
+                    return handler(tensors, meta, **url_args)
+
+                answer = rt.compute.run(work)
+                if isinstance(answer, Future):  # a decode step waits for its batch
+                    answer = answer.result()
+                resp = Response(answer.encode(), status=200, mimetype=P.CONTENT_TYPE)
+                resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
+                return resp
+
+            app.add_url_rule(rule, endpoint=handler.__name__, view_func=view, methods=["POST"])
+            return handler
+
+        return register
+
+    def hidden_and_mask(t: dict, name: str = P.HIDDEN):
+        h = validate.hidden(t, name, d, cfg.max_batch, npos)
+        B, T, _ = h.shape
+        return h, validate.attention_mask(t, P.MASK, B, T, npos)
+
     @app.get(P.HEALTH)
     def health():
         return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
 
     @app.post(P.ECHO)
-    def echo():  # transport diagnostics: the body back as is, no tensor work (see diagnose)
-        started = time.perf_counter()
-        return _binary(request.get_data(cache=False), started)
+    def echo():
+        """The body back, untouched, with no tensor work (``client diagnose`` times the link)."""
+        started, body = time.perf_counter(), request.get_data(cache=False)
+        resp = Response(body, status=200, mimetype=P.CONTENT_TYPE)
+        resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
+        return resp
 
     @app.get(P.INFO)
     def info():
@@ -110,90 +170,52 @@ def create_app(config: Optional[ServerConfig] = None,
             raise BadRequest("client ids are 1-64 characters of [A-Za-z0-9_.-]")
         return jsonify(client_id=client_id, step=rt.client_step(client_id))
 
-    def _hidden_and_mask(t: dict, name: str = P.HIDDEN):
-        h = validate.hidden(t, name, d, cfg.max_batch, npos)
-        B, T, _ = h.shape
-        return h, validate.attention_mask(t, P.MASK, B, T, npos)
+    @tensor_route(P.TRAIN_STEP)
+    def train_step(t: dict, meta: dict) -> Answer:
+        m = P.StepMeta.from_meta(meta)
+        h, mask = hidden_and_mask(t)
+        y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
+        return rt.train_step(m, h, y, mask)
 
-    def _computed(work) -> Response:
-        """Read the body here, then decode, validate and run ``work(body)`` on the compute thread."""
-        started, body = time.perf_counter(), _body()
-        return _binary(rt.compute.run(work, body), started)
+    @tensor_route(P.TRAIN_FORWARD)
+    def train_forward(t: dict, meta: dict) -> Answer:
+        m = P.StepMeta.from_meta(meta)
+        h, mask = hidden_and_mask(t)
+        return rt.train_forward(m, h, mask)
 
-    @app.post(P.TRAIN_STEP)
-    def train_step():
-        def work(body: bytes) -> bytes:
-            t, meta = decode(body)
-            m = P.StepMeta.from_meta(meta)
-            h, mask = _hidden_and_mask(t)
-            y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
-            return rt.train_step(m, h, y, mask)
+    @tensor_route(P.TRAIN_BACKWARD)
+    def train_backward(t: dict, meta: dict) -> Answer:
+        m = P.StepMeta.from_meta(meta)
+        grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
+        return rt.train_backward(m, grad)
 
-        return _computed(work)
+    @tensor_route(P.FORWARD)
+    def forward(t: dict, meta: dict) -> Answer:
+        h, mask = hidden_and_mask(t)
+        y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+        return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")))
 
-    @app.post(P.TRAIN_FORWARD)
-    def train_forward():
-        def work(body: bytes) -> bytes:
-            t, meta = decode(body)
-            m = P.StepMeta.from_meta(meta)
-            h, mask = _hidden_and_mask(t)
-            return rt.train_forward(m, h, mask)
-
-        return _computed(work)
-
-    @app.post(P.TRAIN_BACKWARD)
-    def train_backward():
-        def work(body: bytes) -> bytes:
-            t, meta = decode(body)
-            m = P.StepMeta.from_meta(meta)
-            grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
-            return rt.train_backward(m, grad)
-
-        return _computed(work)
-
-    @app.post(P.FORWARD)
-    def forward():
-        def work(body: bytes) -> bytes:
-            t, meta = decode(body)
-            h, mask = _hidden_and_mask(t)
-            y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
-            wire = check_wire_dtype(meta.get("wire_dtype", "float32"))
-            return rt.forward(h, mask, y, wire)
-
-        return _computed(work)
+    @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True)
+    def session_step(t: dict, meta: dict, session_id: str, owner: str) -> Future:
+        sess = rt.sessions.get(owner, session_id)
+        m = P.SessionStepMeta.from_meta(meta)
+        h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=sess.rows)
+        if m.position + h.shape[1] > npos:
+            raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
+        mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
+        return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
 
     @app.post(P.CHECKPOINT)
     def checkpoint():
         if not cfg.checkpoint_dir:
             raise BadRequest("this server was started without --checkpoint-dir")
-        return jsonify(saved=rt.checkpoint(), steps_applied=rt.steps_applied)
+        return jsonify(saved=rt.compute.run(rt.checkpoint), steps_applied=rt.steps_applied)
 
     @app.post(P.SESSIONS)
     def open_session():
-        payload = request.get_json(silent=True) or {}
-        rows = payload.get("rows", 1)
-        if not isinstance(rows, int) or isinstance(rows, bool):
-            raise BadRequest(f"'rows' must be an integer, got {rows!r}")
+        rows = session_rows(request.get_data(cache=False), cfg.max_batch)
         sess = rt.open_session(g.owner, rows)
         return jsonify(session_id=sess.id, rows=sess.rows, ttl_s=cfg.session_ttl_s), 201
-
-    @app.post(P.SESSION_STEP.replace("{session_id}", "<session_id>"))
-    def session_step(session_id: str):
-        started = time.perf_counter()
-        sess = rt.sessions.get(g.owner, session_id)
-        body = _body()
-
-        def work():  # -> a future of the answer: decode steps wait for their batch
-            t, meta = decode(body)
-            m = P.SessionStepMeta.from_meta(meta)
-            h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=sess.rows)
-            total = m.position + h.shape[1]
-            if total > npos:
-                raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
-            mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
-            return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
-
-        return _binary(rt.compute.run(work).result(), started)
 
     @app.delete(P.SESSION.replace("{session_id}", "<session_id>"))
     def close_session(session_id: str):

@@ -28,6 +28,8 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
+from ..errors import ConfigError
+
 T = TypeVar("T")
 
 
@@ -39,7 +41,7 @@ class ComputeThread:
         self._ident = self._pool.submit(threading.get_ident).result()  # the pool's one thread
         if torch_threads is not None:
             if torch_threads < 1:
-                raise ValueError(f"torch_threads must be >= 1, got {torch_threads}")
+                raise ConfigError(f"torch_threads must be >= 1, got {torch_threads}")
             self.run(torch.set_num_threads, torch_threads)
 
     def on_thread(self) -> bool:

@@ -63,14 +63,3 @@ class ServerConfig:
         self.tokens = tuple(self.tokens)
         self.cuts = tuple(self.cuts)
 
-
-def read_token_file(path: str) -> tuple[str, ...]:
-    """Tokens from a file, one per line (blank lines and ``#`` comments ignored)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ConfigError(f"cannot read --token-file {path}: {e}") from None
-    tokens = tuple(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
-    if not tokens:
-        raise ConfigError(f"--token-file {path} holds no token")
-    return tokens

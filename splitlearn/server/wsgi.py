@@ -18,12 +18,14 @@ import shlex
 
 from flask import Flask
 
-from .__main__ import parse_args
+from ..errors import ConfigError
+
+from .cli import parse_args
 from .app import create_app
 
 
 def create_app_from_env() -> Flask:
     args = os.environ.get("SPLITLEARN_ARGS")
     if not args:
-        raise RuntimeError('set SPLITLEARN_ARGS to the server flags, e.g. "--model gpt2 --cut 2 --cut 10"')
+        raise ConfigError('set SPLITLEARN_ARGS to the server flags, e.g. "--model gpt2 --cut 2 --cut 10"')
     return create_app(parse_args(shlex.split(args)))

@@ -1,0 +1,129 @@
+"""``StepLedger``: the exactly-once record of every client's training steps.
+
+Each client numbers its steps 1, 2, 3...; the ledger keeps, per client, the last step
+applied and the answer it got. For a request carrying step ``s`` of client ``c``:
+
+=====================================  ====================================================
+``s`` == last applied                   a retry: :meth:`replay` gives the stored answer back,
+                                        the weights are not touched
+``s`` == last applied + 1               the next step: :meth:`expect_next` lets it through
+anything else                           409 (:class:`~splitlearn.errors.Conflict`)
+=====================================  ====================================================
+
+A U-shape step has two requests: the forward leaves a :class:`Pending` entry (the graph
+waiting for its backward), which a retried forward replays and the backward consumes.
+
+Answers are kept as tensors + metadata (:class:`Answer`); the route layer encodes them.
+The ledger goes into the checkpoint as JSON counters (:meth:`to_counters`; answers as
+base64 of their safetensors bytes) so a retry of the last step after a restart is replayed, not
+refused. It holds no tensors of the model and does no compute; the runtime calls it under
+its lock.
+"""
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..errors import Conflict
+from ..wire import decode, encode
+
+
+@dataclass
+class Answer:
+    """What a request is answered with: tensors (on the CPU) and string metadata.
+
+    Encoded once: a replayed answer is byte for byte the first one.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+    _bytes: Optional[bytes] = field(default=None, repr=False)
+
+    def encode(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = encode(self.tensors, self.meta)
+        return self._bytes
+
+    @classmethod
+    def decode(cls, body: bytes) -> "Answer":
+        tensors, meta = decode(body)
+        return cls(tensors, meta, body)
+
+
+@dataclass
+class Pending:
+    """A U-shape forward waiting for its backward."""
+
+    step: int
+    state: Any  # what the backward needs (the runtime's graph: inputs and outputs)
+    answer: Answer  # the forward's answer, replayed to a retried forward
+    since: float = 0.0  # time.monotonic() of the forward
+
+
+@dataclass
+class ClientRecord:
+    step: int = 0  # last step applied
+    answer: Optional[Answer] = None  # the answer to it, replayed to retries
+    pending: Optional[Pending] = None
+
+
+@dataclass
+class StepLedger:
+    clients: dict[str, ClientRecord] = field(default_factory=dict)
+    steps_applied: int = 0  # over all clients, since the first start
+
+    def record(self, client_id: str) -> ClientRecord:
+        return self.clients.setdefault(client_id, ClientRecord())
+
+    def last_step(self, client_id: str) -> int:
+        rec = self.clients.get(client_id)
+        return rec.step if rec else 0
+
+    def replay(self, client_id: str, step: int) -> Optional[Answer]:
+        """The stored answer if ``step`` was the client's last applied step (a retry), else None."""
+        rec = self.clients.get(client_id)
+        if rec is not None and step == rec.step and rec.answer is not None:
+            return rec.answer
+        return None
+
+    def expect_next(self, client_id: str, step: int) -> None:
+        """Raise 409 unless ``step`` is the client's next one."""
+        last = self.last_step(client_id)
+        if step != last + 1:
+            raise Conflict(f"step {step} for client {client_id!r} is out of order: "
+                           f"the server has applied step {last}, so the next is {last + 1}")
+
+    def pending(self, client_id: str, step: Optional[int] = None) -> Optional[Pending]:
+        """The client's pending forward (of ``step``, if given)."""
+        rec = self.clients.get(client_id)
+        p = rec.pending if rec else None
+        return p if p is not None and (step is None or p.step == step) else None
+
+    def set_pending(self, client_id: str, pending: Optional[Pending]) -> None:
+        self.record(client_id).pending = pending
+
+    def applied(self, client_id: str, step: int, answer: Answer) -> int:
+        """Record ``step`` of ``client_id`` as applied with ``answer``; total steps applied."""
+        rec = self.record(client_id)
+        rec.step, rec.answer, rec.pending = step, answer, None
+        self.steps_applied += 1
+        return self.steps_applied
+
+    # -- checkpoint --------------------------------------------------------------------
+
+    def to_counters(self) -> dict:
+        return {"clients": {c: r.step for c, r in self.clients.items()},
+                "answers": {c: base64.b64encode(r.answer.encode()).decode()
+                            for c, r in self.clients.items() if r.answer is not None},
+                "steps_applied": self.steps_applied}
+
+    @classmethod
+    def from_counters(cls, counters: dict) -> "StepLedger":
+        answers = counters.get("answers", {})
+        clients = {c: ClientRecord(step=int(s), answer=Answer.decode(base64.b64decode(answers[c]))
+                                   if c in answers else None)
+                   for c, s in counters.get("clients", {}).items()}
+        return cls(clients, int(counters.get("steps_applied", 0)))

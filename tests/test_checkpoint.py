@@ -1,0 +1,73 @@
+"""Training state on disk: weights + optimizer state + counters, restored exactly, never unpickled."""
+import json
+
+import pytest
+import torch
+
+from splitlearn import partition
+from splitlearn.checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
+from splitlearn.errors import ConfigError, SegmentFileError
+from splitlearn.loading import load_model
+from splitlearn.segments import labels_from_batch, loss_from_logits
+
+
+def trained_parts(steps: int, optimizer: str = "adamw"):
+    model = load_model("tiny")
+    parts = partition(model, (1, 3))
+    segs = [parts.bottom, parts.top]
+    opt = make_optimizer(unique_parameters(segs), optimizer, 1e-2)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_from_logits(parts(ids), labels_from_batch(ids, None)).backward()
+        opt.step()
+    return parts, segs, opt, ids
+
+
+def test_make_optimizer():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert isinstance(make_optimizer(p, "adamw", 0.1), torch.optim.AdamW)
+    assert isinstance(make_optimizer(p, "sgd", 0.1), torch.optim.SGD)
+    with pytest.raises(ConfigError, match="unknown optimizer 'adam'"):
+        make_optimizer(p, "adam", 0.1)
+
+
+def test_unique_parameters_counts_the_tied_weight_once():
+    parts = partition(load_model("tiny"), (1, 3))
+    params = unique_parameters([parts.bottom, parts.top])
+    assert len({id(p) for p in params}) == len(params)
+    assert parts.bottom.wte.weight is parts.top.lm_head.weight
+    assert sum(p is parts.bottom.wte.weight for p in params) == 1
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_save_then_load_continues_exactly(tmp_path, optimizer):
+    parts, segs, opt, ids = trained_parts(2, optimizer)
+    save_state(tmp_path, "client", segs, opt, {"step": 2})
+    assert has_state(tmp_path, "client") and not has_state(tmp_path, "server")
+    assert json.loads((tmp_path / "client.json").read_text())["counters"] == {"step": 2}
+    opt.zero_grad()
+    loss_from_logits(parts(ids), labels_from_batch(ids, None)).backward()
+    opt.step()
+    expected = parts(ids).detach()
+
+    parts2, segs2, opt2, _ = trained_parts(0, optimizer)
+    assert load_state(tmp_path, "client", segs2, opt2) == {"step": 2}
+    opt2.zero_grad()
+    loss_from_logits(parts2(ids), labels_from_batch(ids, None)).backward()
+    opt2.step()
+    assert torch.equal(parts2(ids).detach(), expected)
+
+
+def test_load_refuses_other_segments_and_missing_weights(tmp_path):
+    _, segs, opt, _ = trained_parts(1)
+    save_state(tmp_path, "client", segs, opt, {})
+    _, other, other_opt, _ = trained_parts(0)
+    with pytest.raises(SegmentFileError, match="holds segments"):
+        load_state(tmp_path, "client", other[:1], other_opt)
+    from safetensors.torch import load_file, save_file
+    w = load_file(str(tmp_path / "client.weights.safetensors"))
+    w.pop(next(iter(w)))
+    save_file(w, str(tmp_path / "client.weights.safetensors"))
+    with pytest.raises(SegmentFileError, match="lacks"):
+        load_state(tmp_path, "client", other, other_opt)

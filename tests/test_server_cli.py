@@ -1,0 +1,41 @@
+"""``python -m splitlearn.server`` as a real process: its command line and waitress's own answers."""
+import json
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from splitlearn import protocol as P
+from splitlearn.server.cli import parse_args
+
+from serverproc import TOKEN, ServerProcess, auth
+
+
+def test_abbreviated_options_are_refused():
+    with pytest.raises(SystemExit):
+        parse_args(["--mode", "tiny", "--cut", "1"])  # not --model
+    cfg = parse_args(["--model", "tiny", "--cut", "1", "--cut", "3"])
+    assert cfg.model == "tiny" and cfg.cuts == (1, 3)
+
+
+def test_bad_configuration_exits_2_with_one_line():
+    r = subprocess.run([sys.executable, "-m", "splitlearn.server", "--model", "tiny"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error:" in r.stderr and "--cut" in r.stderr
+
+
+def test_a_body_over_the_limit_gets_the_json_413_from_the_real_server():
+    with ServerProcess((1, 3), extra=["--max-body-mb", "0.01"]) as srv:  # 10 KiB
+        body = b"\x00" * (64 << 10)
+        r = requests.post(srv.url + P.TRAIN_FORWARD, data=body, timeout=30,
+                          headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE})
+        assert r.status_code == 413
+        assert r.headers["Content-Type"].startswith("application/json")
+        payload = r.json()
+        assert payload["error"] == "payload_too_large" and set(payload) == {"error", "message"}
+        # the server keeps serving
+        assert requests.get(srv.url + P.HEALTH, timeout=10).json()["status"] == "ok"
+        small = requests.post(srv.url + P.ECHO, data=b"x" * 100, timeout=10,
+                              headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE})
+        assert small.status_code == 200 and small.content == b"x" * 100
