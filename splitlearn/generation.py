@@ -67,6 +67,48 @@ def next_tokens(logits: torch.Tensor, cfg: GenerationConfig,
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
 
 
+class DecodeState:
+    """The decode loop's state for a batch of rows: mask so far, finished rows, sampler.
+
+    :func:`decode` drives one; a caller that runs groups of rows on their own schedule (the
+    client's pipelined decoder) drives one per group. Per row, greedy decoding does not
+    depend on the other rows, so groups give the tokens one batch gives; sampling draws
+    from one generator for the whole batch, so it must stay in one group.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                 cfg: GenerationConfig):
+        self.cfg = cfg
+        self.mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)  # (B, L)
+        self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+        if cfg.do_sample and self.generator is None:
+            self.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+        self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
+        self.unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of every row (B,) from last-position logits (B, V); pad for finished rows."""
+        tok = next_tokens(logits, self.cfg, self.generator)  # (B,)
+        if self.cfg.eos_token_id is not None:
+            tok = torch.where(self.unfinished, tok, torch.full_like(tok, self.pad))
+            self.unfinished &= tok != self.cfg.eos_token_id
+        return tok
+
+    @property
+    def done(self) -> bool:
+        """Every row has produced ``eos_token_id`` (never, without one)."""
+        return self.cfg.eos_token_id is not None and not bool(self.unfinished.any())
+
+    def padding(self) -> torch.Tensor:
+        """The tokens of a group whose rows are all done: (B,) of ``pad``."""
+        return torch.full_like(self.unfinished, self.pad, dtype=torch.long)
+
+    def advance(self, tok: torch.Tensor) -> torch.Tensor:
+        """Append ``tok`` (B,) to the sequence: the next step's new ids (B, 1); extends the mask."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=1)  # (B, past + 1)
+        return tok[:, None]  # (B, 1)
+
+
 def decode(step: Step, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
            cfg: GenerationConfig) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), ``cfg.max_new_tokens`` times at most.
@@ -74,24 +116,14 @@ def decode(step: Step, input_ids: torch.Tensor, attention_mask: Optional[torch.T
     The prompt goes through ``step`` once (prefill); every later call sends one position.
     Stops early when every row has produced ``eos_token_id``.
     """
-    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-    gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-    if cfg.do_sample and gen is None:
-        gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    state = DecodeState(input_ids, attention_mask, cfg)
     new = input_ids
     for _ in range(cfg.max_new_tokens):
-        logits = step(new, mask)  # (B, V)
-        tok = next_tokens(logits, cfg, gen)  # (B,)
-        if cfg.eos_token_id is not None:
-            tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
-            unfinished &= tok != cfg.eos_token_id
+        tok = state.choose(step(new, state.mask))  # (B,)
         yield tok
-        if cfg.eos_token_id is not None and not bool(unfinished.any()):
+        if state.done:
             return
-        new = tok[:, None]  # (B, 1)
-        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)  # (B, past + 1)
+        new = state.advance(tok)  # (B, 1)
 
 
 def local_step(parts: Partition) -> Step:

@@ -230,6 +230,6 @@ class SplitClient:
                               f"passes the model's n_positions={n_pos}")
         remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local)
         try:
-            yield from decode_loop(remote.step, ids, mask, cfg)
+            yield from remote.decode(ids, mask, cfg)
         finally:
             remote.close()

@@ -1,4 +1,4 @@
-"""``RemoteDecoder``: the ``step`` of :func:`splitlearn.generation.decode` with the server in the middle.
+"""``RemoteDecoder``: token-by-token generation with the server's segment in the middle.
 
 One generation session on the server holds the KV cache of its segment; the client keeps the
 KV caches of its own segments and the bottom's outputs so far. A decode step::
@@ -10,75 +10,173 @@ KV caches of its own segments and the bottom's outputs so far. A decode step::
 Each step sends only the new positions and their mask columns (the server keeps the rest),
 so a decode step's request does not grow with the sequence. If the server loses the session
 (restart, expiry), a new session is opened and the bottom outputs so far are replayed once.
+
+Pipelining (greedy decoding of two rows or more). Run as one batch, the client and the server
+take turns: each waits while the other computes. :meth:`RemoteDecoder.decode` splits the
+rows into two groups, each with its own server session and its own connection (a transport
+*lane*), and keeps both in flight::
+
+    client: bottom A | bottom B | top A, bottom A' | top B, bottom B' | top A', ...
+    server:          | trunk A  | trunk B          | trunk A'         | trunk B', ...
+
+so the server computes one group while the client computes the other. Greedy tokens do not
+depend on the other rows, so the groups give the tokens one batch gives (each group is a
+batch of its own through the same segments). Sampling draws from one generator for the whole
+batch, so it runs as one group.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .. import protocol as P
 from ..errors import NotFound, TransportError
+from ..generation import DecodeState, GenerationConfig, decode as decode_loop
 from ..segments import Segment
 from ..wire import pack, unpack
-from .transport import Transport
+from .transport import PendingCall, Transport
 
 log = logging.getLogger(__name__)
 
 
+class _Group:
+    """Some rows of the batch: one server session, the client's caches, one request in flight."""
+
+    def __init__(self, dec: "RemoteDecoder", rows: int, lane: int):
+        self.dec, self.rows, self.lane = dec, rows, lane
+        self.caches = [s.new_cache() for s in dec.segments]
+        self.history: list[torch.Tensor] = []  # bottom outputs (B, T_i, d), one per step
+        self.length = 0  # positions sent so far
+        self.sid: Optional[str] = None
+        self.pending: Optional[tuple[PendingCall, int, torch.Tensor]] = None  # call, T, mask
+
+    def _send(self, h: torch.Tensor, mask: torch.Tensor, position: int) -> PendingCall:
+        d = self.dec
+        if self.sid is None:
+            self.sid = d.transport.post_json(P.SESSIONS, {"rows": self.rows})["session_id"]
+        meta = P.SessionStepMeta(position, d.wire_dtype).to_meta()
+        new_mask = mask[:, -h.shape[1]:].cpu()  # (B, T): the server keeps the earlier columns
+        return d.transport.start_call(P.SESSION_STEP.format(session_id=self.sid),
+                                      {**pack(P.HIDDEN, h, d.wire_dtype), P.MASK: new_mask}, meta, self.lane)
+
+    def _answer(self, call: PendingCall) -> torch.Tensor:
+        out = self.dec.transport.finish_call(call)
+        return self.dec.to_local(unpack(out, P.HIDDEN if self.dec.u_shape else P.LOGITS))
+
+    @torch.no_grad()
+    def begin(self, new_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Run the bottom on ``new_ids`` (B, T) and send its output; ``mask`` (B, L) is the whole sequence's."""
+        h = self.dec.segments[0](new_ids, mask, self.caches[0])  # (B, T, d)
+        self.history.append(h)
+        position, self.length = self.length, self.length + h.shape[1]
+        try:
+            call = self._send(h, mask, position)
+        except (NotFound, TransportError):
+            call = None  # finish() opens a new session and replays
+        self.pending = (call, h.shape[1], mask)
+
+    @torch.no_grad()
+    def finish(self) -> torch.Tensor:
+        """Wait for the answer of :meth:`begin`; logits (B, V) of the last position."""
+        call, T, mask = self.pending
+        self.pending = None
+        try:
+            if call is None:
+                raise TransportError("the request could not be sent")
+            out = self._answer(call)
+        except (NotFound, TransportError) as e:
+            history = torch.cat(self.history, dim=1)  # (B, L, d)
+            self.history = [history]
+            log.warning("generation session lost (%s); replaying %d positions", e, history.shape[1])
+            self.sid = None
+            out = self._answer(self._send(history, mask, 0))
+            if self.dec.u_shape:
+                out = out[:, -T:]  # the top's cache already holds the earlier positions
+        if not self.dec.u_shape:
+            return out  # (B, V) logits of the last position
+        return self.dec.segments[1](out, mask, self.caches[1], logits_to_keep=1)[:, -1, :]  # (B, V)
+
+    def close(self) -> None:
+        if self.sid is not None:
+            try:
+                self.dec.transport.delete(P.SESSION.format(session_id=self.sid))
+            except Exception:  # the session may be gone already; nothing to free then
+                pass
+            self.sid = None
+
+
 class RemoteDecoder:
-    """Client side of one generation session over ``transport``.
+    """Client side of generation over ``transport``.
 
     segments: the client's own segments, ``[bottom]`` (2-way) or ``[bottom, top]`` (U-shape).
     to_local: moves a received tensor to the client's device and compute dtype.
+    pipeline: split greedy decoding of two rows or more into two groups in flight
+        (None: do so when ``rows >= 2``); see the module docstring.
     """
 
     def __init__(self, transport: Transport, segments: Sequence[Segment], rows: int, wire_dtype: str,
-                 to_local: Callable[[torch.Tensor], torch.Tensor]):
+                 to_local: Callable[[torch.Tensor], torch.Tensor], pipeline: Optional[bool] = None):
         self.transport = transport
         self.segments = list(segments)
+        for seg in self.segments:
+            seg.eval()  # once: Module.eval walks every submodule (~0.1 ms per step otherwise)
         self.u_shape = len(self.segments) == 2
         self.rows = rows
         self.wire_dtype = wire_dtype
         self.to_local = to_local
-        self.caches = [s.new_cache() for s in self.segments]
-        self.history: Optional[torch.Tensor] = None  # (B, L, d) bottom outputs so far
-        self.sid = self._open()
+        self.pipeline = pipeline
+        self.groups: list[_Group] = []
 
-    def _open(self) -> str:
-        return self.transport.post_json(P.SESSIONS, {"rows": self.rows})["session_id"]
+    def _whole(self) -> _Group:
+        if not self.groups:
+            self.groups = [_Group(self, self.rows, lane=0)]
+        return self.groups[0]
 
-    def _server(self, h: torch.Tensor, mask: torch.Tensor, position: int) -> torch.Tensor:
-        path = P.SESSION_STEP.format(session_id=self.sid)
-        meta = P.SessionStepMeta(position, self.wire_dtype).to_meta()
-        new_mask = mask[:, -h.shape[1]:].cpu()  # (B, T): the server keeps the earlier columns
-        out = self.transport.call(path, {**pack(P.HIDDEN, h, self.wire_dtype), P.MASK: new_mask}, meta)
-        return self.to_local(unpack(out, P.HIDDEN if self.u_shape else P.LOGITS))
-
-    @torch.no_grad()
     def step(self, new_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of the last position after feeding ``new_ids`` (B, T); ``mask`` (B, L)."""
-        for seg in self.segments:
-            seg.eval()
-        T = new_ids.shape[1]
-        h = self.segments[0](new_ids, mask, self.caches[0])  # (B, T, d)
-        self.history = h if self.history is None else torch.cat([self.history, h], dim=1)
-        position = self.history.shape[1] - T
-        try:
-            out = self._server(h, mask, position)
-        except (NotFound, TransportError) as e:
-            log.warning("generation session lost (%s); replaying %d positions", e, self.history.shape[1])
-            self.sid = self._open()
-            out = self._server(self.history, mask, 0)
-            if self.u_shape:
-                out = out[:, -T:]  # the top's cache already holds the earlier positions
-        if not self.u_shape:
-            return out  # (B, V) logits of the last position
-        return self.segments[1](out, mask, self.caches[1], logits_to_keep=1)[:, -1, :]  # (B, V)
+        group = self._whole()
+        group.begin(new_ids, mask)
+        return group.finish()
+
+    def pipelined(self, cfg: GenerationConfig) -> bool:
+        want = self.rows >= 2 if self.pipeline is None else self.pipeline
+        return want and self.rows >= 2 and not cfg.do_sample and not self.groups
+
+    def decode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+               cfg: GenerationConfig) -> Iterator[torch.Tensor]:
+        """Yield the next token of every row, (B,), as :func:`splitlearn.generation.decode` does."""
+        if not self.pipelined(cfg):
+            yield from decode_loop(self.step, input_ids, attention_mask, cfg)
+            return
+        half = (self.rows + 1) // 2
+        spans = [slice(0, half), slice(half, self.rows)]
+        self.groups = [_Group(self, sl.stop - sl.start, lane=i) for i, sl in enumerate(spans)]
+        states = [DecodeState(input_ids[sl], None if attention_mask is None else attention_mask[sl], cfg)
+                  for sl in spans]
+        for g, st, sl in zip(self.groups, states, spans):
+            g.begin(input_ids[sl], st.mask)  # both prefills in flight
+        for i in range(cfg.max_new_tokens):
+            toks = []
+            for g, st in zip(self.groups, states):
+                if g.pending is None:  # every row of this group is done: padding
+                    toks.append(st.padding())
+                    continue
+                tok = st.choose(g.finish())  # (b,)
+                toks.append(tok)
+                if i + 1 < cfg.max_new_tokens and not st.done:
+                    g.begin(st.advance(tok), st.mask)  # in flight while the other group computes
+            yield torch.cat(toks)  # (B,)
+            if all(st.done for st in states):
+                return
 
     def close(self) -> None:
-        try:
-            self.transport.delete(P.SESSION.format(session_id=self.sid))
-        except Exception:  # the session may be gone already; nothing to free then
-            pass
+        for g in self.groups:
+            if g.pending is not None and g.pending[0] is not None:
+                try:  # read the answer in flight so the connection can be reused
+                    g.pending[0].result()
+                except Exception:
+                    pass
+            g.close()
+        self.groups = []

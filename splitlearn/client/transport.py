@@ -1,8 +1,21 @@
-"""HTTP transport of the client: one keep-alive ``requests.Session``, retries, statistics.
+"""HTTP transport of the client: keep-alive connections, retries, statistics.
 
 Every tensor exchange goes through :meth:`Transport.call`: encode the tensors (safetensors,
 :mod:`splitlearn.wire`), POST them, decode the answer, and count bytes and times in
-:class:`WireStats`. JSON control calls use :meth:`get_json` / :meth:`post_json`.
+:class:`WireStats`. JSON control calls use :meth:`get_json` / :meth:`post_json` on a
+``requests.Session``.
+
+Tensor POSTs take a leaner path where they can: a plain ``http.client`` keep-alive
+connection per *lane* (TCP_NODELAY on), which costs about 0.5 ms less per call than
+``requests`` on loopback (measured: 0.49 vs 1.03 ms for a GET; see benchmarks/README.md).
+It is used for ``http://`` URLs that no proxy setting of the environment applies to;
+``https://`` and proxied URLs go through ``requests`` (its certificate and proxy handling).
+For a loopback host the ``requests.Session`` ignores the environment (``trust_env=False``,
+about 0.2 ms a call): no proxy or ``.netrc`` applies to 127.0.0.1 anyway.
+
+A lane holds at most one request in flight: :meth:`Transport.start` sends a request and
+returns a :class:`PendingCall` whose ``result()`` reads the answer later, so a caller can
+compute while the server works (the pipelined decoder keeps two lanes busy).
 
 Only connection failures are retried (with exponential backoff): the request never
 reached the server, or the server went away mid-request. That is safe for every splitlearn
@@ -12,10 +25,15 @@ back into the :mod:`splitlearn.errors` class the server raised.
 """
 from __future__ import annotations
 
+import http.client
+import ipaddress
+import json
 import logging
+import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
+from urllib.parse import urlsplit
 
 import requests
 
@@ -24,6 +42,11 @@ from ..errors import ConfigError, SplitLearnError, TransportError, from_payload
 from ..wire import decode, encode
 
 log = logging.getLogger(__name__)
+
+# Failures that mean the request did not complete on this connection: reconnect and resend.
+_CONNECTION_ERRORS = (ConnectionError, http.client.RemoteDisconnected, http.client.IncompleteRead,
+                      http.client.BadStatusLine, http.client.CannotSendRequest,
+                      http.client.ResponseNotReady, BrokenPipeError)
 
 
 @dataclass
@@ -39,8 +62,12 @@ class TransportConfig:
         self.url = self.url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"server URL must start with http:// or https://, got {self.url!r}")
+        if not urlsplit(self.url).hostname:
+            raise ConfigError(f"server URL {self.url!r} has no host")
         if self.retries < 0 or self.backoff_s < 0:
             raise ConfigError("retries and backoff_s must be >= 0")
+        if not (self.connect_timeout_s > 0 and self.read_timeout_s > 0):
+            raise ConfigError("connect_timeout_s and read_timeout_s must be > 0")
 
 
 @dataclass
@@ -65,17 +92,91 @@ class WireStats:
         return {**asdict(self), "overhead_s": self.overhead_s}
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Lane:
+    """One keep-alive ``http.client`` connection (plain HTTP); one request in flight."""
+
+    def __init__(self, host: str, port: int, cfg: TransportConfig):
+        self.host, self.port, self.cfg = host, port, cfg
+        self.conn: Optional[http.client.HTTPConnection] = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self.conn is None:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.cfg.connect_timeout_s)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sock.settimeout(self.cfg.read_timeout_s)
+            self.conn = conn
+        return self.conn
+
+    def send(self, path: str, body: bytes, headers: dict) -> None:
+        conn = self._connect()
+        conn.putrequest("POST", path, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)  # headers, then the body as is (no copy)
+
+    def receive(self) -> tuple[int, Callable[[str], Optional[str]], bytes]:
+        resp = self.conn.getresponse()
+        content = resp.read()
+        if resp.will_close:
+            self.close()
+        return resp.status, resp.getheader, content
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+class PendingCall:
+    """A tensor POST on its way; ``result()`` waits for the answer's bytes (once)."""
+
+    def __init__(self, transport: "Transport", lane: int, path: str, body: bytes):
+        self.transport, self.lane, self.path, self.body = transport, lane, path, body
+        self.t0 = time.perf_counter()
+        self.sent = transport._try_send(lane, path, body)
+
+    def result(self) -> bytes:
+        return self.transport._finish(self)
+
+
 class Transport:
     def __init__(self, cfg: TransportConfig):
         self.cfg = cfg
         self.stats = WireStats()
+        parts = urlsplit(cfg.url)
         self.http = requests.Session()
         self.http.headers["User-Agent"] = "splitlearn-client"
+        self._headers = {"User-Agent": "splitlearn-client", "Content-Type": P.CONTENT_TYPE}
         if cfg.token:
             self.http.headers["Authorization"] = f"Bearer {cfg.token}"
+            self._headers["Authorization"] = f"Bearer {cfg.token}"
+        if is_loopback(parts.hostname):
+            self.http.trust_env = False  # no proxy or .netrc applies to loopback: ~0.2 ms a call
+        self._base_path = parts.path
+        # The lean path: plain HTTP that no proxy of the environment applies to.
+        self.lean = (parts.scheme == "http" and not parts.username
+                     and not requests.utils.get_environ_proxies(cfg.url))
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._lanes: dict[int, _Lane] = {}
 
     def close(self) -> None:
         self.http.close()
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
+
+    # -- JSON control calls (requests) ---------------------------------------------------
 
     def _send(self, method: str, path: str, **kw) -> requests.Response:
         url = self.cfg.url + path
@@ -87,22 +188,30 @@ class Transport:
             except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
                 if attempt == self.cfg.retries:
                     raise TransportError(f"cannot reach {url} after {attempt + 1} attempts: {e}") from None
-                self.stats.retries += 1
-                wait = self.cfg.backoff_s * (2 ** attempt)
-                log.warning("%s %s failed (%s); retrying in %.1fs", method, path, type(e).__name__, wait)
-                time.sleep(wait)
+                self._backoff(attempt, method, path, e)
+            except requests.Timeout as e:
+                raise TransportError(f"{method} {url}: no answer in time ({e})") from None
         if resp.status_code >= 400:
-            raise self._error(resp)
+            raise self._error(resp.status_code, resp.headers.get, resp.content)
         return resp
 
+    def _backoff(self, attempt: int, method: str, path: str, e: Exception) -> None:
+        self.stats.retries += 1
+        wait = self.cfg.backoff_s * (2 ** attempt)
+        log.warning("%s %s failed (%s); retrying in %.1fs", method, path, type(e).__name__, wait)
+        time.sleep(wait)
+
     @staticmethod
-    def _error(resp: requests.Response) -> SplitLearnError:
-        retry_after = resp.headers.get("Retry-After")
+    def _error(status: int, header: Callable[[str], Optional[str]], content: bytes) -> SplitLearnError:
+        retry_after = header("Retry-After")
         try:
-            payload = resp.json()
+            payload = json.loads(content)
+            if not isinstance(payload, dict):
+                raise ValueError
         except ValueError:
-            payload = {"error": "transport", "message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
-        return from_payload(resp.status_code, payload, float(retry_after) if retry_after else None)
+            text = content[:200].decode("utf-8", "replace")
+            payload = {"error": "transport", "message": f"HTTP {status}: {text}"}
+        return from_payload(status, payload, float(retry_after) if retry_after else None)
 
     def get_json(self, path: str) -> dict:
         return self._send("GET", path).json()
@@ -113,27 +222,81 @@ class Transport:
     def delete(self, path: str) -> None:
         self._send("DELETE", path)
 
+    # -- tensor calls --------------------------------------------------------------------
+
     def call(self, path: str, tensors: dict, meta: Optional[dict] = None) -> dict:
         """POST ``tensors`` (+ string ``meta``) as safetensors; return the answer's tensors."""
+        return self.finish_call(self.start_call(path, tensors, meta))
+
+    def start_call(self, path: str, tensors: dict, meta: Optional[dict] = None, lane: int = 0) -> PendingCall:
+        """Encode and send ``tensors`` on ``lane`` now; :meth:`finish_call` gets the answer."""
         t0 = time.perf_counter()
         body = encode(tensors, meta)
-        t1 = time.perf_counter()
-        answer = self.post_bytes(path, body)
-        t2 = time.perf_counter()
+        self.stats.serialize_s += time.perf_counter() - t0
+        return self.start(path, body, lane)
+
+    def finish_call(self, pending: PendingCall) -> dict:
+        answer = pending.result()
+        t0 = time.perf_counter()
         out, _ = decode(answer)
-        self.stats.serialize_s += t1 - t0
-        self.stats.deserialize_s += time.perf_counter() - t2
+        self.stats.deserialize_s += time.perf_counter() - t0
         return out
 
     def post_bytes(self, path: str, body: bytes) -> bytes:
         """POST a safetensors body; return the answer's bytes, counting everything."""
-        t0 = time.perf_counter()
-        resp = self._send("POST", path, data=body, headers={"Content-Type": P.CONTENT_TYPE})
-        content = resp.content
+        return self.start(path, body).result()
+
+    def start(self, path: str, body: bytes, lane: int = 0) -> PendingCall:
+        """Send a safetensors body on ``lane`` (one request in flight per lane)."""
+        return PendingCall(self, lane, path, body)
+
+    def _lane(self, lane: int) -> _Lane:
+        if lane not in self._lanes:
+            self._lanes[lane] = _Lane(self._host, self._port, self.cfg)
+        return self._lanes[lane]
+
+    def _try_send(self, lane: int, path: str, body: bytes) -> bool:
+        """Send now on the lean path; False if it failed (``_finish`` retries) or is not used."""
+        if not self.lean:
+            return False
+        try:
+            self._lane(lane).send(self._base_path + path, body, self._headers)
+            return True
+        except (*_CONNECTION_ERRORS, OSError):
+            self._lane(lane).close()
+            return False
+
+    def _finish(self, p: PendingCall) -> bytes:
+        if not self.lean:
+            resp = self._send("POST", p.path, data=p.body, headers={"Content-Type": P.CONTENT_TYPE})
+            status, header, content = resp.status_code, resp.headers.get, resp.content
+        else:
+            status, header, content = self._lean_answer(p)
+        if status >= 400:
+            raise self._error(status, header, content)
         s = self.stats
-        s.round_trip_s += time.perf_counter() - t0
+        s.round_trip_s += time.perf_counter() - p.t0
         s.calls += 1
-        s.bytes_sent += len(body)
+        s.bytes_sent += len(p.body)
         s.bytes_received += len(content)
-        s.server_compute_s += float(resp.headers.get(P.SERVER_TIME_HEADER, 0.0)) / 1e3
+        s.server_compute_s += float(header(P.SERVER_TIME_HEADER) or 0.0) / 1e3
         return content
+
+    def _lean_answer(self, p: PendingCall):
+        lane, url = self._lane(p.lane), self.cfg.url + p.path
+        sent = p.sent
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                if not sent:
+                    lane.send(self._base_path + p.path, p.body, self._headers)
+                return lane.receive()
+            except (socket.timeout, TimeoutError) as e:
+                lane.close()
+                raise TransportError(f"POST {url}: no answer in time ({e})") from None
+            except (*_CONNECTION_ERRORS, OSError) as e:
+                lane.close()
+                sent = False
+                if attempt == self.cfg.retries:
+                    raise TransportError(f"cannot reach {url} after {attempt + 1} attempts: {e}") from None
+                self._backoff(attempt, "POST", p.path, e)
+        raise AssertionError("unreachable")
