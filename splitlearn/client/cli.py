@@ -1,4 +1,4 @@
-"""``python -m splitlearn.client {train,generate,info}``: the client's command line."""
+"""``python -m splitlearn.client {train,generate,info,diagnose}``: the client's command line."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,21 @@ def _mb(n: int) -> str:
 def cmd_info(args) -> int:
     t = Transport(TransportConfig(args.server, _token(args), retries=1))
     print(json.dumps(t.get_json(P.INFO), indent=2))
+    return 0
+
+
+def cmd_diagnose(args) -> int:
+    from .diagnose import DiagnoseConfig, diagnose, render
+
+    sizes = [int(float(x) * 1024) for x in args.sizes_kib.split(",") if x.strip()]
+    cfg = DiagnoseConfig(sizes=tuple(sizes), repeats=args.repeats, train_batch=args.batch_size,
+                         train_seq=args.seq_len, decode_batch=args.decode_batch)
+    t = Transport(TransportConfig(args.server, _token(args), retries=1, connect_timeout_s=5.0))
+    try:
+        report = diagnose(t, cfg)
+    finally:
+        t.close()
+    print(json.dumps(report, indent=1) if args.json else render(report), end="" if not args.json else "\n")
     return 0
 
 
@@ -132,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print the server's /v1/info")
     common(info, model=False)
     info.set_defaults(func=cmd_info)
+
+    dg = sub.add_parser("diagnose", allow_abbrev=False,
+                        help="measure the link to a server: round trips, bandwidth, codec, step costs")
+    common(dg, model=False)
+    dg.add_argument("--json", action="store_true", help="print the report as JSON")
+    dg.add_argument("--sizes-kib", default="1,16,256,1024,4096,16384",
+                    help="echo payload sizes in KiB, comma-separated (default 1 KiB .. 16 MiB)")
+    dg.add_argument("--repeats", type=int, default=5, help="round trips per size (median reported)")
+    dg.add_argument("--batch-size", type=int, default=8, help="rows of the training step estimated")
+    dg.add_argument("--seq-len", type=int, default=128, help="tokens per row of the training step estimated")
+    dg.add_argument("--decode-batch", type=int, default=1, help="rows of the decode step estimated")
+    dg.set_defaults(func=cmd_diagnose)
 
     tr = sub.add_parser("train", help="train the split model on a text file")
     common(tr)

@@ -1,0 +1,233 @@
+"""The transport doctor: what a call to this server costs, and what that means for a split.
+
+``python -m splitlearn.client diagnose --server URL [--json]`` measures, against a running
+server:
+
+- **round trips** of payloads from 1 KiB to 16 MiB through ``POST /v1/echo`` (the body goes
+  out and comes back; no tensor work on the server), on the same keep-alive connection a
+  :class:`~splitlearn.client.SplitClient` uses for its tensors;
+- the **per-call overhead** and the **effective bandwidth**, from a least-squares line
+  through those round trips: ``round trip = overhead + 2 x bytes / bandwidth``;
+- the **(de)serialisation cost** of each wire dtype on this machine, for the activation of
+  a decode step (B x 1 x d) and of a training step (B x T x d);
+- the **bytes per cut** of the server's model (the analyzer's
+  :func:`splitlearn.analysis.traffic.wire_bytes`) for a training step and a decode step,
+  and what each would cost on this link, per wire dtype;
+
+and says in words which bound applies: "latency-bound: fewer round trips or larger batches"
+when the per-call overhead is most of a step's link time, "bandwidth-bound: bfloat16 halves
+the bytes, int8 quarters them" when the bytes are.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import protocol as P
+from ..errors import ConfigError, TransportError
+from ..wire import WIRE_DTYPE_NAMES, decode, encode, pack, unpack
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+KIB, MIB = 1 << 10, 1 << 20
+LATENCY_ADVICE = "latency-bound: fewer round trips or larger batches"
+BANDWIDTH_ADVICE = "bandwidth-bound: bfloat16 halves the bytes, int8 quarters them"
+
+
+@dataclass
+class DiagnoseConfig:
+    sizes: tuple[int, ...] = (KIB, 16 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)  # echo payloads, bytes
+    repeats: int = 5  # round trips per payload size (the median is reported)
+    warmup: int = 2  # untimed round trips per size first
+    train_batch: int = 8  # rows of the training step estimated
+    train_seq: int = 128  # tokens per row of the training step estimated
+    decode_batch: int = 1  # rows of the decode step estimated
+    codec_repeats: int = 5  # encode + decode runs per wire dtype (median)
+
+    def __post_init__(self):
+        self.sizes = tuple(sorted(set(int(s) for s in self.sizes)))
+        if len(self.sizes) < 2 or self.sizes[0] < 1:
+            raise ConfigError("diagnose needs at least two payload sizes of >= 1 byte")
+        for name in ("repeats", "train_batch", "train_seq", "decode_batch", "codec_repeats"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+
+
+def echo_round_trips(transport: Transport, sizes: tuple[int, ...], repeats: int, warmup: int) -> list[dict]:
+    """Median/min/p90 round trip (ms) of each payload size through ``POST /v1/echo``."""
+    rows = []
+    for size in sizes:
+        body = os.urandom(size)
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            answer = transport.post_bytes(P.ECHO, body)
+            dt = time.perf_counter() - t0
+            if answer != body:
+                raise TransportError(f"{P.ECHO} answered {len(answer)} bytes for {size} that differ from "
+                                     f"what was sent: something between client and server alters bodies")
+            if i >= warmup:
+                times.append(dt)
+        med = statistics.median(times)
+        rows.append({"bytes": size, "median_ms": 1e3 * med, "min_ms": 1e3 * min(times),
+                     "p90_ms": 1e3 * sorted(times)[int(round(0.9 * (len(times) - 1)))],
+                     "effective_MBps": 2 * size / med / 1e6})  # both directions
+    return rows
+
+
+def fit_link(rows: list[dict]) -> tuple[float, float]:
+    """(per-call overhead ms, bandwidth MB/s) of ``round trip = overhead + 2 x bytes / bandwidth``.
+
+    The overhead comes from the small payloads (<= 64 KiB, where the call dominates: the
+    cheapest median), the bandwidth from the two largest (where the bytes do): a
+    least-squares line through all sizes lets the large payloads' noise swamp the intercept.
+    """
+    small = [r for r in rows if r["bytes"] <= 64 * KIB] or rows[:1]
+    base = min(small, key=lambda r: r["median_ms"])  # the cheapest small call: the least noise
+    big = [r for r in (rows[-2:] if len(rows) > 2 else rows[-1:]) if r["bytes"] > base["bytes"]]
+    slope = statistics.median(max(r["median_ms"] - base["median_ms"], 0.0) / (2 * (r["bytes"] - base["bytes"]))
+                              for r in big) if big else 0.0  # ms per byte
+    slope = max(slope, 1e-12)  # noise swamped the bytes: the link is faster than we can see
+    overhead = max(base["median_ms"] - 2 * base["bytes"] * slope, 0.0)
+    return overhead, 1e-3 / slope  # 1/slope bytes per ms = 1e-3/slope MB/s
+
+
+def codec_costs(d: int, batch: int, seq: int, decode_batch: int, repeats: int) -> list[dict]:
+    """Encode + decode ms per wire dtype for a decode step's and a training step's activation."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"decode_step": (decode_batch, 1, d), "training_step": (batch, seq, d)}
+    rows = []
+    for name in WIRE_DTYPE_NAMES:
+        row = {"wire_dtype": name}
+        for kind, shape in shapes.items():
+            x = torch.randn(*shape, generator=g)  # (B, T, d)
+            enc, dec = [], []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                body = encode(pack(P.HIDDEN, x, name))
+                t1 = time.perf_counter()
+                unpack(decode(body)[0], P.HIDDEN).float()
+                t2 = time.perf_counter()
+                enc.append(t1 - t0)
+                dec.append(t2 - t1)
+            row[f"{kind}_bytes"] = len(body)
+            row[f"{kind}_serialize_ms"] = 1e3 * statistics.median(enc[1:])
+            row[f"{kind}_deserialize_ms"] = 1e3 * statistics.median(dec[1:])
+        rows.append(row)
+    return rows
+
+
+def step_traffic(info: dict, batch: int, tokens: int, mode: str) -> dict:
+    """Calls and bytes per wire dtype of one step against this server (the analyzer's bytes per cut).
+
+    U-shape training: two calls, activations and gradients across both cuts (4 tensors of
+    (B, T, d)). 2-way training: one call, activations + labels out, gradients + loss back.
+    Decode: one call; U-shape returns the trunk's (B, 1, d), 2-way the logits (B, V).
+    """
+    from ..analysis.traffic import wire_bytes  # the analyzer's bytes per cut
+
+    cfg = info["model_config"]
+    d, vocab = cfg["n_embd"], cfg["vocab_size"]
+    u_shape = len(info["cuts"]) == 2
+    act = wire_bytes(batch, tokens, d)  # one (B, T, d) tensor per wire dtype
+    out = {}
+    for name in WIRE_DTYPE_NAMES:
+        if mode == "train":
+            sent = 2 * act[name] if u_shape else act[name] + 8 * batch * tokens  # + I64 labels
+            received = 2 * act[name] if u_shape else act[name] + 4  # + F32 loss
+        else:
+            sent = act[name] + 8 * batch * tokens  # + the new positions' I64 mask
+            received = act[name] if u_shape else wire_bytes(batch, 1, vocab)[name]
+        out[name] = {"bytes_sent": sent, "bytes_received": received}
+    return {"calls": 2 if (mode == "train" and u_shape) else 1, "bytes": out}
+
+
+def estimate(step: dict, overhead_ms: float, mbps: float, codec: dict, kind: str) -> dict:
+    """Link time of ``step`` per wire dtype, and whether calls or bytes dominate it."""
+    per = {}
+    for name, b in step["bytes"].items():
+        total = b["bytes_sent"] + b["bytes_received"]
+        transfer = total / (mbps * 1e6) * 1e3
+        c = codec[name]
+        tensors = 4 if (kind == "training_step" and step["calls"] == 2) else 2
+        codec_ms = tensors * (c[f"{kind}_serialize_ms"] + c[f"{kind}_deserialize_ms"])  # each sent once
+        per[name] = {**b, "transfer_ms": transfer, "calls_ms": step["calls"] * overhead_ms,
+                     "codec_ms": codec_ms, "estimated_ms": step["calls"] * overhead_ms + transfer + codec_ms}
+    f32 = per["float32"]
+    bound = "bandwidth" if f32["transfer_ms"] > f32["calls_ms"] else "latency"
+    return {**step, "per_wire_dtype": per, "bound": bound,
+            "advice": BANDWIDTH_ADVICE if bound == "bandwidth" else LATENCY_ADVICE}
+
+
+def diagnose(transport: Transport, cfg: Optional[DiagnoseConfig] = None) -> dict:
+    """Measure the link to ``transport``'s server; the report as a JSON-ready dict."""
+    cfg = cfg or DiagnoseConfig()
+    info = transport.get_json(P.INFO)
+    limit = info.get("limits", {}).get("max_body_bytes")
+    sizes = tuple(s for s in cfg.sizes if limit is None or s <= limit)
+    skipped = [s for s in cfg.sizes if s not in sizes]
+    if len(sizes) < 2:
+        raise ConfigError(f"the server accepts bodies up to {limit} bytes: too small to measure a link")
+    log.info("echo round trips of %s bytes, %d each", sizes, cfg.repeats)
+    trips = echo_round_trips(transport, sizes, cfg.repeats, cfg.warmup)
+    overhead_ms, mbps = fit_link(trips)
+    d = info["model_config"]["n_embd"]
+    codec_rows = codec_costs(d, cfg.train_batch, cfg.train_seq, cfg.decode_batch, cfg.codec_repeats)
+    codec = {r["wire_dtype"]: r for r in codec_rows}
+    train = estimate(step_traffic(info, cfg.train_batch, cfg.train_seq, "train"), overhead_ms, mbps,
+                     codec, "training_step")
+    dec = estimate(step_traffic(info, cfg.decode_batch, 1, "decode"), overhead_ms, mbps, codec, "decode_step")
+    train.update(batch=cfg.train_batch, seq_len=cfg.train_seq)
+    dec.update(batch=cfg.decode_batch, seq_len=1)
+    return {"server": transport.cfg.url, "lean_transport": transport.lean,
+            "model": {"shape": info.get("shape"), "cuts": info["cuts"], "n_embd": d,
+                      "vocab_size": info["model_config"]["vocab_size"]},
+            "round_trips": trips, "skipped_sizes": skipped,
+            "per_call_overhead_ms": overhead_ms, "bandwidth_MBps": mbps,
+            "codec": codec_rows, "steps": {"training": train, "decode": dec},
+            "advice": [f"training step: {train['advice']}", f"decode step: {dec['advice']}"]}
+
+
+def _size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n // KIB} KiB" if n % KIB == 0 else f"{n} B"
+
+
+def render(report: dict) -> str:
+    """The report as text for a terminal."""
+    m = report["model"]
+    lines = [f"server {report['server']}: {m['shape']} split at {m['cuts']}, d={m['n_embd']}, "
+             f"vocab={m['vocab_size']}",
+             "", "round trips through POST /v1/echo (the body out and back):",
+             f"  {'payload':>9}  {'median ms':>10}  {'min ms':>8}  {'p90 ms':>8}  {'MB/s':>8}"]
+    for r in report["round_trips"]:
+        lines.append(f"  {_size(r['bytes']):>9}  {r['median_ms']:10.3f}  {r['min_ms']:8.3f}  "
+                     f"{r['p90_ms']:8.3f}  {r['effective_MBps']:8.1f}")
+    if report["skipped_sizes"]:
+        lines.append(f"  (skipped, over the server's body limit: {', '.join(map(_size, report['skipped_sizes']))})")
+    lines += ["", f"per-call overhead {report['per_call_overhead_ms']:.3f} ms, "
+                  f"bandwidth {report['bandwidth_MBps']:.0f} MB/s (fit: round trip = overhead + 2 x bytes / bandwidth)",
+              "", "(de)serialise per wire dtype (encode + decode, ms):",
+              f"  {'dtype':>9}  {'decode step':>12}  {'training step':>14}  {'training bytes':>15}"]
+    for c in report["codec"]:
+        lines.append(f"  {c['wire_dtype']:>9}  {c['decode_step_serialize_ms'] + c['decode_step_deserialize_ms']:12.3f}"
+                     f"  {c['training_step_serialize_ms'] + c['training_step_deserialize_ms']:14.3f}"
+                     f"  {c['training_step_bytes']:15d}")
+    for name, s in report["steps"].items():
+        lines += ["", f"{name} step, batch {s['batch']} x {s['seq_len']} tokens, {s['calls']} call(s) "
+                      f"(bytes per cut from the analyzer):",
+                  f"  {'dtype':>9}  {'bytes out+back':>15}  {'calls ms':>9}  {'bytes ms':>9}  {'codec ms':>9}"
+                  f"  {'link ms':>9}"]
+        for dt, e in s["per_wire_dtype"].items():
+            lines.append(f"  {dt:>9}  {e['bytes_sent'] + e['bytes_received']:15d}  {e['calls_ms']:9.3f}  "
+                         f"{e['transfer_ms']:9.3f}  {e['codec_ms']:9.3f}  {e['estimated_ms']:9.3f}")
+        lines.append(f"  -> {s['advice']}")
+    return "\n".join(lines) + "\n"

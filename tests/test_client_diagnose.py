@@ -1,0 +1,106 @@
+"""``python -m splitlearn.client diagnose`` and ``POST /v1/echo`` against a real server process."""
+import json
+
+import pytest
+
+from splitlearn import protocol as P
+from splitlearn.client.cli import main
+from splitlearn.client.diagnose import (BANDWIDTH_ADVICE, LATENCY_ADVICE, DiagnoseConfig, fit_link,
+                                        step_traffic)
+from splitlearn.client.transport import Transport, TransportConfig
+from splitlearn.errors import ConfigError, Unauthorized
+from splitlearn.localserver import free_port
+
+from serverproc import TOKEN, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+D = 32  # models/tiny.json
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess((1, 3)) as srv:
+        yield srv
+
+
+@pytest.fixture
+def transport(server):
+    t = Transport(TransportConfig(server.url, TOKEN, retries=0))
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize("size", [0, 1, 1024, 3 << 20])
+def test_echo_returns_the_body_unchanged(transport, size):
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    assert transport.post_bytes(P.ECHO, body) == body
+    assert transport.stats.bytes_sent == transport.stats.bytes_received == size
+
+
+def test_echo_needs_the_token(server):
+    t = Transport(TransportConfig(server.url, "wrong", retries=0))
+    with pytest.raises(Unauthorized):
+        t.post_bytes(P.ECHO, b"abc")
+    t.close()
+
+
+def test_diagnose_json_report(server, monkeypatch, capsys):
+    monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)
+    assert main(["diagnose", "--server", server.url, "--json", "--sizes-kib", "1,64,1024",
+                 "--repeats", "2", "--batch-size", "2", "--seq-len", "8"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [t["bytes"] for t in r["round_trips"]] == [1024, 64 << 10, 1 << 20]
+    for t in r["round_trips"]:
+        assert 0 < t["min_ms"] <= t["median_ms"] <= t["p90_ms"] and t["effective_MBps"] > 0
+    assert 0 <= r["per_call_overhead_ms"] <= r["round_trips"][0]["median_ms"]
+    assert r["bandwidth_MBps"] > 0 and r["skipped_sizes"] == []
+    assert r["model"] == {"shape": "u", "cuts": [1, 3], "n_embd": D, "vocab_size": 257}
+    codec = {c["wire_dtype"]: c for c in r["codec"]}
+    assert set(codec) == {"float32", "bfloat16", "float16", "int8"}
+    assert 2 * 8 * D * 4 < codec["float32"]["training_step_bytes"] < 2 * 8 * D * 4 + 1024
+    assert all(c[k] >= 0 for c in r["codec"] for k in c if k.endswith("_ms"))
+    train = r["steps"]["training"]
+    assert train["calls"] == 2 and train["batch"] == 2 and train["seq_len"] == 8
+    f32, bf16 = train["per_wire_dtype"]["float32"], train["per_wire_dtype"]["bfloat16"]
+    assert f32["bytes_sent"] == f32["bytes_received"] == 2 * 2 * 8 * D * 4  # activations + gradients
+    assert bf16["bytes_sent"] * 2 == f32["bytes_sent"]
+    assert f32["estimated_ms"] >= f32["calls_ms"] == pytest.approx(2 * r["per_call_overhead_ms"])
+    decode = r["steps"]["decode"]
+    assert decode["calls"] == 1 and decode["per_wire_dtype"]["float32"]["bytes_received"] == D * 4
+    assert {train["advice"], decode["advice"]} <= {LATENCY_ADVICE, BANDWIDTH_ADVICE}
+    assert decode["advice"] == LATENCY_ADVICE  # 128 bytes cannot outweigh a call
+
+
+def test_diagnose_text_report(server, monkeypatch, capsys):
+    monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)
+    assert main(["diagnose", "--server", server.url, "--sizes-kib", "1,16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "per-call overhead" in out and "16 KiB" in out and "latency-bound" in out
+    assert "training step" in out and "decode step" in out
+
+
+def test_diagnose_bad_url_exits_2_with_a_clear_message(capsys):
+    assert main(["diagnose", "--server", "ftp://example.org"]) == 2
+    assert "must start with http:// or https://" in capsys.readouterr().err
+    assert main(["diagnose", "--server", f"http://127.0.0.1:{free_port()}", "--repeats", "1"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_fit_recovers_a_known_link():
+    overhead, mbps = 0.5, 1000.0  # ms, MB/s
+    rows = [{"bytes": b, "median_ms": overhead + 2 * b / (mbps * 1e3)} for b in (1024, 1 << 20, 16 << 20)]
+    got_overhead, got_mbps = fit_link(rows)
+    assert got_overhead == pytest.approx(overhead, rel=1e-6) and got_mbps == pytest.approx(mbps, rel=1e-6)
+
+
+def test_two_way_decode_answers_logits_and_config_is_checked():
+    info = {"cuts": [2], "model_config": {"n_embd": 8, "vocab_size": 100}}
+    dec = step_traffic(info, 3, 1, "decode")
+    assert dec["calls"] == 1 and dec["bytes"]["float32"]["bytes_received"] == 3 * 100 * 4
+    train = step_traffic(info, 3, 5, "train")
+    assert train["calls"] == 1 and train["bytes"]["float32"]["bytes_sent"] == 3 * 5 * 8 * 4 + 3 * 5 * 8
+    with pytest.raises(ConfigError):
+        DiagnoseConfig(sizes=(1024,))
+    with pytest.raises(ConfigError):
+        DiagnoseConfig(repeats=0)
