@@ -4,7 +4,8 @@
         client = SplitClient(srv.url, "tiny", token=srv.token)
 
 :class:`ChildServer` starts any command that serves HTTP on a port, waits until a health URL
-answers, and on leaving the block sends SIGTERM and waits (SIGKILL after a timeout).
+answers (or whatever readiness check a subclass's ``ready()`` makes), and on leaving the block
+sends SIGTERM and waits (SIGKILL after a timeout).
 :class:`LocalServer` is ``python -m splitlearn.server`` with a fresh random token and a free
 loopback port (it checkpoints on SIGTERM if it has a --checkpoint-dir). This module imports
 neither Flask nor the server package.
@@ -16,9 +17,10 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from typing import Optional, Sequence
+from typing import IO, Optional, Sequence
 
 from . import protocol as P
 from .errors import TransportError
@@ -31,10 +33,18 @@ def free_port() -> int:
 
 
 class ChildServer:
-    """A child process serving HTTP on ``port`` of 127.0.0.1; ready when ``health`` answers."""
+    """A child process serving HTTP on ``port`` of 127.0.0.1; ready when ``health`` answers.
+
+    :meth:`ready` says whether the child is ready (default: a GET on ``health`` answers 2xx); a
+    subclass whose child signals readiness otherwise (a line on stdout) overrides it, with
+    ``stdout=subprocess.PIPE`` to read that line from ``self.proc.stdout``. ``capture_stderr``
+    keeps the child's stderr in a temporary file, whose tail (:meth:`stderr_tail`) the errors
+    of :meth:`start` then quote; otherwise stderr is dropped (``quiet``) or inherited.
+    """
 
     def __init__(self, cmd: Sequence[str], port: int, *, health: str = P.HEALTH,
-                 startup_timeout_s: float = 120.0, quiet: bool = True, env: Optional[dict] = None):
+                 startup_timeout_s: float = 120.0, quiet: bool = True, env: Optional[dict] = None,
+                 stdout: Optional[int] = subprocess.DEVNULL, capture_stderr: bool = False):
         self.cmd = list(cmd)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -42,39 +52,83 @@ class ChildServer:
         self.startup_timeout_s = startup_timeout_s
         self.quiet = quiet
         self.env = env or {}
+        self.stdout = stdout
+        self.capture_stderr = capture_stderr
         self.proc: Optional[subprocess.Popen] = None
+        self._stderr: Optional[IO[bytes]] = None
 
     def start(self):
-        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL if self.quiet else None)
+        """Start the child and wait until :meth:`ready`; stop it and raise TransportError if it
+        exits first or is not ready within ``startup_timeout_s``."""
+        self._stderr = tempfile.TemporaryFile() if self.capture_stderr else None
+        stderr = self._stderr or (subprocess.DEVNULL if self.quiet else None)
+        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=self.stdout, stderr=stderr)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise TransportError(f"server exited with code {self.proc.returncode}: {' '.join(self.cmd)}")
-            try:
-                with urllib.request.urlopen(self.url + self.health, timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise TransportError(f"server did not answer on {self.url} within {self.startup_timeout_s}s")
+                raise TransportError(f"server exited with code {self.proc.returncode}: {' '.join(self.cmd)}"
+                                     + self._quoted_stderr())
+            if self.ready():
+                return
+            time.sleep(0.1)
+        raise TransportError(f"server did not answer on {self.url} within {self.startup_timeout_s}s: "
+                             f"{' '.join(self.cmd)}" + self._quoted_stderr())
+
+    def ready(self) -> bool:
+        """Whether the started child is ready to serve: here, a GET on ``health`` answers 2xx."""
+        try:
+            with urllib.request.urlopen(self.url + self.health, timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def stderr_tail(self, chars: int = 2000) -> str:
+        """The last ``chars`` characters of the child's stderr ("" unless ``capture_stderr``)."""
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-chars:]
+
+    def _quoted_stderr(self) -> str:
+        tail = self.stderr_tail()
+        return f"\n{tail}" if tail else ""
 
     def stop(self, timeout_s: float = 30.0) -> Optional[int]:
         """SIGTERM, wait up to ``timeout_s``, then SIGKILL; the exit code (None if never started)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._close_pipes()
+        return self.proc.returncode
+
+    def _close_pipes(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
 
     def kill(self) -> int:
         """SIGKILL now (a crash, for recovery tests); the exit code."""
         assert self.proc is not None, "not started"
         self.proc.kill()
-        return self.proc.wait()
+        code = self.proc.wait()
+        self._close_pipes()
+        return code
 
     def __enter__(self):
         return self.start()

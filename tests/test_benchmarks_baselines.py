@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 import torch.distributed.rpc as rpc
 
@@ -18,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.baselines.naive_json import NaiveJsonSplit, NaiveServerConfig  # noqa: E402
+from benchmarks.baselines.common import BaselineConfig, parse_config  # noqa: E402
+from benchmarks.baselines.naive_json import NaiveJsonSplit  # noqa: E402
 from splitlearn import load_model  # noqa: E402
+from splitlearn.errors import ConfigError, TransportError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -77,9 +80,42 @@ def test_naive_train_steps_equal_unsplit_adamw(batch):
     assert want[0] > want[-1]  # the steps did something
 
 
-def test_naive_config_refuses_a_two_way_split():
-    with pytest.raises(ValueError, match="two cuts"):
-        NaiveServerConfig("tiny", (2,), 8000)
+def test_naive_server_answers_health_and_reports_a_crash_with_its_stderr():
+    with naive() as split:
+        assert requests.get(split.url + "/health", timeout=5).json() == {}
+    bad = NaiveJsonSplit("tiny", CUTS, startup_timeout_s=30)
+    bad.server.cmd += ["--no-such-option"]  # the server's argparse exits with code 2 and a usage line
+    with pytest.raises(TransportError, match=r"exited with code 2(.|\n)*--no-such-option"):
+        bad.start()
+
+
+# -- the shared config -------------------------------------------------------------------
+
+def test_config_refuses_a_two_way_split():
+    with pytest.raises(ConfigError, match="two cuts"):
+        BaselineConfig("tiny", (2,), 8000)
+
+
+@pytest.mark.parametrize("kw, words", [(dict(cuts=(3, 1)), "increasing"), (dict(port=0), "port"),
+                                       (dict(lr=0.0), "lr"), (dict(torch_threads=0), "torch_threads")])
+def test_config_refuses_bad_values(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        BaselineConfig(**{"model": "tiny", "cuts": CUTS, "port": 8000, **kw})
+
+
+@pytest.mark.parametrize("cfg", [BaselineConfig("tiny", CUTS, 8000),
+                                 BaselineConfig("random:gpt2", (2, 10), 65535, 3e-4, 7, 2)])
+def test_config_argv_round_trips(cfg):
+    assert parse_config("test", cfg.argv()) == cfg
+
+
+def test_config_command_line_refuses_bad_values_and_abbreviations(capsys):
+    for argv in (["--model", "tiny", "--cut", "1", "--port", "8000"],  # one cut
+                 ["--model", "tiny", "--cut", "1", "--cut", "3", "--po", "8000"]):  # abbreviated --port
+        with pytest.raises(SystemExit) as e:
+            parse_config("test", argv)
+        assert e.value.code == 2
+    assert "two cuts" in capsys.readouterr().err
 
 
 # -- torch.distributed.rpc ---------------------------------------------------------------

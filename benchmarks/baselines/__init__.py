@@ -6,6 +6,7 @@
 Both hold bottom + top in this process and run the trunk in a child process on loopback, with
 the same model, cuts, optimizer (AdamW, no weight decay) and data as ``splitlearn``, so any
 difference a benchmark shows comes from the transport and the protocol, not from the math.
+What they share (config, command line, partitioning, the server child process) is in ``common``.
 
 The classes are imported lazily (PEP 562), so ``import benchmarks.baselines`` pulls in neither
 Flask nor ``torch.distributed.rpc``.

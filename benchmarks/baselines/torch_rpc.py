@@ -33,7 +33,8 @@ Pitfalls found (torch 2.13, CPU):
   a child process.
 - Functions and classes called remotely are pickled by qualified name, so the server must
   import this file as ``benchmarks.baselines.torch_rpc``, not as ``__main__`` (which would hold
-  a second, empty ``_TRUNK``): the script entry below re-imports itself under that name.
+  a second, empty ``_TRUNK``): the entry point below (``python -m benchmarks.baselines.torch_rpc``)
+  re-imports itself under that name.
 - ``DistributedOptimizer(torch.optim.AdamW, ...)`` swaps in TorchScript's ``_FunctionalAdamW``,
   whose default ``weight_decay`` is 0.01 like ``torch.optim.AdamW``'s; splitlearn uses 0, so
   pass ``weight_decay=0.0``. The losses then equal local AdamW's (see the tests).
@@ -44,16 +45,10 @@ Pitfalls found (torch 2.13, CPU):
 """
 from __future__ import annotations
 
-import argparse
 import os
 import select
 import subprocess
-import sys
-import tempfile
-import time
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -61,13 +56,13 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
 
-from splitlearn import load_model, partition
 from splitlearn.checkpoint import unique_parameters
 from splitlearn.segments import Segment, loss_from_logits
-from splitlearn.localserver import free_port
 
-SCRIPT = Path(__file__).resolve()
-REPO = SCRIPT.parents[2]
+from .common import (BaselineConfig, BaselineServer, BaselineSplit, check_generation_length, parse_config,
+                     server_trunk)
+
+MODULE = "benchmarks.baselines.torch_rpc"  # the server runs as `python -m MODULE` (see the pitfalls above)
 READY = "torch_rpc server ready"
 RPC_TIMEOUT_S = 600.0  # per RPC call; a GPT-2 small training forward takes seconds on a CPU
 LOOPBACK_ENV = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
@@ -76,40 +71,15 @@ _TRUNK: Optional[Segment] = None  # the server's trunk, set by serve()
 _RPC_USED = False  # rpc.init_rpc has run in this process (it cannot run twice)
 
 
-@dataclass
-class RpcServerConfig:
-    model: str  # model source, as for splitlearn.load_model ("tiny", "random:gpt2", a directory)
-    cuts: tuple[int, int]  # U-shape cuts c1 < c2: the server holds blocks [c1, c2)
-    master_port: int  # TCP port on 127.0.0.1 of the rendezvous store (the server hosts it)
-    seed: int = 0  # seed of random inits; the client must use the same
-    torch_threads: Optional[int] = None  # torch intra-op threads of the server; None: torch's default
-
-    def __post_init__(self):
-        self.cuts = tuple(int(c) for c in self.cuts)
-        if len(self.cuts) != 2:
-            raise ValueError(f"the RPC baseline is a U-shape: give two cuts, got {list(self.cuts)}")
-        if not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port must lie in [1, 65535], got {self.master_port}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
-
-    def argv(self) -> list[str]:
-        """The command-line arguments of :func:`main` that rebuild this config."""
-        args = ["--model", self.model, "--cut", str(self.cuts[0]), "--cut", str(self.cuts[1]),
-                "--master-port", str(self.master_port), "--seed", str(self.seed)]
-        return args + ([] if self.torch_threads is None else ["--torch-threads", str(self.torch_threads)])
-
-    def backend_options(self) -> rpc.TensorPipeRpcBackendOptions:
-        return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{self.master_port}",
-                                               rpc_timeout=RPC_TIMEOUT_S)
-
-
-def _init_rpc(name: str, rank: int, cfg: RpcServerConfig) -> None:
+def _init_rpc(name: str, rank: int, cfg: BaselineConfig) -> None:
+    """Join the group of two as worker ``name``; the server (rank 0) hosts the store on ``cfg.port``."""
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{cfg.port}",
+                                              rpc_timeout=RPC_TIMEOUT_S)
     with warnings.catch_warnings():  # init_rpc's own Gloo barrier warns that it is deprecated
         warnings.filterwarnings("ignore", message=".*ProcessGroupGloo.*", category=UserWarning)
-        rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=cfg.backend_options())
+        rpc.init_rpc(name, rank=rank, world_size=2, rpc_backend_options=options)
 
 
 # -- what the server runs, called by the client ------------------------------------------
@@ -121,7 +91,7 @@ def _noop() -> None:
 def _served_trunk() -> Segment:
     """The server's trunk; called through ``rpc.remote`` it stays there and the caller gets an RRef."""
     if _TRUNK is None:
-        raise RuntimeError("this worker serves no trunk: start it with `python benchmarks/baselines/torch_rpc.py`")
+        raise RuntimeError(f"this worker serves no trunk: start it with `python -m {MODULE}`")
     return _TRUNK
 
 
@@ -154,36 +124,43 @@ class _DecodeSession:
         return self.trunk(h1, None, self.cache)  # (B, T, d) for the new positions only
 
 
-def serve(cfg: RpcServerConfig) -> None:
+def serve(cfg: BaselineConfig) -> None:
     """Load the trunk, join as worker ``server`` (rank 0), and serve until the client shuts down."""
     global _TRUNK
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
-    _TRUNK = partition(load_model(cfg.model, seed=cfg.seed), cfg.cuts).trunk
+    _TRUNK = server_trunk(cfg)
     print(READY, flush=True)
     _init_rpc("server", 0, cfg)
     rpc.shutdown()  # blocks until the client has called rpc.shutdown() too
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="torch.distributed.rpc split-learning server (U-shape trunk)")
-    p.add_argument("--model", required=True, help="model source: tiny, random:gpt2, a directory, ...")
-    p.add_argument("--cut", type=int, action="append", required=True, help="give twice: c1 and c2")
-    p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--torch-threads", type=int, default=None)
-    a = p.parse_args(argv)
-    serve(RpcServerConfig(a.model, tuple(a.cut), a.master_port, a.seed, a.torch_threads))
+    serve(parse_config("torch.distributed.rpc split-learning server (U-shape trunk)", argv))
 
 
 # -- client ------------------------------------------------------------------------------
 
-class TorchRpcSplit:
+class RpcServer(BaselineServer):
+    """The RPC server as a child process: ready once it prints :data:`READY` (it speaks no HTTP)."""
+
+    def __init__(self, cfg: BaselineConfig, startup_timeout_s: float):
+        super().__init__(MODULE, cfg, startup_timeout_s=startup_timeout_s, env=LOOPBACK_ENV,
+                         stdout=subprocess.PIPE)
+        self._seen = b""
+
+    def ready(self) -> bool:
+        fd = self.proc.stdout.fileno()
+        if select.select([fd], [], [], 0.2)[0]:
+            self._seen += os.read(fd, 4096)  # b"" once the server has exited
+        return READY.encode() in self._seen
+
+
+class TorchRpcSplit(BaselineSplit):
     """Bottom + top here (worker ``client``), the trunk in a child process (worker ``server``).
 
-    model_src, cuts, seed: as for the server (both sides load the same model).
-    lr: AdamW learning rate on both workers (DistributedOptimizer, no weight decay).
-    torch_threads: the server's torch threads (this process keeps its own setting).
+    Arguments as for :class:`~benchmarks.baselines.common.BaselineSplit`; ``lr`` is AdamW's on
+    both workers (DistributedOptimizer, no weight decay).
     ``stats``: ``calls`` (remote calls), ``bytes_sent`` / ``bytes_received``. RPC does not
     report its message sizes, so the bytes are estimates: the tensor payloads
     (``numel * element_size``), without pickled headers or TensorPipe framing.
@@ -192,20 +169,11 @@ class TorchRpcSplit:
     entered per process, ever.
     """
 
-    def __init__(self, model_src: str, cuts: Sequence[int], *, lr: float = 1e-3, seed: int = 0,
-                 torch_threads: Optional[int] = None, startup_timeout_s: float = 120.0):
+    def __init__(self, model_src: str, cuts: Sequence[int], **kw):
         if not rpc.is_available():
             raise RuntimeError("this torch build has no torch.distributed.rpc")
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        self.cfg = RpcServerConfig(model_src, tuple(cuts), free_port(), seed, torch_threads)
-        self.lr = lr
-        self.startup_timeout_s = startup_timeout_s
-        parts = partition(load_model(model_src, seed=seed), self.cfg.cuts)
-        self.bottom, self.top = parts.bottom, parts.top  # the trunk dies with `parts`
-        self.stats = {"calls": 0, "bytes_sent": 0, "bytes_received": 0}
-        self.proc: Optional[subprocess.Popen] = None
-        self._stderr = None
+        super().__init__(model_src, cuts, **kw)
+        self.server: Optional[RpcServer] = None
         self._trunk: Optional[rpc.RRef] = None
         self.optimizer: Optional[DistributedOptimizer] = None
 
@@ -217,33 +185,14 @@ class TorchRpcSplit:
             raise RuntimeError("torch.distributed.rpc was already initialised in this process and cannot "
                                "be again (a second init_rpc hangs): run each TorchRpcSplit in its own process")
         _RPC_USED = True
-        env = {**os.environ, **LOOPBACK_ENV,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        if self.cfg.torch_threads is not None:
-            env.update(OMP_NUM_THREADS=str(self.cfg.torch_threads), MKL_NUM_THREADS=str(self.cfg.torch_threads))
-        self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), *self.cfg.argv()], env=env,
-                                     stdout=subprocess.PIPE, stderr=self._stderr)
+        self.server = RpcServer(self.cfg, self.startup_timeout_s).start()
         try:
-            self._wait_ready()
             _init_rpc("client", 1, self.cfg)
         except BaseException:
-            self._kill()
+            self.server.kill()
             raise
         self._connect()
         return self
-
-    def _wait_ready(self) -> None:
-        deadline, seen, fd = time.monotonic() + self.startup_timeout_s, b"", self.proc.stdout.fileno()
-        while time.monotonic() < deadline:
-            if select.select([fd], [], [], 0.2)[0]:
-                seen += os.read(fd, 4096)  # b"" once the server has exited
-            if READY.encode() in seen:
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"torch_rpc server exited with code {self.proc.returncode}:\n"
-                                   f"{self._stderr_tail()}")
-        raise RuntimeError(f"torch_rpc server was not ready within {self.startup_timeout_s}s")
 
     def _connect(self) -> None:
         self._trunk = rpc.remote("server", _served_trunk)  # RRef[Segment], owned by the server
@@ -256,39 +205,23 @@ class TorchRpcSplit:
         remote_params = rpc.rpc_sync("server", _parameter_rrefs, args=(self._trunk,))
         local_params = [rpc.RRef(p) for p in unique_parameters([self.bottom, self.top])]
         self.optimizer = DistributedOptimizer(torch.optim.AdamW, local_params + remote_params,
-                                              lr=self.lr, weight_decay=0.0)
+                                              lr=self.cfg.lr, weight_decay=0.0)
         self.stats["calls"] += 4  # remote, config, parameters, the server's optimizer
-
-    def _stderr_tail(self, chars: int = 2000) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")[-chars:]
-
-    def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
     def close(self) -> None:
         """Drop the RRefs, shut RPC down on both workers, and wait for the server to exit."""
         self._trunk = self.optimizer = None
-        if self.proc is None:
+        if self.server is None:
             return
         try:
             rpc.shutdown()  # graceful: waits for outstanding calls and RRef deletions on both sides
-            self.proc.wait(30)
+            self.server.proc.wait(30)
         except Exception:
-            self._kill()
+            self.server.kill()
             raise
         finally:
-            self.proc.stdout.close()
-            self._stderr.close()
-            self.proc = None
-
-    def __enter__(self) -> "TorchRpcSplit":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            self.server.stop()  # the server has exited: closes its pipes
+            self.server = None
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -326,9 +259,7 @@ class TorchRpcSplit:
         Every side keeps a KV cache: after the prompt, one position (B, 1, d) crosses per token.
         """
         ids = torch.as_tensor(input_ids)
-        n_pos = self.bottom.config.n_positions
-        if ids.shape[1] + max_new_tokens > n_pos:
-            raise ValueError(f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new passes n_positions={n_pos}")
+        check_generation_length(self.bottom, ids, max_new_tokens)
         self.bottom.eval()
         self.top.eval()
         caches = self.bottom.new_cache(), self.top.new_cache()
@@ -348,7 +279,6 @@ class TorchRpcSplit:
 if __name__ == "__main__":
     # Import this file under its package name so that the functions the client names
     # (benchmarks.baselines.torch_rpc._served_trunk, ...) see the _TRUNK that serve() sets.
-    sys.path.insert(0, str(REPO))
     from benchmarks.baselines.torch_rpc import main as package_main
 
     package_main()
