@@ -1,0 +1,224 @@
+"""Attacks that read the input tokens back from the activations the server receives.
+
+The attacker is the server: it sees ``y = defense.apply(bottom(x))`` (B, T, d) for private
+token ids ``x`` and wants ``x``. Two families, as in the literature:
+
+- **Learned inverters** (UnSplit, Erdogan et al. 2021, arXiv 2108.09033; the SIP attack of
+  SplitLLM/BiSR, Chen et al. 2024, arXiv 2409.00960): a model trained on *public* text passed
+  through the same bottom (and the same defense: an *adaptive* attacker, fresh noise every
+  epoch) to map activations to tokens. ``linear`` (softmax regression per token), ``mlp``
+  (one hidden layer per token) and ``gru`` (a bidirectional GRU over the sequence, which
+  also uses the neighbours' activations).
+- **White-box inversion** (SipIt, arXiv 2510.15511): the attacker knows the bottom's weights.
+  GPT-2 is causal, so position t depends on tokens [0, t] only: given the recovered prefix,
+  every candidate token for position t is run through the bottom, clipped as the defense
+  clips, and the candidate nearest (L2) to the observed vector wins. Without noise this is
+  exact inversion; with Gaussian noise nearest-neighbour is the maximum-likelihood guess per
+  position. All candidates of a position run in one forward: the sequence is the prefix
+  followed by the K candidates, each at position t, each seeing the prefix and itself.
+
+Every attack returns predicted ids (B, T); :func:`recovery` is the top-1 fraction correct.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..segments import Segment
+from .defenses import Defense, GaussianNoise
+
+log = logging.getLogger(__name__)
+
+LEARNED = ("linear", "mlp", "gru")
+ATTACKS = LEARNED + ("whitebox",)
+
+
+@dataclass
+class AttackConfig:
+    """How hard the attacker trains; the defaults fit a CPU and the shipped corpus."""
+
+    epochs: int = 30            # passes over the public activations (fresh noise each)
+    batch_tokens: int = 2048    # tokens per optimiser step (whole sequences for the GRU)
+    lr: float = 3e-3            # Adam learning rate
+    hidden: int = 256           # MLP hidden width
+    gru_hidden: int = 64        # GRU hidden size per direction
+    weight_decay: float = 0.0   # Adam weight decay
+    whitebox_candidates: int = 512  # white-box tries every candidate token up to this many;
+                                    # above it, the top ones of the best learned inverter
+    seed: int = 0               # inverter initialisation, batching and noise
+
+    def __post_init__(self):
+        for f in ("epochs", "batch_tokens", "hidden", "gru_hidden", "whitebox_candidates"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"AttackConfig.{f} must be a positive integer, got {v!r}")
+        if not self.lr > 0 or not self.weight_decay >= 0:
+            raise ConfigError("AttackConfig.lr must be > 0 and weight_decay >= 0")
+
+
+def check_attacks(attacks) -> tuple[str, ...]:
+    """The attack names as a tuple; :class:`ConfigError` for an unknown one or none."""
+    attacks = (attacks,) if isinstance(attacks, str) else tuple(attacks)
+    if not attacks:
+        raise ConfigError("give at least one attack")
+    for a in attacks:
+        if a not in ATTACKS:
+            raise ConfigError(f"unknown attack {a!r}; known attacks: {', '.join(ATTACKS)}")
+    return attacks
+
+
+def recovery(pred: torch.Tensor, ids: torch.Tensor) -> float:
+    """Top-1 fraction of tokens recovered: ``pred`` and ``ids`` are (B, T) ids."""
+    return (pred.to(ids.device) == ids).float().mean().item()
+
+
+@torch.no_grad()
+def bottom_activations(bottom: Segment, ids: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    """The bottom's clean output for ``ids`` (N, T), in chunks: (N, T, d) float32."""
+    dev = next(bottom.parameters()).device
+    out = [bottom(ids[i:i + batch].to(dev)).float() for i in range(0, len(ids), batch)]
+    return torch.cat(out)  # (N, T, d)
+
+
+# -- learned inverters ------------------------------------------------------------------------
+
+class Inverter(nn.Module):
+    """Activations (B, T, d) -> logits over the attacker's candidate tokens (B, T, K).
+
+    ``hidden`` is the MLP's hidden width or the GRU's hidden size per direction."""
+
+    def __init__(self, kind: str, d: int, n_classes: int, hidden: int):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("mean", torch.zeros(d))
+        self.register_buffer("std", torch.ones(d))
+        if kind == "linear":
+            self.net = nn.Linear(d, n_classes)
+        elif kind == "mlp":
+            self.net = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, n_classes))
+        elif kind == "gru":
+            self.inp = nn.Linear(d, hidden)
+            self.gru = nn.GRU(hidden, hidden, batch_first=True, bidirectional=True)
+            self.net = nn.Linear(2 * hidden, n_classes)
+        else:
+            raise ConfigError(f"unknown inverter {kind!r}; known: {', '.join(LEARNED)}")
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        z = (y - self.mean) / self.std  # (B, T, d), standardised with public statistics
+        if self.kind == "gru":
+            z, _ = self.gru(torch.nn.functional.gelu(self.inp(z)))  # (B, T, 2 * hidden)
+        return self.net(z)  # (B, T, K)
+
+
+def _defended(h: torch.Tensor, defense: Optional[Defense], gen: torch.Generator) -> torch.Tensor:
+    return h if defense is None else defense.apply(h, generator=gen)
+
+
+def train_inverter(kind: str, h: torch.Tensor, ids: torch.Tensor, defense: Optional[Defense],
+                   classes: torch.Tensor, config: AttackConfig = AttackConfig()) -> Inverter:
+    """Fit a learned inverter on public activations.
+
+    h: clean bottom outputs (N, T, d) of the public ids (N, T); the defense is applied anew
+    every epoch (the adaptive attacker sees as many noise draws as it likes: the defense is
+    public, only its randomness is not). classes: the candidate token ids (K,) the attacker
+    predicts among (those of the public text). Returns the inverter in eval mode.
+    """
+    g = torch.Generator(device="cpu").manual_seed(config.seed)
+    gen = torch.Generator(device=h.device).manual_seed(config.seed + 1)
+    torch.manual_seed(config.seed)  # nn.Module init
+    d = h.shape[-1]
+    hidden = config.gru_hidden if kind == "gru" else config.hidden
+    inv = Inverter(kind, d, len(classes), hidden).to(h.device)
+    lookup = torch.full((int(classes.max()) + 1,), -100, dtype=torch.long, device=h.device)
+    lookup[classes.to(h.device)] = torch.arange(len(classes), device=h.device)
+    target = lookup[ids.to(h.device)]  # (N, T) class index of each token
+    with torch.no_grad():
+        y0 = _defended(h, defense, gen).reshape(-1, d)  # (N*T, d)
+        inv.mean.copy_(y0.mean(0))
+        inv.std.copy_(y0.std(0).clamp_min(1e-6))
+    opt = torch.optim.Adam(inv.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    N, T = ids.shape
+    per_step = max(1, config.batch_tokens // T)  # sequences per step
+    steps_per_epoch = max(1, N // per_step)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, config.epochs * steps_per_epoch)
+    inv.train()
+    for epoch in range(config.epochs):
+        with torch.no_grad():
+            y = _defended(h, defense, gen)  # (N, T, d): fresh noise each epoch
+        order = torch.randperm(N, generator=g).to(h.device)
+        for s in range(steps_per_epoch):
+            idx = order[s * per_step:(s + 1) * per_step]
+            logits = inv(y[idx])  # (b, T, K)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                               target[idx].reshape(-1), ignore_index=-100)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        log.debug("%s inverter epoch %d loss %.3f", kind, epoch, loss.item())
+    return inv.eval()
+
+
+@torch.no_grad()
+def invert_learned(inv: Inverter, y: torch.Tensor, classes: torch.Tensor, topk: int = 1,
+                   batch: int = 64) -> torch.Tensor:
+    """Predicted ids (B, T) for observed activations ``y`` (B, T, d); with ``topk`` > 1 the
+    ``topk`` best ids (B, T, topk), best first."""
+    out = []
+    for i in range(0, len(y), batch):
+        logits = inv(y[i:i + batch])  # (b, T, K)
+        out.append(classes.to(y.device)[logits.topk(min(topk, len(classes)), -1).indices])
+    pred = torch.cat(out)  # (B, T, topk)
+    return pred[..., 0] if topk == 1 else pred
+
+
+# -- white-box inversion ----------------------------------------------------------------------
+
+@torch.no_grad()
+def invert_whitebox(bottom: Segment, y: torch.Tensor, candidates: torch.Tensor,
+                    defense: Optional[Defense] = None, batch: int = 16) -> torch.Tensor:
+    """Recover ids (B, T) from observed activations ``y`` (B, T, d), knowing the bottom.
+
+    candidates: (K,) ids tried at every position, or (B, T, K) per position (e.g. a learned
+    inverter's top K). With a :class:`GaussianNoise` defense the candidates are clipped the
+    same way before comparing. Position by position, greedy: a wrong token stays in the
+    prefix of the later positions.
+    """
+    out = [_whitebox_batch(bottom, y[i:i + batch], candidates if candidates.dim() == 1
+                           else candidates[i:i + batch], defense)
+           for i in range(0, len(y), batch)]
+    return torch.cat(out)  # (B, T)
+
+
+def _whitebox_batch(bottom: Segment, y: torch.Tensor, candidates: torch.Tensor,
+                    defense: Optional[Defense]) -> torch.Tensor:
+    dev = next(bottom.parameters()).device
+    y = y.to(dev).float()
+    B, T, _ = y.shape
+    clip = defense.clip_tokens if isinstance(defense, GaussianNoise) else (lambda v: v)
+    rec = torch.zeros(B, T, dtype=torch.long, device=dev)
+    for t in range(T):
+        cand = (candidates.to(dev)[None].expand(B, -1) if candidates.dim() == 1
+                else candidates[:, t].to(dev))  # (B, K)
+        K = cand.shape[1]
+        ids = torch.cat([rec[:, :t], cand], 1)  # (B, t + K)
+        pos = torch.cat([torch.arange(t, device=dev), torch.full((K,), t, device=dev)])
+        L = t + K
+        allow = torch.zeros(L, L, dtype=torch.bool, device=dev)
+        allow[:t, :t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        allow[t:, :t] = True  # every candidate sees the prefix ...
+        allow[t:, t:] = torch.eye(K, dtype=torch.bool, device=dev)  # ... and itself only
+        x = bottom.wte(ids) + bottom.wpe(pos)[None]  # (B, L, d)
+        mask = allow[None, None].expand(B, 1, L, L)
+        for block in bottom.h:
+            x = block(x, None, mask)  # (B, L, d)
+            x = x[0] if isinstance(x, tuple) else x
+        hc = clip(x[:, t:].float())  # (B, K, d): each candidate's vector at position t
+        dist = (hc - y[:, t:t + 1]).pow(2).sum(-1)  # (B, K)
+        rec[:, t] = cand.gather(1, dist.argmin(1, keepdim=True))[:, 0]
+    return rec

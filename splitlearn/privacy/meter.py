@@ -1,0 +1,239 @@
+"""``measure_leakage``: how many held-out tokens the best attack reads back at a cut, and
+what the defense costs in perplexity.
+
+Protocol (one call, one cut, one defense):
+
+1. Text: ``public_texts`` (the attacker's training text) and ``texts`` (the private,
+   held-out text to recover). By default the shipped corpus, split by paragraph: the last
+   two paragraphs are private, the rest public. Public text is cut into overlapping windows
+   of ``seq_len`` tokens (stride seq_len / 4), private text into disjoint windows.
+2. Every attack of :mod:`.attacks` is trained (learned inverters, on the public windows
+   passed through the bottom *and the defense*, fresh noise every epoch) or run (white-box)
+   against the defended activations of the private windows (noise drawn with another seed).
+3. ``token_recovery`` is the best attack's top-1 fraction of private tokens recovered from
+   the activations that cross the cut (for a U-shape, the first cut: the server computes the
+   second itself). In the 2-way split the *labels* also travel to the server during
+   training, and they are the text: ``labels_reach_server`` says so and
+   ``training_token_recovery`` is then 1.0, whatever the defense.
+4. Utility: perplexity of the private windows through the split model with the defense in
+   place (no retraining for it), and the unsplit model's beside it.
+5. For :class:`~.defenses.GaussianNoise`, epsilon at ``delta`` for one private window of
+   ``seq_len`` tokens sent once (``seq_len`` releases; see :mod:`.accounting`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..data import ByteTokenizer, get_tokenizer, load_corpus
+from ..errors import ConfigError
+from ..loading import load_model
+from ..partition import partition, validate_cuts
+from ..segments import loss_from_logits
+from .attacks import (ATTACKS, LEARNED, AttackConfig, bottom_activations, check_attacks,
+                      invert_learned, invert_whitebox, recovery, train_inverter)
+from .defenses import Defense
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LeakageReport:
+    """What :func:`measure_leakage` found; :meth:`as_dict` is JSON-able."""
+
+    cut: tuple[int, ...]                 # (c,) 2-way or (c1, c2) U-shape
+    defense: dict                        # Defense.describe(), {"name": "none"} without one
+    token_recovery: float                # best attack's top-1 fraction from the activations
+    best_attack: str                     # which attack achieved it
+    attacks: dict[str, float]            # every attack's recovery
+    perplexity: float                    # private windows, split model with the defense
+    perplexity_unsplit: float            # the same windows, the unsplit model
+    labels_reach_server: bool            # 2-way: the labels (= the text) go to the server
+    training_token_recovery: float       # 1.0 if the labels reach the server, else token_recovery
+    epsilon: Optional[float] = None      # at delta, GaussianNoise only (inf without noise)
+    delta: Optional[float] = None
+    releases: Optional[int] = None       # released vectors accounted (seq_len, sent once)
+    seq_len: int = 32                    # tokens per window
+    public_tokens: int = 0               # tokens the inverters trained on (with overlaps)
+    private_tokens: int = 0              # tokens to recover
+    seconds: float = 0.0                 # wall time of the measurement
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["cut"] = list(self.cut)
+        if d["epsilon"] is not None and math.isinf(d["epsilon"]):
+            d["epsilon"] = "inf"  # JSON has no infinity
+        return d
+
+
+def split_corpus(text: Optional[str] = None, private_paragraphs: int = 2) -> tuple[list[str], list[str]]:
+    """(public, private) paragraphs of ``text`` (default: the shipped corpus): the last
+    ``private_paragraphs`` are private."""
+    paras = [p.strip() for p in (text if text is not None else load_corpus()).split("\n\n") if p.strip()]
+    if len(paras) <= private_paragraphs:
+        raise ConfigError(f"the text has {len(paras)} paragraphs; need more than {private_paragraphs}")
+    return paras[:-private_paragraphs], paras[-private_paragraphs:]
+
+
+def windows(tokenizer, texts: Sequence[str], seq_len: int, stride: Optional[int] = None) -> torch.Tensor:
+    """(N, seq_len) long: windows of the texts' concatenated tokens, every ``stride`` tokens
+    (default: disjoint)."""
+    ids: list[int] = []
+    for t in texts:
+        ids += list(tokenizer.encode(t + "\n\n"))
+    stride = stride or seq_len
+    if len(ids) < seq_len:
+        raise ConfigError(f"the text has {len(ids)} tokens, fewer than seq_len={seq_len}")
+    data = torch.tensor(ids, dtype=torch.long)
+    return torch.stack([data[s:s + seq_len] for s in range(0, len(data) - seq_len + 1, stride)])
+
+
+def default_tokenizer(model, source=None):
+    """The tokenizer of ``source`` (or the model's ``_name_or_path``); bytes for specs."""
+    src = source if isinstance(source, str) else (getattr(model.config, "_name_or_path", "") or None)
+    tok = get_tokenizer(src) if src else ByteTokenizer()
+    if isinstance(tok, ByteTokenizer) and model.config.vocab_size < tok.vocab_size:
+        raise ConfigError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the "
+                          f"byte tokenizer's; pass tokenizer=")
+    return tok
+
+
+def _vocab_size(tokenizer) -> int:
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return tokenizer.vocab_size
+
+
+@torch.no_grad()
+def perplexities(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Optional[Defense],
+                 seed: int = 0, batch: int = 32) -> tuple[float, float]:
+    """(split with the defense at the first cut, unsplit) perplexity of ``ids`` (N, T)."""
+    part = partition(model, cut)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    split_loss = whole_loss = 0.0
+    for i in range(0, len(ids), batch):
+        x = ids[i:i + batch].to(dev)  # (b, T)
+        h = part.bottom(x)  # (b, T, d)
+        if defense is not None:
+            h = defense.apply(h, generator=gen)
+        for seg in part.segments[1:]:
+            h = seg(h)
+        n = len(x)
+        split_loss += loss_from_logits(h, x).item() * n
+        whole_loss += loss_from_logits(model(x).logits, x).item() * n
+    return math.exp(split_loss / len(ids)), math.exp(whole_loss / len(ids))
+
+
+def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence[int]], *,
+                    defense: Optional[Defense] = None, texts: Optional[Sequence[str]] = None,
+                    public_texts: Optional[Sequence[str]] = None, tokenizer=None,
+                    attacks: Sequence[str] = ATTACKS, seq_len: int = 32, delta: float = 1e-5,
+                    accountant: str = "rdp", config: Optional[AttackConfig] = None,
+                    max_private_tokens: Optional[int] = None, seed: int = 0) -> LeakageReport:
+    """Measure what the server can read back at ``cut`` (see the module docstring).
+
+    model: a ``GPT2LMHeadModel`` or a :func:`~splitlearn.load_model` source (spec, dir, hub id).
+    cut: ``c`` / ``(c,)`` for the 2-way split, ``(c1, c2)`` for the U-shape.
+    defense: a :class:`~.defenses.Defense` applied to what leaves the client (None: nothing).
+    texts / public_texts: private and public text (default: the shipped corpus, split).
+    tokenizer: default: the model's own (bytes for specs and random inits).
+    attacks: a subset of ``("linear", "mlp", "gru", "whitebox")``.
+    seq_len: tokens per window (<= n_positions).
+    delta, accountant: for epsilon (GaussianNoise only).
+    config: the attacker's training budget (:class:`~.attacks.AttackConfig`).
+    max_private_tokens: recover at most this many private tokens (whole windows), for speed.
+    Raises :class:`ConfigError` on a cut out of range, an unknown attack, a bad defense.
+    """
+    t0 = time.perf_counter()
+    attacks = check_attacks(attacks)
+    config = config or AttackConfig(seed=seed)
+    if defense is not None and not isinstance(defense, Defense):
+        raise ConfigError(f"defense must be a splitlearn.privacy.Defense, got {type(defense).__name__}")
+    source = model if isinstance(model, str) else None
+    if isinstance(model, str):
+        model = load_model(model, seed=seed)
+    cut = validate_cuts(cut, model.config.n_layer)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 2 <= seq_len <= model.config.n_positions:
+        raise ConfigError(f"seq_len must be an integer in [2, n_positions={model.config.n_positions}], "
+                          f"got {seq_len!r}")
+    tokenizer = tokenizer or default_tokenizer(model, source)
+    if texts is None or public_texts is None:
+        pub, priv = split_corpus()
+        texts = priv if texts is None else texts
+        public_texts = pub if public_texts is None else public_texts
+    was_training = model.training
+    model.eval()
+    try:
+        report = _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_len,
+                          delta, accountant, config, max_private_tokens, seed)
+    finally:
+        model.train(was_training)
+    report.seconds = time.perf_counter() - t0
+    log.info("cut %s %s: recovery %.3f (%s), ppl %.2f / %.2f, %.1f s", cut, report.defense,
+             report.token_recovery, report.best_attack, report.perplexity,
+             report.perplexity_unsplit, report.seconds)
+    return report
+
+
+def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_len, delta,
+             accountant, config, max_private_tokens, seed) -> LeakageReport:
+    part = partition(model, cut)
+    bottom = part.bottom
+    dev = next(model.parameters()).device
+    pub_ids = windows(tokenizer, public_texts, seq_len, max(1, seq_len // 4))  # (Np, T)
+    priv_ids = windows(tokenizer, texts, seq_len)  # (N, T)
+    if max_private_tokens is not None:
+        priv_ids = priv_ids[:max(1, max_private_tokens // seq_len)]
+    h_pub = bottom_activations(bottom, pub_ids)  # (Np, T, d)
+    h_priv = bottom_activations(bottom, priv_ids)  # (N, T, d)
+    gen = torch.Generator(device=dev).manual_seed(seed + 1000)  # the victim's noise
+    with torch.no_grad():
+        y_priv = h_priv if defense is None else defense.apply(h_priv, generator=gen)  # (N, T, d)
+    classes = pub_ids.unique()  # (K,) what a learned inverter can name
+    results: dict[str, float] = {}
+    best_inv = None
+    for kind in (a for a in attacks if a in LEARNED):
+        inv = train_inverter(kind, h_pub, pub_ids, defense, classes, config)
+        results[kind] = recovery(invert_learned(inv, y_priv, classes), priv_ids)
+        if best_inv is None or results[kind] > results[best_inv[0]]:
+            best_inv = (kind, inv)
+        log.info("cut %s: %s inverter recovers %.3f", cut, kind, results[kind])
+    notes = []
+    if "whitebox" in attacks:
+        vocab = min(_vocab_size(tokenizer), model.config.vocab_size)
+        if vocab <= config.whitebox_candidates:
+            cands = torch.arange(vocab)
+        elif best_inv is not None:
+            cands = invert_learned(best_inv[1], y_priv, classes, topk=config.whitebox_candidates)
+            notes.append(f"white-box candidates: the {best_inv[0]} inverter's top "
+                         f"{config.whitebox_candidates} per position (vocabulary {vocab})")
+        else:
+            cands = classes
+            notes.append(f"white-box candidates: the {len(classes)} token ids of the public text")
+        results["whitebox"] = recovery(invert_whitebox(bottom, y_priv, cands, defense), priv_ids)
+        log.info("cut %s: white-box inversion recovers %.3f", cut, results["whitebox"])
+    best = max(results, key=lambda k: (results[k], -attacks.index(k)))
+    ppl, ppl_whole = perplexities(model, cut, priv_ids, defense, seed)
+    two_way = len(cut) == 1
+    if two_way:
+        notes.append("2-way split: during training the labels, which are the input text itself, "
+                     "are sent to the server; no defense of the activations protects them")
+    eps = rel = None
+    if defense is not None and hasattr(defense, "noise_multiplier"):
+        rel = seq_len
+        eps = defense.epsilon(delta, steps=1, tokens=seq_len, accountant=accountant)
+    return LeakageReport(
+        cut=tuple(cut), defense=defense.describe() if defense is not None else {"name": "none"},
+        token_recovery=results[best], best_attack=best, attacks=results, perplexity=ppl,
+        perplexity_unsplit=ppl_whole, labels_reach_server=two_way,
+        training_token_recovery=1.0 if two_way else results[best], epsilon=eps,
+        delta=delta if eps is not None else None, releases=rel, seq_len=seq_len,
+        public_tokens=pub_ids.numel(), private_tokens=priv_ids.numel(), notes=notes)

@@ -1,0 +1,101 @@
+"""A model whose activations are not random: train the unsplit model on the public part of
+the shipped corpus, once, and cache it.
+
+The privacy meter on a random init measures a random projection; what leaks from a trained
+bottom is what matters. :func:`train_reference` trains ``source`` (a spec such as
+``tiny-demo``) with AdamW on the *public* paragraphs (:func:`.meter.split_corpus`), so the
+private paragraphs the meter tries to recover were never trained on, and saves it with
+``save_pretrained`` under ``cache_dir``; a second call with the same settings loads it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from ..data import ByteTokenizer, lm_batches
+from ..errors import ConfigError
+from ..loading import load_model
+from .meter import split_corpus, windows
+
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    """``$SPLITLEARN_CACHE/privacy``, default ``~/.cache/splitlearn/privacy``."""
+    return Path(os.environ.get("SPLITLEARN_CACHE", "~/.cache/splitlearn")).expanduser() / "privacy"
+
+
+def train_reference(source: str = "tiny-demo", *, steps: int = 300, batch_size: int = 16,
+                    seq_len: int = 64, lr: float = 1e-3, seed: int = 0,
+                    cache_dir: Union[str, Path, None] = None, progress: bool = True) -> Path:
+    """Train ``source`` on the public paragraphs for ``steps`` AdamW steps; return the
+    ``save_pretrained`` directory (loaded back with :func:`splitlearn.load_model`).
+
+    source: a spec with the byte vocabulary (``tiny``, ``tiny-demo``, ``random:...``).
+    steps, batch_size, seq_len (tokens), lr: the training run; seed: init and batches.
+    cache_dir: where runs are kept, one directory per setting (default :func:`default_cache_dir`).
+    progress: a tqdm bar.
+    """
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    if not lr > 0:
+        raise ConfigError(f"lr must be > 0, got {lr!r}")
+    tag = f"{source.replace('/', '_').replace(':', '_')}-steps{steps}-b{batch_size}-t{seq_len}-lr{lr:g}-seed{seed}"
+    out = Path(cache_dir or default_cache_dir()) / tag
+    if (out / "config.json").is_file() and (out / "train.json").is_file():
+        log.info("reference model cached at %s", out)
+        return out
+    model = load_model(source, seed=seed)
+    if model.config.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError(f"{source} has a vocabulary of {model.config.vocab_size}; the reference "
+                          f"model is trained on bytes (257)")
+    if seq_len > model.config.n_positions:
+        raise ConfigError(f"seq_len={seq_len} is longer than n_positions={model.config.n_positions}")
+    tok = ByteTokenizer()
+    public, private = split_corpus()
+    ids = tok.encode("\n\n".join(public))
+    held = windows(tok, private, seq_len)  # (N, T), never trained on
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=steps, desc=f"training {source}", unit="step")
+        loss = None
+        for batch in lm_batches(ids, batch_size, seq_len, seed=seed, steps=steps):
+            loss = model(batch, labels=batch).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+        if bar is not None:
+            bar.close()
+    model.eval()
+    with torch.no_grad():
+        held_loss = model(held, labels=held).loss.item()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    info = {"source": source, "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
+            "lr": lr, "seed": seed, "final_train_loss": loss.item(),
+            "private_loss": held_loss, "private_perplexity": math.exp(held_loss)}
+    (out / "train.json").write_text(json.dumps(info, indent=2))
+    log.info("trained %s: train loss %.3f, private perplexity %.2f -> %s", source, loss.item(),
+             math.exp(held_loss), out)
+    return out
+
+
+def reference_info(path: Union[str, Path]) -> Optional[dict]:
+    """The ``train.json`` written next to a reference model, or None."""
+    p = Path(path) / "train.json"
+    return json.loads(p.read_text()) if p.is_file() else None
