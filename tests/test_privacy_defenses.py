@@ -123,3 +123,36 @@ def test_nopeek_loss_units():
 def test_bad_input(make, match):
     with pytest.raises(ConfigError, match=match):
         make()
+
+
+def _train_bottom(nopeek_weight, steps=40):
+    """Train the tiny model's bottom (cut 1) with the LM loss (+ NoPeek); dCor at the end."""
+    from splitlearn import load_model, partition
+    torch.manual_seed(0)
+    model = load_model("tiny").train()
+    part = partition(model, 1)
+    defense = NoPeek(weight=nopeek_weight, unit="token")
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    held = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(99))
+
+    def dcor():
+        with torch.no_grad():
+            e, h = part.bottom.wte(held), part.bottom(held)
+            return distance_correlation(e.reshape(-1, 32), h.reshape(-1, 32)).item()
+
+    start = dcor()
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (8, 16), generator=gen)
+        h = part.bottom(ids)
+        loss = part.loss(ids) + defense.loss(part.bottom.wte(ids), h)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return start, dcor()
+
+
+def test_nopeek_lowers_distance_correlation_over_training():
+    start, plain = _train_bottom(0.0)
+    _, nopeek = _train_bottom(1.0)
+    assert nopeek < start - 0.1 and nopeek < plain - 0.1, (start, plain, nopeek)
