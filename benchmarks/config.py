@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from splitlearn.wire import WIRE_DTYPE_NAMES as WIRE_DTYPES
 
-WORKLOADS = ("codec", "overhead", "generation", "training", "int8_drift", "concurrency")
+WORKLOADS = ("codec", "overhead", "generation", "pinned", "training", "int8_drift", "concurrency",
+             "server_batching")
 
 
 @dataclass
@@ -53,6 +54,13 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     concurrency_new_tokens: int = 64
     concurrency_prompt_len: int = 16
+    # pinned: two devices emulated, client and server on cores of their own, one thread each
+    pinned_cores: tuple[int, int] = (0, 1)  # (client core, server core)
+    pinned_repeats: int = 3  # paired rounds (each system once per round)
+    # server batching: light clients replay precomputed activations (no client compute)
+    server_batching_clients: tuple[int, ...] = (1, 2, 4, 8)
+    server_batching_new_tokens: int = 32  # decode steps per client
+    server_batching_prompt_len: int = 16
     seed: int = 0
 
     def __post_init__(self):
@@ -68,6 +76,9 @@ class BenchConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.two_way_cut < 1 or not 0 < self.u_cuts[0] < self.u_cuts[1]:
             raise ValueError("cuts must leave the client at least one block")
+        if self.pinned_repeats < 1 or self.server_batching_new_tokens < 1 or not self.server_batching_clients:
+            raise ValueError("pinned_repeats and server_batching_new_tokens must be >= 1, "
+                             "server_batching_clients non-empty")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -80,5 +91,6 @@ class BenchConfig:
                     train_batch=2, train_seq=16, train_repeats=1, codec_shape=(2, 16, 32), codec_repeats=3,
                     overhead_calls=5, drift_model="tiny", drift_cuts=(1, 3), drift_steps=4,
                     drift_batch=2, drift_seq=16, concurrency=(1, 2), concurrency_new_tokens=4,
-                    concurrency_prompt_len=4, threads=1)
+                    concurrency_prompt_len=4, threads=1, pinned_repeats=1, server_batching_clients=(1, 2),
+                    server_batching_new_tokens=4, server_batching_prompt_len=4)
         return replace(cls(**base), **overrides)

@@ -51,6 +51,18 @@ def targets(result: dict) -> list[dict]:
         best = max(conc, key=lambda r: r["ratio"])
         out.append({"target": f"{most} concurrent clients >= {most / 2:g}x one client's aggregate tokens/s",
                     "measured": f"{best['ratio']:.2f}x ({best['system']})", "met": best["ratio"] >= most / 2})
+    for b, limit in ((min(cfg["gen_batches"]), 0.95), (max(cfg["gen_batches"]), 1.3)):
+        add(f"pinned two devices, generation batch {b}, U-shape float32: tokens/s >= {limit}x unsplit on one core",
+            _find(rows, "pinned", "splitlearn u float32", batch=b), "ratio", ">=", limit, "{:.3f}x")
+    add("pinned two devices, decode step overhead (round trip - server compute) <= 1 ms",
+        _find(rows, "pinned", "splitlearn decode step"), "value", "<=", 1.0, "{:.2f} ms")
+    most = max(cfg.get("server_batching_clients") or [0])
+    sb = [r for r in rows if r["workload"] == "server_batching" and r["clients"] == most and r.get("batching")]
+    if sb:
+        best = max(sb, key=lambda r: r["ratio"])
+        out.append({"target": f"server batching: {most} replayed sessions >= {most / 2:g}x one session's "
+                              f"decode tokens/s", "measured": f"{best['ratio']:.2f}x ({best['system']})",
+                    "met": best["ratio"] >= most / 2})
     for base in ("naive JSON", "torch.distributed.rpc"):
         losses = []
         for r in rows:
@@ -106,7 +118,11 @@ def markdown(result: dict) -> str:
                 ("overhead", "Per-request overhead", ["ms/call", "round_trip_ms", "server_ms"]),
                 ("int8_drift", "Loss drift of lossy wire dtypes", ["max |diff|", "mean_abs_diff", "final_loss",
                                                                   "final_loss_float32"]),
-                ("concurrency", "Concurrent generation clients", ["tokens/s (all clients)", "ratio", "median_s"])]
+                ("concurrency", "Concurrent generation clients", ["tokens/s (all clients)", "ratio", "median_s"]),
+                ("pinned", "Two devices emulated: client and server on cores of their own, one thread each",
+                 ["tokens/s", "ms/call", "ratio", "same_tokens", "round_trip_ms", "server_ms"]),
+                ("server_batching", "Server batching alone: replayed activations, no client compute",
+                 ["server decode tokens/s", "ratio", "ms_per_round"])]
     for workload, title, cols in sections:
         sub = [r for r in rows if r["workload"] == workload]
         if not sub:

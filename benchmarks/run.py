@@ -20,13 +20,15 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from benchmarks import codec, concurrency, generation, int8_drift, overhead, report, training  # noqa: E402
+from benchmarks import (codec, concurrency, generation, int8_drift, overhead, pinned, report,  # noqa: E402
+                        server_batching, training)
 from benchmarks.config import WIRE_DTYPES, WORKLOADS, BenchConfig  # noqa: E402
 from benchmarks.context import BenchContext  # noqa: E402
 from benchmarks.timing import command_line, machine_info  # noqa: E402
 
 RUNNERS = {"codec": codec.run, "overhead": overhead.run, "generation": generation.run,
-           "training": training.run, "int8_drift": int8_drift.run, "concurrency": concurrency.run}
+           "training": training.run, "int8_drift": int8_drift.run, "concurrency": concurrency.run,
+           "pinned": pinned.run, "server_batching": server_batching.run}
 
 
 def parse_args(argv=None) -> tuple[BenchConfig, Path]:

@@ -1,0 +1,142 @@
+"""Two devices emulated on one machine: client and server pinned to different cores.
+
+On the shared-core runs of the other workloads, client and server take turns on the same
+cores, so the split pays for its two processes waking each other (see README.md). Here each
+side gets a core of its own, as two machines would give it:
+
+- the server (``python -m splitlearn.server --torch-threads 1``, ``OMP_NUM_THREADS=1``)
+  inherits the affinity ``{server_core}`` (``os.sched_setaffinity`` before it starts);
+- the client, in a child process of the harness pinned to ``{client_core}`` with one torch
+  thread, runs the U-shape split (float32 wire) and, on the same core, the unsplit model
+  (Hugging Face ``generate``): the reference, one device doing all the work.
+
+Greedy generation of ``new_tokens`` after a ``prompt_len`` prompt, per batch of
+``gen_batches``; every round runs each system once (paired: a slow phase of the machine hits
+all of them), ``pinned_repeats`` rounds after one warm-up. Systems: ``unsplit (1 core)``;
+``splitlearn u float32`` (:meth:`SplitClient.generate`: two row groups in flight from batch
+2, see :mod:`splitlearn.client.generation`); from batch 2 also ``... serial`` (one group:
+client and server take turns). ``ratio`` is the median over rounds of the unsplit time over
+the system's time. Also the decode-step overhead (round trip minus server compute, batch 1)
+with both sides pinned. Skipped on machines with fewer than two cores and on GPU runs.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+from .config import BenchConfig
+
+
+def _env_one_thread() -> dict:
+    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _child(conn, cfg: BenchConfig) -> None:
+    srv = None
+    try:
+        os.environ.update(_env_one_thread())
+        import torch
+
+        from splitlearn import load_model
+        from splitlearn.client import SplitClient
+        from splitlearn.client.generation import RemoteDecoder
+        from splitlearn.generation import GenerationConfig
+
+        from .context import LocalServer
+        from .generation import hf_generate, prompts
+        from .overhead import decode_step_overheads
+
+        os.sched_setaffinity(0, {cfg.pinned_cores[1]})  # the server process inherits this
+        args = ["--model", cfg.model, "--device", "cpu", "--dtype", cfg.dtype, "--torch-threads", "1",
+                "--seed", str(cfg.seed), "--threads", "16"]
+        for c in cfg.u_cuts:
+            args += ["--cut", str(c)]
+        srv = LocalServer(args, env=_env_one_thread()).start()
+        os.sched_setaffinity(0, {cfg.pinned_cores[0]})
+        torch.set_num_threads(1)
+        model = load_model(cfg.model, dtype=cfg.dtype, device="cpu", seed=cfg.seed)
+        client = SplitClient(srv.url, model, token=srv.token, device="cpu", wire_dtype="float32", seed=cfg.seed)
+        N, rows = cfg.new_tokens, []
+
+        def serial(ids):
+            remote = RemoteDecoder(client.transport, client.segments, ids.shape[0], "float32", client._local,
+                                   pipeline=False)
+            try:
+                new = list(remote.decode(ids, None, GenerationConfig(max_new_tokens=N)))
+            finally:
+                remote.close()
+            return torch.cat([ids] + [t[:, None] for t in new], dim=1)
+
+        for B in cfg.gen_batches:
+            ids = prompts(cfg, B, model.config.vocab_size)
+            systems = {"unsplit (1 core)": lambda: hf_generate(model, ids, N),
+                       "splitlearn u float32": lambda: client.generate(ids, max_new_tokens=N)}
+            if B >= 2:
+                systems["splitlearn u float32 serial"] = lambda: serial(ids)
+            with torch.no_grad():
+                reference = systems["unsplit (1 core)"]()
+                same = {s: bool(torch.equal(fn(), reference)) for s, fn in systems.items()}  # + warm-up
+                times = {s: [] for s in systems}
+                for _ in range(cfg.pinned_repeats):
+                    for s, fn in systems.items():
+                        t0 = time.perf_counter()
+                        fn()
+                        times[s].append(time.perf_counter() - t0)
+            base = times["unsplit (1 core)"]
+            for s, ts in times.items():
+                med = statistics.median(ts)
+                rows.append({"workload": "pinned", "case": f"batch {B}, {N} new tokens", "batch": B,
+                             "system": s, "value": B * N / med, "unit": "tokens/s", "better": "higher",
+                             "median_s": med, "runs": ts, "same_tokens": same[s],
+                             "ratio": statistics.median(u / t for u, t in zip(base, ts)),
+                             "pipelined": s == "splitlearn u float32" and B >= 2})
+        trips, server = decode_step_overheads(client, cfg.overhead_calls)
+        rows.append({"workload": "pinned", "case": "one decode step, batch 1", "system": "splitlearn decode step",
+                     "value": 1e3 * statistics.median(t - s for t, s in zip(trips, server)), "unit": "ms/call",
+                     "better": "lower", "round_trip_ms": 1e3 * statistics.median(trips),
+                     "server_ms": 1e3 * statistics.median(server)})
+        client.close()
+        for r in rows:
+            r["cores"] = {"client": cfg.pinned_cores[0], "server": cfg.pinned_cores[1]}
+        conn.send(("ok", rows))
+    except BaseException as e:  # report it to the harness rather than dying silently
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        if srv is not None:
+            srv.stop()
+
+
+def run(cfg: BenchConfig, ctx) -> list[dict]:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cfg.device != "cpu" or not set(cfg.pinned_cores) <= set(cores) or len(set(cfg.pinned_cores)) < 2:
+        ctx.log(f"  pinned: needs two distinct CPU cores {cfg.pinned_cores} (have {cores}, device "
+                f"{cfg.device}): skipped")
+        return []
+    ctx.log(f"  pinned: client on core {cfg.pinned_cores[0]}, server on core {cfg.pinned_cores[1]}, "
+            f"one torch thread each")
+    mpc = mp.get_context("spawn")
+    parent, child = mpc.Pipe()
+    proc = mpc.Process(target=_child, args=(child, cfg))
+    saved = {k: os.environ.get(k) for k in _env_one_thread()}
+    os.environ.update(_env_one_thread())  # the child reads them when it starts
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        if not parent.poll(3600):
+            raise RuntimeError("the pinned measurement did not finish in an hour")
+        status, value = parent.recv()
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise RuntimeError(f"the pinned measurement failed: {value}")
+    return value
