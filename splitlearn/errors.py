@@ -61,6 +61,18 @@ class Conflict(SplitLearnError):
     status, code = 409, "conflict"
 
 
+class NotYourTurn(Conflict):
+    """Sequential federation: the client does not hold the turn (take it, then retry)."""
+
+    code = "not_your_turn"
+
+
+class StaleWeights(Conflict):
+    """Federation: the client's client-side weights are behind the shared ones (download them)."""
+
+    code = "stale_weights"
+
+
 class PayloadTooLarge(SplitLearnError):
     status, code = 413, "payload_too_large"
 
@@ -87,7 +99,7 @@ _BY_CODE = {
     cls.code: cls
     for cls in (
         SplitLearnError, ConfigError, SegmentFileError, BadRequest, Unauthorized, NotFound,
-        Conflict, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServiceUnavailable,
+        Conflict, NotYourTurn, StaleWeights, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServiceUnavailable,
         TransportError,
     )
 }

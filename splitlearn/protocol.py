@@ -18,12 +18,18 @@ route                          method   what
 /v1/sessions                   POST     open a generation session (KV cache on the server)
 /v1/sessions/<sid>/step        POST     new positions' hidden + mask -> output (hidden or logits)
 /v1/sessions/<sid>             DELETE   close a session
+/v1/echo                       POST     the body back, no tensor work (transport diagnostics)
+/v1/federation                 GET      mode, version, round, members, who synced, whose turn
+/v1/federation/turn            POST     sequential: {"client_id"} -> take the turn (503: busy)
+/v1/federation/sync            POST     client-side weights + client_id, samples -> status
+/v1/federation/weights         GET      the shared client-side weights (meta: version)
 ============================  =======  ==========================================================
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 from .errors import BadRequest, ConfigError
@@ -44,6 +50,10 @@ CHECKPOINT = "/v1/checkpoint"
 SESSIONS = "/v1/sessions"
 SESSION = "/v1/sessions/{session_id}"
 SESSION_STEP = "/v1/sessions/{session_id}/step"
+FEDERATION = "/v1/federation"
+FEDERATION_TURN = "/v1/federation/turn"
+FEDERATION_SYNC = "/v1/federation/sync"
+FEDERATION_WEIGHTS = "/v1/federation/weights"
 
 # tensor names in bodies
 HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"
@@ -71,17 +81,22 @@ class StepMeta:
     client_id: str  # 1-64 of [A-Za-z0-9_.-], chosen by the client
     step: int  # 1, 2, 3... per client; a retry repeats the number
     wire_dtype: str = "float32"  # dtype of the tensors in the answer
+    fed_version: Optional[int] = None  # version of the shared client-side weights the client holds
 
     def to_meta(self) -> dict[str, str]:
-        return {"client_id": self.client_id, "step": str(self.step), "wire_dtype": self.wire_dtype}
+        meta = {"client_id": self.client_id, "step": str(self.step), "wire_dtype": self.wire_dtype}
+        if self.fed_version is not None:
+            meta["fed_version"] = str(self.fed_version)
+        return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> "StepMeta":
         client_id = meta.get("client_id", "")
         if not _CLIENT_ID.fullmatch(client_id):
             raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+        version = _int_field(meta, "fed_version", 0) if "fed_version" in meta else None
         return cls(client_id, _int_field(meta, "step", 1),
-                   check_wire_dtype(meta.get("wire_dtype", "float32")))
+                   check_wire_dtype(meta.get("wire_dtype", "float32")), version)
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,24 @@ class SessionStepMeta:
     @classmethod
     def from_meta(cls, meta: dict) -> "SessionStepMeta":
         return cls(_int_field(meta, "position", 0), check_wire_dtype(meta.get("wire_dtype", "float32")))
+
+
+@dataclass(frozen=True)
+class SyncMeta:
+    """Fields of a federation sync: who, and how many samples its weights were trained on."""
+
+    client_id: str
+    samples: int  # training rows since the client's last sync (FedAvg weight)
+
+    def to_meta(self) -> dict[str, str]:
+        return {"client_id": self.client_id, "samples": str(self.samples)}
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "SyncMeta":
+        client_id = meta.get("client_id", "")
+        if not _CLIENT_ID.fullmatch(client_id):
+            raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+        return cls(client_id, _int_field(meta, "samples", 1))
 
 
 def valid_client_id(client_id: str) -> bool:

@@ -4,7 +4,7 @@ import pytest
 from splitlearn import errors as E
 
 ALL = [E.SplitLearnError, E.ConfigError, E.SegmentFileError, E.BadRequest, E.Unauthorized,
-       E.NotFound, E.Conflict, E.PayloadTooLarge, E.UnsupportedMediaType, E.TooManyRequests,
+       E.NotFound, E.Conflict, E.NotYourTurn, E.StaleWeights, E.PayloadTooLarge, E.UnsupportedMediaType, E.TooManyRequests,
        E.ServiceUnavailable, E.TransportError]
 
 

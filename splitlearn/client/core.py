@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -26,17 +27,22 @@ import torch
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
 from ..devices import resolve_device
-from ..errors import ConfigError, Conflict
+from ..errors import ConfigError, Conflict, NotYourTurn, ServiceUnavailable, StaleWeights
 from ..export import load_segments
 from ..generation import GenerationConfig, decode as decode_loop
 from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, loss_from_logits
 from ..wire import check_wire_dtype, pack, unpack
+from .federation import FederationState, wait_while_busy
 from .generation import RemoteDecoder
 from .transport import Transport, TransportConfig
 
 log = logging.getLogger(__name__)
+
+
+class _Redo(Exception):
+    """A step the server did not apply and that must be run again from the start."""
 
 
 class SplitClient:
@@ -49,12 +55,15 @@ class SplitClient:
     optimizer, lr, weight_decay: the client's optimizer (``adamw`` or ``sgd``).
     device: ``auto``, ``cpu`` or ``cuda``. wire_dtype: ``float32``, ``bfloat16``,
     ``float16`` or ``int8`` for the tensors this client sends and asks for.
+    client_id: this data owner's name on the server (1-64 of ``[A-Za-z0-9_.-]``; default
+    random). wait_timeout_s: the longest this client waits for a busy segment, a
+    sequential turn or a splitfed round before raising ``ServiceUnavailable``.
     """
 
     def __init__(self, url: str, model, *, token: Optional[str] = None, optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, device: str = "auto",
                  wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
-                 timeout_s: float = 300.0, retries: int = 6):
+                 timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0):
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
         self.info = self.transport.get_json(P.INFO)
@@ -70,7 +79,11 @@ class SplitClient:
         self.top: Optional[Segment] = self.segments[1] if self.u_shape else None
         self.optimizer = make_optimizer(unique_parameters(self.segments), optimizer, lr, weight_decay)
         self.client_id = client_id or uuid.uuid4().hex[:16]
+        if not P.valid_client_id(self.client_id):
+            raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
         self.step = 0  # last training step applied on both sides
+        self.wait_timeout_s = wait_timeout_s  # longest wait for a busy segment, a turn or a round
+        self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -124,10 +137,38 @@ class SplitClient:
     # -- training ----------------------------------------------------------------------
 
     def train_step(self, input_ids, attention_mask=None) -> float:
-        """One optimizer step on both sides for a batch (B, T); returns the loss."""
+        """One optimizer step on both sides for a batch (B, T); returns the loss.
+
+        Waits out a busy server (another client's U-shape step, a full splitfed round, a
+        sequential turn held by someone else) and redoes the step when the server could not
+        apply it as sent (stale client-side weights, a forward dropped after the lease
+        timeout): the step is applied exactly once, on the current weights.
+        """
         ids, mask = self._batch(input_ids, attention_mask)
         labels = labels_from_batch(ids, mask)
-        meta = P.StepMeta(self.client_id, self.step + 1, self.wire_dtype).to_meta()
+        deadline = time.monotonic() + self.wait_timeout_s
+        while True:
+            self.federation.before_step()
+            try:
+                loss = wait_while_busy(lambda: self._attempt(ids, mask, labels), "the segment",
+                                       max(deadline - time.monotonic(), 0.0))
+                break
+            except (StaleWeights, NotYourTurn) as e:
+                log.info("step %d redone: %s", self.step + 1, e.message)
+                self.federation.stale()
+            except _Redo as e:
+                log.warning("step %d redone: %s", self.step + 1, e)
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"step {self.step + 1} could not be applied within "
+                                         f"{self.wait_timeout_s:g}s")
+        self.optimizer.step()
+        self.step += 1
+        self.federation.samples += ids.shape[0]
+        return loss
+
+    def _attempt(self, ids, mask, labels) -> float:
+        """Run the step once; on success only ``optimizer.step()`` is left to do."""
+        meta = P.StepMeta(self.client_id, self.step + 1, self.wire_dtype, self.federation.version).to_meta()
         extra = {} if mask is None else {P.MASK: mask.cpu()}
         for seg in self.segments:
             seg.train()
@@ -135,28 +176,38 @@ class SplitClient:
         h = self.bottom(ids, mask)  # (B, T, d)
         if not self.u_shape:
             out = self.transport.call(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
-                                            P.LABELS: labels.cpu(), **extra}, meta)
+                                                     P.LABELS: labels.cpu(), **extra}, meta)
             loss = float(out[P.LOSS])
         else:
-            forward = {**pack(P.HIDDEN, h, self.wire_dtype), **extra}
-            out = self.transport.call(P.TRAIN_FORWARD, forward, meta)
+            out = self.transport.call(P.TRAIN_FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
             h2 = self._local(unpack(out, P.HIDDEN)).requires_grad_()  # (B, T, d)
             loss_t = loss_from_logits(self.top(h2, mask), labels)
             loss_t.backward()
-            backward = pack(P.GRAD, h2.grad, self.wire_dtype)
             try:
-                out = self.transport.call(P.TRAIN_BACKWARD, backward, meta)
-            except Conflict:
-                # The server restarted between forward and backward and lost the pending
-                # graph; the step was not applied, so the same forward gives the same graph.
-                log.warning("server lost the forward of step %s; sending it again", meta["step"])
-                self.transport.call(P.TRAIN_FORWARD, forward, meta)
-                out = self.transport.call(P.TRAIN_BACKWARD, backward, meta)
+                out = self.transport.call(P.TRAIN_BACKWARD, pack(P.GRAD, h2.grad, self.wire_dtype), meta)
+            except (StaleWeights, NotYourTurn):
+                raise
+            except Conflict as e:
+                # The server lost or dropped the forward (a restart, or the lease timed out and
+                # another client's step changed the weights): nothing was applied, redo it all.
+                raise _Redo(f"the server has no forward for it ({e.message})") from None
             loss = float(loss_t.detach())
         h.backward(self._local(unpack(out, P.GRAD)))
-        self.optimizer.step()
-        self.step += 1
         return loss
+
+    def sync(self) -> dict:
+        """End of a turn (sequential) or round (splitfed): share the client-side weights.
+
+        sequential: uploads them and gives the turn to the next client. splitfed: uploads
+        them with the samples trained since the last sync, waits until the round's other
+        clients have synced, and continues from the average. shared: a no-op. Returns the
+        server's federation status (``GET /v1/federation``).
+        """
+        weights = {}
+        for seg in self.segments:
+            for k, v in seg.hf_state_dict().items():
+                weights.setdefault(k, v.detach().cpu().contiguous())
+        return self.federation.sync(weights)
 
     @torch.no_grad()
     def evaluate(self, input_ids, attention_mask=None) -> float:

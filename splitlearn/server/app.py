@@ -205,6 +205,35 @@ def create_app(config: Optional[ServerConfig] = None,
         mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
         return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
 
+    @app.get(P.FEDERATION)
+    def federation():
+        return jsonify(rt.compute.run(rt.federation.status))
+
+    @app.post(P.FEDERATION_TURN)
+    def take_turn():
+        payload = request.get_json(silent=True)
+        client_id = payload.get("client_id") if isinstance(payload, dict) else None
+        if not isinstance(client_id, str) or not P.valid_client_id(client_id):
+            raise BadRequest('the body must be JSON {"client_id": "<1-64 of [A-Za-z0-9_.-]>"}')
+        return jsonify(rt.compute.run(rt.federation.take_turn, client_id))
+
+    @app.post(P.FEDERATION_SYNC)
+    def sync():
+        started, body = time.perf_counter(), _body()
+
+        def work() -> dict:
+            tensors, meta = decode(body)
+            return rt.sync(P.SyncMeta.from_meta(meta), tensors)
+
+        status = rt.compute.run(work)
+        log.info("sync: %s (%.0f ms)", status, (time.perf_counter() - started) * 1e3)
+        return jsonify(status)
+
+    @app.get(P.FEDERATION_WEIGHTS)
+    def shared_weights():
+        answer = rt.compute.run(rt.shared_weights)
+        return Response(answer.encode(), status=200, mimetype=P.CONTENT_TYPE)
+
     @app.post(P.CHECKPOINT)
     def checkpoint():
         if not cfg.checkpoint_dir:

@@ -50,6 +50,14 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session expires")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-tokens-per-client", type=int, default=65536)
+    p.add_argument("--federation", default="shared", choices=["shared", "sequential", "splitfed"],
+                   help="how several data owners share the model (docs/FEDERATION.md)")
+    p.add_argument("--clients-per-round", type=int, default=2, help="splitfed: syncs that close a round")
+    p.add_argument("--round-timeout", type=float, default=300.0,
+                   help="seconds a splitfed round waits for its syncs, or a sequential turn may idle")
+    p.add_argument("--lease-timeout", type=float, default=60.0,
+                   help="seconds a U-shape forward holds the segment waiting for its backward")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the server's gradient norm per step")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -60,7 +68,9 @@ def parse_args(argv=None) -> ServerConfig:
         checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         max_body_bytes=int(a.max_body_mb * (1 << 20)), max_batch=a.max_batch, threads=a.threads,
         torch_threads=a.torch_threads, batching=not a.no_batching, session_ttl_s=a.session_ttl,
-        max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client)
+        max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
+        federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
+        lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm)
 
 
 def _json_channel():

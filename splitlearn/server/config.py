@@ -34,6 +34,11 @@ class ServerConfig:
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
     max_tokens_per_client: int = 65536  # cached tokens (rows x length) per token holder
+    federation: str = "shared"  # shared | sequential | splitfed (splitlearn/server/federation.py)
+    clients_per_round: int = 2  # splitfed: clients whose sync closes a round
+    round_timeout_s: float = 300.0  # seconds a splitfed round waits for syncs / a turn may idle
+    lease_timeout_s: float = 60.0  # seconds a U-shape forward may wait for its backward
+    max_grad_norm: Optional[float] = None  # clip the server's gradient norm per step (None: off)
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
 
     def __post_init__(self):
@@ -52,6 +57,14 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_batch", "threads", "max_sessions", "max_tokens_per_client"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.federation not in ("shared", "sequential", "splitfed"):
+            raise ConfigError(f"--federation must be shared, sequential or splitfed, got {self.federation!r}")
+        if self.clients_per_round < 1:
+            raise ConfigError(f"--clients-per-round must be >= 1, got {self.clients_per_round}")
+        if not (self.round_timeout_s > 0 and self.lease_timeout_s > 0):
+            raise ConfigError("--round-timeout and --lease-timeout must be > 0 seconds")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"--torch-threads must be >= 1, got {self.torch_threads}")
         if not self.tokens:

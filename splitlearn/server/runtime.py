@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Optional
 
 import torch
+from transformers import GPT2LMHeadModel
 
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, save_state
@@ -30,8 +31,11 @@ from ..partition import partition
 from ..segments import Segment, loss_from_logits
 from ..wire import WIRE_DTYPE_NAMES, pack
 from .batching import DecodeBatcher, DecodeItem
+from . import guard, validate
 from .compute import ComputeThread
 from .config import ServerConfig
+from .federation import Federation, Replica
+from .lease import StepLease
 from .ledger import Answer, Pending, StepLedger
 from .sessions import Session, SessionStore
 
@@ -74,10 +78,13 @@ class SegmentRuntime:
         self.config = self.segment.config
         self.device = next(self.segment.parameters()).device
         self.dtype = next(self.segment.parameters()).dtype
-        self.optimizer = make_optimizer(self.segment.parameters(), cfg.optimizer, cfg.lr,
-                                        cfg.weight_decay)
+        self.optimizer = self._make_optimizer(self.segment.parameters())
         self.lock = threading.RLock()
         self.ledger = StepLedger()
+        self._client_shapes: Optional[dict] = None
+        self.lease = StepLease(cfg.lease_timeout_s, on_expire=self._drop_pending)
+        self.federation = Federation(cfg.federation, Replica(self.segment, self.optimizer),
+                                     self._make_optimizer, cfg.clients_per_round, cfg.round_timeout_s)
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client)
         self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching)
@@ -85,6 +92,10 @@ class SegmentRuntime:
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
             log.info("resumed from %s: %d steps applied", cfg.checkpoint_dir, self.steps_applied)
+
+    def _make_optimizer(self, params) -> torch.optim.Optimizer:
+        c = self.cfg
+        return make_optimizer(params, c.optimizer, c.lr, c.weight_decay)
 
     @property
     def steps_applied(self) -> int:
@@ -135,20 +146,21 @@ class SegmentRuntime:
             if replay is not None:
                 return replay
             self.ledger.expect_next(meta.client_id, meta.step)
-            self.segment.train()
+            rep = self.federation.replica_for(meta.client_id, meta.fed_version)
+            rep.segment.train()
             h = self._to_model(hidden).requires_grad_()  # (B, T, d)
-            logits = self.segment(h, mask)  # (B, T, V)
-            loss = loss_from_logits(logits, labels)
-            self.optimizer.zero_grad(set_to_none=True)
+            loss = loss_from_logits(rep.segment(h, mask), labels)  # logits (B, T, V)
+            guard.finite("loss", loss)
+            rep.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            self.optimizer.step()
+            self._optimizer_step(rep, h.grad)
             answer = Answer({**pack(P.GRAD, h.grad, meta.wire_dtype),
                              P.LOSS: loss.detach().float().reshape(1).cpu()}, meta.to_meta())
             self._applied(meta, answer)
             return answer
 
     def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> Answer:
-        """U-shape: trunk output for ``hidden``; the graph waits for the backward."""
+        """U-shape: trunk output for ``hidden``; the graph waits for the backward (see :mod:`.lease`)."""
         if not self.u_shape:
             raise BadRequest(f"{P.TRAIN_FORWARD} is for U-shape servers; this one holds the top "
                              f"(use {P.TRAIN_STEP})")
@@ -157,15 +169,29 @@ class SegmentRuntime:
             if pending is not None:
                 return pending.answer
             self.ledger.expect_next(meta.client_id, meta.step)
-            self.segment.train()
-            h = self._to_model(hidden).requires_grad_()  # (B, T, d)
-            out = self.segment(h, mask)  # (B, T, d)
+            rep = self.federation.replica_for(meta.client_id, meta.fed_version)
+            shared = rep is self.federation.base
+            if shared:
+                self.lease.acquire(meta.client_id, meta.step)
+            try:
+                rep.segment.train()
+                h = self._to_model(hidden).requires_grad_()  # (B, T, d)
+                out = rep.segment(h, mask)  # (B, T, d)
+                guard.finite("the trunk's output for these activations", out)
+            except Exception:
+                if shared:
+                    self.lease.release(meta.client_id)
+                raise
             answer = Answer(pack(P.HIDDEN, out, meta.wire_dtype), meta.to_meta())
-            self.ledger.set_pending(meta.client_id, Pending(meta.step, (h, out), answer, time.monotonic()))
+            self.ledger.set_pending(meta.client_id, Pending(meta.step, (rep, h, out), answer, time.monotonic()))
             return answer
 
     def train_backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
-        """U-shape: backpropagate ``grad`` of the trunk output; optimizer step; grad of input."""
+        """U-shape: backpropagate ``grad`` of the trunk output; optimizer step; grad of input.
+
+        Applied or refused, the step gives the lease back; refused, its forward is dropped
+        (the client sends the forward again).
+        """
         with self.lock:
             replay = self.ledger.replay(meta.client_id, meta.step)
             if replay is not None:
@@ -173,23 +199,71 @@ class SegmentRuntime:
             pend = self.ledger.pending(meta.client_id, meta.step)
             if pend is None:
                 raise Conflict(f"no forward pending for step {meta.step} of client "
-                               f"{meta.client_id!r}: send {P.TRAIN_FORWARD} first")
-            inputs, outputs = pend.state  # (B, T, d) each
+                               f"{meta.client_id!r} (never sent, or dropped after "
+                               f"{self.cfg.lease_timeout_s:g}s): send {P.TRAIN_FORWARD} first")
+            rep, inputs, outputs = pend.state  # (B, T, d) each
             if grad.shape != outputs.shape:
                 raise BadRequest(f"grad has shape {list(grad.shape)}, the forward of step "
                                  f"{meta.step} produced {list(outputs.shape)}")
-            self.optimizer.zero_grad(set_to_none=True)
-            outputs.backward(self._to_model(grad))
-            self.optimizer.step()
+            try:
+                rep.optimizer.zero_grad(set_to_none=True)
+                outputs.backward(self._to_model(grad))
+                self._optimizer_step(rep, inputs.grad)
+            except Exception:
+                self.ledger.set_pending(meta.client_id, None)
+                raise
+            finally:
+                self.lease.release(meta.client_id)
             answer = Answer(pack(P.GRAD, inputs.grad, meta.wire_dtype), meta.to_meta())
             self._applied(meta, answer)
             return answer
+
+    def _optimizer_step(self, rep: Replica, input_grad: torch.Tensor) -> None:
+        """Step ``rep``'s optimizer unless the step is poisoned (see :mod:`.guard`): then
+        refuse with 400 and leave weights and optimizer state untouched."""
+        params = [p for p in rep.segment.parameters() if p.grad is not None]
+        try:
+            guard.finite("the gradient sent back to the client", input_grad)
+            norm = guard.grad_norm(params)
+        except Exception:
+            rep.optimizer.zero_grad(set_to_none=True)
+            raise
+        if self.cfg.max_grad_norm is not None and norm > self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        rep.optimizer.step()
+
+    def _drop_pending(self, client_id: str) -> None:  # the lease of a vanished client expired
+        with self.lock:
+            log.warning("client %s held the segment for over %gs between forward and backward: "
+                        "its forward is dropped", client_id, self.cfg.lease_timeout_s)
+            self.ledger.set_pending(client_id, None)
 
     def _applied(self, meta: P.StepMeta, answer: Answer) -> None:
         total = self.ledger.applied(meta.client_id, meta.step, answer)
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and every and total % every == 0:
             self.checkpoint()
+
+    # -- federation --------------------------------------------------------------------
+
+    def client_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Names (Hugging Face) and shapes of the client-side weights: what a sync carries."""
+        if self._client_shapes is None:
+            with torch.device("meta"):  # shapes only, no memory
+                parts = partition(GPT2LMHeadModel(self.config), self.cuts)
+            segs = [parts.bottom, parts.top] if self.u_shape else [parts.bottom]
+            self._client_shapes = {k: tuple(v.shape) for s in segs for k, v in s.hf_state_dict().items()}
+        return self._client_shapes
+
+    def sync(self, meta: P.SyncMeta, weights: dict[str, torch.Tensor]) -> dict:
+        """A client's client-side weights at the end of its turn or round (validated here)."""
+        validate.weights(weights, self.client_shapes())
+        with self.lock:
+            return self.federation.sync(meta.client_id, weights, meta.samples)
+
+    def shared_weights(self) -> Answer:
+        version, weights = self.federation.latest()
+        return Answer(weights, {"version": str(version)})
 
     # -- inference ---------------------------------------------------------------------
 

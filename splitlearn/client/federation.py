@@ -1,0 +1,128 @@
+"""The client's side of the federation modes (see ``splitlearn/server/federation.py``).
+
+``FederationState`` keeps what a :class:`~.core.SplitClient` needs to train with others:
+the server's mode, the version of the shared client-side weights this client holds, the
+samples trained since its last sync, and whether it holds the turn (sequential). It does
+the waiting users should not have to write::
+
+    sequential: take the turn (wait while another client holds it) -> download the latest
+                client-side weights if behind -> train ... -> sync (upload, give the turn back)
+    splitfed:   train (wait while the round is full) ... -> sync (upload) -> wait for the
+                round to close -> download the average -> train in the next round
+    shared:     nothing: sync() is a no-op, client-side weights stay with their owner
+
+Every wait is bounded by ``wait_timeout_s`` and ends in a clear
+:class:`~splitlearn.errors.ServiceUnavailable`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional, TypeVar
+
+import torch
+
+from .. import protocol as P
+from ..errors import ServiceUnavailable
+from ..segments import Segment
+from ..wire import decode
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def wait_while_busy(fn: Callable[[], T], what: str, timeout_s: float, first_wait_s: float = 0.02) -> T:
+    """Call ``fn`` until it does not raise 503/429 (retryable busy answers), for at most
+    ``timeout_s`` seconds, waiting 20 ms, 40 ms, ... up to the server's Retry-After."""
+    deadline = time.monotonic() + timeout_s
+    wait = first_wait_s
+    while True:
+        try:
+            return fn()
+        except ServiceUnavailable as e:
+            if time.monotonic() + wait > deadline:
+                raise ServiceUnavailable(f"waited {timeout_s:g}s for {what}; the server still says: "
+                                         f"{e.message}") from None
+            time.sleep(wait)
+            wait = min(wait * 2, e.retry_after or 1.0, 1.0)
+
+
+class FederationState:
+    def __init__(self, transport: Transport, client_id: str, segments: list[Segment],
+                 wait_timeout_s: float):
+        self.transport = transport
+        self.client_id = client_id
+        self.segments = segments
+        self.wait_timeout_s = wait_timeout_s
+        status = transport.get_json(P.FEDERATION)
+        self.mode: str = status["mode"]
+        self.version: Optional[int] = None if self.mode == "shared" else -1  # -1: not yet fetched
+        self.samples = 0  # rows trained since the last sync
+        self.has_turn = False
+
+    @property
+    def shared(self) -> bool:
+        return self.mode == "shared"
+
+    def before_step(self) -> None:
+        """Make sure this client may train now: turn taken, weights up to date."""
+        if self.shared:
+            return
+        if self.mode == "sequential" and not self.has_turn:
+            wait_while_busy(lambda: self.transport.post_json(P.FEDERATION_TURN, {"client_id": self.client_id}),
+                            "the turn", self.wait_timeout_s)
+            self.has_turn = True
+        server_version = self.transport.get_json(P.FEDERATION)["version"]
+        if server_version != self.version:
+            self.download(server_version)
+
+    def download(self, server_version: int) -> None:
+        """Load the shared client-side weights (none before the first sync: keep ours)."""
+        if server_version == 0:
+            self.version = 0
+            return
+        body = self.transport.get_bytes(P.FEDERATION_WEIGHTS)
+        tensors, meta = decode(body)
+        load_hf_weights(self.segments, tensors)
+        self.version = int(meta["version"])
+        log.info("client %s loaded shared client-side weights version %d", self.client_id, self.version)
+
+    def stale(self) -> None:
+        """The server said our weights are stale (or our turn lapsed): fetch before redoing."""
+        self.has_turn = False if self.mode == "sequential" else self.has_turn
+        self.version = -1
+
+    def sync(self, weights: dict[str, torch.Tensor]) -> dict:
+        """Upload our client-side weights; in splitfed, wait for the round's average."""
+        if self.shared:
+            return self.transport.get_json(P.FEDERATION)
+        from ..wire import encode
+
+        meta = P.SyncMeta(self.client_id, max(self.samples, 1)).to_meta()
+        status = self.transport.post_bytes_json(P.FEDERATION_SYNC, encode(weights, meta))
+        self.samples = 0
+        if self.mode == "sequential":
+            self.has_turn = False
+            self.version = status["version"]  # what we uploaded is the latest
+            return status
+        mine = self.version
+
+        def closed() -> dict:
+            st = self.transport.get_json(P.FEDERATION)
+            if st["version"] == mine:
+                raise ServiceUnavailable(f"round {st['round']} waits for {st['clients_per_round']} "
+                                         f"syncs ({len(st['synced'])} so far)", retry_after=0.5)
+            return st
+
+        status = wait_while_busy(closed, "the other clients of the round", self.wait_timeout_s)
+        self.download(status["version"])
+        return status
+
+
+def load_hf_weights(segments: list[Segment], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy weights named as in Hugging Face's GPT-2 into the segments' parameters."""
+    with torch.no_grad():
+        for seg in segments:
+            for (_, p), hf in zip(seg.state_dict(keep_vars=True).items(), seg.hf_state_dict()):
+                p.copy_(tensors[hf].to(p.dtype))
