@@ -219,6 +219,14 @@ class Transport:
     def post_json(self, path: str, payload: dict) -> dict:
         return self._send("POST", path, json=payload).json()
 
+    def get_bytes(self, path: str) -> bytes:
+        """GET a binary (safetensors) answer."""
+        return self._send("GET", path).content
+
+    def post_bytes_json(self, path: str, body: bytes) -> dict:
+        """POST a safetensors body whose answer is JSON (federation sync)."""
+        return self._send("POST", path, data=body, headers={"Content-Type": P.CONTENT_TYPE}).json()
+
     def delete(self, path: str) -> None:
         self._send("DELETE", path)
 
