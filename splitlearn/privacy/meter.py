@@ -237,3 +237,18 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
         training_token_recovery=1.0 if two_way else results[best], epsilon=eps,
         delta=delta if eps is not None else None, releases=rel, seq_len=seq_len,
         public_tokens=pub_ids.numel(), private_tokens=priv_ids.numel(), notes=notes)
+
+
+@torch.no_grad()
+def median_token_norm(model, cut: Union[int, Sequence[int]], *, texts: Optional[Sequence[str]] = None,
+                      tokenizer=None, seq_len: int = 32) -> float:
+    """Median L2 norm of the bottom's per-token output on public text: a natural ``clip``
+    for :class:`~.defenses.GaussianNoise` (half the tokens are clipped)."""
+    cut = validate_cuts(cut, model.config.n_layer)
+    tokenizer = tokenizer or default_tokenizer(model)
+    ids = windows(tokenizer, texts if texts is not None else split_corpus()[0], seq_len)
+    was = model.training
+    model.eval()
+    h = bottom_activations(partition(model, cut).bottom, ids)  # (N, T, d)
+    model.train(was)
+    return h.norm(dim=-1).median().item()
