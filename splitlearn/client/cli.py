@@ -56,23 +56,31 @@ def cmd_train(args) -> int:
 
     tok = get_tokenizer(args.model)
     ids = tok.encode(load_corpus(args.data))
+    if args.sync_every is not None and args.sync_every < 1:
+        raise SplitLearnError(f"--sync-every must be >= 1, got {args.sync_every}")
     with SplitClient(args.server, args.model, token=_token(args), optimizer=args.optimizer, lr=args.lr,
-                     device=args.device, wire_dtype=args.wire_dtype, seed=args.seed) as client:
+                     device=args.device, wire_dtype=args.wire_dtype, seed=args.seed,
+                     client_id=args.client_id, wait_timeout_s=args.wait_timeout) as client:
         start = client.load(args.resume) if args.resume else 0
         batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed + start)
         first = last = None
         t0 = time.perf_counter()
         bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train",
                    unit="step", file=sys.stderr, disable=args.quiet)
-        for _ in bar:
+        federated = client.federation.mode != "shared"
+        for i in bar:
             loss = client.train_step(next(batches))
             first = loss if first is None else first
             last = loss
+            if federated and args.sync_every and (i + 1 - start) % args.sync_every == 0:
+                client.sync()
             s = client.stats
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{loss:.3f}",
                             tok_s=f"{(bar.n + 1 - start) * args.batch_size * args.seq_len / elapsed:.0f}",
                             wire=_mb(s.bytes_sent + s.bytes_received))
+        if federated and (not args.sync_every or (args.steps - start) % args.sync_every):
+            client.sync()  # end of this client's turn / round
         if args.save:
             client.save(args.save)
         s = client.stats
@@ -162,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train the split model on a text file")
     common(tr)
-    tr.add_argument("--data", help="UTF-8 text file (default: the corpus shipped with splitlearn)")
+    tr.add_argument("--data", help="UTF-8 text file, e.g. this owner's shard (default: the corpus shipped "
+                    "with splitlearn)")
     tr.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
     tr.add_argument("--batch-size", type=int, default=8)
     tr.add_argument("--seq-len", type=int, default=64)
@@ -171,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0, help="seed of the model init and of the batches")
     tr.add_argument("--save", help="save the client's state here at the end (the server checkpoints too)")
     tr.add_argument("--resume", help="resume from a --save directory")
+    tr.add_argument("--client-id", help="this data owner's name on the server (default: random)")
+    tr.add_argument("--sync-every", type=int, help="federation: share client-side weights every N steps "
+                    "(sequential: end of a turn; splitfed: end of a round); always at the end")
+    tr.add_argument("--wait-timeout", type=float, default=600.0,
+                    help="seconds to wait for a busy segment, a turn or a round before failing")
     tr.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
