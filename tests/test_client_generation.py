@@ -85,3 +85,77 @@ def test_server_restart_mid_generation_changes_nothing(client, server, padded_ba
         got += list(stream)
     assert "generation session lost" in caplog.text  # the client really had to replay
     assert torch.equal(torch.stack(got, dim=1), want)
+
+
+# -- the pipelined decoder: two row groups in flight ---------------------------------------
+
+def _pipelined(client, ids, mask, **kw):
+    from splitlearn.client.generation import RemoteDecoder
+    from splitlearn.generation import GenerationConfig
+
+    remote = RemoteDecoder(client.transport, client.segments, ids.shape[0], client.wire_dtype, client._local,
+                           pipeline=True)
+    try:
+        assert remote.pipelined(GenerationConfig(**kw))
+        new = list(remote.decode(ids, mask, GenerationConfig(**kw)))
+        assert len(remote.groups) == 2 and [g.rows for g in remote.groups] == [(ids.shape[0] + 1) // 2,
+                                                                                 ids.shape[0] // 2]
+    finally:
+        remote.close()
+    return torch.cat([ids] + [t[:, None] for t in new], dim=1)
+
+
+@pytest.mark.parametrize("eos", [None, 256])
+def test_pipelined_greedy_equals_hf_generate(client, tiny_model, padded_batch, eos):
+    ids, mask = padded_batch  # (3, 23): groups of 2 and 1 rows
+    got = _pipelined(client, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=256)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                               eos_token_id=eos, pad_token_id=256)
+    assert torch.equal(got, want)
+
+
+def test_pipelined_group_that_finishes_first_pads_until_the_other_does(client, tiny_model, padded_batch):
+    ids, mask = padded_batch
+    free = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    T = ids.shape[1]
+    eos = int(free[2, T])  # the last row (the second group, alone) stops at once
+    assert eos not in free[:2, T:T + 2].tolist()[0]  # ... while the first group goes on
+    got = _pipelined(client, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                               eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, want) and (got[2, T + 1:] == 0).all()
+
+
+def test_pipelined_survives_a_server_restart(client, server, tiny_model, padded_batch, caplog):
+    from splitlearn.client.generation import RemoteDecoder
+    from splitlearn.generation import GenerationConfig
+
+    ids, mask = padded_batch
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    remote = RemoteDecoder(client.transport, client.segments, 3, "float32", client._local, pipeline=True)
+    stream = remote.decode(ids, mask, GenerationConfig(max_new_tokens=NEW))
+    got = [next(stream) for _ in range(4)]  # both groups' next steps are in flight now
+    server.restart()
+    with caplog.at_level(logging.WARNING):
+        got += list(stream)
+    remote.close()
+    assert "generation session lost" in caplog.text
+    assert torch.equal(torch.cat([ids, torch.stack(got, dim=1)], dim=1), want)
+
+
+def test_pipelining_is_on_only_where_the_server_has_cores_of_its_own(client, padded_batch, monkeypatch):
+    import os
+
+    from splitlearn.client.generation import RemoteDecoder, shares_cores_with_server
+    from splitlearn.generation import GenerationConfig
+
+    greedy, sampling = GenerationConfig(max_new_tokens=2), GenerationConfig(max_new_tokens=2, do_sample=True)
+    make = lambda rows, **kw: RemoteDecoder(client.transport, client.segments, rows, "float32", client._local, **kw)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(os.cpu_count() or 1)))
+    assert shares_cores_with_server(client.transport)  # loopback, every core: shared
+    assert not make(3).pipelined(greedy)
+    if (os.cpu_count() or 1) >= 2:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned: the server has the others
+        assert make(3).pipelined(greedy)
+    assert not make(3, pipeline=True).pipelined(sampling)  # one generator for the batch: one group
+    assert not make(1, pipeline=True).pipelined(greedy)

@@ -23,11 +23,22 @@ so the server computes one group while the client computes the other. Greedy tok
 depend on the other rows, so the groups give the tokens one batch gives (each group is a
 batch of its own through the same segments). Sampling draws from one generator for the whole
 batch, so it runs as one group.
+
+Two groups of B/2 rows cost each side more than one group of B (a decode step reads every
+weight once per group, and on a CPU that is most of its time up to batch 8 or so: measured,
+batch 4 costs about 0.7x batch 8), so the overlap pays only where the server's cores would
+otherwise sit idle while the client computes. By default it is on when the server does not
+share this process's cores: a server on another host, or a loopback one while this process
+is pinned to a subset of the machine's cores (as the benchmarks' two-device emulation does).
+A loopback server on shared cores runs the batch as one group: there, both sides computing
+at once only compete for the same cores.
 """
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Iterator, Optional, Sequence
+from urllib.parse import urlsplit
 
 import torch
 
@@ -36,9 +47,21 @@ from ..errors import NotFound, TransportError
 from ..generation import DecodeState, GenerationConfig, decode as decode_loop
 from ..segments import Segment
 from ..wire import pack, unpack
-from .transport import PendingCall, Transport
+from .transport import PendingCall, Transport, is_loopback
 
 log = logging.getLogger(__name__)
+
+
+def shares_cores_with_server(transport: Transport) -> bool:
+    """Whether the server may run on this process's cores: a loopback server, unless this
+    process is pinned to a subset of the machine's cores."""
+    if not is_loopback(urlsplit(transport.cfg.url).hostname or ""):
+        return False
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS, Windows): assume shared
+        return True
+    return mine >= (os.cpu_count() or 1)
 
 
 class _Group:
@@ -113,7 +136,7 @@ class RemoteDecoder:
     segments: the client's own segments, ``[bottom]`` (2-way) or ``[bottom, top]`` (U-shape).
     to_local: moves a received tensor to the client's device and compute dtype.
     pipeline: split greedy decoding of two rows or more into two groups in flight
-        (None: do so when ``rows >= 2``); see the module docstring.
+        (None: when the server does not share this process's cores); see the module docstring.
     """
 
     def __init__(self, transport: Transport, segments: Sequence[Segment], rows: int, wire_dtype: str,
@@ -141,7 +164,7 @@ class RemoteDecoder:
         return group.finish()
 
     def pipelined(self, cfg: GenerationConfig) -> bool:
-        want = self.rows >= 2 if self.pipeline is None else self.pipeline
+        want = (not shares_cores_with_server(self.transport)) if self.pipeline is None else self.pipeline
         return want and self.rows >= 2 and not cfg.do_sample and not self.groups
 
     def decode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
