@@ -23,6 +23,7 @@ from ..errors import SplitLearnError
 from ..wire import WIRE_DTYPE_NAMES
 from . import plots, report
 from .core import AnalysisConfig, analyze_partition, prepare_model
+from .leakage import Meter, PrivacyConfig, annotate_sweep
 from .sweep import LinkConfig, sweep_cuts
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,11 @@ PROG = "analyze_model_performance"
 
 
 def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
-                 do_sweep: bool = False, model: Optional[torch.nn.Module] = None) -> dict:
+                 do_sweep: bool = False, model: Optional[torch.nn.Module] = None,
+                 privacy: Optional[PrivacyConfig] = None) -> dict:
     """The data the command writes as JSON: :func:`~.core.analyze`'s report for
-    ``config.cuts`` (if any) plus, with ``do_sweep``, a "sweep" entry (see :mod:`.sweep`)."""
+    ``config.cuts`` (if any) plus, with ``do_sweep``, a "sweep" entry (see :mod:`.sweep`);
+    with ``privacy``, leakage and perplexity per cut (see :mod:`.leakage`)."""
     model, part, device = prepare_model(config, model)
     if part is not None:
         out = analyze_partition(model, part, device, config)
@@ -45,6 +48,12 @@ def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
                "tied_parameters": []}
     if do_sweep:
         out["sweep"] = sweep_cuts(model, config, link or LinkConfig(), device)
+    if privacy is not None:
+        meter = Meter(model, privacy)
+        if config.cuts:
+            out["privacy"] = meter.rows(tuple(config.cuts))
+        if do_sweep:
+            annotate_sweep(out["sweep"], model, privacy, meter)
     return out
 
 
@@ -79,6 +88,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES)
     p.add_argument("--min-client-blocks", type=int, default=1,
                    help="blocks the client keeps at least, for privacy (default 1)")
+    p.add_argument("--privacy", action="store_true", help="measure token recovery by the best "
+                   "inversion attack and perplexity per cut (and per sweep point)")
+    p.add_argument("--max-leakage", type=float, help="with --sweep --privacy: recommend the "
+                   "cheapest cut (2-way or U-shape) and defense whose token recovery is at most this")
+    p.add_argument("--noise-sigma", type=float, action="append", default=[], metavar="S",
+                   help="also measure GaussianNoise(S, clip); repeatable")
+    p.add_argument("--noise-clip", type=float, help="per-token L2 clip (default: median norm)")
+    p.add_argument("--privacy-seq-len", type=int, default=32, help="tokens per meter window")
+    p.add_argument("--privacy-attacks", default="linear,mlp,gru,whitebox")
+    p.add_argument("--privacy-epochs", type=int, default=30, help="inverter training epochs")
+    p.add_argument("--privacy-max-tokens", type=int, help="private tokens to recover at most")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--csv", metavar="FILE")
     p.add_argument("--markdown", metavar="FILE")
@@ -109,7 +129,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         link = LinkConfig(link_mbps=args.link_mbps, rtt_ms=args.rtt_ms,
                           server_speedup=args.server_speedup, wire_dtype=args.wire_dtype,
                           min_client_blocks=args.min_client_blocks)
-        data = build_report(config, link, args.sweep)
+        privacy = None
+        if args.max_leakage is not None and not (args.privacy and args.sweep):
+            raise SplitLearnError("--max-leakage needs --sweep and --privacy")
+        if args.privacy:
+            privacy = PrivacyConfig(
+                sigmas=tuple(args.noise_sigma), clip=args.noise_clip, max_leakage=args.max_leakage,
+                seq_len=args.privacy_seq_len, attacks=tuple(args.privacy_attacks.split(",")),
+                epochs=args.privacy_epochs, max_private_tokens=args.privacy_max_tokens,
+                seed=args.seed)
+        data = build_report(config, link, args.sweep, privacy=privacy)
     except (SplitLearnError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
@@ -120,6 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def write_outputs(data: dict, args: argparse.Namespace) -> None:
     if not args.quiet:
         print(report.to_text(data))
+        print(privacy_text(data), end="")
     for path, render in ((args.json, report.to_json), (args.csv, report.to_csv),
                          (args.markdown, report.to_markdown)):
         if path:
@@ -131,6 +161,47 @@ def write_outputs(data: dict, args: argparse.Namespace) -> None:
         if data.get("sweep"):
             target = plot.with_name(plot.stem + "_sweep" + plot.suffix) if data["segments"] else plot
             plots.plot_sweep(data["sweep"], target)
+        rows = privacy_rows(data)
+        if rows:
+            from ..privacy.plots import plot_privacy
+            plot_privacy(rows, plot.with_name(plot.stem + "_privacy" + plot.suffix))
+
+
+def privacy_rows(data: dict) -> list[dict]:
+    """Every distinct meter row of the report (analysed cuts, then sweep points)."""
+    rows = list(data.get("privacy") or [])
+    sweep = data.get("sweep") or {}
+    for p in sweep.get("points", []) + sweep.get("u_points", []):
+        for s in p.get("privacy", []):
+            rows.append({"cut": p.get("cuts", [p.get("cut")]), **s})
+    seen, out = set(), []
+    for r in rows:
+        key = (tuple(r["cut"]), str(r["defense"]))
+        if key not in seen and (len(r["cut"]) == 1 or r["cut"][1] == r["cut"][0] + 1):
+            seen.add(key)  # U-shapes: one per first cut (same activations cross)
+            out.append(r)
+    return out
+
+
+def privacy_text(data: dict) -> str:
+    """Leakage lines for the text output ("" without --privacy)."""
+    lines = []
+    for r in data.get("privacy") or []:
+        d = r["defense"]
+        dtext = "no defense" if d["name"] == "none" else f"sigma={d['sigma']:g} clip={d['clip']:.3g}"
+        lines.append(f"Privacy cut {r['cut']} {dtext}: token recovery {r['token_recovery']:.3f} "
+                     f"({r['best_attack']}), perplexity {r['perplexity']:.2f} (unsplit "
+                     f"{r['perplexity_unsplit']:.2f})" + (", labels reach the server"
+                                                          if r["labels_reach_server"] else ""))
+    sweep = data.get("sweep") or {}
+    for p in sweep.get("points", []) if "privacy" in (sweep.get("points") or [{}])[0] else []:
+        best = min(p["privacy"], key=lambda s: s["leakage"])
+        lines.append(f"Sweep cut {p['cut']}: leakage {p['privacy'][0]['leakage']:.3f} undefended, "
+                     f"{best['leakage']:.3f} at best")
+    rec = sweep.get("private_recommendation")
+    if rec:
+        lines.append(f"Recommended under max leakage: {rec['reason']}")
+    return "".join(line + "\n" for line in lines)
 
 
 if __name__ == "__main__":

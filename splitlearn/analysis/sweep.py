@@ -57,7 +57,8 @@ class LinkConfig:
 
 def sweep_cuts(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
     """Analyse every 2-way cut of ``model`` (already on ``device``); JSON-able dict with
-    "points" (one per cut) and, given a link, "recommendation"."""
+    "points" (one per cut), "u_points" (one per U-shape pair, :func:`u_shape_points`) and,
+    given a link, "recommendation" (among the 2-way cuts)."""
     check_shapes(model.config, config)
     seg = whole(model)
     n = model.config.n_layer
@@ -92,11 +93,38 @@ def sweep_cuts(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
             p["transfer_ms"] = link.rtt_ms + 8 * bytes_[link.wire_dtype] / (link.link_mbps * 1e3)
             p["step_ms"] = p["client_ms"] + p["server_ms"] / link.server_speedup + p["transfer_ms"]
         points.append(p)
+    u_points = u_shape_points(n, mac, ms, per_dir, config.mode, link)
     out = {"mode": config.mode, "link": vars(link), "whole_model_ms": t.total.to_dict(),
            "latency_sum_check": timing.sum_check("", t.total.median, ms).to_dict(),
-           "mac_mismatches": [vars(m) for m in counts.mismatches], "points": points}
+           "mac_mismatches": [vars(m) for m in counts.mismatches], "points": points,
+           "u_points": u_points}
     if link.link_mbps is not None:
         out["recommendation"] = recommend(points, link, n)
+    return out
+
+
+def u_shape_points(n: int, mac: dict, ms: dict, per_dir: dict, mode: str, link: LinkConfig) -> list[dict]:
+    """Every U-shape pair c1 < c2: the client holds the embeddings, blocks [0, c1), blocks
+    [c2, n), ln_f and lm_head; the server blocks [c1, c2). Activations cross twice (at c1 to
+    the server, at c2 back); in train mode the gradients cross back twice as well, in a
+    second round trip, and no labels travel (the loss stays on the client)."""
+    emb, head = ("wte", "wpe", "drop"), ("ln_f", "lm_head")
+    trips = 2 if mode == "train" else 1
+    out = []
+    for c1 in range(n + 1):
+        for c2 in range(c1 + 1, n + 1):
+            client = list(emb) + [f"h.{i}" for i in range(c1)] + [f"h.{i}" for i in range(c2, n)] + list(head)
+            server = [f"h.{i}" for i in range(c1, c2)]
+            p = {"cuts": [c1, c2],
+                 "client_macs": sum(mac.get(m, 0) for m in client),
+                 "server_macs": sum(mac.get(m, 0) for m in server),
+                 "client_ms": sum(ms[m] for m in client), "server_ms": sum(ms[m] for m in server),
+                 "bytes": {k: v * 2 * trips for k, v in per_dir.items()}}
+            if link.link_mbps is not None:
+                p["transfer_ms"] = (trips * link.rtt_ms
+                                    + 8 * p["bytes"][link.wire_dtype] / (link.link_mbps * 1e3))
+                p["step_ms"] = p["client_ms"] + p["server_ms"] / link.server_speedup + p["transfer_ms"]
+            out.append(p)
     return out
 
 

@@ -26,9 +26,11 @@ def plot_privacy(rows: list[dict], path: str | Path, title: str = "") -> Path:
                         textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
     if rows:
         ax.axvline(rows[0]["perplexity_unsplit"], color="gray", ls=":", label="unsplit perplexity")
-    ax.set_xscale("log")
+    ppl = [r["perplexity"] for r in rows]
+    if ppl and max(ppl) > 3 * min(ppl):
+        ax.set_xscale("log")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("perplexity on private text, defense in place (log)")
+    ax.set_xlabel("perplexity on private text, defense in place")
     ax.set_ylabel("token recovery, best attack (top-1)")
     ax.set_title(title or "what the server reads back vs what the defense costs")
     ax.legend(fontsize=8)
