@@ -1,24 +1,39 @@
 """Save and restore a side's training state: segment weights, optimizer state, counters.
 
-A checkpoint directory holds, per side (``name`` = ``server`` or ``client``)::
+A checkpoint is a *generation* directory, made visible all at once::
 
-    NAME.weights.safetensors   segment parameters, Hugging Face names
-    NAME.optim.safetensors     optimizer state tensors, keyed "<param index>.<key>"
-    NAME.json                  {"optimizer": {...param_groups, non-tensor state...},
-                                "counters": {...}, "segments": [...]}
+    DIR/NAME.latest                 "NAME-00000042": the generation to load (replaced atomically)
+    DIR/NAME-00000042/
+        weights.safetensors         segment parameters, Hugging Face names
+        optim.safetensors           optimizer state tensors, keyed "<param index>.<key>"
+        EXTRA.safetensors           optional named tensor sets (e.g. shared federation weights)
+        state.json                  {"optimizer": {...param_groups, non-tensor state...},
+                                     "counters": {...}, "segments": [...],
+                                     "files": {file name: sha256 of its bytes}}
+    DIR/NAME-00000041/              the previous generation, kept as a fallback
 
-Files are written to a temporary name and renamed, so a crash mid-save leaves the last
-good checkpoint. Nothing is unpickled on load: tensors come from safetensors, the rest JSON.
+Writing: every file goes into ``NAME-<gen>.tmp/`` and is fsynced; ``state.json`` is written
+last; the directory is renamed to ``NAME-<gen>`` and the parent fsynced; then ``NAME.latest``
+is written to a temporary name, fsynced and renamed over the old pointer. A crash at any
+moment leaves the previous pointer and its complete generation (a leftover ``.tmp`` directory
+is ignored and removed by the next save). Loading checks every file against its sha256, so a
+truncated or corrupt file is refused with :class:`~splitlearn.errors.SegmentFileError`
+naming it, never half-loaded. Nothing is unpickled: tensors come from safetensors, the rest
+JSON.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from .errors import ConfigError, SegmentFileError
 from .segments import Segment
@@ -53,17 +68,41 @@ def _weights(segments: Sequence[Segment]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _atomic_save(tensors: dict, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+def _write(path: Path, data: bytes) -> str:
+    """Write and fsync ``data``; its sha256."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _generations(d: Path, name: str) -> list[Path]:
+    return sorted(p for p in d.glob(f"{name}-*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 def save_state(directory: Union[str, Path], name: str, segments: Sequence[Segment],
-               optimizer: torch.optim.Optimizer, counters: dict) -> Path:
-    """Write weights, optimizer state and ``counters`` (JSON-able) under ``directory``."""
+               optimizer: torch.optim.Optimizer, counters: dict,
+               extra: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> Path:
+    """Write weights, optimizer state, ``counters`` (JSON-able) and ``extra`` tensor sets as a
+    new generation under ``directory``; returns the generation's directory."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    for stale in d.glob(f"{name}-*.tmp"):  # a save that a crash interrupted
+        shutil.rmtree(stale, ignore_errors=True)
+    previous = _generations(d, name)
+    gen = int(previous[-1].name.rsplit("-", 1)[1]) + 1 if previous else 1
+    final = d / f"{name}-{gen:08d}"
+    tmp = d / (final.name + ".tmp")
+    tmp.mkdir()
     sd = optimizer.state_dict()
     tensors, scalars = {}, {}
     for idx, st in sd["state"].items():
@@ -72,37 +111,111 @@ def save_state(directory: Union[str, Path], name: str, segments: Sequence[Segmen
                 tensors[f"{idx}.{key}"] = val.detach().cpu().contiguous()
             else:
                 scalars[f"{idx}.{key}"] = val
-    _atomic_save(_weights(segments), d / f"{name}.weights.safetensors")
-    _atomic_save(tensors, d / f"{name}.optim.safetensors")
+    files = {"weights.safetensors": _write(tmp / "weights.safetensors", st_save(_weights(segments))),
+             "optim.safetensors": _write(tmp / "optim.safetensors", st_save(tensors))}
+    for key, tset in (extra or {}).items():
+        fname = f"{key}.safetensors"
+        files[fname] = _write(tmp / fname, st_save({k: v.detach().cpu().contiguous() for k, v in tset.items()}))
     meta = {"optimizer": {"param_groups": sd["param_groups"], "scalars": scalars},
-            "counters": counters, "segments": [[s.kind, s.start, s.end] for s in segments]}
-    tmp = d / f"{name}.json.tmp"
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, d / f"{name}.json")  # written last: its presence marks a complete checkpoint
-    return d
+            "counters": counters, "segments": [[s.kind, s.start, s.end] for s in segments],
+            "files": files}
+    _write(tmp / "state.json", json.dumps(meta).encode())
+    _fsync_dir(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(d)
+    pointer = d / f"{name}.latest.tmp"
+    _write(pointer, final.name.encode())
+    os.replace(pointer, d / f"{name}.latest")  # the moment the new generation counts
+    _fsync_dir(d)
+    for old in previous[:-1]:  # keep the one before as a fallback
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(directory: Union[str, Path], name: str) -> Optional[Path]:
+    """The generation directory ``NAME.latest`` points to, or None if there is no checkpoint."""
+    d = Path(directory)
+    pointer = d / f"{name}.latest"
+    if not pointer.is_file():
+        return None
+    gen = d / pointer.read_text().strip()
+    if not gen.is_dir():
+        raise SegmentFileError(f"checkpoint pointer {pointer} names {gen.name}, which does not exist: "
+                               f"refusing to start from scratch; restore the directory or remove {pointer}")
+    return gen
 
 
 def has_state(directory: Union[str, Path], name: str) -> bool:
-    return (Path(directory) / f"{name}.json").is_file()
+    return (Path(directory) / f"{name}.latest").is_file()
+
+
+def _read_checked(gen: Path, fname: str, files: dict) -> bytes:
+    path = gen / fname
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise SegmentFileError(f"checkpoint file {path} cannot be read: {e}") from None
+    if fname not in files or hashlib.sha256(data).hexdigest() != files[fname]:
+        raise SegmentFileError(f"checkpoint file {path} is truncated or corrupt (its sha256 does not "
+                               f"match {gen / 'state.json'}): refusing to load it; the previous "
+                               f"generation, if any, is kept beside it")
+    return data
+
+
+def _tensors(gen: Path, fname: str, files: dict) -> dict[str, torch.Tensor]:
+    data = _read_checked(gen, fname, files)
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError) as e:
+        raise SegmentFileError(f"checkpoint file {gen / fname} is not valid safetensors: {e}") from None
+
+
+def read_meta(gen: Path) -> dict:
+    path = gen / "state.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SegmentFileError(f"checkpoint file {path} is truncated or corrupt: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        raise SegmentFileError(f"checkpoint file {path} is not a splitlearn checkpoint state")
+    return meta
+
+
+def read_weights(directory: Union[str, Path], name: str) -> dict[str, torch.Tensor]:
+    """The saved segment weights of the latest generation (Hugging Face names), checked."""
+    gen = latest(directory, name)
+    if gen is None:
+        raise SegmentFileError(f"no {name} checkpoint in {directory}")
+    return _tensors(gen, "weights.safetensors", read_meta(gen)["files"])
+
+
+def read_extra(directory: Union[str, Path], name: str, key: str) -> Optional[dict[str, torch.Tensor]]:
+    """An ``extra`` tensor set of the latest generation, or None if it was not saved."""
+    gen = latest(directory, name)
+    files = read_meta(gen)["files"] if gen is not None else {}
+    return _tensors(gen, f"{key}.safetensors", files) if f"{key}.safetensors" in files else None
 
 
 def load_state(directory: Union[str, Path], name: str, segments: Sequence[Segment],
                optimizer: torch.optim.Optimizer) -> dict:
     """Restore weights and optimizer state in place; return the saved counters."""
     d = Path(directory)
-    meta = json.loads((d / f"{name}.json").read_text())
+    gen = latest(d, name)
+    if gen is None:
+        raise SegmentFileError(f"no {name} checkpoint in {d}")
+    meta = read_meta(gen)
     held = [[s.kind, s.start, s.end] for s in segments]
     if meta["segments"] != held:
-        raise SegmentFileError(f"checkpoint in {d} holds segments {meta['segments']}, "
+        raise SegmentFileError(f"checkpoint in {gen} holds segments {meta['segments']}, "
                                f"this side holds {held}")
-    weights = load_file(str(d / f"{name}.weights.safetensors"))
+    weights = _tensors(gen, "weights.safetensors", meta["files"])
+    tensors = _tensors(gen, "optim.safetensors", meta["files"])
     with torch.no_grad():
         for seg in segments:
             for (local, p), hf in zip(seg.state_dict(keep_vars=True).items(), seg.hf_state_dict()):
                 if hf not in weights or weights[hf].shape != p.shape:
-                    raise SegmentFileError(f"checkpoint in {d} lacks {hf} of shape {list(p.shape)}")
+                    raise SegmentFileError(f"checkpoint in {gen} lacks {hf} of shape {list(p.shape)}")
                 p.copy_(weights[hf])
-    tensors = load_file(str(d / f"{name}.optim.safetensors"))
     state: dict = {}
     for key, val in list(tensors.items()) + list(meta["optimizer"]["scalars"].items()):
         idx, k = key.split(".", 1)

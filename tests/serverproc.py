@@ -11,9 +11,9 @@ from typing import Optional
 
 import requests
 import torch
-from safetensors.torch import load_file
 
 from splitlearn import protocol as P
+from splitlearn.checkpoint import read_weights
 from splitlearn.localserver import LocalServer
 from splitlearn.wire import decode, encode
 
@@ -89,5 +89,5 @@ class ServerProcess(LocalServer):
         """The server's segment weights now (Hugging Face names), via POST /v1/checkpoint."""
         r = requests.post(self.url + P.CHECKPOINT, json={}, headers=auth(), timeout=30)
         r.raise_for_status()
-        return load_file(str(Path(self.checkpoint_dir) / "server.weights.safetensors"))
+        return read_weights(self.checkpoint_dir, "server")
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from splitlearn import partition
-from splitlearn.checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
+from splitlearn.checkpoint import (has_state, latest, load_state, make_optimizer, read_extra, save_state,
+                                   unique_parameters)
 from splitlearn.errors import ConfigError, SegmentFileError
 from splitlearn.loading import load_model
 from splitlearn.segments import labels_from_batch, loss_from_logits
@@ -45,7 +46,7 @@ def test_save_then_load_continues_exactly(tmp_path, optimizer):
     parts, segs, opt, ids = trained_parts(2, optimizer)
     save_state(tmp_path, "client", segs, opt, {"step": 2})
     assert has_state(tmp_path, "client") and not has_state(tmp_path, "server")
-    assert json.loads((tmp_path / "client.json").read_text())["counters"] == {"step": 2}
+    assert json.loads((latest(tmp_path, "client") / "state.json").read_text())["counters"] == {"step": 2}
     opt.zero_grad()
     loss_from_logits(parts(ids), labels_from_batch(ids, None)).backward()
     opt.step()
@@ -65,9 +66,42 @@ def test_load_refuses_other_segments_and_missing_weights(tmp_path):
     _, other, other_opt, _ = trained_parts(0)
     with pytest.raises(SegmentFileError, match="holds segments"):
         load_state(tmp_path, "client", other[:1], other_opt)
-    from safetensors.torch import load_file, save_file
-    w = load_file(str(tmp_path / "client.weights.safetensors"))
-    w.pop(next(iter(w)))
-    save_file(w, str(tmp_path / "client.weights.safetensors"))
-    with pytest.raises(SegmentFileError, match="lacks"):
-        load_state(tmp_path, "client", other, other_opt)
+    save_state(tmp_path / "partial", "client", segs[:1], opt, {})  # holds the bottom only
+    with pytest.raises(SegmentFileError, match="holds segments"):
+        load_state(tmp_path / "partial", "client", other, other_opt)
+
+
+def test_generations_are_atomic_and_a_crash_mid_save_leaves_the_last_one(tmp_path):
+    _, segs, opt, _ = trained_parts(1)
+    first = save_state(tmp_path, "server", segs, opt, {"n": 1})
+    second = save_state(tmp_path, "server", segs, opt, {"n": 2}, extra={"fed": {"w": torch.ones(2)}})
+    assert latest(tmp_path, "server") == second and first.is_dir()  # the previous one is kept
+    assert torch.equal(read_extra(tmp_path, "server", "fed")["w"], torch.ones(2))
+    assert read_extra(tmp_path, "server", "absent") is None
+    # a save killed half-way: its .tmp directory holds some files, the pointer is untouched
+    crashed = tmp_path / "server-00000003.tmp"
+    crashed.mkdir()
+    (crashed / "weights.safetensors").write_bytes(b"\x00" * 10)
+    _, fresh, fresh_opt, _ = trained_parts(0)
+    assert load_state(tmp_path, "server", fresh, fresh_opt) == {"n": 2}
+    third = save_state(tmp_path, "server", segs, opt, {"n": 3})
+    assert not crashed.exists() and not first.exists() and latest(tmp_path, "server") == third
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "state"])
+def test_a_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    _, segs, opt, _ = trained_parts(1)
+    gen = save_state(tmp_path, "server", segs, opt, {"n": 1})
+    target = gen / ("state.json" if damage == "state" else "optim.safetensors")
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "delete":
+        target.unlink()
+    else:
+        target.write_text('{"files": ')
+    _, fresh, fresh_opt, _ = trained_parts(0)
+    with pytest.raises(SegmentFileError, match=str(target)):
+        load_state(tmp_path, "server", fresh, fresh_opt)

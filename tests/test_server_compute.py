@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from splitlearn.server.compute import ComputeThread, on_compute_thread
+from splitlearn.server.compute import ComputeThread
 
 
 def test_run_executes_on_one_thread_and_returns():
@@ -39,17 +39,3 @@ def test_torch_threads_applies_to_the_compute_thread():
     with pytest.raises(ValueError):
         ComputeThread(torch_threads=0)
 
-
-def test_decorated_methods_run_on_the_compute_thread():
-    class Holder:
-        def __init__(self):
-            self.compute = ComputeThread()
-
-        @on_compute_thread
-        def where(self, x):
-            return threading.get_ident(), x
-
-    h = Holder()
-    ident, x = h.where(7)
-    assert x == 7 and ident == h.compute.run(threading.get_ident) != threading.get_ident()
-    h.compute.close()

@@ -244,11 +244,18 @@ class Transport:
         return self.start(path, body, lane)
 
     def finish_call(self, pending: PendingCall) -> dict:
+        return self.finish_call_meta(pending)[0]
+
+    def call_meta(self, path: str, tensors: dict, meta: Optional[dict] = None) -> tuple[dict, dict]:
+        """:meth:`call`, also returning the answer's string metadata."""
+        return self.finish_call_meta(self.start_call(path, tensors, meta))
+
+    def finish_call_meta(self, pending: PendingCall) -> tuple[dict, dict]:
         answer = pending.result()
         t0 = time.perf_counter()
-        out, _ = decode(answer)
+        out, meta = decode(answer)
         self.stats.deserialize_s += time.perf_counter() - t0
-        return out
+        return out, meta
 
     def post_bytes(self, path: str, body: bytes) -> bytes:
         """POST a safetensors body; return the answer's bytes, counting everything."""

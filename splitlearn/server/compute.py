@@ -21,7 +21,6 @@ is busy are run together by :class:`~.batching.DecodeBatcher` on this thread.
 """
 from __future__ import annotations
 
-import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, TypeVar
@@ -64,12 +63,3 @@ class ComputeThread:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-
-def on_compute_thread(method: Callable[..., T]) -> Callable[..., T]:
-    """Decorate a method of an object with a ``compute`` :class:`ComputeThread`: it runs there."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        return self.compute.run(method, self, *args, **kwargs)
-
-    return wrapper

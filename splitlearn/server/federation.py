@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import BadRequest, Conflict, NotFound, NotYourTurn, ServiceUnavailable, StaleWeights
+from ..errors import BadRequest, ConfigError, Conflict, NotFound, NotYourTurn, ServiceUnavailable, StaleWeights
 from ..segments import Segment
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class Federation:
         self.turn_seen = 0.0  # time.monotonic() of the holder's last request
         self.round = Round()
         self.lock = threading.RLock()
+        self.on_change: Callable[[], object] = lambda: None  # shared weights changed (the runtime checkpoints)
 
     # -- admission of a training request ----------------------------------------------
 
@@ -165,6 +166,7 @@ class Federation:
                     raise NotYourTurn(f"client {client_id!r} does not hold the turn; only the holder syncs")
                 self.client_weights, self.version = weights, self.version + 1
                 self.turn = None
+                self.on_change()
                 return self.status()
             self._close_if_timed_out()
             r = self.round
@@ -192,10 +194,27 @@ class Federation:
         self.version += 1
         log.info("round %d closed: %d clients, %d samples", r.number, len(ids), sum(samples))
         self.round = Round(r.number + 1)
+        self.on_change()
 
     def _average_server(self, replicas: list[Replica], samples: list[int]) -> None:
         avg = weighted_average([rep.segment.state_dict() for rep in replicas], samples)
         self.base.segment.load_state_dict(avg)
+
+    def round_open(self) -> bool:
+        """A splitfed round has members (their copies would be lost by a checkpoint now)."""
+        return self.mode == "splitfed" and bool(self.round.members)
+
+    def counters(self) -> dict:
+        return {"mode": self.mode, "version": self.version, "round": self.round.number}
+
+    def restore(self, counters: dict, client_weights: Optional[dict[str, torch.Tensor]]) -> None:
+        """State from a checkpoint (a round in progress at the crash starts over)."""
+        if counters and counters.get("mode") != self.mode:
+            raise ConfigError(f"the checkpoint was written in federation mode {counters.get('mode')!r}, "
+                             f"this server runs {self.mode!r}: start it with the same --federation")
+        self.version = int(counters.get("version", 0))
+        self.round = Round(int(counters.get("round", 1)))
+        self.client_weights = client_weights
 
     def latest(self) -> tuple[int, dict[str, torch.Tensor]]:
         """The shared client-side weights and their version; 404 before the first sync."""

@@ -74,6 +74,14 @@ class ClientRecord:
 class StepLedger:
     clients: dict[str, ClientRecord] = field(default_factory=dict)
     steps_applied: int = 0  # over all clients, since the first start
+    durable: dict[str, int] = field(default_factory=dict)  # each client's step in the last checkpoint
+
+    def mark_durable(self) -> None:
+        """A checkpoint of the current state has been written."""
+        self.durable = {c: r.step for c, r in self.clients.items()}
+
+    def durable_step(self, client_id: str) -> int:
+        return self.durable.get(client_id, 0)
 
     def record(self, client_id: str) -> ClientRecord:
         return self.clients.setdefault(client_id, ClientRecord())
@@ -116,7 +124,8 @@ class StepLedger:
 
     def to_counters(self) -> dict:
         return {"clients": {c: r.step for c, r in self.clients.items()},
-                "answers": {c: base64.b64encode(r.answer.encode()).decode()
+                # encoded here, not cached: the live answer still gets its "durable" field
+                "answers": {c: base64.b64encode(encode(r.answer.tensors, r.answer.meta)).decode()
                             for c, r in self.clients.items() if r.answer is not None},
                 "steps_applied": self.steps_applied}
 
@@ -126,4 +135,6 @@ class StepLedger:
         clients = {c: ClientRecord(step=int(s), answer=Answer.decode(base64.b64decode(answers[c]))
                                    if c in answers else None)
                    for c, s in counters.get("clients", {}).items()}
-        return cls(clients, int(counters.get("steps_applied", 0)))
+        led = cls(clients, int(counters.get("steps_applied", 0)))
+        led.mark_durable()  # what was loaded is what the checkpoint holds
+        return led

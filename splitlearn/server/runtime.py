@@ -22,7 +22,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from .. import protocol as P
-from ..checkpoint import has_state, load_state, make_optimizer, save_state
+from ..checkpoint import has_state, load_state, make_optimizer, read_extra, save_state
 from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import BadRequest, Conflict
 from ..export import load_segment, read_segment_spec
@@ -34,6 +34,8 @@ from .batching import DecodeBatcher, DecodeItem
 from . import guard, validate
 from .compute import ComputeThread
 from .config import ServerConfig
+from ..lora import lora_scope
+from .adapters import attach as attach_lora, client_adapter_shapes
 from .federation import Federation, Replica
 from .lease import StepLease
 from .ledger import Answer, Pending, StepLedger
@@ -85,12 +87,16 @@ class SegmentRuntime:
         self.lease = StepLease(cfg.lease_timeout_s, on_expire=self._drop_pending)
         self.federation = Federation(cfg.federation, Replica(self.segment, self.optimizer),
                                      self._make_optimizer, cfg.clients_per_round, cfg.round_timeout_s)
+        self.federation.on_change = self.checkpoint  # a sync or a closed round is made durable
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client)
         self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching)
+        self.adapters = attach_lora(self) if cfg.lora is not None else None  # per-client LoRA
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
+            self.federation.restore(counters.get("federation", {}),
+                                    read_extra(cfg.checkpoint_dir, "server", "federation"))
             log.info("resumed from %s: %d steps applied", cfg.checkpoint_dir, self.steps_applied)
 
     def _make_optimizer(self, params) -> torch.optim.Optimizer:
@@ -120,6 +126,8 @@ class SegmentRuntime:
             "device": str(self.device),
             "wire_dtypes": list(WIRE_DTYPE_NAMES),
             "optimizer": {"name": c.optimizer, "lr": c.lr, "weight_decay": c.weight_decay},
+            "checkpoint": {"enabled": bool(c.checkpoint_dir), "every": c.checkpoint_every},
+            "federation": c.federation,
             "limits": {"max_body_bytes": c.max_body_bytes, "max_batch": c.max_batch,
                        "n_positions": self.config.n_positions, "max_sessions": c.max_sessions,
                        "max_tokens_per_client": c.max_tokens_per_client,
@@ -239,15 +247,19 @@ class SegmentRuntime:
             self.ledger.set_pending(client_id, None)
 
     def _applied(self, meta: P.StepMeta, answer: Answer) -> None:
+        """Record the step; checkpoint when due; tell the client which of its steps is durable."""
         total = self.ledger.applied(meta.client_id, meta.step, answer)
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and every and total % every == 0:
             self.checkpoint()
+        answer.meta["durable"] = str(self.ledger.durable_step(meta.client_id))
 
     # -- federation --------------------------------------------------------------------
 
     def client_shapes(self) -> dict[str, tuple[int, ...]]:
         """Names (Hugging Face) and shapes of the client-side weights: what a sync carries."""
+        if self._client_shapes is None and self.adapters is not None:  # LoRA: adapters only
+            self._client_shapes = client_adapter_shapes(self.config, self.cuts, self.cfg.lora)
         if self._client_shapes is None:
             with torch.device("meta"):  # shapes only, no memory
                 parts = partition(GPT2LMHeadModel(self.config), self.cuts)
@@ -311,9 +323,10 @@ class SegmentRuntime:
             return Answer(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)
 
         h = self._to_model(hidden)
+        adapter = self.adapters.adapter_for(sess.client_id, self.cfg.federation) if self.adapters else None
         if T == 1:
-            return self.batcher.enqueue(DecodeItem(sess.cache, h, prepare, finish))
-        with self.lock, torch.no_grad():
+            return self.batcher.enqueue(DecodeItem(sess.cache, h, prepare, finish, adapter=adapter))
+        with self.lock, torch.no_grad(), lora_scope(self.segment, adapter):
             full = prepare()
             self.segment.eval()
             out = self.segment(h, full, sess.cache, logits_to_keep=1)  # (B, T, d) or (B, 1, V)
@@ -328,8 +341,17 @@ class SegmentRuntime:
         if not self.cfg.checkpoint_dir:
             return None
         with self.lock:
+            if self.federation.round_open():
+                # a splitfed round's copies are not saved: its checkpoint comes when it closes
+                log.info("checkpoint deferred: splitfed round %d is open", self.federation.round.number)
+                return None
             t = time.perf_counter()
-            counters = self.ledger.to_counters()
-            save_state(self.cfg.checkpoint_dir, "server", [self.segment], self.optimizer, counters)
+            if self.adapters is not None:  # before server.json, the mark of a complete checkpoint
+                self.adapters.save(self.cfg.checkpoint_dir)
+            counters = {**self.ledger.to_counters(), "federation": self.federation.counters()}
+            shared = self.federation.client_weights
+            save_state(self.cfg.checkpoint_dir, "server", [self.segment], self.optimizer, counters,
+                       extra={"federation": shared} if shared is not None else None)
+            self.ledger.mark_durable()
             log.info("checkpoint saved to %s in %.2fs", self.cfg.checkpoint_dir, time.perf_counter() - t)
         return self.cfg.checkpoint_dir
