@@ -108,3 +108,30 @@ def test_cli_refuses_bad_arguments(capsys):
         parse_args(["--wire-dtypes", "float64"])
     cfg, out = parse_args(["--quick", "--device", "cpu", "--workloads", "codec"])
     assert cfg.workloads == ("codec",) and out.name == "cpu"
+
+
+def test_server_batching_replays_sessions_without_client_compute(result):
+    rows = _rows(result, "server_batching")
+    assert {(r["system"], r["clients"]) for r in rows} == {
+        (f"splitlearn {s} {b}", n) for s in ("2-way", "u") for b in ("batched", "unbatched") for n in (1, 2)}
+    assert all(r["ratio"] == 1.0 for r in rows if r["clients"] == 1)
+    assert all(r["unit"] == "server decode tokens/s" and r["ms_per_round"] > 0 for r in rows)
+    assert any("replayed sessions" in t["target"] for t in report.targets(result))
+
+
+def test_pinned_two_device_mode(result):
+    import os
+
+    if not {0, 1} <= set(os.sched_getaffinity(0)):
+        pytest.skip("the pinned mode needs cores 0 and 1")
+    rows = _rows(result, "pinned")
+    gen = [r for r in rows if r["unit"] == "tokens/s"]
+    assert {(r["system"], r["batch"]) for r in gen} == {
+        ("unsplit (1 core)", 1), ("splitlearn u float32", 1), ("unsplit (1 core)", 2),
+        ("splitlearn u float32", 2), ("splitlearn u float32 serial", 2)}
+    assert all(r["same_tokens"] is True and r["cores"] == {"client": 0, "server": 1} for r in gen)
+    assert [r["pipelined"] for r in gen if r["system"] == "splitlearn u float32"] == [False, True]
+    step = next(r for r in rows if r["system"] == "splitlearn decode step")
+    assert 0 < step["server_ms"] < step["round_trip_ms"]
+    names = [t["target"] for t in report.targets(result)]
+    assert sum("pinned two devices" in n for n in names) == 3
