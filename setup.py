@@ -22,6 +22,7 @@ setup(
         "flask>=3.0",
         "requests>=2.31",
         "waitress>=3.0",
+        "peft>=0.13",
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "numpy",

@@ -23,6 +23,7 @@ route                          method   what
 /v1/federation/turn            POST     sequential: {"client_id"} -> take the turn (503: busy)
 /v1/federation/sync            POST     client-side weights + client_id, samples -> status
 /v1/federation/weights         GET      the shared client-side weights (meta: version)
+/v1/clients/<cid>/adapter      GET      LoRA: the server side's adapter of a client (its token only)
 ============================  =======  ==========================================================
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ FEDERATION = "/v1/federation"
 FEDERATION_TURN = "/v1/federation/turn"
 FEDERATION_SYNC = "/v1/federation/sync"
 FEDERATION_WEIGHTS = "/v1/federation/weights"
+CLIENT_ADAPTER = "/v1/clients/{client_id}/adapter"
 
 # tensor names in bodies
 HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"

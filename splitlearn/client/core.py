@@ -34,6 +34,7 @@ from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, loss_from_logits
 from ..wire import check_wire_dtype, pack, unpack
+from . import lora as client_lora
 from .federation import FederationState, wait_while_busy
 from .generation import RemoteDecoder
 from .transport import Transport, TransportConfig
@@ -63,7 +64,8 @@ class SplitClient:
     def __init__(self, url: str, model, *, token: Optional[str] = None, optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, device: str = "auto",
                  wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
-                 timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0):
+                 timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
+                 lora=None):
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
         self.info = self.transport.get_json(P.INFO)
@@ -84,6 +86,7 @@ class SplitClient:
         self.step = 0  # last training step applied on both sides
         self.wait_timeout_s = wait_timeout_s  # longest wait for a busy segment, a turn or a round
         self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s)
+        self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -203,6 +206,8 @@ class SplitClient:
         clients have synced, and continues from the average. shared: a no-op. Returns the
         server's federation status (``GET /v1/federation``).
         """
+        if self.lora is not None:  # LoRA: only the client-side adapters are shared (SplitLoRA)
+            return self.federation.sync(client_lora.client_adapter_tensors(self.segments))
         weights = {}
         for seg in self.segments:
             for k, v in seg.hf_state_dict().items():
@@ -219,6 +224,8 @@ class SplitClient:
         extra = {} if mask is None else {P.MASK: mask.cpu()}
         h = self.bottom(ids, mask)
         meta = {"wire_dtype": self.wire_dtype}
+        if self.lora is not None:  # the server evaluates with this client's adapter
+            meta["client_id"] = self.client_id
         if not self.u_shape:
             out = self.transport.call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype),
                                          P.LABELS: labels.cpu(), **extra}, meta)
@@ -258,6 +265,15 @@ class SplitClient:
                            f"from checkpoints of the same step")
         return self.step
 
+    def export_adapter(self, directory: Union[str, Path], base_model: Optional[str] = None) -> Path:
+        """LoRA: write both sides' adapters as one peft adapter directory for the whole model
+        (``PeftModel.from_pretrained(GPT2LMHeadModel..., directory)``); see :mod:`.lora`."""
+        if self.lora is None:
+            raise ConfigError("export_adapter needs a LoRA client: SplitClient(..., lora=LoraConfig(...))")
+        server = client_lora.fetch_server_adapter(self.transport, self.client_id)
+        return client_lora.export_adapter(directory, self.lora, client_lora.client_adapter_tensors(self.segments),
+                                          server, base_model)
+
     # -- generation --------------------------------------------------------------------
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 32, do_sample: bool = False,
@@ -279,7 +295,8 @@ class SplitClient:
         if ids.shape[1] + cfg.max_new_tokens > n_pos:
             raise ConfigError(f"prompt of {ids.shape[1]} tokens + max_new_tokens={cfg.max_new_tokens} "
                               f"passes the model's n_positions={n_pos}")
-        remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local)
+        remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
+                               client_id=self.client_id if self.lora is not None else None)
         try:
             yield from remote.decode(ids, mask, cfg)
         finally:

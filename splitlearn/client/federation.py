@@ -60,6 +60,7 @@ class FederationState:
         self.version: Optional[int] = None if self.mode == "shared" else -1  # -1: not yet fetched
         self.samples = 0  # rows trained since the last sync
         self.has_turn = False
+        self.load_weights = lambda tensors: load_hf_weights(segments, tensors)  # LoRA: adapters only
 
     @property
     def shared(self) -> bool:
@@ -84,7 +85,7 @@ class FederationState:
             return
         body = self.transport.get_bytes(P.FEDERATION_WEIGHTS)
         tensors, meta = decode(body)
-        load_hf_weights(self.segments, tensors)
+        self.load_weights(tensors)
         self.version = int(meta["version"])
         log.info("client %s loaded shared client-side weights version %d", self.client_id, self.version)
 

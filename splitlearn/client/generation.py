@@ -78,7 +78,8 @@ class _Group:
     def _send(self, h: torch.Tensor, mask: torch.Tensor, position: int) -> PendingCall:
         d = self.dec
         if self.sid is None:
-            self.sid = d.transport.post_json(P.SESSIONS, {"rows": self.rows})["session_id"]
+            body = {"rows": self.rows, **({"client_id": d.client_id} if d.client_id else {})}  # LoRA
+            self.sid = d.transport.post_json(P.SESSIONS, body)["session_id"]
         meta = P.SessionStepMeta(position, d.wire_dtype).to_meta()
         new_mask = mask[:, -h.shape[1]:].cpu()  # (B, T): the server keeps the earlier columns
         return d.transport.start_call(P.SESSION_STEP.format(session_id=self.sid),
@@ -140,7 +141,8 @@ class RemoteDecoder:
     """
 
     def __init__(self, transport: Transport, segments: Sequence[Segment], rows: int, wire_dtype: str,
-                 to_local: Callable[[torch.Tensor], torch.Tensor], pipeline: Optional[bool] = None):
+                 to_local: Callable[[torch.Tensor], torch.Tensor], pipeline: Optional[bool] = None,
+                 client_id: Optional[str] = None):
         self.transport = transport
         self.segments = list(segments)
         for seg in self.segments:
@@ -150,6 +152,7 @@ class RemoteDecoder:
         self.wire_dtype = wire_dtype
         self.to_local = to_local
         self.pipeline = pipeline
+        self.client_id = client_id  # LoRA: sessions use this client's server-side adapter
         self.groups: list[_Group] = []
 
     def _whole(self) -> _Group:

@@ -29,6 +29,7 @@ from werkzeug.exceptions import HTTPException
 from .. import protocol as P
 from ..errors import (BadRequest, NotFound, PayloadTooLarge, SplitLearnError, Unauthorized,
                       UnsupportedMediaType)
+from ..lora import lora_scope
 from ..wire import check_wire_dtype, decode
 from . import validate
 from .config import ServerConfig
@@ -65,7 +66,7 @@ def session_rows(body: bytes, max_batch: int) -> int:
         payload = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise BadRequest('the body must be JSON {"rows": <int>} (or empty for one row)') from None
-    if not isinstance(payload, dict) or set(payload) - {"rows"}:
+    if not isinstance(payload, dict) or set(payload) - {"rows", "client_id"}:
         raise BadRequest(f'the body must be a JSON object {{"rows": <int>}}, got {str(payload)[:80]}')
     rows = payload.get("rows", 1)
     if not isinstance(rows, int) or isinstance(rows, bool):
@@ -73,6 +74,15 @@ def session_rows(body: bytes, max_batch: int) -> int:
     if not 1 <= rows <= max_batch:
         raise BadRequest(f"rows must be in 1..{max_batch}, got {rows}")
     return rows
+
+
+def session_client_id(body: bytes) -> Optional[str]:
+    """``client_id`` of a ``POST /v1/sessions`` body (LoRA: whose adapter); None if absent."""
+    payload = json.loads(body) if body.strip() else {}
+    cid = payload.get("client_id")
+    if cid is not None and not (isinstance(cid, str) and P.valid_client_id(cid)):
+        raise BadRequest("'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+    return cid
 
 
 def create_app(config: Optional[ServerConfig] = None,
@@ -162,7 +172,19 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.get(P.INFO)
     def info():
-        return jsonify(rt.info())
+        return jsonify({**rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None})
+
+    def as_client(client_id: str, owner: str) -> None:
+        """LoRA: the first token that acts as a client id owns it; others get 404."""
+        if rt.adapters is not None:
+            rt.adapters.claim(client_id, owner)
+
+    @app.get(P.CLIENT_ADAPTER.replace("{client_id}", "<client_id>"))
+    def client_adapter(client_id: str):
+        if rt.adapters is None:
+            raise NotFound("this server has no LoRA adapters (started without --lora-r)")
+        body = rt.compute.run(rt.adapters.adapter_bytes, client_id, g.owner, cfg.federation)
+        return Response(body, status=200, mimetype=P.CONTENT_TYPE)
 
     @app.get(P.CLIENT_STATE.replace("{client_id}", "<client_id>"))
     def client_state(client_id: str):
@@ -170,30 +192,38 @@ def create_app(config: Optional[ServerConfig] = None,
             raise BadRequest("client ids are 1-64 characters of [A-Za-z0-9_.-]")
         return jsonify(client_id=client_id, step=rt.client_step(client_id))
 
-    @tensor_route(P.TRAIN_STEP)
-    def train_step(t: dict, meta: dict) -> Answer:
+    @tensor_route(P.TRAIN_STEP, owner=True)
+    def train_step(t: dict, meta: dict, owner: str) -> Answer:
         m = P.StepMeta.from_meta(meta)
+        as_client(m.client_id, owner)
         h, mask = hidden_and_mask(t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
         return rt.train_step(m, h, y, mask)
 
-    @tensor_route(P.TRAIN_FORWARD)
-    def train_forward(t: dict, meta: dict) -> Answer:
+    @tensor_route(P.TRAIN_FORWARD, owner=True)
+    def train_forward(t: dict, meta: dict, owner: str) -> Answer:
         m = P.StepMeta.from_meta(meta)
+        as_client(m.client_id, owner)
         h, mask = hidden_and_mask(t)
         return rt.train_forward(m, h, mask)
 
-    @tensor_route(P.TRAIN_BACKWARD)
-    def train_backward(t: dict, meta: dict) -> Answer:
+    @tensor_route(P.TRAIN_BACKWARD, owner=True)
+    def train_backward(t: dict, meta: dict, owner: str) -> Answer:
         m = P.StepMeta.from_meta(meta)
+        as_client(m.client_id, owner)
         grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
         return rt.train_backward(m, grad)
 
-    @tensor_route(P.FORWARD)
-    def forward(t: dict, meta: dict) -> Answer:
+    @tensor_route(P.FORWARD, owner=True)
+    def forward(t: dict, meta: dict, owner: str) -> Answer:
         h, mask = hidden_and_mask(t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
-        return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")))
+        adapter = None
+        if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter
+            as_client(P.StepMeta.from_meta({**meta, "step": "1"}).client_id, owner)
+            adapter = rt.adapters.adapter_for(meta["client_id"], cfg.federation)
+        with lora_scope(rt.segment, adapter):
+            return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")))
 
     @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True)
     def session_step(t: dict, meta: dict, session_id: str, owner: str) -> Future:
@@ -242,8 +272,12 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.post(P.SESSIONS)
     def open_session():
-        rows = session_rows(request.get_data(cache=False), cfg.max_batch)
+        body = request.get_data(cache=False)
+        rows, client_id = session_rows(body, cfg.max_batch), session_client_id(body)
+        if client_id is not None:
+            as_client(client_id, g.owner)
         sess = rt.open_session(g.owner, rows)
+        sess.client_id = client_id
         return jsonify(session_id=sess.id, rows=sess.rows, ttl_s=cfg.session_ttl_s), 201
 
     @app.delete(P.SESSION.replace("{session_id}", "<session_id>"))

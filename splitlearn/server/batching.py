@@ -28,6 +28,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
+from ..lora import lora_rows
 from ..segments import Segment, SegmentCache
 from .compute import ComputeThread
 
@@ -49,6 +50,7 @@ class DecodeItem:
     finish: Callable[[torch.Tensor], Any] = lambda out: out
     mask: Optional[torch.Tensor] = None
     future: Future = field(default_factory=Future)
+    adapter: Any = None  # the session's LoRA adapter (splitlearn.lora.Adapter), None: the base
 
 
 @torch.no_grad()
@@ -64,6 +66,17 @@ def batched_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tens
     masks = [create_causal_mask(config=cfg, inputs_embeds=it.hidden, attention_mask=it.mask,
                                 past_key_values=it.cache.kv, layer_idx=segment.start)
              for it in items] if len(segment.h) else []
+    with lora_rows(segment, [(n, it.adapter) for it, n in zip(items, rows)]):  # per-row adapters
+        x = _blocks(segment, items, rows, masks, attend, x)  # (N, 1, d)
+    for it in items:
+        it.cache.length += 1
+    if segment.has_head:
+        x = segment.lm_head(segment.ln_f(x))  # (N, 1, V)
+    return list(x.split(rows, dim=0))
+
+
+def _blocks(segment: Segment, items: list[DecodeItem], rows: list[int], masks: list, attend, x: torch.Tensor) -> torch.Tensor:
+    """The blocks of :func:`batched_decode`: shared row-wise products, attention per session."""
     for block in segment.h:
         attn = block.attn
         a = block.ln_1(x)  # (N, 1, d)
@@ -79,11 +92,7 @@ def batched_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tens
             start += n
         x = x + attn.c_proj(torch.cat(outs, dim=0))  # (N, 1, d)
         x = x + block.mlp(block.ln_2(x))  # (N, 1, d)
-    for it in items:
-        it.cache.length += 1
-    if segment.has_head:
-        x = segment.lm_head(segment.ln_f(x))  # (N, 1, V)
-    return list(x.split(rows, dim=0))
+    return x
 
 
 class DecodeBatcher:

@@ -14,8 +14,10 @@ import json
 import logging
 import signal
 import sys
+from typing import Optional
 
-from ..errors import PayloadTooLarge, SplitLearnError, from_status
+from ..errors import ConfigError, PayloadTooLarge, SplitLearnError, from_status
+from ..lora import LoraSpec
 from ..protocol import read_token_file
 from .config import ServerConfig
 
@@ -58,6 +60,11 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--lease-timeout", type=float, default=60.0,
                    help="seconds a U-shape forward holds the segment waiting for its backward")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the server's gradient norm per step")
+    p.add_argument("--lora-r", type=int, default=None,
+                   help="train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha/r (default: 2r)")
+    p.add_argument("--lora-targets", default="c_attn", help="comma-separated: c_attn, c_proj, c_fc")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -70,7 +77,17 @@ def parse_args(argv=None) -> ServerConfig:
         torch_threads=a.torch_threads, batching=not a.no_batching, session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
         federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
-        lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm)
+        lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, lora=_lora_spec(a))
+
+
+def _lora_spec(a) -> Optional[LoraSpec]:
+    """``--lora-*`` as a :class:`LoraSpec` (ConfigError if invalid); None without ``--lora-r``."""
+    if a.lora_r is None:
+        if a.lora_alpha is not None or a.lora_targets != "c_attn" or a.lora_dropout:
+            raise ConfigError("--lora-alpha, --lora-targets and --lora-dropout need --lora-r")
+        return None
+    alpha = 2.0 * a.lora_r if a.lora_alpha is None else a.lora_alpha
+    return LoraSpec(a.lora_r, alpha, a.lora_targets, a.lora_dropout)
 
 
 def _json_channel():

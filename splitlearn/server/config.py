@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
+from ..lora import LoraSpec
 
 
 @dataclass
@@ -39,6 +40,7 @@ class ServerConfig:
     round_timeout_s: float = 300.0  # seconds a splitfed round waits for syncs / a turn may idle
     lease_timeout_s: float = 60.0  # seconds a U-shape forward may wait for its backward
     max_grad_norm: Optional[float] = None  # clip the server's gradient norm per step (None: off)
+    lora: Optional[LoraSpec] = None  # per-client LoRA adapters on a frozen segment (splitlearn/server/adapters.py)
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
 
     def __post_init__(self):

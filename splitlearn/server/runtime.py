@@ -346,12 +346,13 @@ class SegmentRuntime:
                 log.info("checkpoint deferred: splitfed round %d is open", self.federation.round.number)
                 return None
             t = time.perf_counter()
-            if self.adapters is not None:  # before server.json, the mark of a complete checkpoint
-                self.adapters.save(self.cfg.checkpoint_dir)
             counters = {**self.ledger.to_counters(), "federation": self.federation.counters()}
             shared = self.federation.client_weights
+            extra = {"federation": shared} if shared is not None else {}
+            if self.adapters is not None:  # LoRA: every adapter + optimizer, in this generation
+                extra["adapters"], counters["adapters"] = self.adapters.state()
             save_state(self.cfg.checkpoint_dir, "server", [self.segment], self.optimizer, counters,
-                       extra={"federation": shared} if shared is not None else None)
+                       extra=extra or None)
             self.ledger.mark_durable()
             log.info("checkpoint saved to %s in %.2fs", self.cfg.checkpoint_dir, time.perf_counter() - t)
         return self.cfg.checkpoint_dir

@@ -34,6 +34,7 @@ class Session:
     rows: int  # batch size fixed at open
     cache: SegmentCache
     mask: Optional[torch.Tensor] = None  # (rows, length) 0/1 of the positions seen; None: no padding
+    client_id: Optional[str] = None  # whose LoRA adapter the session uses (LoRA servers)
     last_used: float = field(default_factory=time.monotonic)
 
     @property

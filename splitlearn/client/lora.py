@@ -1,0 +1,154 @@
+"""LoRA on the client's own segments (peft), and exporting both sides' adapters as one peft adapter.
+
+``SplitClient(url, model, lora=peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"],
+fan_in_fan_out=True))`` puts peft's LoRA layers on the client's bottom (and top), freezes
+everything else, and gives the client's optimizer the adapters alone; the server (started
+with the same ``--lora-*`` options) trains its own adapter for this client id. Adapters start
+from :func:`splitlearn.lora.init_adapter_pair` (seeded by the seed, the client id and the
+module's Hugging Face name; in ``sequential`` and ``splitfed`` every client starts from the same
+one), so a single-process peft model given the same init trains to the same weights.
+
+:func:`export_adapter` writes a standard peft adapter directory for the whole model::
+
+    adapter_config.json          peft.LoraConfig (fan_in_fan_out, targets, r, alpha, dropout)
+    adapter_model.safetensors    base_model.model.transformer.h.<i>.<module>.lora_{A,B}.weight
+
+holding the client's adapters and the server's (``GET /v1/clients/<id>/adapter``), so
+``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), dir)`` is the split model.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from safetensors.torch import save_file
+
+from .. import protocol as P
+from ..checkpoint import make_optimizer
+from ..errors import ConfigError
+from ..lora import LoraSpec, hf_module_name, init_adapter_pair, target_modules
+from ..segments import Segment
+from ..wire import decode
+
+log = logging.getLogger(__name__)
+
+PREFIX = "base_model.model."  # peft's prefix of a saved adapter's tensor names
+ADAPTER = "default"  # the adapter name peft uses inside the modules
+
+
+def as_spec(lora) -> LoraSpec:
+    """A :class:`LoraSpec` from a ``peft.LoraConfig`` or a :class:`LoraSpec`."""
+    if isinstance(lora, LoraSpec):
+        return lora
+    if type(lora).__name__ == "LoraConfig":
+        return LoraSpec.from_peft(lora)
+    raise ConfigError(f"lora must be a peft.LoraConfig or a splitlearn.lora.LoraSpec, got {type(lora).__name__}")
+
+
+def check_server(info: dict, spec: Optional[LoraSpec]) -> None:
+    """Refuse a LoRA client on a server without LoRA, the reverse, and different LoRA options."""
+    server = info.get("lora")
+    if spec is None and server is not None:
+        raise ConfigError(f"the server trains LoRA adapters ({server}) and keeps its segment frozen: "
+                          f"connect with SplitClient(..., lora=peft.LoraConfig(...)) of the same r, "
+                          f"alpha and targets")
+    if spec is not None and server is None:
+        raise ConfigError("this client asks for LoRA but the server trains its whole segment "
+                          "(started without --lora-r): drop lora=... or restart the server with --lora-r")
+    if spec is not None and LoraSpec.from_dict(server) != spec:
+        raise ConfigError(f"LoRA options differ: this client {spec.to_dict()}, the server {server}; "
+                          f"one exported adapter needs the same r, alpha, targets and dropout on both sides")
+
+
+def apply_lora(segments: Sequence[Segment], spec: LoraSpec, seed: int, init_id: str) -> list[torch.nn.Parameter]:
+    """Put peft's LoRA layers on ``segments`` in place; return the adapter parameters.
+
+    Every other parameter is frozen. A segment without a target module (a bottom of the
+    embeddings alone) is left as it is.
+    """
+    from peft import inject_adapter_in_model
+
+    params = []
+    for seg in segments:
+        mods = target_modules(seg, spec)
+        for p in seg.parameters():
+            p.requires_grad_(False)
+        if not mods:
+            continue
+        inject_adapter_in_model(spec.to_peft(), seg, adapter_name=ADAPTER)
+        for local in mods:
+            layer = seg.get_submodule(local)
+            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
+            init_a, init_b = init_adapter_pair(seed, init_id, hf_module_name(seg, local),
+                                               a.shape[1], b.shape[0], spec.r)
+            with torch.no_grad():
+                a.copy_(init_a)
+                b.copy_(init_b)
+            params += [a, b]
+    return params
+
+
+def _pairs(segments: Sequence[Segment]):
+    for seg in segments:
+        for name, m in seg.named_modules():
+            if hasattr(m, "lora_A") and ADAPTER in getattr(m, "lora_A", {}):
+                yield PREFIX + hf_module_name(seg, name), m
+
+
+def client_adapter_tensors(segments: Sequence[Segment]) -> dict[str, torch.Tensor]:
+    """The client's adapters under peft's saved names (what a sync and an export carry)."""
+    out = {}
+    for name, m in _pairs(segments):
+        out[f"{name}.lora_A.weight"] = m.lora_A[ADAPTER].weight.detach().cpu().contiguous()
+        out[f"{name}.lora_B.weight"] = m.lora_B[ADAPTER].weight.detach().cpu().contiguous()
+    return out
+
+
+def load_client_adapters(segments: Sequence[Segment], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy adapters named as :func:`client_adapter_tensors` names them into the segments."""
+    with torch.no_grad():
+        for name, m in _pairs(segments):
+            for part in ("lora_A", "lora_B"):
+                w = getattr(m, part)[ADAPTER].weight
+                w.copy_(tensors[f"{name}.{part}.weight"].to(w.dtype))
+
+
+def fetch_server_adapter(transport, client_id: str) -> dict[str, torch.Tensor]:
+    """``GET /v1/clients/<id>/adapter``: the server side's adapter (peft names)."""
+    tensors, _ = decode(transport.get_bytes(P.CLIENT_ADAPTER.format(client_id=client_id)))
+    return tensors
+
+
+def export_adapter(directory: Union[str, Path], spec: LoraSpec, client: dict[str, torch.Tensor],
+                   server: dict[str, torch.Tensor], base_model: Optional[str] = None) -> Path:
+    """Write ``client`` + ``server`` adapters as one peft adapter directory for the whole model."""
+    overlap = set(client) & set(server)
+    if overlap:
+        raise ConfigError(f"client and server both hold adapters for {sorted(overlap)[:3]}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({**client, **server}, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    spec.to_peft(base_model).save_pretrained(str(d))
+    log.info("exported %d adapter tensors (%d client, %d server) to %s", len(client) + len(server),
+             len(client), len(server), d)
+    return d
+
+
+def setup(client, lora, seed: int) -> Optional[LoraSpec]:
+    """Called once by ``SplitClient.__init__``: check the server agrees, put the adapters on,
+    and give the client's optimizer (same rule and settings) the adapters alone."""
+    spec = None if lora is None else as_spec(lora)
+    check_server(client.info, spec)
+    if spec is None:
+        return None
+    init_id = client.client_id if client.federation.mode == "shared" else ""  # fed: one common start
+    params = apply_lora(client.segments, spec, seed, init_id)
+    old = client.optimizer
+    name = "adamw" if isinstance(old, torch.optim.AdamW) else "sgd"
+    client.optimizer = make_optimizer(params, name, old.defaults["lr"], old.defaults["weight_decay"])
+    client.federation.load_weights = lambda tensors: load_client_adapters(client.segments, tensors)
+    log.info("client %s: LoRA %s, %d adapter parameters", client.client_id, spec.to_dict(),
+             sum(p.numel() for p in params))
+    return spec

@@ -1,0 +1,289 @@
+"""LoRA for GPT-2 segments: the configuration, a deterministic adapter init, and many
+adapters on one frozen segment with a per-row choice of adapter.
+
+LoRA (Hu et al. 2021, arXiv 2106.09685) freezes a weight ``W`` and trains a low-rank update::
+
+    y = base(x) + scale * dropout(x) @ A^T @ B^T        A: (r, in), B: (out, r), scale = alpha / r
+
+GPT-2's projections (``c_attn``, ``c_proj``, ``c_fc``) are ``transformers.pytorch_utils.Conv1D``
+layers whose weight is stored transposed, (in, out); peft handles them with
+``fan_in_fan_out=True`` and keeps ``lora_A`` (r, in) and ``lora_B`` (out, r) as ``nn.Linear``
+weights, which is the layout used here, so an adapter of this module is a peft adapter.
+
+One frozen segment serves many adapters (:class:`LoraRouter`): a forward hook on every target
+``Conv1D`` adds the delta of the adapter chosen for the current forward, or, for a batch of
+decode rows from sessions of different clients, of each row's own adapter. The base product
+``x @ W`` runs once for all rows and each adapter adds its delta to its rows only, as Punica
+(Chen et al. 2023, arXiv 2310.18547) and S-LoRA (Sheng et al. 2023, arXiv 2311.03285) batch
+requests of many adapters; the module tree and its state dict stay the base model's.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from .errors import ConfigError
+
+TARGETS = ("c_attn", "c_proj", "c_fc")  # GPT-2's Conv1D layers (c_proj: attention and MLP)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One LoRA configuration, the same for the server's and the client's segments."""
+
+    r: int = 8  # rank of every adapter
+    alpha: float = 16.0  # the update is scaled by alpha / r
+    targets: tuple[str, ...] = ("c_attn",)  # module names (last component) that get adapters
+    dropout: float = 0.0  # dropout probability on the adapter's input while training
+
+    def __post_init__(self):
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", tuple(t.strip() for t in self.targets.split(",") if t.strip()))
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise ConfigError(f"LoRA rank r must be an integer > 0, got {self.r!r}")
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+            raise ConfigError(f"LoRA alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.targets:
+            raise ConfigError(f"give at least one LoRA target module, among {', '.join(TARGETS)}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise ConfigError(f"unknown LoRA target module(s) {', '.join(map(repr, unknown))}: GPT-2's "
+                              f"adaptable modules are {', '.join(TARGETS)}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"duplicated LoRA target in {list(self.targets)}")
+        object.__setattr__(self, "targets", tuple(sorted(self.targets)))  # order means nothing
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    def to_dict(self) -> dict:
+        return {"r": self.r, "alpha": self.alpha, "targets": list(self.targets), "dropout": self.dropout}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoraSpec":
+        return cls(int(d["r"]), float(d["alpha"]), tuple(d["targets"]), float(d.get("dropout", 0.0)))
+
+    @classmethod
+    def from_peft(cls, cfg) -> "LoraSpec":
+        """From a ``peft.LoraConfig`` (its targets must be a list of GPT-2 module names)."""
+        targets = cfg.target_modules
+        if targets is None or isinstance(targets, str):
+            raise ConfigError("give LoraConfig(target_modules=[...]) as a list of "
+                              f"{', '.join(TARGETS)}, got {targets!r}")
+        if getattr(cfg, "use_rslora", False) or getattr(cfg, "use_dora", False):
+            raise ConfigError("rsLoRA and DoRA are not supported: plain LoRA only")
+        # fan_in_fan_out: GPT-2's Conv1D layers need True, which peft also forces for them
+        return cls(int(cfg.r), float(cfg.lora_alpha), tuple(sorted(targets)), float(cfg.lora_dropout))
+
+    def to_peft(self, base_model: Optional[str] = None):
+        """The ``peft.LoraConfig`` of this spec (what an exported adapter is loaded with)."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=list(self.targets),
+                          lora_dropout=self.dropout, fan_in_fan_out=True, bias="none",
+                          task_type="CAUSAL_LM", base_model_name_or_path=base_model)
+
+
+def target_modules(module: nn.Module, spec: LoraSpec) -> dict[str, Conv1D]:
+    """The ``Conv1D`` submodules of ``module`` whose last name component is a target."""
+    return {name: m for name, m in module.named_modules()
+            if isinstance(m, Conv1D) and name.rsplit(".", 1)[-1] in spec.targets}
+
+
+def init_adapter_pair(seed: int, client_id: str, name: str, fan_in: int, fan_out: int,
+                      r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (r, fan_in) and B (fan_out, r) for module ``name`` (Hugging Face name), float32.
+
+    A is peft's init, ``kaiming_uniform_(a=sqrt(5))`` = U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    drawn from a generator seeded by (seed, client_id, name), so any process (the server,
+    a test's peft reference) rebuilds the same adapter; B is zero, so a new adapter changes
+    nothing until it trains.
+    """
+    digest = hashlib.sha256(f"{seed}/{client_id}/{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    bound = 1.0 / math.sqrt(fan_in)
+    a = (torch.rand(r, fan_in, generator=g) * 2 - 1) * bound  # (r, in)
+    return a, torch.zeros(fan_out, r)  # (out, r)
+
+
+def hf_module_name(segment, local: str) -> str:
+    """``h.1.attn.c_attn`` of a segment starting at block 2 -> ``transformer.h.3.attn.c_attn``."""
+    _, idx, rest = local.split(".", 2)
+    return f"transformer.h.{segment.start + int(idx)}.{rest}"
+
+
+class Adapter(nn.Module):
+    """One client's LoRA weights for one segment: (A, B) per target module (HF names)."""
+
+    def __init__(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], spec: LoraSpec):
+        super().__init__()
+        self.spec = spec
+        self.names = list(pairs)  # Hugging Face module names, in segment order
+        self.lora_A = nn.ParameterList([nn.Parameter(a) for a, _ in pairs.values()])  # (r, in) each
+        self.lora_B = nn.ParameterList([nn.Parameter(b) for _, b in pairs.values()])  # (out, r) each
+        self._index = {n: i for i, n in enumerate(self.names)}
+
+    def delta(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """scale * dropout(x) @ A^T @ B^T for x (..., in) -> (..., out)."""
+        i = self._index[name]
+        a, b = self.lora_A[i], self.lora_B[i]
+        if self.spec.dropout and self.training:
+            x = nn.functional.dropout(x, self.spec.dropout, training=True)
+        return (x.to(a.dtype) @ a.t()) @ b.t() * self.spec.scale  # (..., r) -> (..., out)
+
+    def tensors(self, prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
+        """peft's saved names: ``base_model.model.transformer.h.3.attn.c_attn.lora_A.weight``."""
+        out = {}
+        for n, a, b in zip(self.names, self.lora_A, self.lora_B):
+            out[f"{prefix}{n}.lora_A.weight"] = a.detach().cpu().contiguous()
+            out[f"{prefix}{n}.lora_B.weight"] = b.detach().cpu().contiguous()
+        return out
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], prefix: str = "base_model.model.") -> None:
+        with torch.no_grad():
+            for n, a, b in zip(self.names, self.lora_A, self.lora_B):
+                a.copy_(tensors[f"{prefix}{n}.lora_A.weight"])
+                b.copy_(tensors[f"{prefix}{n}.lora_B.weight"])
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def __deepcopy__(self, memo):  # copies the tensors, shares the (frozen) spec
+        pairs = {n: (a.detach().clone(), b.detach().clone())
+                 for n, a, b in zip(self.names, self.lora_A, self.lora_B)}
+        new = Adapter(pairs, self.spec)
+        new.train(self.training)
+        return new
+
+
+Plan = Union[None, Adapter, list[tuple[int, Optional[Adapter]]]]
+
+
+class LoraRouter:
+    """Adds adapters to the target ``Conv1D`` layers of a frozen segment, chosen per forward.
+
+    ``plan`` is None (the base model), one :class:`Adapter` (every row), or a list of
+    (rows, adapter or None) groups in row order (a batch of decode rows from many sessions).
+    Set it with :meth:`use` / :meth:`per_rows` around a forward; hooks read it.
+    """
+
+    def __init__(self, segment: nn.Module, spec: LoraSpec):
+        self.spec = spec
+        self.segment = segment
+        mods = target_modules(segment, spec)
+        if not mods:
+            raise ConfigError(f"the {getattr(segment, 'kind', '')} segment has no LoRA target among "
+                              f"{list(spec.targets)}")
+        self.shapes = {hf_module_name(segment, n): (m.nx, m.nf) for n, m in mods.items()}  # (in, out)
+        self.plan: Plan = None
+        self._handles = [m.register_forward_hook(self._hook(hf_module_name(segment, n)))
+                         for n, m in mods.items()]
+        for p in segment.parameters():
+            p.requires_grad_(False)  # the base never trains
+        segment.lora_router = self  # what lora_scope / lora_rows look for
+
+    def new_adapter(self, seed: int, client_id: str) -> Adapter:
+        pairs = {n: init_adapter_pair(seed, client_id, n, i, o, self.spec.r) for n, (i, o) in self.shapes.items()}
+        dev = next(self.segment.parameters()).device
+        return Adapter(pairs, self.spec).to(dev)
+
+    @contextmanager
+    def use(self, plan: Plan) -> Iterator[None]:
+        old, self.plan = self.plan, plan
+        try:
+            yield
+        finally:
+            self.plan = old
+
+    def per_rows(self, groups: Sequence[tuple[int, Optional[Adapter]]]):
+        """Rows in order: ``[(n_1, adapter_1), (n_2, adapter_2), ...]`` (one group per session)."""
+        adapters = {id(a) for _, a in groups}
+        if len(adapters) == 1:  # one adapter (or none) for all rows: no per-row work
+            return self.use(groups[0][1] if groups else None)
+        return self.use(list(groups))
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
+            plan = self.plan
+            if plan is None:
+                return None
+            x = inputs[0]  # (B, T, in)
+            if isinstance(plan, Adapter):
+                return output + plan.delta(name, x).to(output.dtype)  # (B, T, out)
+            return output + self._grouped_delta(name, x, plan).to(output.dtype)
+        return hook
+
+    @staticmethod
+    def _grouped_delta(name: str, x: torch.Tensor, groups: list[tuple[int, Optional[Adapter]]]) -> torch.Tensor:
+        """Each adapter's delta on its own rows (gathered across groups), zero elsewhere."""
+        rows_of: dict[int, tuple[Adapter, list[int]]] = {}
+        start = 0
+        for n, adapter in groups:
+            if adapter is not None:
+                rows_of.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + n))
+            start += n
+        a0 = next(iter(rows_of.values()))[0] if rows_of else None
+        out_dim = a0.lora_B[a0._index[name]].shape[0] if a0 is not None else 0
+        delta = x.new_zeros(*x.shape[:-1], out_dim)  # (N, T, out)
+        for adapter, rows in rows_of.values():
+            idx = torch.tensor(rows, device=x.device)
+            delta.index_copy_(0, idx, adapter.delta(name, x.index_select(0, idx)).to(delta.dtype))
+        return delta
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class AdaptedSegment(nn.Module):
+    """The shared frozen segment run with one adapter: what a client's training step calls.
+
+    Its parameters (and state dict) are the adapter's only; the segment is referenced, not
+    registered, so copying an ``AdaptedSegment`` copies the adapter and shares the base.
+    """
+
+    def __init__(self, router: LoraRouter, adapter: Adapter):
+        super().__init__()
+        self.adapter = adapter
+        object.__setattr__(self, "_router", router)  # not a submodule
+
+    @property
+    def base(self) -> nn.Module:
+        return self._router.segment
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        with self._router.use(self.adapter):
+            return self.base(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "AdaptedSegment":
+        self.base.train(mode)
+        return super().train(mode)
+
+    def __deepcopy__(self, memo) -> "AdaptedSegment":
+        import copy
+
+        return AdaptedSegment(self._router, copy.deepcopy(self.adapter, memo))
+
+
+def lora_scope(segment: nn.Module, plan: Plan):
+    """Run ``segment`` with ``plan`` (an adapter, or None) if it carries a router, else as is."""
+    router = getattr(segment, "lora_router", None)
+    return router.use(plan) if router is not None else nullcontext()
+
+
+def lora_rows(segment: nn.Module, groups: Sequence[tuple[int, Optional[Adapter]]]):
+    """Per-row adapters for a batch of decode rows (see :meth:`LoraRouter.per_rows`)."""
+    router = getattr(segment, "lora_router", None)
+    return router.per_rows(groups) if router is not None else nullcontext()
