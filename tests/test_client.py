@@ -167,7 +167,7 @@ def test_restart_between_forward_and_backward_redoes_the_forward(tmp_path):
     with srv:
         with client_of(srv, optimizer) as client:
             client.train_step(*BATCHES[0])
-            real_call = client.transport.call
+            real_call = client.transport.call_meta
             restarted = []
 
             def call(path, tensors, meta=None):
@@ -176,7 +176,7 @@ def test_restart_between_forward_and_backward_redoes_the_forward(tmp_path):
                     srv.restart()  # the pending forward is gone with the old process
                 return real_call(path, tensors, meta)
 
-            client.transport.call = call
+            client.transport.call_meta = call
             for ids, mask in BATCHES[1:3]:
                 client.train_step(ids, mask)
             assert restarted and client.step == 3

@@ -27,7 +27,7 @@ import torch
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
 from ..devices import resolve_device
-from ..errors import ConfigError, Conflict, NotYourTurn, ServiceUnavailable, StaleWeights
+from ..errors import ConfigError, Conflict, NotYourTurn, ServiceUnavailable, StaleWeights, TransportError
 from ..export import load_segments
 from ..generation import GenerationConfig, decode as decode_loop
 from ..loading import load_model
@@ -36,6 +36,7 @@ from ..segments import Segment, labels_from_batch, loss_from_logits
 from ..wire import check_wire_dtype, pack, unpack
 from . import lora as client_lora
 from .federation import FederationState, wait_while_busy
+from .recovery import Entry, Journal, Snapshot, load_snapshot, snapshot_of
 from .generation import RemoteDecoder
 from .transport import Transport, TransportConfig
 
@@ -59,12 +60,16 @@ class SplitClient:
     client_id: this data owner's name on the server (1-64 of ``[A-Za-z0-9_.-]``; default
     random). wait_timeout_s: the longest this client waits for a busy segment, a
     sequential turn or a splitfed round before raising ``ServiceUnavailable``.
+    reconnect_timeout_s: how long a training step waits for a crashed server to come back
+    before raising ``TransportError``; then the client replays the steps the server lost
+    (see :mod:`splitlearn.client.recovery` for what it keeps to do so).
     """
 
     def __init__(self, url: str, model, *, token: Optional[str] = None, optimizer: str = "adamw",
                  lr: float = 1e-3, weight_decay: float = 0.0, device: str = "auto",
                  wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
                  timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
+                 reconnect_timeout_s: float = 120.0,
                  lora=None):
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
@@ -86,7 +91,11 @@ class SplitClient:
         self.step = 0  # last training step applied on both sides
         self.wait_timeout_s = wait_timeout_s  # longest wait for a busy segment, a turn or a round
         self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s)
+        self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
         self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
+        self.journal = Journal(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
+        self.journal.start(self._snapshot)
+        self.recoveries: list[dict] = []  # one entry per recovery: the server's step, steps replayed
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -145,49 +154,70 @@ class SplitClient:
         Waits out a busy server (another client's U-shape step, a full splitfed round, a
         sequential turn held by someone else) and redoes the step when the server could not
         apply it as sent (stale client-side weights, a forward dropped after the lease
-        timeout): the step is applied exactly once, on the current weights.
+        timeout): the step is applied exactly once, on the current weights. If the server
+        crashed and restarted behind this client, waits for it (``reconnect_timeout_s``) and
+        replays the steps it lost (:mod:`.recovery`).
         """
         ids, mask = self._batch(input_ids, attention_mask)
+        return self._step(ids, mask, torch.get_rng_state())
+
+    def _step(self, ids, mask, rng: torch.Tensor) -> float:
         labels = labels_from_batch(ids, mask)
         deadline = time.monotonic() + self.wait_timeout_s
         while True:
-            self.federation.before_step()
             try:
-                loss = wait_while_busy(lambda: self._attempt(ids, mask, labels), "the segment",
-                                       max(deadline - time.monotonic(), 0.0))
+                self.federation.before_step()
+                loss, answers, durable = wait_while_busy(lambda: self._attempt(ids, mask, labels, rng),
+                                                         "the segment", max(deadline - time.monotonic(), 0.0))
                 break
             except (StaleWeights, NotYourTurn) as e:
                 log.info("step %d redone: %s", self.step + 1, e.message)
                 self.federation.stale()
             except _Redo as e:
                 log.warning("step %d redone: %s", self.step + 1, e)
+            except TransportError as e:
+                log.warning("server unreachable (%s); waiting up to %gs", e.message, self.reconnect_timeout_s)
+                self._reconnect()
+                self.recover()
+            except Conflict as e:  # out of order: the server restarted behind this client
+                if not self.journal.enabled:
+                    raise
+                log.warning("step %d refused (%s); recovering", self.step + 1, e.message)
+                self.recover()
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(f"step {self.step + 1} could not be applied within "
                                          f"{self.wait_timeout_s:g}s")
         self.optimizer.step()
         self.step += 1
         self.federation.samples += ids.shape[0]
+        self.journal.record(Entry(self.step, ids, mask, rng, answers))
+        if durable is not None:
+            self.journal.durable(durable, self.step, self._snapshot, self._roll)
         return loss
 
-    def _attempt(self, ids, mask, labels) -> float:
-        """Run the step once; on success only ``optimizer.step()`` is left to do."""
+    def _attempt(self, ids, mask, labels, rng: torch.Tensor):
+        """Run the step once -> (loss, the server's answers, its durable step); on success
+        only ``optimizer.step()`` is left to do."""
         meta = P.StepMeta(self.client_id, self.step + 1, self.wire_dtype, self.federation.version).to_meta()
         extra = {} if mask is None else {P.MASK: mask.cpu()}
+        torch.set_rng_state(rng)  # every attempt draws the same dropout masks
         for seg in self.segments:
             seg.train()
         self.optimizer.zero_grad(set_to_none=True)
         h = self.bottom(ids, mask)  # (B, T, d)
         if not self.u_shape:
-            out = self.transport.call(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
-                                                     P.LABELS: labels.cpu(), **extra}, meta)
-            loss = float(out[P.LOSS])
+            out, info = self.transport.call_meta(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
+                                                               P.LABELS: labels.cpu(), **extra}, meta)
+            loss, answers = float(out[P.LOSS]), {}
         else:
             out = self.transport.call(P.TRAIN_FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
-            h2 = self._local(unpack(out, P.HIDDEN)).requires_grad_()  # (B, T, d)
+            h2 = self._local(unpack(out, P.HIDDEN))  # (B, T, d)
+            answers = {P.HIDDEN: h2}
+            h2 = h2.clone().requires_grad_()
             loss_t = loss_from_logits(self.top(h2, mask), labels)
             loss_t.backward()
             try:
-                out = self.transport.call(P.TRAIN_BACKWARD, pack(P.GRAD, h2.grad, self.wire_dtype), meta)
+                out, info = self.transport.call_meta(P.TRAIN_BACKWARD, pack(P.GRAD, h2.grad, self.wire_dtype), meta)
             except (StaleWeights, NotYourTurn):
                 raise
             except Conflict as e:
@@ -195,8 +225,83 @@ class SplitClient:
                 # another client's step changed the weights): nothing was applied, redo it all.
                 raise _Redo(f"the server has no forward for it ({e.message})") from None
             loss = float(loss_t.detach())
-        h.backward(self._local(unpack(out, P.GRAD)))
-        return loss
+        answers[P.GRAD] = self._local(unpack(out, P.GRAD))  # (B, T, d)
+        h.backward(answers[P.GRAD])
+        return loss, answers, int(info["durable"]) if "durable" in info else None
+
+    # -- crash recovery (see .recovery) ----------------------------------------------------
+
+    def _snapshot(self) -> Snapshot:
+        return snapshot_of(self.step, self.segments, self.optimizer)
+
+    def _apply_local(self, e: Entry) -> None:
+        """Redo step ``e`` on this side with the server's stored answers (no request)."""
+        torch.set_rng_state(e.rng)
+        for seg in self.segments:
+            seg.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        h = self.bottom(e.ids, e.mask)  # (B, T, d)
+        if self.u_shape:
+            h2 = e.answers[P.HIDDEN].clone().requires_grad_()  # (B, T, d)
+            loss_from_logits(self.top(h2, e.mask), labels_from_batch(e.ids, e.mask)).backward()
+        h.backward(e.answers[P.GRAD])
+        self.optimizer.step()
+        self.step = e.step
+
+    def _roll(self, snap: Snapshot, entries: list) -> Snapshot:
+        """``snap`` moved forward through ``entries`` (the live state is left as it was)."""
+        live = self._snapshot()
+        load_snapshot(snap, self.segments, self.optimizer)
+        self.step = snap.step
+        for e in entries:
+            self._apply_local(e)
+        moved = self._snapshot()
+        load_snapshot(live, self.segments, self.optimizer)
+        self.step = live.step
+        return moved
+
+    def _reconnect(self) -> None:
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                self.transport.get_json(P.HEALTH)
+                return
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"the server at {self.transport.cfg.url} did not come back "
+                                         f"within {self.reconnect_timeout_s:g}s (reconnect_timeout_s)") from None
+                time.sleep(0.5)
+
+    def recover(self) -> int:
+        """Bring this client back in step with a server that restarted from its checkpoint:
+        return to the server's step using the journal, then replay the steps it lost.
+        Returns the number of steps replayed."""
+        server = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))["step"]
+        if server == self.step:  # the server's checkpoint holds every step: nothing to replay
+            self.recoveries.append({"server_step": server, "replayed": 0})
+            return 0
+        if server > self.step:
+            raise Conflict(f"the server has applied step {server} for client {self.client_id!r}, "
+                           f"ahead of this client's {self.step}: resume this client with load()")
+        if not self.journal.covers(server):
+            kept = self.journal.snapshot.step if self.journal.snapshot else None
+            raise Conflict(f"the server restarted at step {server} of client {self.client_id!r}, "
+                           f"before the oldest state this client keeps ({kept}); this client is at "
+                           f"{self.step}")
+        snap, entries = self.journal.snapshot, list(self.journal.entries)
+        load_snapshot(snap, self.segments, self.optimizer)
+        self.step = snap.step
+        for e in entries:
+            if e.step <= server:
+                self._apply_local(e)
+        self.journal.start(self._snapshot)
+        lost = [e for e in entries if e.step > server]
+        log.warning("server is at step %d of %d: replaying %d steps", server, entries[-1].step if entries else server,
+                    len(lost))
+        for e in lost:  # each sets the RNG state it started with: the same dropout masks
+            self._step(e.ids, e.mask, e.rng)
+        self.recoveries.append({"server_step": server, "replayed": len(lost)})
+        return len(lost)
 
     def sync(self) -> dict:
         """End of a turn (sequential) or round (splitfed): share the client-side weights.
@@ -207,12 +312,16 @@ class SplitClient:
         server's federation status (``GET /v1/federation``).
         """
         if self.lora is not None:  # LoRA: only the client-side adapters are shared (SplitLoRA)
-            return self.federation.sync(client_lora.client_adapter_tensors(self.segments))
-        weights = {}
-        for seg in self.segments:
-            for k, v in seg.hf_state_dict().items():
-                weights.setdefault(k, v.detach().cpu().contiguous())
-        return self.federation.sync(weights)
+            status = self.federation.sync(client_lora.client_adapter_tensors(self.segments))
+        else:
+            weights = {}
+            for seg in self.segments:
+                for k, v in seg.hf_state_dict().items():
+                    weights.setdefault(k, v.detach().cpu().contiguous())
+            status = self.federation.sync(weights)
+        if not self.federation.shared:
+            self.journal.start(self._snapshot)  # the server checkpoints at a sync and a round's end
+        return status
 
     @torch.no_grad()
     def evaluate(self, input_ids, attention_mask=None) -> float:
@@ -263,6 +372,7 @@ class SplitClient:
             raise Conflict(f"client checkpoint is at step {self.step} but the server has applied "
                            f"step {server_step} for client {self.client_id!r}: resume both sides "
                            f"from checkpoints of the same step")
+        self.journal.start(self._snapshot)
         return self.step
 
     def export_adapter(self, directory: Union[str, Path], base_model: Optional[str] = None) -> Path:

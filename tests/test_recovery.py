@@ -1,0 +1,123 @@
+"""kill -9 of the server at any moment: the client recovers by itself, bit-identical (float32 wire).
+
+Each test trains one run undisturbed and one with the server killed (SIGKILL) and restarted
+from its checkpoint directory, and compares every loss and every weight exactly.
+"""
+import threading
+import time
+
+import pytest
+import torch
+
+from splitlearn import protocol as P
+from splitlearn.client import SplitClient
+from splitlearn.errors import TransportError
+
+from serverproc import TOKEN, ServerProcess
+from test_client import LR
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+def batches(n=STEPS):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 256, (2, 10), generator=g), None) for _ in range(n)]
+
+
+def run(cuts, tmp, *, every=5, kill_after=None, kill_in_backward=False, reconnect_timeout_s=60.0):
+    """Train STEPS steps; kill -9 the server after step ``kill_after`` (or during the backward
+    of the next step); restart it 1 s later. Returns (losses, client weights, server weights)."""
+    srv = ServerProcess(cuts, optimizer="adamw", lr=LR["adamw"], checkpoint_dir=tmp,
+                        extra=["--checkpoint-every", str(every)])
+    with srv:
+        client = SplitClient(srv.url, "tiny", token=TOKEN, optimizer="adamw", lr=LR["adamw"], device="cpu",
+                             client_id="c", reconnect_timeout_s=reconnect_timeout_s)
+        losses = []
+
+        def crash():
+            srv.kill()
+            threading.Timer(1.0, srv.start).start()
+
+        if kill_in_backward:
+            real = client.transport.call_meta
+
+            def call(path, tensors, meta=None):
+                if path == P.TRAIN_BACKWARD and client.step == kill_after and not crashed:
+                    crashed.append(1)
+                    crash()
+                return real(path, tensors, meta)
+
+            crashed = []
+            client.transport.call_meta = call
+        for i, (ids, mask) in enumerate(batches()):
+            if i == kill_after and not kill_in_backward:
+                crash()
+            losses.append(client.train_step(ids, mask))
+        time.sleep(0.1)
+        weights = {k: v.clone() for s in client.segments for k, v in s.hf_state_dict().items()}
+        server = srv.weights()
+        client.close()
+    if kill_after is not None:
+        assert client.recoveries, "the client never had to recover: the test proves nothing"
+        lost = kill_after - (kill_after // every) * every
+        assert client.recoveries[0]["replayed"] == lost, client.recoveries
+    return losses, weights, server
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return {cuts: run(cuts, tmp_path_factory.mktemp("ref")) for cuts in [(1, 3), (2,)]}
+
+
+def assert_identical(a, b):
+    assert a[0] == b[0]  # every loss, bit for bit
+    for x, y in ((a[1], b[1]), (a[2], b[2])):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+@pytest.mark.parametrize("kill_after", [7, 10], ids=["between-checkpoints", "right-after-a-checkpoint"])
+def test_server_killed_between_steps(reference, tmp_path, cuts, kill_after):
+    assert_identical(run(cuts, tmp_path, kill_after=kill_after), reference[cuts])
+
+
+def test_server_killed_between_a_u_shape_forward_and_its_backward(reference, tmp_path):
+    assert_identical(run((1, 3), tmp_path, kill_after=8, kill_in_backward=True), reference[(1, 3)])
+
+
+def test_checkpoint_every_step_and_a_stale_partial_checkpoint(reference, tmp_path):
+    """A save killed half-way leaves a .tmp generation: the restarted server ignores it."""
+    (tmp_path / "server-99999999.tmp").mkdir(parents=True)
+    (tmp_path / "server-99999999.tmp" / "weights.safetensors").write_bytes(b"\x00" * 64)
+    assert_identical(run((1, 3), tmp_path, every=1, kill_after=5), reference[(1, 3)])
+
+
+def test_the_client_gives_up_after_the_reconnect_window(tmp_path):
+    srv = ServerProcess((1, 3), checkpoint_dir=tmp_path)
+    with srv:
+        client = SplitClient(srv.url, "tiny", token=TOKEN, device="cpu", reconnect_timeout_s=1.0, retries=0)
+        client.train_step(*batches()[0])
+        srv.kill()
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="did not come back within 1s"):
+            client.train_step(*batches()[1])
+        assert time.monotonic() - t0 < 30
+
+
+def test_a_corrupt_checkpoint_stops_the_server_naming_the_file(tmp_path):
+    srv = ServerProcess((1, 3), checkpoint_dir=tmp_path)
+    with srv:
+        with SplitClient(srv.url, "tiny", token=TOKEN, device="cpu") as c:
+            c.train_step(*batches()[0])
+    gen = sorted(tmp_path.glob("server-*"))[-1]
+    weights = gen / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "splitlearn.server", "--model", "tiny", "--cut", "1", "--cut", "3",
+                        "--checkpoint-dir", str(tmp_path), "--port", "9"], capture_output=True, text=True,
+                       timeout=120, env={"SPLITLEARN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and str(weights) in r.stderr and "corrupt" in r.stderr
