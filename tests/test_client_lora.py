@@ -67,7 +67,7 @@ def peft_reference(client_id: str, optimizer: str, batches, init_id=None):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels_from_batch(ids, mask))
         out.loss.backward()
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     return model, losses
 
 
@@ -229,3 +229,42 @@ def test_lora_and_plain_clients_and_servers_refuse_each_other_at_connect():
             SplitClient(srv.url, "tiny", token=TOKEN, device="cpu",
                         lora=LoraConfig(r=8, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
         assert requests.get(srv.url + P.INFO, headers=auth(), timeout=10).json()["lora"] == SPEC.to_dict()
+
+
+def test_splitfed_averages_both_sides_adapters_and_nothing_else(tmp_path):
+    """SplitLoRA: two members train copies of the round's adapter; the round averages the server
+    adapters and the client adapters by samples; the base never changes on either side."""
+    data = {"a": BATCHES[:2], "b": BATCHES[2:3]}  # 4 and 2 samples
+    with lora_server((1, 3), "sgd", tmp_path / "ckpt", extra=["--federation", "splitfed"]) as srv:
+        base_before = srv.weights()
+        clients = {n: lora_client(srv, n) for n in data}
+        client_base = {n: {k: v.clone() for s in c.segments for k, v in s.state_dict().items() if "lora_" not in k}
+                       for n, c in clients.items()}
+        errors = []
+
+        def member(n):
+            try:
+                for b in data[n]:
+                    clients[n].train_step(*b)
+                clients[n].sync()
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=member, args=(n,)) for n in data]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        refs = {n: get_peft_model_state_dict(peft_reference(n, "sgd", data[n], init_id="")[0]) for n in data}
+        want = {k: (refs["a"][k] * 4 + refs["b"][k] * 2) / 6 for k in refs["a"]}
+        for n, c in clients.items():
+            got = both_sides(c, srv)  # in splitfed the server side is the round's average
+            assert set(got) == set(want)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=0, msg=k)
+            assert same_weights(client_base[n], {k: v for s in c.segments for k, v in s.state_dict().items()
+                                                 if "lora_" not in k})
+        assert same_weights(base_before, srv.weights())
+        for c in clients.values():
+            c.close()
