@@ -156,7 +156,7 @@ def test_checkpoint_and_resume(tmp_path):
 
         # the server is now at step 4 for this client; the step-2 checkpoint no longer fits
         with client_of(srv, optimizer) as stale:
-            with pytest.raises(Conflict, match="step 2 but the server has applied step 4"):
+            with pytest.raises(Conflict, match=r"step 2 \(journal to step 2\) but the server has applied step 4"):
                 stale.load(tmp_path / "client")
 
 

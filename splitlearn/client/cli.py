@@ -58,11 +58,17 @@ def cmd_train(args) -> int:
     ids = tok.encode(load_corpus(args.data))
     if args.sync_every is not None and args.sync_every < 1:
         raise SplitLearnError(f"--sync-every must be >= 1, got {args.sync_every}")
+    if args.save_every is not None and (args.save_every < 1 or not args.save):
+        raise SplitLearnError("--save-every N needs N >= 1 and --save DIR")
+    save_dir = args.save or args.resume  # kept current: a killed client resumes from it exactly
     with SplitClient(args.server, args.model, token=_token(args), optimizer=args.optimizer, lr=args.lr,
                      device=args.device, wire_dtype=args.wire_dtype, seed=args.seed,
-                     client_id=args.client_id, wait_timeout_s=args.wait_timeout) as client:
+                     client_id=args.client_id, wait_timeout_s=args.wait_timeout,
+                     reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir) as client:
         start = client.load(args.resume) if args.resume else 0
-        batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed + start)
+        batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed)
+        for _ in range(start):  # the batch of step i depends on the seed and i only
+            next(batches)
         first = last = None
         t0 = time.perf_counter()
         bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train",
@@ -74,6 +80,8 @@ def cmd_train(args) -> int:
             last = loss
             if federated and args.sync_every and (i + 1 - start) % args.sync_every == 0:
                 client.sync()
+            if args.save_every and (i + 1) % args.save_every == 0:
+                client.save(args.save)
             s = client.stats
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{loss:.3f}",
@@ -178,8 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--seed", type=int, default=0, help="seed of the model init and of the batches")
-    tr.add_argument("--save", help="save the client's state here at the end (the server checkpoints too)")
-    tr.add_argument("--resume", help="resume from a --save directory")
+    tr.add_argument("--save", help="keep the client's state here: a snapshot at the server's checkpoints plus "
+                    "a log of every step since, so a killed client resumes exactly; saved at the end too")
+    tr.add_argument("--save-every", type=int, help="also save (and have the server checkpoint) every N steps")
+    tr.add_argument("--resume", help="resume from a --save directory (and keep saving there)")
+    tr.add_argument("--reconnect-timeout", type=float, default=120.0,
+                    help="seconds to wait for a restarting server before failing (default 120)")
     tr.add_argument("--client-id", help="this data owner's name on the server (default: random)")
     tr.add_argument("--sync-every", type=int, help="federation: share client-side weights every N steps "
                     "(sequential: end of a turn; splitfed: end of a round); always at the end")

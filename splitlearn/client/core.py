@@ -27,7 +27,8 @@ import torch
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
 from ..devices import resolve_device
-from ..errors import ConfigError, Conflict, NotYourTurn, ServiceUnavailable, StaleWeights, TransportError
+from ..errors import (ConfigError, Conflict, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights,
+                      TransportError)
 from ..export import load_segments
 from ..generation import GenerationConfig, decode as decode_loop
 from ..loading import load_model
@@ -36,7 +37,8 @@ from ..segments import Segment, labels_from_batch, loss_from_logits
 from ..wire import check_wire_dtype, pack, unpack
 from . import lora as client_lora
 from .federation import FederationState, wait_while_busy
-from .recovery import Entry, Journal, Snapshot, load_snapshot, snapshot_of
+from .recovery import (Entry, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
+                       write_entry)
 from .generation import RemoteDecoder
 from .transport import Transport, TransportConfig
 
@@ -69,7 +71,7 @@ class SplitClient:
                  lr: float = 1e-3, weight_decay: float = 0.0, device: str = "auto",
                  wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
                  timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
-                 reconnect_timeout_s: float = 120.0,
+                 reconnect_timeout_s: float = 120.0, journal_dir: Optional[Union[str, Path]] = None,
                  lora=None):
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
@@ -94,7 +96,10 @@ class SplitClient:
         self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
         self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
         self.journal = Journal(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
+        self.journal_dir = Path(journal_dir) if journal_dir is not None else None  # survives a client crash
         self.journal.start(self._snapshot)
+        if self.journal_dir is not None and not has_state(self.journal_dir, "client"):
+            self._persist()  # step 0: a resume without a later snapshot starts here
         self.recoveries: list[dict] = []  # one entry per recovery: the server's step, steps replayed
 
     # -- set-up ------------------------------------------------------------------------
@@ -190,9 +195,15 @@ class SplitClient:
         self.optimizer.step()
         self.step += 1
         self.federation.samples += ids.shape[0]
-        self.journal.record(Entry(self.step, ids, mask, rng, answers))
+        entry = Entry(self.step, ids, mask, rng, answers)
+        self.journal.record(entry)
+        if self.journal_dir is not None and self.journal.enabled:
+            write_entry(self.journal_dir, entry)
         if durable is not None:
+            moved = self.journal.snapshot.step if self.journal.snapshot else None
             self.journal.durable(durable, self.step, self._snapshot, self._roll)
+            if self.journal_dir is not None and durable == self.step and durable != moved:
+                self._persist()  # the live state is the new snapshot
         return loss
 
     def _attempt(self, ids, mask, labels, rng: torch.Tensor):
@@ -256,9 +267,17 @@ class SplitClient:
         for e in entries:
             self._apply_local(e)
         moved = self._snapshot()
+        if self.journal_dir is not None:
+            self._persist()  # the live segments hold the moved snapshot right now
         load_snapshot(live, self.segments, self.optimizer)
         self.step = live.step
         return moved
+
+    def _persist(self) -> None:
+        """Write the live state (which is the journal's snapshot) to ``journal_dir``."""
+        save_state(self.journal_dir, "client", self.segments, self.optimizer,
+                   {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
+        prune_entries(self.journal_dir, self.step)
 
     def _reconnect(self) -> None:
         deadline = time.monotonic() + self.reconnect_timeout_s
@@ -348,31 +367,59 @@ class SplitClient:
         """Save this side's segments, optimizer state, client id and step to ``directory``.
 
         Also asks the server to checkpoint now (if it has a checkpoint dir), so the two
-        sides' saved states belong to the same step.
+        sides' saved states belong to the same step; the journal then restarts from here.
         """
-        save_state(directory, "client", self.segments, self.optimizer,
-                   {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
+        durable = False
         if server_checkpoint:
             try:
-                self.transport.post_json(P.CHECKPOINT, {})
-            except Exception as e:  # a server without --checkpoint-dir
+                durable = self.transport.post_json(P.CHECKPOINT, {}).get("saved") is not None
+            except SplitLearnError as e:  # a server without --checkpoint-dir
                 log.warning("server did not checkpoint: %s", e)
+        save_state(directory, "client", self.segments, self.optimizer,
+                   {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
+        if durable:
+            self.journal.start(self._snapshot)
+            prune_entries(directory, self.step)
         return Path(directory)
 
     def load(self, directory: Union[str, Path]) -> int:
-        """Restore a :meth:`save`; check the server is at the same step; return the step."""
+        """Restore a :meth:`save` or a ``journal_dir``; catch up with the server; return the step.
+
+        A plain save must be at the server's step for this client. A journal directory may be
+        behind the server (the client crashed): the logged steps the server has applied are
+        re-applied here with its stored answers, the others are sent again. If the server is
+        one step past the log, train on with that step's batch: the server answers it from
+        its ledger without applying it twice.
+        """
         if not has_state(directory, "client"):
             raise ConfigError(f"no client checkpoint in {directory}")
         counters = load_state(directory, "client", self.segments, self.optimizer)
         if tuple(counters["cuts"]) != self.cuts:
             raise ConfigError(f"checkpoint was made with cuts {counters['cuts']}, server has {list(self.cuts)}")
         self.client_id, self.step = counters["client_id"], int(counters["step"])
-        server_step = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))["step"]
-        if server_step != self.step:
-            raise Conflict(f"client checkpoint is at step {self.step} but the server has applied "
-                           f"step {server_step} for client {self.client_id!r}: resume both sides "
-                           f"from checkpoints of the same step")
+        self.federation.client_id = self.client_id
+        entries = read_entries(directory, self.step, self.device)
+        state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
+        server = state["step"]
+        last = entries[-1].step if entries else self.step
+        if server < self.step or server > last + 1:
+            raise Conflict(f"client checkpoint is at step {self.step} (journal to step {last}) but the "
+                           f"server has applied step {server} for client {self.client_id!r}: resume both "
+                           f"sides from checkpoints of the same step")
+        durable = max(self.step, min(int(state.get("durable", server)), server))
+        for e in entries:
+            if e.step <= durable:
+                self._apply_local(e)
         self.journal.start(self._snapshot)
+        if self.journal_dir is not None and self.step > int(counters["step"]):
+            self._persist()
+        for e in entries:
+            if durable < e.step <= server:
+                self._apply_local(e)
+                self.journal.record(e)
+        for e in entries:
+            if e.step > server:  # logged, but the server lost them (it restarted as well)
+                self._step(e.ids, e.mask, e.rng)
         return self.step
 
     def export_adapter(self, directory: Union[str, Path], base_model: Optional[str] = None) -> Path:

@@ -22,15 +22,29 @@ the trunk's output and the gradient, two (B, T, d) tensors). The number of entri
 by the server's checkpoint interval (counted in all clients' steps), e.g. GPT-2 small, U-shape,
 batch 8 x 128, float32: 6.3 MB per step, 630 MB at the default interval of 100. A server
 without ``--checkpoint-dir`` cannot recover anything, and the journal stays empty.
+
+With a ``journal_dir`` the journal is also kept on disk (the snapshot as a checkpoint, each
+step appended to a write-ahead log), so a *client* killed at any moment resumes exactly with
+``load(journal_dir)``: it returns to the server's durable step, re-applies the logged steps
+the server has applied, and sends the ones it has not. If the client died after the server
+applied a step but before logging it, the server is one step ahead: training on with that
+step's batch gets the server's stored answer (a retry), so nothing is applied twice.
 """
 from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..errors import SegmentFileError
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +108,48 @@ def load_snapshot(snap: Snapshot, segments, optimizer: torch.optim.Optimizer) ->
                 v.copy_(weights[k])
     optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
     torch.set_rng_state(snap.rng)
+
+
+# -- on disk (``journal_dir``): the same journal, surviving a crash of the client -------------
+#
+#   DIR/client.latest, DIR/client-<gen>/   the snapshot (splitlearn.checkpoint layout)
+#   DIR/wal/<step>.safetensors              one entry per step since: ids, mask, rng, answers
+
+def write_entry(directory: Path, e: Entry) -> None:
+    """Append step ``e`` to the write-ahead log (fsynced, atomically named)."""
+    wal = Path(directory) / "wal"
+    wal.mkdir(parents=True, exist_ok=True)
+    tensors = {"ids": e.ids.cpu().contiguous(), "rng": e.rng.contiguous(),
+               **{f"answer.{k}": v.detach().cpu().contiguous() for k, v in e.answers.items()}}
+    if e.mask is not None:
+        tensors["mask"] = e.mask.cpu().contiguous()
+    tmp = wal / f"{e.step:010d}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(st_save(tensors))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, wal / f"{e.step:010d}.safetensors")
+
+
+def read_entries(directory: Path, after: int, device: torch.device) -> list[Entry]:
+    """The logged steps after ``after``, in order (a torn last write is ignored)."""
+    out = []
+    for path in sorted((Path(directory) / "wal").glob("*.safetensors")):
+        step = int(path.stem)
+        if step <= after:
+            continue
+        try:
+            t = st_load(path.read_bytes())
+        except (SafetensorError, ValueError, OSError) as err:
+            raise SegmentFileError(f"journal entry {path} is unreadable: {err}") from None
+        answers = {k.removeprefix("answer."): v.to(device) for k, v in t.items() if k.startswith("answer.")}
+        out.append(Entry(step, t["ids"].to(device), t["mask"].to(device) if "mask" in t else None,
+                         t["rng"], answers))
+    return out
+
+
+def prune_entries(directory: Path, upto: int) -> None:
+    """Drop logged steps up to ``upto`` (the snapshot holds them now)."""
+    for path in (Path(directory) / "wal").glob("*.safetensors"):
+        if int(path.stem) <= upto:
+            path.unlink(missing_ok=True)

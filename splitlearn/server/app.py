@@ -190,7 +190,8 @@ def create_app(config: Optional[ServerConfig] = None,
     def client_state(client_id: str):
         if not P.valid_client_id(client_id):
             raise BadRequest("client ids are 1-64 characters of [A-Za-z0-9_.-]")
-        return jsonify(client_id=client_id, step=rt.client_step(client_id))
+        return jsonify(client_id=client_id, step=rt.client_step(client_id),
+                       durable=rt.ledger.durable_step(client_id))
 
     @tensor_route(P.TRAIN_STEP, owner=True)
     def train_step(t: dict, meta: dict, owner: str) -> Answer:
