@@ -81,7 +81,7 @@ def cmd_train(args) -> int:
             if federated and args.sync_every and (i + 1 - start) % args.sync_every == 0:
                 client.sync()
             if args.save_every and (i + 1) % args.save_every == 0:
-                client.save(args.save)
+                client.save(save_dir)
             s = client.stats
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{loss:.3f}",
@@ -89,15 +89,15 @@ def cmd_train(args) -> int:
                             wire=_mb(s.bytes_sent + s.bytes_received))
         if federated and (not args.sync_every or (args.steps - start) % args.sync_every):
             client.sync()  # end of this client's turn / round
-        if args.save:
-            client.save(args.save)
+        if save_dir:
+            client.save(save_dir)
         s = client.stats
         done = args.steps - start
         summary = {
             "steps": done, "first_loss": first, "last_loss": last,
             "seconds": round(time.perf_counter() - t0, 2),
             "tokens_per_s": round(done * args.batch_size * args.seq_len / max(time.perf_counter() - t0, 1e-9), 1),
-            "stats": s.as_dict(), "saved": args.save,
+            "stats": s.as_dict(), "saved": save_dir,
         }
         print(f"trained {done} steps: loss {first:.4f} -> {last:.4f} in {summary['seconds']}s, "
               f"{summary['tokens_per_s']} tokens/s, {s.calls} calls, sent {_mb(s.bytes_sent)}, "

@@ -67,6 +67,7 @@ class Pending:
 class ClientRecord:
     step: int = 0  # last step applied
     answer: Optional[Answer] = None  # the answer to it, replayed to retries
+    forward: Optional[Answer] = None  # U-shape: its forward's answer, replayed to a retried forward
     pending: Optional[Pending] = None
 
 
@@ -97,6 +98,14 @@ class StepLedger:
             return rec.answer
         return None
 
+    def replay_forward(self, client_id: str, step: int) -> Optional[Answer]:
+        """U-shape: the forward answer of the client's last applied step, if ``step`` is it
+        (a client that lost the step's answers asks for both again)."""
+        rec = self.clients.get(client_id)
+        if rec is not None and step == rec.step and rec.forward is not None:
+            return rec.forward
+        return None
+
     def expect_next(self, client_id: str, step: int) -> None:
         """Raise 409 unless ``step`` is the client's next one."""
         last = self.last_step(client_id)
@@ -113,10 +122,11 @@ class StepLedger:
     def set_pending(self, client_id: str, pending: Optional[Pending]) -> None:
         self.record(client_id).pending = pending
 
-    def applied(self, client_id: str, step: int, answer: Answer) -> int:
-        """Record ``step`` of ``client_id`` as applied with ``answer``; total steps applied."""
+    def applied(self, client_id: str, step: int, answer: Answer, forward: Optional[Answer] = None) -> int:
+        """Record ``step`` of ``client_id`` as applied with ``answer`` (and, U-shape, its
+        forward's answer); total steps applied."""
         rec = self.record(client_id)
-        rec.step, rec.answer, rec.pending = step, answer, None
+        rec.step, rec.answer, rec.forward, rec.pending = step, answer, forward, None
         self.steps_applied += 1
         return self.steps_applied
 
@@ -127,13 +137,18 @@ class StepLedger:
                 # encoded here, not cached: the live answer still gets its "durable" field
                 "answers": {c: base64.b64encode(encode(r.answer.tensors, r.answer.meta)).decode()
                             for c, r in self.clients.items() if r.answer is not None},
+                "forward_answers": {c: base64.b64encode(encode(r.forward.tensors, r.forward.meta)).decode()
+                                    for c, r in self.clients.items() if r.forward is not None},
                 "steps_applied": self.steps_applied}
 
     @classmethod
     def from_counters(cls, counters: dict) -> "StepLedger":
-        answers = counters.get("answers", {})
-        clients = {c: ClientRecord(step=int(s), answer=Answer.decode(base64.b64decode(answers[c]))
-                                   if c in answers else None)
+        answers, forwards = counters.get("answers", {}), counters.get("forward_answers", {})
+
+        def answer(table: dict, c: str) -> Optional[Answer]:
+            return Answer.decode(base64.b64decode(table[c])) if c in table else None
+
+        clients = {c: ClientRecord(step=int(s), answer=answer(answers, c), forward=answer(forwards, c))
                    for c, s in counters.get("clients", {}).items()}
         led = cls(clients, int(counters.get("steps_applied", 0)))
         led.mark_durable()  # what was loaded is what the checkpoint holds

@@ -176,6 +176,9 @@ class SegmentRuntime:
             pending = self.ledger.pending(meta.client_id, meta.step)
             if pending is not None:
                 return pending.answer
+            replay = self.ledger.replay_forward(meta.client_id, meta.step)
+            if replay is not None:  # the step is applied; its backward will be replayed too
+                return replay
             self.ledger.expect_next(meta.client_id, meta.step)
             rep = self.federation.replica_for(meta.client_id, meta.fed_version)
             shared = rep is self.federation.base
@@ -223,7 +226,7 @@ class SegmentRuntime:
             finally:
                 self.lease.release(meta.client_id)
             answer = Answer(pack(P.GRAD, inputs.grad, meta.wire_dtype), meta.to_meta())
-            self._applied(meta, answer)
+            self._applied(meta, answer, forward=pend.answer)
             return answer
 
     def _optimizer_step(self, rep: Replica, input_grad: torch.Tensor) -> None:
@@ -246,9 +249,9 @@ class SegmentRuntime:
                         "its forward is dropped", client_id, self.cfg.lease_timeout_s)
             self.ledger.set_pending(client_id, None)
 
-    def _applied(self, meta: P.StepMeta, answer: Answer) -> None:
+    def _applied(self, meta: P.StepMeta, answer: Answer, forward: Optional[Answer] = None) -> None:
         """Record the step; checkpoint when due; tell the client which of its steps is durable."""
-        total = self.ledger.applied(meta.client_id, meta.step, answer)
+        total = self.ledger.applied(meta.client_id, meta.step, answer, forward)
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and every and total % every == 0:
             self.checkpoint()
