@@ -112,3 +112,17 @@ def test_token_file_is_read_as_the_server_reads_it(tmp_path, server, capsys, mon
     f.write_text(f"# the token of this client\n\n{server.token}\n")
     assert main(["info", "--server", server.url, "--token-file", str(f)]) == 0
     assert json.loads(capsys.readouterr().out)["cuts"] == [1, 3]
+
+
+def test_train_and_generate_with_a_defense(capsys, monkeypatch):
+    # its own server: training changes the weights other tests compare against
+    with LocalServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--device", "cpu"]) as srv:
+        monkeypatch.setenv("SPLITLEARN_TOKEN", srv.token)
+        assert main(["train", "--server", srv.url, "--model", "tiny", "--steps", "2", "--batch-size", "2",
+                     "--seq-len", "8", "--quiet", "--noise-sigma", "0.5", "--noise-clip", "1.0"]) == 0
+        assert main(["generate", "--server", srv.url, "--model", "tiny", "--prompt-ids", "1 2 3",
+                     "--max-new-tokens", "2", "--json", "--noise-sigma", "0.1"]) == 0
+        assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ids"][0]) == 5
+        assert main(["train", "--server", srv.url, "--model", "tiny", "--steps", "1", "--quiet",
+                     "--noise-sigma", "-1"]) == 2
+        assert "sigma" in capsys.readouterr().err

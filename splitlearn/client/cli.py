@@ -26,6 +26,18 @@ def _token(args) -> Optional[str]:
     return os.environ.get("SPLITLEARN_TOKEN")
 
 
+def _defense(args):
+    """The --noise-sigma/--noise-clip (GaussianNoise) or --nopeek (NoPeek) defense, or None."""
+    from ..privacy import GaussianNoise, NoPeek
+
+    sigma, nopeek = getattr(args, "noise_sigma", None), getattr(args, "nopeek", None)
+    if sigma is not None and nopeek is not None:
+        raise SplitLearnError("give either --noise-sigma or --nopeek, not both")
+    if sigma is not None:
+        return GaussianNoise(sigma=sigma, clip=args.noise_clip)
+    return NoPeek(weight=nopeek) if nopeek is not None else None
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f}MB"
 
@@ -64,7 +76,8 @@ def cmd_train(args) -> int:
     with SplitClient(args.server, args.model, token=_token(args), optimizer=args.optimizer, lr=args.lr,
                      device=args.device, wire_dtype=args.wire_dtype, seed=args.seed,
                      client_id=args.client_id, wait_timeout_s=args.wait_timeout,
-                     reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir) as client:
+                     reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir,
+                     defense=_defense(args)) as client:
         start = client.load(args.resume) if args.resume else 0
         batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed)
         for _ in range(start):  # the batch of step i depends on the seed and i only
@@ -119,7 +132,7 @@ def cmd_generate(args) -> int:
     ids = torch.tensor([prompt])
     sampling = not args.greedy and (args.temperature != 1.0 or args.top_k or args.top_p or args.seed is not None)
     with SplitClient(args.server, args.model, token=_token(args), device=args.device,
-                     wire_dtype=args.wire_dtype, seed=args.model_seed) as client:
+                     wire_dtype=args.wire_dtype, seed=args.model_seed, defense=_defense(args)) as client:
         t0 = time.perf_counter()
         new: list[int] = []
         printed = ""
@@ -149,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m splitlearn.client", allow_abbrev=False,
                                 description="splitlearn client: train or generate with a split GPT-2")
     sub = p.add_subparsers(dest="command", required=True)
+
+    def defense(sp, nopeek: bool):
+        sp.add_argument("--noise-sigma", type=float, help="defense: clip each activation token to "
+                        "--noise-clip, add Gaussian noise of std sigma*clip (docs/PRIVACY.md)")
+        sp.add_argument("--noise-clip", type=float, default=1.0, help="per-token L2 clip of --noise-sigma")
+        if nopeek:
+            sp.add_argument("--nopeek", type=float, help="defense: NoPeek distance-correlation loss weight")
 
     def common(sp, model=True):
         sp.allow_abbrev = False  # subparsers do not inherit it: `--mode` must not mean `--model`
@@ -199,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for a busy segment, a turn or a round before failing")
     tr.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    defense(tr, nopeek=True)
     tr.set_defaults(func=cmd_train)
 
     ge = sub.add_parser("generate", help="generate text, streaming it as it comes")
@@ -215,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--eos-token-id", type=int, help="stop at this token")
     ge.add_argument("--model-seed", type=int, default=0, help="seed of random model inits (match the server's)")
     ge.add_argument("--json", action="store_true", help='print {"ids", "text", "stats"} and nothing else on stdout')
+    defense(ge, nopeek=False)
     ge.set_defaults(func=cmd_generate)
     return p
 

@@ -62,6 +62,8 @@ class SplitClient:
     client_id: this data owner's name on the server (1-64 of ``[A-Za-z0-9_.-]``; default
     random). wait_timeout_s: the longest this client waits for a busy segment, a
     sequential turn or a splitfed round before raising ``ServiceUnavailable``.
+    defense: a :class:`splitlearn.privacy.Defense` (``GaussianNoise``, ``NoPeek``) applied to
+    every activation this client sends, in training, evaluation and generation.
     reconnect_timeout_s: how long a training step waits for a crashed server to come back
     before raising ``TransportError``; then the client replays the steps the server lost
     (see :mod:`splitlearn.client.recovery` for what it keeps to do so).
@@ -72,6 +74,7 @@ class SplitClient:
                  wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
                  timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
                  reconnect_timeout_s: float = 120.0, journal_dir: Optional[Union[str, Path]] = None,
+                 defense=None,
                  lora=None):
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
@@ -95,6 +98,7 @@ class SplitClient:
         self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s)
         self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
         self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
+        self.defense = defense  # splitlearn.privacy.Defense: applied to every activation sent
         self.journal = Journal(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
         self.journal_dir = Path(journal_dir) if journal_dir is not None else None  # survives a client crash
         self.journal.start(self._snapshot)
@@ -215,7 +219,8 @@ class SplitClient:
         for seg in self.segments:
             seg.train()
         self.optimizer.zero_grad(set_to_none=True)
-        h = self.bottom(ids, mask)  # (B, T, d)
+        h = self.bottom(ids, mask)  # (B, T, d), never leaves the client
+        h = self._defend(h, ids)  # (B, T, d), what is sent; the gradient flows back through it
         if not self.u_shape:
             out, info = self.transport.call_meta(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
                                                                P.LABELS: labels.cpu(), **extra}, meta)
@@ -237,8 +242,25 @@ class SplitClient:
                 raise _Redo(f"the server has no forward for it ({e.message})") from None
             loss = float(loss_t.detach())
         answers[P.GRAD] = self._local(unpack(out, P.GRAD))  # (B, T, d)
-        h.backward(answers[P.GRAD])
+        self._backward_bottom(h, answers[P.GRAD])
         return loss, answers, int(info["durable"]) if "durable" in info else None
+
+    def _defend(self, h: torch.Tensor, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The defense's version of ``h`` (B, T, d); keeps the defense's extra loss (NoPeek)
+        of a training step for :meth:`_backward_bottom`."""
+        self._defense_loss = None
+        if self.defense is None:
+            return h
+        if ids is not None and torch.is_grad_enabled():
+            self._defense_loss = self.defense.loss(self.bottom.wte(ids), h)  # inputs: token embeddings
+        return self.defense.apply(h)
+
+    def _backward_bottom(self, sent: torch.Tensor, grad: torch.Tensor) -> None:
+        """Backpropagate the server's gradient of what was sent (and any defense loss)."""
+        if self._defense_loss is None:
+            sent.backward(grad)
+        else:
+            torch.autograd.backward([sent, self._defense_loss], [grad, torch.ones_like(self._defense_loss)])
 
     # -- crash recovery (see .recovery) ----------------------------------------------------
 
@@ -251,11 +273,11 @@ class SplitClient:
         for seg in self.segments:
             seg.train()
         self.optimizer.zero_grad(set_to_none=True)
-        h = self.bottom(e.ids, e.mask)  # (B, T, d)
+        h = self._defend(self.bottom(e.ids, e.mask), e.ids)  # (B, T, d): the same noise as sent
         if self.u_shape:
             h2 = e.answers[P.HIDDEN].clone().requires_grad_()  # (B, T, d)
             loss_from_logits(self.top(h2, e.mask), labels_from_batch(e.ids, e.mask)).backward()
-        h.backward(e.answers[P.GRAD])
+        self._backward_bottom(h, e.answers[P.GRAD])
         self.optimizer.step()
         self.step = e.step
 
@@ -350,7 +372,7 @@ class SplitClient:
         for seg in self.segments:
             seg.eval()
         extra = {} if mask is None else {P.MASK: mask.cpu()}
-        h = self.bottom(ids, mask)
+        h = self._defend(self.bottom(ids, mask))  # (B, T, d), as sent
         meta = {"wire_dtype": self.wire_dtype}
         if self.lora is not None:  # the server evaluates with this client's adapter
             meta["client_id"] = self.client_id
@@ -453,7 +475,8 @@ class SplitClient:
             raise ConfigError(f"prompt of {ids.shape[1]} tokens + max_new_tokens={cfg.max_new_tokens} "
                               f"passes the model's n_positions={n_pos}")
         remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
-                               client_id=self.client_id if self.lora is not None else None)
+                               client_id=self.client_id if self.lora is not None else None,
+                               defend=self._defend)
         try:
             yield from remote.decode(ids, mask, cfg)
         finally:

@@ -92,7 +92,7 @@ class _Group:
     @torch.no_grad()
     def begin(self, new_ids: torch.Tensor, mask: torch.Tensor) -> None:
         """Run the bottom on ``new_ids`` (B, T) and send its output; ``mask`` (B, L) is the whole sequence's."""
-        h = self.dec.segments[0](new_ids, mask, self.caches[0])  # (B, T, d)
+        h = self.dec.defend(self.dec.segments[0](new_ids, mask, self.caches[0]))  # (B, T, d), as sent
         self.history.append(h)
         position, self.length = self.length, self.length + h.shape[1]
         try:
@@ -142,8 +142,10 @@ class RemoteDecoder:
 
     def __init__(self, transport: Transport, segments: Sequence[Segment], rows: int, wire_dtype: str,
                  to_local: Callable[[torch.Tensor], torch.Tensor], pipeline: Optional[bool] = None,
-                 client_id: Optional[str] = None):
+                 client_id: Optional[str] = None,
+                 defend: Callable[[torch.Tensor], torch.Tensor] = lambda h: h):
         self.transport = transport
+        self.defend = defend  # the client's defense on what leaves it (splitlearn.privacy)
         self.segments = list(segments)
         for seg in self.segments:
             seg.eval()  # once: Module.eval walks every submodule (~0.1 ms per step otherwise)

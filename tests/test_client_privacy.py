@@ -1,0 +1,93 @@
+"""Defenses on a real client and server: what leaves the client is the defended activation."""
+import pytest
+import torch
+
+from splitlearn import protocol as P
+from splitlearn.client import SplitClient
+from splitlearn.privacy import GaussianNoise, NoPeek
+from splitlearn.wire import decode
+
+from serverproc import TOKEN, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess((1, 3), optimizer="sgd", lr=0.1) as srv:
+        yield srv
+
+
+def sent_hidden(client):
+    """Record every activation tensor in the bodies this client puts on the wire."""
+    seen = []
+    real = client.transport.start
+
+    def start(path, body, lane=0):
+        tensors, _ = decode(body)
+        if P.HIDDEN in tensors:
+            seen.append((path, tensors[P.HIDDEN].clone()))
+        return real(path, body, lane)
+
+    client.transport.start = start
+    return seen
+
+
+def test_the_server_receives_clipped_noised_activations_never_the_clean_ones(server):
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    sigma, clip = 0.5, 0.1
+    with SplitClient(server.url, "tiny", token=TOKEN, optimizer="sgd", lr=0.1, device="cpu",
+                     defense=GaussianNoise(sigma=sigma, clip=clip)) as c:
+        seen = sent_hidden(c)
+        with torch.no_grad():
+            clean = c.bottom(ids)  # (B, T, d): what an undefended client would send
+        c.train_step(ids)
+        c.evaluate(ids)
+        c.generate(ids[:1, :8], max_new_tokens=3)
+    paths = [p for p, _ in seen]
+    assert P.TRAIN_FORWARD in paths and P.FORWARD in paths and any("/sessions/" in p for p in paths)
+    for path, h in seen[:2]:  # training and evaluation carry the whole batch
+        assert not torch.allclose(h, clean, atol=1e-3)
+        noise = h - GaussianNoise(sigma=sigma, clip=clip).clip_tokens(clean)
+        if path == P.FORWARD:  # evaluation after one SGD step: the bottom moved a little
+            continue
+        assert noise.std().item() == pytest.approx(sigma * clip, rel=0.15)  # N(0, (sigma*clip)^2)
+    # the clean activations never appear on the wire: every sent vector is far from its clean one
+    h = seen[0][1]
+    assert ((h - clean).norm(dim=-1) > 0.05).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+def test_nopeek_adds_its_loss_to_the_bottom_and_sends_the_activation_unchanged(server, weight):
+    """The bottom's update is the server gradient's plus, with weight > 0, the dCor term's."""
+    import copy
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with SplitClient(server.url, "tiny", token=TOKEN, optimizer="sgd", lr=0.1, device="cpu",
+                     defense=NoPeek(weight=weight)) as c:
+        seen = sent_hidden(c)
+        grads = []
+        real = c.transport.call_meta
+
+        def call_meta(path, tensors, meta=None):
+            out, info = real(path, tensors, meta)
+            if P.GRAD in out:
+                grads.append(out[P.GRAD].clone())
+            return out, info
+
+        c.transport.call_meta = call_meta
+        bottom0 = copy.deepcopy(c.bottom)
+        with torch.no_grad():
+            clean = c.bottom(ids)
+        c.train_step(ids)
+        assert torch.allclose(seen[0][1], clean, atol=1e-6)  # NoPeek changes the loss, not what is sent
+        # the same step by hand: server gradient only, then + weight * dCor
+        h = bottom0(ids)
+        loss = (h * grads[0]).sum() + NoPeek(weight=weight).loss(bottom0.wte(ids), h)
+        loss.backward()
+        expected = {k: p - 0.1 * p.grad for k, p in bottom0.named_parameters() if p.grad is not None}
+        actual = dict(c.bottom.named_parameters())
+        for k, v in expected.items():
+            if k == "wte.weight":  # tied to the top's lm_head: its gradient has a top part too
+                continue
+            assert torch.allclose(actual[k], v, atol=1e-6), k
