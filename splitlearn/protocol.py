@@ -58,6 +58,8 @@ FEDERATION_WEIGHTS = "/v1/federation/weights"
 CLIENT_ADAPTER = "/v1/clients/{client_id}/adapter"
 
 # tensor names in bodies
+MAX_MICROS = 64  # micro-batches per training step
+
 HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: `$` would accept a trailing "\n"
@@ -84,11 +86,16 @@ class StepMeta:
     step: int  # 1, 2, 3... per client; a retry repeats the number
     wire_dtype: str = "float32"  # dtype of the tensors in the answer
     fed_version: Optional[int] = None  # version of the shared client-side weights the client holds
+    micro: int = 0  # which micro-batch of the step this request carries (0-based)
+    micros: int = 1  # micro-batches in the step; the server steps its optimizer after the last
+    loss_scale: float = 1.0  # 2-way: this micro-batch's share of the step's loss (its target tokens / all)
 
     def to_meta(self) -> dict[str, str]:
         meta = {"client_id": self.client_id, "step": str(self.step), "wire_dtype": self.wire_dtype}
         if self.fed_version is not None:
             meta["fed_version"] = str(self.fed_version)
+        if self.micros != 1:
+            meta.update(micro=str(self.micro), micros=str(self.micros), loss_scale=repr(self.loss_scale))
         return meta
 
     @classmethod
@@ -97,8 +104,18 @@ class StepMeta:
         if not _CLIENT_ID.fullmatch(client_id):
             raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
         version = _int_field(meta, "fed_version", 0) if "fed_version" in meta else None
-        return cls(client_id, _int_field(meta, "step", 1),
-                   check_wire_dtype(meta.get("wire_dtype", "float32")), version)
+        micros = _int_field(meta, "micros", 1) if "micros" in meta else 1
+        micro = _int_field(meta, "micro", 0) if "micro" in meta else 0
+        if micros > MAX_MICROS or micro >= micros:
+            raise BadRequest(f"micro-batch {micro} of {micros}: need 0 <= micro < micros <= {MAX_MICROS}")
+        try:
+            scale = float(meta.get("loss_scale", "1"))
+        except ValueError:
+            raise BadRequest(f"metadata field 'loss_scale' must be a number, got {meta['loss_scale']!r}") from None
+        if not 0.0 < scale <= 1.0:
+            raise BadRequest(f"metadata field 'loss_scale' must be in (0, 1], got {scale}")
+        return cls(client_id, _int_field(meta, "step", 1), check_wire_dtype(meta.get("wire_dtype", "float32")),
+                   version, micro, micros, scale)
 
 
 @dataclass(frozen=True)

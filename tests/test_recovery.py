@@ -33,7 +33,7 @@ def run(cuts, tmp, *, every=5, kill_after=None, kill_in_backward=False, reconnec
                         extra=["--checkpoint-every", str(every)])
     with srv:
         client = SplitClient(srv.url, "tiny", token=TOKEN, optimizer="adamw", lr=LR["adamw"], device="cpu",
-                             client_id="c", reconnect_timeout_s=reconnect_timeout_s)
+                             client_id="c", reconnect_timeout_s=reconnect_timeout_s, retries=1)
         losses = []
 
         def crash():

@@ -57,6 +57,7 @@ class TransportConfig:
     read_timeout_s: float = 300.0  # seconds to wait for an answer
     retries: int = 6  # extra attempts after a connection failure
     backoff_s: float = 0.1  # first wait between attempts; doubles each time (0.1 .. 3.2 s)
+    max_backoff_s: float = 5.0  # the longest wait between two attempts
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
@@ -197,7 +198,7 @@ class Transport:
 
     def _backoff(self, attempt: int, method: str, path: str, e: Exception) -> None:
         self.stats.retries += 1
-        wait = self.cfg.backoff_s * (2 ** attempt)
+        wait = min(self.cfg.backoff_s * (2 ** attempt), self.cfg.max_backoff_s)
         log.warning("%s %s failed (%s); retrying in %.1fs", method, path, type(e).__name__, wait)
         time.sleep(wait)
 

@@ -53,21 +53,27 @@ class Answer:
         return cls(tensors, meta, body)
 
 
+def _b64(a: Answer) -> str:
+    # encoded here, not cached: the live answer may still get its "durable" field
+    return base64.b64encode(encode(a.tensors, a.meta)).decode()
+
+
 @dataclass
 class Pending:
     """A U-shape forward waiting for its backward."""
 
     step: int
-    state: Any  # what the backward needs (the runtime's graph: inputs and outputs)
-    answer: Answer  # the forward's answer, replayed to a retried forward
-    since: float = 0.0  # time.monotonic() of the forward
+    state: Any  # what the rest of the step needs (the runtime's graphs, the pieces' answers)
+    answer: Optional[Answer] = None  # unused by micro-batched steps (their state keeps answers)
+    since: float = 0.0  # time.monotonic() of the step's first request
 
 
 @dataclass
 class ClientRecord:
     step: int = 0  # last step applied
-    answer: Optional[Answer] = None  # the answer to it, replayed to retries
-    forward: Optional[Answer] = None  # U-shape: its forward's answer, replayed to a retried forward
+    answer: Optional[Answer] = None  # the answer to it (its last piece), replayed to retries
+    pieces: dict[int, Answer] = field(default_factory=dict)  # micro-batch -> answer, when several
+    forwards: dict[int, Answer] = field(default_factory=dict)  # U-shape: micro-batch -> forward answer
     pending: Optional[Pending] = None
 
 
@@ -91,19 +97,19 @@ class StepLedger:
         rec = self.clients.get(client_id)
         return rec.step if rec else 0
 
-    def replay(self, client_id: str, step: int) -> Optional[Answer]:
+    def replay(self, client_id: str, step: int, micro: int = 0) -> Optional[Answer]:
         """The stored answer if ``step`` was the client's last applied step (a retry), else None."""
         rec = self.clients.get(client_id)
-        if rec is not None and step == rec.step and rec.answer is not None:
-            return rec.answer
-        return None
+        if rec is None or step != rec.step or rec.answer is None:
+            return None
+        return rec.pieces.get(micro, rec.answer) if rec.pieces else rec.answer
 
-    def replay_forward(self, client_id: str, step: int) -> Optional[Answer]:
+    def replay_forward(self, client_id: str, step: int, micro: int = 0) -> Optional[Answer]:
         """U-shape: the forward answer of the client's last applied step, if ``step`` is it
         (a client that lost the step's answers asks for both again)."""
         rec = self.clients.get(client_id)
-        if rec is not None and step == rec.step and rec.forward is not None:
-            return rec.forward
+        if rec is not None and step == rec.step:
+            return rec.forwards.get(micro)
         return None
 
     def expect_next(self, client_id: str, step: int) -> None:
@@ -122,11 +128,15 @@ class StepLedger:
     def set_pending(self, client_id: str, pending: Optional[Pending]) -> None:
         self.record(client_id).pending = pending
 
-    def applied(self, client_id: str, step: int, answer: Answer, forward: Optional[Answer] = None) -> int:
-        """Record ``step`` of ``client_id`` as applied with ``answer`` (and, U-shape, its
-        forward's answer); total steps applied."""
+    def applied(self, client_id: str, step: int, answer: Answer, pieces: Optional[dict[int, Answer]] = None,
+                forwards: Optional[dict[int, Answer]] = None) -> int:
+        """Record ``step`` of ``client_id`` as applied with ``answer`` (its last piece's), the
+        answers of all its pieces if it had several, and (U-shape) its forwards' answers;
+        returns the total of steps applied."""
         rec = self.record(client_id)
-        rec.step, rec.answer, rec.forward, rec.pending = step, answer, forward, None
+        rec.step, rec.answer, rec.pending = step, answer, None
+        rec.pieces = dict(pieces) if pieces and len(pieces) > 1 else {}
+        rec.forwards = dict(forwards or {})
         self.steps_applied += 1
         return self.steps_applied
 
@@ -137,18 +147,23 @@ class StepLedger:
                 # encoded here, not cached: the live answer still gets its "durable" field
                 "answers": {c: base64.b64encode(encode(r.answer.tensors, r.answer.meta)).decode()
                             for c, r in self.clients.items() if r.answer is not None},
-                "forward_answers": {c: base64.b64encode(encode(r.forward.tensors, r.forward.meta)).decode()
-                                    for c, r in self.clients.items() if r.forward is not None},
+                "pieces": {c: {str(i): _b64(a) for i, a in r.pieces.items()}
+                           for c, r in self.clients.items() if r.pieces},
+                "forward_answers": {c: {str(i): _b64(a) for i, a in r.forwards.items()}
+                                    for c, r in self.clients.items() if r.forwards},
                 "steps_applied": self.steps_applied}
 
     @classmethod
     def from_counters(cls, counters: dict) -> "StepLedger":
-        answers, forwards = counters.get("answers", {}), counters.get("forward_answers", {})
+        answers = counters.get("answers", {})
+        pieces, forwards = counters.get("pieces", {}), counters.get("forward_answers", {})
 
-        def answer(table: dict, c: str) -> Optional[Answer]:
-            return Answer.decode(base64.b64decode(table[c])) if c in table else None
+        def decoded(table: dict) -> dict[int, Answer]:
+            return {int(i): Answer.decode(base64.b64decode(b)) for i, b in table.items()}
 
-        clients = {c: ClientRecord(step=int(s), answer=answer(answers, c), forward=answer(forwards, c))
+        clients = {c: ClientRecord(step=int(s), answer=Answer.decode(base64.b64decode(answers[c]))
+                                   if c in answers else None,
+                                   pieces=decoded(pieces.get(c, {})), forwards=decoded(forwards.get(c, {})))
                    for c, s in counters.get("clients", {}).items()}
         led = cls(clients, int(counters.get("steps_applied", 0)))
         led.mark_durable()  # what was loaded is what the checkpoint holds

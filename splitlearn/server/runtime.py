@@ -31,14 +31,15 @@ from ..partition import partition
 from ..segments import Segment, loss_from_logits
 from ..wire import WIRE_DTYPE_NAMES, pack
 from .batching import DecodeBatcher, DecodeItem
-from . import guard, validate
+from . import validate
 from .compute import ComputeThread
 from .config import ServerConfig
 from ..lora import lora_scope
 from .adapters import attach as attach_lora, client_adapter_shapes
 from .federation import Federation, Replica
 from .lease import StepLease
-from .ledger import Answer, Pending, StepLedger
+from .ledger import Answer, StepLedger
+from .training import Training
 from .sessions import Session, SessionStore
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class SegmentRuntime:
         self.lock = threading.RLock()
         self.ledger = StepLedger()
         self._client_shapes: Optional[dict] = None
+        self.training = Training(self)
         self.lease = StepLease(cfg.lease_timeout_s, on_expire=self._drop_pending)
         self.federation = Federation(cfg.federation, Replica(self.segment, self.optimizer),
                                      self._make_optimizer, cfg.clients_per_round, cfg.round_timeout_s)
@@ -127,6 +129,7 @@ class SegmentRuntime:
             "wire_dtypes": list(WIRE_DTYPE_NAMES),
             "optimizer": {"name": c.optimizer, "lr": c.lr, "weight_decay": c.weight_decay},
             "checkpoint": {"enabled": bool(c.checkpoint_dir), "every": c.checkpoint_every},
+            "steps_applied": self.steps_applied,
             "federation": c.federation,
             "limits": {"max_body_bytes": c.max_body_bytes, "max_batch": c.max_batch,
                        "n_positions": self.config.n_positions, "max_sessions": c.max_sessions,
@@ -140,32 +143,17 @@ class SegmentRuntime:
 
     # -- training ----------------------------------------------------------------------
 
-    def _to_model(self, x: torch.Tensor) -> torch.Tensor:
+    def to_model(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(device=self.device, dtype=self.dtype, non_blocking=True)
 
     def train_step(self, meta: P.StepMeta, hidden: torch.Tensor, labels: torch.Tensor,
                    mask: Optional[torch.Tensor]) -> Answer:
-        """2-way: loss of the top on ``hidden``; optimizer step; answer loss + grad of input."""
+        """2-way: loss of the top on ``hidden``; answer loss + grad of input (see :mod:`.training`)."""
         if self.u_shape:
             raise BadRequest(f"{P.TRAIN_STEP} is for 2-way servers; this one holds the trunk "
                              f"(use {P.TRAIN_FORWARD} and {P.TRAIN_BACKWARD})")
         with self.lock:
-            replay = self.ledger.replay(meta.client_id, meta.step)
-            if replay is not None:
-                return replay
-            self.ledger.expect_next(meta.client_id, meta.step)
-            rep = self.federation.replica_for(meta.client_id, meta.fed_version)
-            rep.segment.train()
-            h = self._to_model(hidden).requires_grad_()  # (B, T, d)
-            loss = loss_from_logits(rep.segment(h, mask), labels)  # logits (B, T, V)
-            guard.finite("loss", loss)
-            rep.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self._optimizer_step(rep, h.grad)
-            answer = Answer({**pack(P.GRAD, h.grad, meta.wire_dtype),
-                             P.LOSS: loss.detach().float().reshape(1).cpu()}, meta.to_meta())
-            self._applied(meta, answer)
-            return answer
+            return self.training.step(meta, hidden, labels, mask)
 
     def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> Answer:
         """U-shape: trunk output for ``hidden``; the graph waits for the backward (see :mod:`.lease`)."""
@@ -173,85 +161,27 @@ class SegmentRuntime:
             raise BadRequest(f"{P.TRAIN_FORWARD} is for U-shape servers; this one holds the top "
                              f"(use {P.TRAIN_STEP})")
         with self.lock:
-            pending = self.ledger.pending(meta.client_id, meta.step)
-            if pending is not None:
-                return pending.answer
-            replay = self.ledger.replay_forward(meta.client_id, meta.step)
-            if replay is not None:  # the step is applied; its backward will be replayed too
-                return replay
-            self.ledger.expect_next(meta.client_id, meta.step)
-            rep = self.federation.replica_for(meta.client_id, meta.fed_version)
-            shared = rep is self.federation.base
-            if shared:
-                self.lease.acquire(meta.client_id, meta.step)
-            try:
-                rep.segment.train()
-                h = self._to_model(hidden).requires_grad_()  # (B, T, d)
-                out = rep.segment(h, mask)  # (B, T, d)
-                guard.finite("the trunk's output for these activations", out)
-            except Exception:
-                if shared:
-                    self.lease.release(meta.client_id)
-                raise
-            answer = Answer(pack(P.HIDDEN, out, meta.wire_dtype), meta.to_meta())
-            self.ledger.set_pending(meta.client_id, Pending(meta.step, (rep, h, out), answer, time.monotonic()))
-            return answer
+            return self.training.forward(meta, hidden, mask)
 
     def train_backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
-        """U-shape: backpropagate ``grad`` of the trunk output; optimizer step; grad of input.
-
-        Applied or refused, the step gives the lease back; refused, its forward is dropped
-        (the client sends the forward again).
-        """
+        """U-shape: backpropagate ``grad`` of the trunk output; grad of input. Applied or
+        refused, a step's last piece gives the lease back; refused, the step is dropped."""
         with self.lock:
-            replay = self.ledger.replay(meta.client_id, meta.step)
-            if replay is not None:
-                return replay
-            pend = self.ledger.pending(meta.client_id, meta.step)
-            if pend is None:
-                raise Conflict(f"no forward pending for step {meta.step} of client "
-                               f"{meta.client_id!r} (never sent, or dropped after "
-                               f"{self.cfg.lease_timeout_s:g}s): send {P.TRAIN_FORWARD} first")
-            rep, inputs, outputs = pend.state  # (B, T, d) each
-            if grad.shape != outputs.shape:
-                raise BadRequest(f"grad has shape {list(grad.shape)}, the forward of step "
-                                 f"{meta.step} produced {list(outputs.shape)}")
-            try:
-                rep.optimizer.zero_grad(set_to_none=True)
-                outputs.backward(self._to_model(grad))
-                self._optimizer_step(rep, inputs.grad)
-            except Exception:
-                self.ledger.set_pending(meta.client_id, None)
-                raise
-            finally:
-                self.lease.release(meta.client_id)
-            answer = Answer(pack(P.GRAD, inputs.grad, meta.wire_dtype), meta.to_meta())
-            self._applied(meta, answer, forward=pend.answer)
-            return answer
-
-    def _optimizer_step(self, rep: Replica, input_grad: torch.Tensor) -> None:
-        """Step ``rep``'s optimizer unless the step is poisoned (see :mod:`.guard`): then
-        refuse with 400 and leave weights and optimizer state untouched."""
-        params = [p for p in rep.segment.parameters() if p.grad is not None]
-        try:
-            guard.finite("the gradient sent back to the client", input_grad)
-            norm = guard.grad_norm(params)
-        except Exception:
-            rep.optimizer.zero_grad(set_to_none=True)
-            raise
-        if self.cfg.max_grad_norm is not None and norm > self.cfg.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-        rep.optimizer.step()
+            return self.training.backward(meta, grad)
 
     def _drop_pending(self, client_id: str) -> None:  # the lease of a vanished client expired
         with self.lock:
-            log.warning("client %s held the segment for over %gs between forward and backward: "
-                        "its forward is dropped", client_id, self.cfg.lease_timeout_s)
+            log.warning("client %s held the segment for over %gs in one step: its step is dropped",
+                        client_id, self.cfg.lease_timeout_s)
+            pend = self.ledger.pending(client_id)
+            if pend is not None:
+                pend.state.rep.optimizer.zero_grad(set_to_none=True)
             self.ledger.set_pending(client_id, None)
 
-    def _applied(self, meta: P.StepMeta, answer: Answer, forward: Optional[Answer] = None) -> None:
+    def applied(self, meta: P.StepMeta, answer: Answer, pieces: Optional[dict] = None,
+                forwards: Optional[dict] = None) -> None:
         """Record the step; checkpoint when due; tell the client which of its steps is durable."""
-        total = self.ledger.applied(meta.client_id, meta.step, answer, forward)
+        total = self.ledger.applied(meta.client_id, meta.step, answer, pieces, forwards)
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and every and total % every == 0:
             self.checkpoint()
@@ -288,7 +218,7 @@ class SegmentRuntime:
         """No-grad forward for evaluation: trunk output, or (top) the loss if labels are given."""
         with self.lock:
             self.segment.eval()
-            out = self.segment(self._to_model(hidden), mask)
+            out = self.segment(self.to_model(hidden), mask)
         if self.u_shape:
             return Answer(pack(P.HIDDEN, out, wire_dtype))
         tensors = pack(P.LOGITS, out[:, -1, :], wire_dtype)  # (B, V): the next-token logits
@@ -325,7 +255,7 @@ class SegmentRuntime:
                 return Answer(pack(P.LOGITS, out[:, -1, :], wire_dtype))  # (B, V)
             return Answer(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)
 
-        h = self._to_model(hidden)
+        h = self.to_model(hidden)
         adapter = self.adapters.adapter_for(sess.client_id, self.cfg.federation) if self.adapters else None
         if T == 1:
             return self.batcher.enqueue(DecodeItem(sess.cache, h, prepare, finish, adapter=adapter))
