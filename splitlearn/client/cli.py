@@ -77,7 +77,7 @@ def cmd_train(args) -> int:
                      device=args.device, wire_dtype=args.wire_dtype, seed=args.seed,
                      client_id=args.client_id, wait_timeout_s=args.wait_timeout,
                      reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir,
-                     defense=_defense(args)) as client:
+                     defense=_defense(args), micro_batches=args.micro_batches) as client:
         start = client.load(args.resume) if args.resume else 0
         batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed)
         for _ in range(start):  # the batch of step i depends on the seed and i only
@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--reconnect-timeout", type=float, default=120.0,
                     help="seconds to wait for a restarting server before failing (default 120)")
     tr.add_argument("--client-id", help="this data owner's name on the server (default: random)")
+    tr.add_argument("--micro-batches", type=int, default=1, help="split each batch into M micro-batches "
+                    "and pipeline them, so client and server compute at the same time (GPipe)")
     tr.add_argument("--sync-every", type=int, help="federation: share client-side weights every N steps "
                     "(sequential: end of a turn; splitfed: end of a round); always at the end")
     tr.add_argument("--wait-timeout", type=float, default=600.0,

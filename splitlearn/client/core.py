@@ -37,16 +37,13 @@ from ..segments import Segment, labels_from_batch, loss_from_logits
 from ..wire import check_wire_dtype, pack, unpack
 from . import lora as client_lora
 from .federation import FederationState, wait_while_busy
-from .recovery import (Entry, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
+from .pipeline import pipelined_attempt, token_shares
+from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
                        write_entry)
 from .generation import RemoteDecoder
 from .transport import Transport, TransportConfig
 
 log = logging.getLogger(__name__)
-
-
-class _Redo(Exception):
-    """A step the server did not apply and that must be run again from the start."""
 
 
 class SplitClient:
@@ -64,6 +61,8 @@ class SplitClient:
     sequential turn or a splitfed round before raising ``ServiceUnavailable``.
     defense: a :class:`splitlearn.privacy.Defense` (``GaussianNoise``, ``NoPeek``) applied to
     every activation this client sends, in training, evaluation and generation.
+    micro_batches: split each training batch into this many micro-batches and keep requests in
+    flight so client and server compute at once (GPipe; see :mod:`splitlearn.client.pipeline`).
     reconnect_timeout_s: how long a training step waits for a crashed server to come back
     before raising ``TransportError``; then the client replays the steps the server lost
     (see :mod:`splitlearn.client.recovery` for what it keeps to do so).
@@ -74,7 +73,7 @@ class SplitClient:
                  wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
                  timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
                  reconnect_timeout_s: float = 120.0, journal_dir: Optional[Union[str, Path]] = None,
-                 defense=None,
+                 defense=None, micro_batches: int = 1,
                  lora=None):
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
@@ -99,6 +98,9 @@ class SplitClient:
         self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
         self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
         self.defense = defense  # splitlearn.privacy.Defense: applied to every activation sent
+        if not isinstance(micro_batches, int) or not 1 <= micro_batches <= P.MAX_MICROS:
+            raise ConfigError(f"micro_batches must be an integer in 1..{P.MAX_MICROS}, got {micro_batches!r}")
+        self.micro_batches = micro_batches  # pipelined training (see .pipeline)
         self.journal = Journal(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
         self.journal_dir = Path(journal_dir) if journal_dir is not None else None  # survives a client crash
         self.journal.start(self._snapshot)
@@ -219,6 +221,9 @@ class SplitClient:
         for seg in self.segments:
             seg.train()
         self.optimizer.zero_grad(set_to_none=True)
+        micros = min(self.micro_batches, ids.shape[0])
+        if micros > 1 and min(token_shares(labels, micros)) > 0:  # (a micro-batch of padding only: whole)
+            return pipelined_attempt(self, ids, mask, labels, micros)
         h = self.bottom(ids, mask)  # (B, T, d), never leaves the client
         h = self._defend(h, ids)  # (B, T, d), what is sent; the gradient flows back through it
         if not self.u_shape:

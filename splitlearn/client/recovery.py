@@ -49,6 +49,10 @@ from ..errors import SegmentFileError
 log = logging.getLogger(__name__)
 
 
+class Redo(Exception):
+    """A step the server did not apply and that must be run again from the start."""
+
+
 @dataclass
 class Entry:
     step: int

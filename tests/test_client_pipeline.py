@@ -1,0 +1,66 @@
+"""Micro-batch pipelining: the pipelined step equals the unpipelined one, both shapes, real server."""
+import pytest
+import torch
+
+from splitlearn.client import SplitClient
+from splitlearn.client.pipeline import split_rows, token_shares
+from splitlearn.errors import ConfigError
+
+from serverproc import TOKEN, ServerProcess
+from test_client import BATCHES, LR
+
+pytestmark = pytest.mark.slow
+
+
+def test_token_shares_weight_micro_batches_by_their_targets():
+    labels = torch.tensor([[1, 2, 3], [1, -100, -100], [4, 5, 6], [7, 8, -100]])
+    # targets are the labels shifted by one: rows have 2, 0, 2 and 1 of them
+    assert token_shares(labels, 2) == pytest.approx([2 / 5, 3 / 5])
+    assert token_shares(labels, 4) == pytest.approx([2 / 5, 0.0, 2 / 5, 1 / 5])
+    assert [t.shape[0] for t in split_rows(labels, 3)] == [2, 1, 1] and split_rows(None, 2) == [None, None]
+
+
+def batches():
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for pad in (0, 2, 5):
+        ids = torch.randint(0, 256, (4, 12), generator=g)
+        mask = None
+        if pad:
+            mask = torch.ones(4, 12, dtype=torch.long)
+            mask[1, :pad] = 0
+            mask[3, : pad // 2] = 0
+        out.append((ids, mask))
+    return out
+
+
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_pipelined_steps_equal_unpipelined_steps(cuts, optimizer, tmp_path):
+    results = {}
+    for micros in (1, 3):
+        d = tmp_path / f"m{micros}"
+        with ServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer], checkpoint_dir=d) as srv:
+            with SplitClient(srv.url, "tiny", token=TOKEN, optimizer=optimizer, lr=LR[optimizer], device="cpu",
+                             micro_batches=micros) as c:
+                losses = [c.train_step(ids, mask) for ids, mask in batches()]
+                client = {k: v.clone() for s in c.segments for k, v in s.hf_state_dict().items()}
+            results[micros] = (losses, client, srv.weights())
+    (l1, c1, s1), (l3, c3, s3) = results[1], results[3]
+    assert l1 == pytest.approx(l3, abs=1e-5)
+    d = 32
+    for a, b in ((c1, c3), (s1, s3)):
+        for k in a:
+            x, y = a[k], b[k]
+            if optimizer == "adamw" and k.endswith("attn.c_attn.bias"):
+                # The key bias's true gradient is exactly 0 (softmax ignores a constant added to
+                # every score), so both runs carry only summation noise there, ~1e-10, which
+                # AdamW's m / sqrt(v) blows up to lr-sized steps of either sign. Compare the rest.
+                x, y = torch.cat([x[:d], x[2 * d:]]), torch.cat([y[:d], y[2 * d:]])
+            assert torch.allclose(x, y, atol=1e-5), k
+
+
+def test_micro_batches_is_validated(tmp_path):
+    with ServerProcess((1, 3)) as srv:
+        with pytest.raises(ConfigError, match="micro_batches"):
+            SplitClient(srv.url, "tiny", token=TOKEN, device="cpu", micro_batches=0)
