@@ -91,3 +91,22 @@ class ServerProcess(LocalServer):
         r.raise_for_status()
         return read_weights(self.checkpoint_dir, "server")
 
+
+def run_threads(fns, timeout_s: float = 300.0) -> None:
+    """Run each callable in its own thread at once; fail with every exception they raised."""
+    import threading
+
+    errors = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - every failure is reported
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not errors, errors

@@ -5,7 +5,6 @@ the same adapter initialisation (:func:`splitlearn.lora.init_adapter_pair`), the
 optimizer: losses, and every adapter weight on both sides. Server weights are read from the
 checkpoint it writes on ``POST /v1/checkpoint``.
 """
-import threading
 
 import pytest
 import requests
@@ -22,7 +21,7 @@ from splitlearn.lora import LoraSpec, init_adapter_pair
 from splitlearn.segments import labels_from_batch, positions_from_mask
 from splitlearn.wire import decode
 
-from serverproc import OTHER, TOKEN, ServerProcess, auth, same_weights
+from serverproc import OTHER, TOKEN, ServerProcess, auth, run_threads, same_weights
 from test_client import BATCHES, LR
 
 pytestmark = pytest.mark.slow
@@ -140,21 +139,12 @@ def test_concurrent_clients_are_isolated_and_a_token_reads_only_its_own_adapter(
         clients = {n: lora_client(srv, n, "adamw", token=OTHER if n == "c" else TOKEN) for n in data}
         probe = BATCHES[0]
         c_before = clients["c"].evaluate(*probe)
-        errors = []
 
         def train(name):
-            try:
-                for b in data[name]:
-                    clients[name].train_step(*b)
-            except Exception as e:  # noqa: BLE001
-                errors.append(repr(e))
+            for b in data[name]:
+                clients[name].train_step(*b)
 
-        threads = [threading.Thread(target=train, args=(n,)) for n in ("a", "b")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_threads([lambda n=n: train(n) for n in ("a", "b")], 120)
         # each concurrent client equals its own single-process run: the others changed nothing of it
         for n in ("a", "b"):
             ref, _ = peft_reference(n, "adamw", data[n])
@@ -186,20 +176,12 @@ def test_mixed_adapter_sessions_generate_what_each_exported_model_generates(tmp_
             for _ in range(5):
                 clients[n].train_step(texts[n])
         prompts = {n: texts[n][:, :5] for n in names}
-        got, errors = {}, []
+        got = {}
 
         def gen(n):
-            try:
-                got[n] = clients[n].generate(prompts[n], max_new_tokens=8)
-            except Exception as e:  # noqa: BLE001
-                errors.append(repr(e))
+            got[n] = clients[n].generate(prompts[n], max_new_tokens=8)
 
-        threads = [threading.Thread(target=gen, args=(n,)) for n in names]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_threads([lambda n=n: gen(n) for n in names], 120)
         base = load_model("tiny").eval()
         for n in names:
             ones = torch.ones_like(prompts[n])
@@ -240,22 +222,12 @@ def test_splitfed_averages_both_sides_adapters_and_nothing_else(tmp_path):
         clients = {n: lora_client(srv, n) for n in data}
         client_base = {n: {k: v.clone() for s in c.segments for k, v in s.state_dict().items() if "lora_" not in k}
                        for n, c in clients.items()}
-        errors = []
-
         def member(n):
-            try:
-                for b in data[n]:
-                    clients[n].train_step(*b)
-                clients[n].sync()
-            except Exception as e:  # noqa: BLE001
-                errors.append(repr(e))
+            for b in data[n]:
+                clients[n].train_step(*b)
+            clients[n].sync()
 
-        threads = [threading.Thread(target=member, args=(n,)) for n in data]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_threads([lambda n=n: member(n) for n in data], 120)
         refs = {n: get_peft_model_state_dict(peft_reference(n, "sgd", data[n], init_id="")[0]) for n in data}
         want = {k: (refs["a"][k] * 4 + refs["b"][k] * 2) / 6 for k in refs["a"]}
         for n, c in clients.items():

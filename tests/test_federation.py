@@ -14,11 +14,12 @@ import torch
 from splitlearn import load_model
 from splitlearn import protocol as P
 from splitlearn.client import SplitClient
+from splitlearn.client.federation import untied_weights
 from splitlearn.errors import BadRequest, Conflict, SplitLearnError
 from splitlearn.segments import labels_from_batch
 from splitlearn.wire import encode, pack
 
-from serverproc import TOKEN, ServerProcess, auth
+from serverproc import TOKEN, ServerProcess, auth, run_threads
 from test_client import BATCHES, LR, assert_both_sides_equal, unsplit_steps
 
 pytestmark = pytest.mark.slow
@@ -27,23 +28,6 @@ pytestmark = pytest.mark.slow
 def client_of(srv, name, optimizer="sgd", **kw) -> SplitClient:
     return SplitClient(srv.url, "tiny", token=TOKEN, optimizer=optimizer, lr=LR[optimizer],
                        device="cpu", client_id=name, **kw)
-
-
-def run_threads(fns):
-    errors = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - every failure is reported
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
 
 
 def same_batch(seed):
@@ -154,16 +138,13 @@ def test_splitfed_round_timeout_closes_with_the_clients_that_synced():
         assert 1.5 < time.monotonic() - t0 < 60
         assert status["version"] == 1 and status["round"] == 2
         with pytest.raises(Conflict, match="not a member"):
-            b.federation.sync({k: v for s in b.segments for k, v in s.hf_state_dict().items()})
+            b.federation.sync(untied_weights(b.segments))
         b.train_step(*same_batch(3))  # stale weights: b downloads the average and goes on
         assert b.federation.version == 1 and b.step == 2
 
 
 def bad_sync_bodies(client):
-    good = {}
-    for s in client.segments:
-        for k, v in s.hf_state_dict().items():
-            good.setdefault(k, v.detach().clone())
+    good = untied_weights(client.segments)
     name = next(iter(good))
     missing = dict(good)
     missing.pop(name)

@@ -36,7 +36,7 @@ from ..partition import partition
 from ..segments import Segment, labels_from_batch, loss_from_logits
 from ..wire import check_wire_dtype, pack, unpack
 from . import lora as client_lora
-from .federation import FederationState, wait_while_busy
+from .federation import FederationState, untied_weights, wait_while_busy
 from .pipeline import pipelined_attempt, token_shares
 from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
                        write_entry)
@@ -360,11 +360,7 @@ class SplitClient:
         if self.lora is not None:  # LoRA: only the client-side adapters are shared (SplitLoRA)
             status = self.federation.sync(client_lora.client_adapter_tensors(self.segments))
         else:
-            weights = {}
-            for seg in self.segments:
-                for k, v in seg.hf_state_dict().items():
-                    weights.setdefault(k, v.detach().cpu().contiguous())
-            status = self.federation.sync(weights)
+            status = self.federation.sync(untied_weights(self.segments))
         if not self.federation.shared:
             self.journal.start(self._snapshot)  # the server checkpoints at a sync and a round's end
         return status

@@ -121,9 +121,23 @@ class FederationState:
         return status
 
 
+def untied_weights(segments) -> dict[str, torch.Tensor]:
+    """The segments' weights under their Hugging Face names, a tied tensor once (U-shape: the
+    LM head is ``wte``; sending it twice would add 154 MB to a GPT-2 small sync)."""
+    out, seen = {}, set()
+    for seg in segments:
+        for k, v in seg.hf_state_dict().items():
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                out[k] = v.detach().cpu().contiguous()
+    return out
+
+
 def load_hf_weights(segments: list[Segment], tensors: dict[str, torch.Tensor]) -> None:
-    """Copy weights named as in Hugging Face's GPT-2 into the segments' parameters."""
+    """Copy weights named as in Hugging Face's GPT-2 into the segments' parameters (a tied
+    parameter sent once under its first name is loaded through that name)."""
     with torch.no_grad():
         for seg in segments:
             for (_, p), hf in zip(seg.state_dict(keep_vars=True).items(), seg.hf_state_dict()):
-                p.copy_(tensors[hf].to(p.dtype))
+                if hf in tensors:
+                    p.copy_(tensors[hf].to(p.dtype))

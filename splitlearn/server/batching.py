@@ -149,7 +149,8 @@ class DecodeBatcher:
             if not ready:
                 return
             try:
-                self.segment.eval()
+                if self.segment.training:  # eval() walks every submodule: 0.16 ms for 8 blocks
+                    self.segment.eval()
                 outputs = batched_decode(self.segment, ready)
                 self.batches += 1
                 self.items += len(ready)

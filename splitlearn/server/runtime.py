@@ -197,7 +197,13 @@ class SegmentRuntime:
             with torch.device("meta"):  # shapes only, no memory
                 parts = partition(GPT2LMHeadModel(self.config), self.cuts)
             segs = [parts.bottom, parts.top] if self.u_shape else [parts.bottom]
-            self._client_shapes = {k: tuple(v.shape) for s in segs for k, v in s.hf_state_dict().items()}
+            names, seen = {}, set()
+            for seg in segs:  # a tied tensor (U-shape: lm_head is wte) travels once, by its first name
+                for (_, p), k in zip(seg.state_dict(keep_vars=True).items(), seg.hf_state_dict()):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        names[k] = tuple(p.shape)
+            self._client_shapes = names
         return self._client_shapes
 
     def sync(self, meta: P.SyncMeta, weights: dict[str, torch.Tensor]) -> dict:

@@ -92,6 +92,7 @@ class Training:
             if self.rt.cfg.max_grad_norm is not None and norm > self.rt.cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, self.rt.cfg.max_grad_norm)
             st.rep.optimizer.step()
+            st.rep.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free between steps
         except Exception:
             self.abort(meta, st)
             raise
