@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from splitlearn.client import SplitClient  # noqa: E402
+from splitlearn.client.federation import untied_weights  # noqa: E402
 from splitlearn.localserver import LocalServer  # noqa: E402
 from splitlearn.wire import encode  # noqa: E402
 
@@ -66,11 +67,7 @@ def one_k(model: str, cuts, k: int, rounds: int, steps: int, B: int, T: int) -> 
             for t in threads:
                 t.join()
             times.append(time.perf_counter() - t0)
-        weights = {}
-        for s in clients[0].segments:
-            for name, v in s.hf_state_dict().items():
-                weights.setdefault(name, v.detach())
-        sync_bytes = len(encode(weights, {"client_id": "c0", "samples": "1"}))
+        sync_bytes = len(encode(untied_weights(clients[0].segments), {"client_id": "c0", "samples": "1"}))
         for c in clients:
             c.close()
     finally:

@@ -173,3 +173,51 @@ def test_bad_sync_bodies_are_400_and_average_nothing():
             status = s.get(srv.url + P.FEDERATION).json()
             assert status["version"] == 0 and status["members"] == ["a"] and status["synced"] == []
             assert a.sync()["version"] == 1  # the good one closes the round
+
+
+def test_a_separate_fed_server_averages_the_client_weights_the_segment_server_never_sees(tmp_path):
+    """SplitFed with the client-side weights on a fed server: still one unsplit SGD step per round."""
+    import sys
+
+    from splitlearn.localserver import ChildServer, free_port
+
+    batches = [same_batch(20), same_batch(21)]
+    port = free_port()
+    fed = ChildServer([sys.executable, "-m", "splitlearn.server.fedavg", "--mode", "splitfed",
+                       "--clients-per-round", "2", "--port", str(port)], port, env={"SPLITLEARN_TOKEN": TOKEN})
+    with fed, ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
+                            extra=["--federation", "splitfed", "--clients-per-round", "2",
+                                   "--client-weights", "external"]) as srv:
+        with pytest.raises(SplitLearnError, match="fed_url"):
+            client_of(srv, "x")  # this server wants a fed server
+        clients = [client_of(srv, n, fed_url=fed.url) for n in "ab"]
+        run_threads([lambda c=c, b=b: (c.train_step(*b), c.sync()) for c, b in zip(clients, batches)])
+        reference, _ = unsplit_steps((1, 3), "sgd", [(torch.cat([b[0] for b in batches]), None)])
+        for c in clients:
+            assert_both_sides_equal(reference, c, srv)
+        # the segment server holds no client-side weights; the fed server does
+        r = requests.get(srv.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10)
+        assert r.status_code == 404 and "fed server" in r.json()["message"]
+        assert requests.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10).status_code == 200
+        s = requests.Session()
+        s.headers.update({**auth(), "Content-Type": P.CONTENT_TYPE})
+        weights = untied_weights(clients[0].segments)
+        refused = s.post(srv.url + P.FEDERATION_SYNC, data=encode(weights, P.SyncMeta("a", 2).to_meta()))
+        assert refused.status_code == 400  # weights sent to the segment server are refused, not kept
+        bad = {**weights, next(iter(weights)): torch.full_like(next(iter(weights.values())), float("nan"))}
+        assert s.post(fed.url + P.FEDERATION_SYNC, data=encode(bad, P.SyncMeta("a", 2).to_meta())).status_code == 400
+
+
+def test_fed_server_averager_rounds_and_refusals():
+    from splitlearn.server.fedavg import WeightAverager
+
+    avg = WeightAverager("splitfed", 2, round_timeout_s=60)
+    a, b = {"w": torch.ones(2)}, {"w": torch.full((2,), 4.0)}
+    assert avg.sync("a", 1, a)["version"] == 0
+    with pytest.raises(BadRequest, match="shape"):
+        avg.sync("b", 1, {"w": torch.ones(3)})
+    with pytest.raises(BadRequest, match="NaN"):
+        avg.sync("b", 1, {"w": torch.tensor([1.0, float("nan")])})
+    assert avg.sync("b", 3, b)["version"] == 1
+    version, w = avg.latest()
+    assert version == 1 and torch.allclose(w["w"], torch.full((2,), (1 + 3 * 4) / 4))

@@ -61,6 +61,8 @@ class SplitClient:
     sequential turn or a splitfed round before raising ``ServiceUnavailable``.
     defense: a :class:`splitlearn.privacy.Defense` (``GaussianNoise``, ``NoPeek``) applied to
     every activation this client sends, in training, evaluation and generation.
+    fed_url: a separate fed server (``python -m splitlearn.server.fedavg``) that averages the
+    client-side weights, so the segment server never sees them (its ``--client-weights external``).
     micro_batches: split each training batch into this many micro-batches and keep requests in
     flight so client and server compute at once (GPipe; see :mod:`splitlearn.client.pipeline`).
     reconnect_timeout_s: how long a training step waits for a crashed server to come back
@@ -73,7 +75,7 @@ class SplitClient:
                  wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
                  timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
                  reconnect_timeout_s: float = 120.0, journal_dir: Optional[Union[str, Path]] = None,
-                 defense=None, micro_batches: int = 1,
+                 defense=None, micro_batches: int = 1, fed_url: Optional[str] = None,
                  lora=None):
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
@@ -94,7 +96,9 @@ class SplitClient:
             raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
         self.step = 0  # last training step applied on both sides
         self.wait_timeout_s = wait_timeout_s  # longest wait for a busy segment, a turn or a round
-        self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s)
+        fed = None if fed_url is None else Transport(TransportConfig(
+            fed_url, token or os.environ.get("SPLITLEARN_TOKEN"), read_timeout_s=timeout_s, retries=retries))
+        self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s, fed)
         self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
         self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
         self.defense = defense  # splitlearn.privacy.Defense: applied to every activation sent

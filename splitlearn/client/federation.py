@@ -23,7 +23,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from .. import protocol as P
-from ..errors import ServiceUnavailable
+from ..errors import ConfigError, ServiceUnavailable
 from ..segments import Segment
 from ..wire import decode
 from .transport import Transport
@@ -50,13 +50,19 @@ def wait_while_busy(fn: Callable[[], T], what: str, timeout_s: float, first_wait
 
 class FederationState:
     def __init__(self, transport: Transport, client_id: str, segments: list[Segment],
-                 wait_timeout_s: float):
+                 wait_timeout_s: float, fed: Optional[Transport] = None):
         self.transport = transport
+        self.fed = fed  # a separate fed server for the client-side weights (server/fedavg.py)
         self.client_id = client_id
         self.segments = segments
         self.wait_timeout_s = wait_timeout_s
         status = transport.get_json(P.FEDERATION)
         self.mode: str = status["mode"]
+        external = status.get("client_weights") == "external"
+        if external != (fed is not None):
+            raise ConfigError("this server keeps client-side weights on a separate fed server: give "
+                              "fed_url" if external else "fed_url was given, but this server averages "
+                              "client-side weights itself (start it with --client-weights external)")
         self.version: Optional[int] = None if self.mode == "shared" else -1  # -1: not yet fetched
         self.samples = 0  # rows trained since the last sync
         self.has_turn = False
@@ -83,10 +89,11 @@ class FederationState:
         if server_version == 0:
             self.version = 0
             return
-        body = self.transport.get_bytes(P.FEDERATION_WEIGHTS)
+        source = self.fed or self.transport  # the fed server holds them, if there is one
+        body = source.get_bytes(P.FEDERATION_WEIGHTS)
         tensors, meta = decode(body)
         self.load_weights(tensors)
-        self.version = int(meta["version"])
+        self.version = server_version if self.fed is not None else int(meta["version"])
         log.info("client %s loaded shared client-side weights version %d", self.client_id, self.version)
 
     def stale(self) -> None:
@@ -101,6 +108,9 @@ class FederationState:
         from ..wire import encode
 
         meta = P.SyncMeta(self.client_id, max(self.samples, 1)).to_meta()
+        if self.fed is not None:  # weights to the fed server; the segment server gets the count only
+            self.fed.post_bytes_json(P.FEDERATION_SYNC, encode(weights, meta))
+            weights = {}
         status = self.transport.post_bytes_json(P.FEDERATION_SYNC, encode(weights, meta))
         self.samples = 0
         if self.mode == "sequential":

@@ -7,9 +7,9 @@ Every route that carries tensors has the same shape, written once in :func:`tens
                      -> the runtime's method -> an Answer, or a future of one (decode steps)
     WSGI thread:     wait for the future, encode the Answer, add X-Server-Time-Ms
 
-so requests are decoded and answers encoded at this one layer, and the route decorator is
-the only way onto the runtime's compute thread (every tensor operation runs there: see
-:mod:`.compute`). Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE,
+so requests are decoded and answers encoded at this one layer, and this layer is the only one
+that hands work to the runtime's compute thread (``rt.compute.run``; every tensor operation
+runs there: see :mod:`.compute`); the runtime's methods assume they run on it. Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE,
 "message": TEXT}`` with its HTTP status by one handler, so a bad request changes nothing and
 the server keeps serving.
 """

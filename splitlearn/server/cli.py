@@ -59,6 +59,9 @@ def parse_args(argv=None) -> ServerConfig:
                    help="seconds a splitfed round waits for its syncs, or a sequential turn may idle")
     p.add_argument("--lease-timeout", type=float, default=60.0,
                    help="seconds a U-shape forward holds the segment waiting for its backward")
+    p.add_argument("--client-weights", default="server", choices=["server", "external"],
+                   help="external: clients share their client-side weights through a separate fed "
+                        "server (python -m splitlearn.server.fedavg); this one never sees them")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the server's gradient norm per step")
     p.add_argument("--lora-r", type=int, default=None,
                    help="train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
@@ -77,7 +80,7 @@ def parse_args(argv=None) -> ServerConfig:
         torch_threads=a.torch_threads, batching=not a.no_batching, session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
         federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
-        lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, lora=_lora_spec(a))
+        lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a))
 
 
 def _lora_spec(a) -> Optional[LoraSpec]:

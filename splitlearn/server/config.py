@@ -39,6 +39,7 @@ class ServerConfig:
     clients_per_round: int = 2  # splitfed: clients whose sync closes a round
     round_timeout_s: float = 300.0  # seconds a splitfed round waits for syncs / a turn may idle
     lease_timeout_s: float = 60.0  # seconds a U-shape forward may wait for its backward
+    client_weights: str = "server"  # server: syncs carry client weights | external: a fed server has them
     max_grad_norm: Optional[float] = None  # clip the server's gradient norm per step (None: off)
     lora: Optional[LoraSpec] = None  # per-client LoRA adapters on a frozen segment (splitlearn/server/adapters.py)
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
@@ -61,6 +62,8 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.federation not in ("shared", "sequential", "splitfed"):
             raise ConfigError(f"--federation must be shared, sequential or splitfed, got {self.federation!r}")
+        if self.client_weights not in ("server", "external"):
+            raise ConfigError(f"--client-weights must be server or external, got {self.client_weights!r}")
         if self.clients_per_round < 1:
             raise ConfigError(f"--clients-per-round must be >= 1, got {self.clients_per_round}")
         if not (self.round_timeout_s > 0 and self.lease_timeout_s > 0):

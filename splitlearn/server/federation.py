@@ -28,7 +28,7 @@ others' copies are dropped, their late sync gets 409, and they continue from the
 Server memory per client: ``shared`` and ``sequential`` none beyond the ledger; ``splitfed``
 one copy of the segment and its optimizer state per member of the current round (created at
 the client's first step of the round, freed when the round closes): for GPT-2 small's trunk
-of blocks 2-10, 57M parameters, that is 227 MB with SGD and 680 MB with AdamW, per client.
+of blocks 2-10, 57M parameters, that is 227 MB of parameters (+454 MB of AdamW state).
 """
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ class Federation:
         self.turn_seen = 0.0  # time.monotonic() of the holder's last request
         self.round = Round()
         self.lock = threading.RLock()
+        self.client_weights_at = "server"  # or "external": a fed server holds them (server/fedavg.py)
         self.on_change: Callable[[], object] = lambda: None  # shared weights changed (the runtime checkpoints)
 
     # -- admission of a training request ----------------------------------------------
@@ -164,7 +165,7 @@ class Federation:
             if self.mode == "sequential":
                 if self.turn != client_id:
                     raise NotYourTurn(f"client {client_id!r} does not hold the turn; only the holder syncs")
-                self.client_weights, self.version = weights, self.version + 1
+                self.client_weights, self.version = weights or None, self.version + 1
                 self.turn = None
                 self.on_change()
                 return self.status()
@@ -190,7 +191,8 @@ class Federation:
         ids = list(r.synced)
         samples = [r.synced[c] for c in ids]
         self._average_server([r.members[c] for c in ids], samples)
-        self.client_weights = weighted_average([r.weights[c] for c in ids], samples)
+        uploads = [r.weights[c] for c in ids]
+        self.client_weights = weighted_average(uploads, samples) if uploads[0] else None  # None: a fed server has them
         self.version += 1
         log.info("round %d closed: %d clients, %d samples", r.number, len(ids), sum(samples))
         self.round = Round(r.number + 1)
@@ -220,7 +222,7 @@ class Federation:
         """The shared client-side weights and their version; 404 before the first sync."""
         with self.lock:
             if self.client_weights is None:
-                raise NotFound("no client has synced its weights yet")
+                raise NotFound("no client-side weights here: none synced yet, or a fed server holds them")
             return self.version, self.client_weights
 
     def status(self) -> dict:
@@ -232,4 +234,5 @@ class Federation:
                     "clients_per_round": self.k if self.mode == "splitfed" else None,
                     "members": sorted(r.members) if self.mode == "splitfed" else [],
                     "synced": sorted(r.synced) if self.mode == "splitfed" else [],
-                    "turn": self.turn, "round_timeout_s": self.round_timeout_s}
+                    "turn": self.turn, "round_timeout_s": self.round_timeout_s,
+                    "client_weights": self.client_weights_at}

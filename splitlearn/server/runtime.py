@@ -89,6 +89,7 @@ class SegmentRuntime:
         self.lease = StepLease(cfg.lease_timeout_s, on_expire=self._drop_pending)
         self.federation = Federation(cfg.federation, Replica(self.segment, self.optimizer),
                                      self._make_optimizer, cfg.clients_per_round, cfg.round_timeout_s)
+        self.federation.client_weights_at = cfg.client_weights
         self.federation.on_change = self.checkpoint  # a sync or a closed round is made durable
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client)
@@ -207,8 +208,14 @@ class SegmentRuntime:
         return self._client_shapes
 
     def sync(self, meta: P.SyncMeta, weights: dict[str, torch.Tensor]) -> dict:
-        """A client's client-side weights at the end of its turn or round (validated here)."""
-        validate.weights(weights, self.client_shapes())
+        """A client's client-side weights at the end of its turn or round (validated here);
+        with ``--client-weights external`` only its sample count (a fed server has the weights)."""
+        if self.cfg.client_weights == "external":
+            if weights:
+                raise BadRequest("this server keeps no client-side weights (--client-weights external): "
+                                 "send them to the fed server and an empty sync here")
+        else:
+            validate.weights(weights, self.client_shapes())
         with self.lock:
             return self.federation.sync(meta.client_id, weights, meta.samples)
 
