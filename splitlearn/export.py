@@ -32,7 +32,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from .devices import dtype_name, resolve_device, resolve_dtype
 from .errors import SegmentFileError

@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import torch
 from torch import nn

@@ -7,7 +7,7 @@ from splitlearn.client.pipeline import split_rows, token_shares
 from splitlearn.errors import ConfigError
 
 from serverproc import TOKEN, ServerProcess
-from test_client import BATCHES, LR
+from test_client import LR
 
 pytestmark = pytest.mark.slow
 

@@ -4,19 +4,16 @@ Every test runs ``python -m splitlearn.server`` and real ``SplitClient``s over l
 at once from threads. Exactness is against the unsplit model (SGD, float32 wire).
 """
 import random
-import threading
 import time
 
 import pytest
 import requests
 import torch
 
-from splitlearn import load_model
 from splitlearn import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.client.federation import untied_weights
 from splitlearn.errors import BadRequest, Conflict, SplitLearnError
-from splitlearn.segments import labels_from_batch
 from splitlearn.wire import encode, pack
 
 from serverproc import TOKEN, ServerProcess, auth, run_threads

@@ -1,5 +1,4 @@
 """``python -m splitlearn.server`` as a real process: its command line and waitress's own answers."""
-import json
 import subprocess
 import sys
 

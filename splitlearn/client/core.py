@@ -30,7 +30,7 @@ from ..devices import resolve_device
 from ..errors import (ConfigError, Conflict, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights,
                       TransportError)
 from ..export import load_segments
-from ..generation import GenerationConfig, decode as decode_loop
+from ..generation import GenerationConfig
 from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, loss_from_logits

@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Optional
 
-from ..errors import ConfigError, PayloadTooLarge, SplitLearnError, from_status
+from ..errors import ConfigError, SplitLearnError, from_status
 from ..lora import LoraSpec
 from ..protocol import read_token_file
 from .config import ServerConfig
