@@ -39,6 +39,7 @@ def main(argv=None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--micro", default="1,2,4", help="micro_batches values to compare, comma-separated")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     model_src, cuts, (B, T) = ("tiny", (1, 3), (8, 32)) if a.quick else ("random:gpt2", (2, 10), (8, 128))
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
         unsplit.train()
         opt = torch.optim.AdamW(unsplit.parameters(), lr=1e-4, weight_decay=0.0)
         clients = {m: SplitClient(srv.url, model_src, token=srv.token, lr=1e-4, device="cpu", micro_batches=m,
-                                  client_id=f"m{m}") for m in (1, 2, 4)}
+                                  client_id=f"m{m}") for m in map(int, a.micro.split(","))}
         g = torch.Generator().manual_seed(0)
         vocab = unsplit.config.vocab_size
         times: dict[str, list[float]] = {"unsplit": [], **{f"split m={m}": [] for m in clients}}
