@@ -64,8 +64,32 @@ def _weights(segments: Sequence[Segment]) -> dict[str, torch.Tensor]:
     out = {}
     for seg in segments:
         for k, v in seg.hf_state_dict().items():
+            # a copy: safetensors refuses tensors sharing storage (the tied wte / lm_head)
             out.setdefault(k, v.detach().cpu().contiguous().clone())
     return out
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer's state as safetensors-ready tensors keyed ``"<param index>.<key>"`` and a
+    JSON-able rest ``{"param_groups", "scalars"}`` (the inverse is :func:`restore_optimizer`)."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"{idx}.{key}"] = val.detach().cpu().contiguous()
+            else:
+                scalars[f"{idx}.{key}"] = val
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], rest: dict) -> None:
+    """Load what :func:`optimizer_state` gave back into ``optimizer``."""
+    state: dict = {}
+    for key, val in list(tensors.items()) + list(rest["scalars"].items()):
+        idx, k = key.split(".", 1)
+        state.setdefault(int(idx), {})[k] = val
+    optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
 
 
 def _write(path: Path, data: bytes) -> str:
@@ -103,21 +127,13 @@ def save_state(directory: Union[str, Path], name: str, segments: Sequence[Segmen
     final = d / f"{name}-{gen:08d}"
     tmp = d / (final.name + ".tmp")
     tmp.mkdir()
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for idx, st in sd["state"].items():
-        for key, val in st.items():
-            if isinstance(val, torch.Tensor):
-                tensors[f"{idx}.{key}"] = val.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{key}"] = val
+    tensors, optim = optimizer_state(optimizer)
     files = {"weights.safetensors": _write(tmp / "weights.safetensors", st_save(_weights(segments))),
              "optim.safetensors": _write(tmp / "optim.safetensors", st_save(tensors))}
     for key, tset in (extra or {}).items():
         fname = f"{key}.safetensors"
         files[fname] = _write(tmp / fname, st_save({k: v.detach().cpu().contiguous() for k, v in tset.items()}))
-    meta = {"optimizer": {"param_groups": sd["param_groups"], "scalars": scalars},
-            "counters": counters, "segments": [[s.kind, s.start, s.end] for s in segments],
+    meta = {"optimizer": optim, "counters": counters, "segments": [[s.kind, s.start, s.end] for s in segments],
             "files": files}
     _write(tmp / "state.json", json.dumps(meta).encode())
     _fsync_dir(tmp)
@@ -216,9 +232,5 @@ def load_state(directory: Union[str, Path], name: str, segments: Sequence[Segmen
                 if hf not in weights or weights[hf].shape != p.shape:
                     raise SegmentFileError(f"checkpoint in {gen} lacks {hf} of shape {list(p.shape)}")
                 p.copy_(weights[hf])
-    state: dict = {}
-    for key, val in list(tensors.items()) + list(meta["optimizer"]["scalars"].items()):
-        idx, k = key.split(".", 1)
-        state.setdefault(int(idx), {})[k] = val
-    optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
+    restore_optimizer(optimizer, tensors, meta["optimizer"])
     return meta["counters"]

@@ -49,7 +49,12 @@ def unsplit_steps(cuts, optimizer, batches):
     if len(cuts) == 1:  # 2-way: the server's lm_head is a separate copy of wte
         model.config.tie_word_embeddings = False
         model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
-    params = list(model.parameters())
+    return model, train_whole(model, list(model.parameters()), optimizer, batches)
+
+
+def train_whole(model, params, optimizer: str, batches) -> list[float]:
+    """Train ``params`` of an unsplit ``model`` on ``batches`` (positions as generate() derives
+    them); the losses. The reference every split-training test compares with."""
     opt = torch.optim.AdamW(params, lr=LR[optimizer], weight_decay=0.0) if optimizer == "adamw" else \
         torch.optim.SGD(params, lr=LR[optimizer])
     model.train()
@@ -57,11 +62,11 @@ def unsplit_steps(cuts, optimizer, batches):
     for ids, mask in batches:
         opt.zero_grad()
         pos = positions_from_mask(mask, ids.shape[1]) if mask is not None else None
-        out = model(ids, attention_mask=mask, position_ids=pos, labels=labels_from_batch(ids, mask))
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels_from_batch(ids, mask))
         out.loss.backward()
         opt.step()
         losses.append(out.loss.item())
-    return model, losses
+    return losses
 
 
 def assert_both_sides_equal(reference, client: SplitClient, server: ServerProcess):

@@ -22,7 +22,7 @@ from splitlearn.segments import labels_from_batch, positions_from_mask
 from splitlearn.wire import decode
 
 from serverproc import OTHER, TOKEN, ServerProcess, auth, run_threads, same_weights
-from test_client import BATCHES, LR
+from test_client import BATCHES, LR, train_whole
 
 pytestmark = pytest.mark.slow
 
@@ -55,19 +55,7 @@ def peft_reference(client_id: str, optimizer: str, batches, init_id=None):
             with torch.no_grad():
                 m.lora_A["default"].weight.copy_(a)
                 m.lora_B["default"].weight.copy_(b)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR[optimizer], weight_decay=0.0) if optimizer == "adamw" else \
-        torch.optim.SGD(params, lr=LR[optimizer])
-    model.train()
-    losses = []
-    for ids, mask in batches:
-        opt.zero_grad()
-        pos = positions_from_mask(mask, ids.shape[1]) if mask is not None else None
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels_from_batch(ids, mask))
-        out.loss.backward()
-        opt.step()
-        losses.append(float(out.loss.detach()))
-    return model, losses
+    return model, train_whole(model, [p for p in model.parameters() if p.requires_grad], optimizer, batches)
 
 
 def server_adapter(srv, client_id, token=TOKEN):

@@ -124,7 +124,7 @@ def test_batched_decode_with_mixed_adapters_equals_each_session_alone(cuts):
             torch.testing.assert_close(o, w, atol=1e-6, rtol=1e-5)
     # and the adapters did matter: the base-only row differs from an adapted one on the same input
     x = torch.randn(1, 1, 32, generator=g)
-    a, b = [seg.new_cache() for _ in range(2)], None
+    a = [seg.new_cache() for _ in range(2)]
     with torch.no_grad():
         outs = batched_decode(seg, [DecodeItem(a[0], x, adapter=None), DecodeItem(a[1], x, adapter=adapters[0])])
     assert not torch.allclose(outs[0], outs[1])

@@ -37,7 +37,7 @@ def test_replay_gives_the_stored_answer_of_the_last_step_only():
 
 def test_pending_forward_is_kept_per_step_and_cleared_when_applied():
     led = StepLedger()
-    p = Pending(1, state=("inputs", "outputs"), answer=answer(0))
+    p = Pending(1, state=("inputs", "outputs"))
     led.set_pending("a", p)
     assert led.pending("a") is p and led.pending("a", 1) is p
     assert led.pending("a", 2) is None and led.pending("b") is None
@@ -50,7 +50,7 @@ def test_counters_round_trip_with_byte_identical_answers():
     led.applied("a", 1, answer(1))
     led.applied("a", 2, answer(2))
     led.applied("b", 1, answer(7))
-    led.set_pending("c", Pending(1, None, answer(0)))  # a pending forward is not checkpointed
+    led.set_pending("c", Pending(1, None))  # a pending forward is not checkpointed
     counters = led.to_counters()
     back = StepLedger.from_counters(counters)
     assert back.steps_applied == 3

@@ -238,7 +238,7 @@ class SplitClient:
             out = self.transport.call(P.TRAIN_FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
             h2 = self._local(unpack(out, P.HIDDEN))  # (B, T, d)
             answers = {P.HIDDEN: h2}
-            h2 = h2.clone().requires_grad_()
+            h2 = h2.detach().requires_grad_()  # a new leaf on the same storage: no copy
             loss_t = loss_from_logits(self.top(h2, mask), labels)
             loss_t.backward()
             try:
@@ -284,7 +284,7 @@ class SplitClient:
         self.optimizer.zero_grad(set_to_none=True)
         h = self._defend(self.bottom(e.ids, e.mask), e.ids)  # (B, T, d): the same noise as sent
         if self.u_shape:
-            h2 = e.answers[P.HIDDEN].clone().requires_grad_()  # (B, T, d)
+            h2 = e.answers[P.HIDDEN].detach().requires_grad_()  # (B, T, d)
             loss_from_logits(self.top(h2, e.mask), labels_from_batch(e.ids, e.mask)).backward()
         self._backward_bottom(h, e.answers[P.GRAD])
         self.optimizer.step()

@@ -77,12 +77,16 @@ class FederationState:
         if self.shared:
             return
         if self.mode == "sequential" and not self.has_turn:
-            wait_while_busy(lambda: self.transport.post_json(P.FEDERATION_TURN, {"client_id": self.client_id}),
-                            "the turn", self.wait_timeout_s)
+            status = wait_while_busy(lambda: self.transport.post_json(P.FEDERATION_TURN,
+                                                                      {"client_id": self.client_id}),
+                                     "the turn", self.wait_timeout_s)
             self.has_turn = True
-        server_version = self.transport.get_json(P.FEDERATION)["version"]
-        if server_version != self.version:
-            self.download(server_version)
+            if status["version"] != self.version:  # another client synced since our last turn
+                self.download(status["version"])
+        # Otherwise the version is checked by the server on every step (409 stale_weights), so
+        # it is fetched here only when unknown: a new client, or after the server said stale.
+        if self.version is None or self.version < 0:
+            self.download(self.transport.get_json(P.FEDERATION)["version"])
 
     def download(self, server_version: int) -> None:
         """Load the shared client-side weights (none before the first sync: keep ours)."""

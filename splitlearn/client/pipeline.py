@@ -117,7 +117,7 @@ class _Step:
         for i, out in enumerate(first):
             h2 = c._local(unpack(out, P.HIDDEN))  # (b, T, d)
             h2s.append(h2)
-            h2 = h2.clone().requires_grad_()
+            h2 = h2.detach().requires_grad_()
             x, m = self.parts[i]
             part = loss_from_logits(c.top(h2, m), labels_from_batch(x, m)) * self.shares[i]
             part.backward()

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ..checkpoint import has_state, latest, read_extra, read_meta
+from ..checkpoint import has_state, latest, optimizer_state, read_extra, read_meta, restore_optimizer
 from ..errors import ConfigError, NotFound, SegmentFileError
 from ..lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec, hf_module_name, target_modules
 from ..partition import partition
@@ -127,15 +127,8 @@ class AdapterBank:
             for cid, rep in self.replicas.items():
                 for k, v in rep.segment.adapter.tensors().items():
                     tensors[f"{cid}/{k}"] = v
-                sd = rep.optimizer.state_dict()
-                scalars = {}
-                for idx, st in sd["state"].items():
-                    for key, val in st.items():
-                        if isinstance(val, torch.Tensor):
-                            tensors[f"{cid}/optim/{idx}.{key}"] = val.detach().cpu().contiguous()
-                        else:
-                            scalars[f"{idx}.{key}"] = val
-                optim[cid] = {"param_groups": sd["param_groups"], "scalars": scalars}
+                opt_tensors, optim[cid] = optimizer_state(rep.optimizer)
+                tensors.update({f"{cid}/optim/{k}": v for k, v in opt_tensors.items()})
             return tensors, {"spec": self.spec.to_dict(), "owners": dict(self.owners), "optimizers": optim}
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -154,12 +147,7 @@ class AdapterBank:
                     rep.segment.adapter.load_tensors(mine)
                 except KeyError as e:
                     raise SegmentFileError(f"the adapter checkpoint lacks {cid}/{e.args[0]}") from None
-                state: dict = {}
-                for key, val in [(k[6:], v) for k, v in mine.items() if k.startswith("optim/")] + \
-                        list(opt["scalars"].items()):
-                    idx, k = key.split(".", 1)
-                    state.setdefault(int(idx), {})[k] = val
-                rep.optimizer.load_state_dict({"state": state, "param_groups": opt["param_groups"]})
+                restore_optimizer(rep.optimizer, {k[6:]: v for k, v in mine.items() if k.startswith("optim/")}, opt)
                 self.replicas[cid] = rep
         log.info("restored %d adapters", len(self.replicas))
 

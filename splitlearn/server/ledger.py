@@ -64,7 +64,6 @@ class Pending:
 
     step: int
     state: Any  # what the rest of the step needs (the runtime's graphs, the pieces' answers)
-    answer: Optional[Answer] = None  # unused by micro-batched steps (their state keeps answers)
     since: float = 0.0  # time.monotonic() of the step's first request
 
 

@@ -73,7 +73,7 @@ class Training:
             rt.lease.acquire(meta.client_id, meta.step)
         rep.optimizer.zero_grad(set_to_none=True)
         st = StepInFlight(rep, meta.micros, leased)
-        rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, None, time.monotonic()))
+        rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, time.monotonic()))
         return st
 
     def abort(self, meta: P.StepMeta, st: StepInFlight) -> None:
