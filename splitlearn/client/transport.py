@@ -29,6 +29,7 @@ import http.client
 import ipaddress
 import json
 import logging
+import select
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -126,6 +127,12 @@ class _Lane:
         conn.putheader("Content-Length", str(len(body)))
         conn.endheaders(body)  # headers, then the body as is (no copy)
 
+    def readable(self) -> bool:
+        """True if the answer (or the connection's end) can be read without blocking."""
+        if self.conn is None or self.conn.sock is None:
+            return True  # nothing to wait for: reading reconnects or fails at once
+        return bool(select.select([self.conn.sock], [], [], 0)[0])
+
     def receive(self) -> tuple[int, Callable[[str], Optional[str]], bytes]:
         resp = self.conn.getresponse()
         content = resp.read()
@@ -149,6 +156,11 @@ class PendingCall:
 
     def result(self) -> bytes:
         return self.transport._finish(self)
+
+    def ready(self) -> bool:
+        """True if :meth:`result` would not wait for the server (an answer has arrived, or
+        the request must be resent); always True off the lean path, where sending waits."""
+        return not self.sent or self.transport._lane(self.lane).readable()
 
 
 class Transport:
