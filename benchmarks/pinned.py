@@ -18,6 +18,13 @@ all of them), ``pinned_repeats`` rounds after one warm-up. Systems: ``unsplit (1
 client and server take turns). ``ratio`` is the median over rounds of the unsplit time over
 the system's time. Also the decode-step overhead (round trip minus server compute, batch 1)
 with both sides pinned. Skipped on machines with fewer than two cores and on GPU runs.
+
+The split decodes on oneDNN prepacked weights on both sides (:mod:`splitlearn.packed`, the
+default); ``unsplit (1 core, packed)`` is the unsplit model on the same kernels, to show what
+the kernels give and what the split gives (the ratios are all over ``unsplit (1 core)``, the
+model as Hugging Face runs it). ``... poll-idle`` rows: the same, with :class:`~splitlearn.idlepoll.IdlePoller` on both cores
+(what ``--poll-idle`` on the server and ``SplitClient(poll_idle=True)`` start), resumed for
+those systems only and paused (SIGSTOP) for all the others, the unsplit reference included.
 """
 from __future__ import annotations
 
@@ -41,8 +48,8 @@ def _child(conn, cfg: BenchConfig) -> None:
 
         from splitlearn import load_model
         from splitlearn.client import SplitClient
-        from splitlearn.client.generation import RemoteDecoder
-        from splitlearn.generation import GenerationConfig
+        from splitlearn.idlepoll import IdlePoller, available
+        from splitlearn.packed import PackedLinears
 
         from .context import LocalServer
         from .generation import hf_generate, prompts
@@ -59,22 +66,38 @@ def _child(conn, cfg: BenchConfig) -> None:
         model = load_model(cfg.model, dtype=cfg.dtype, device="cpu", seed=cfg.seed)
         client = SplitClient(srv.url, model, token=srv.token, device="cpu", wire_dtype="float32", seed=cfg.seed)
         N, rows = cfg.new_tokens, []
+        whole = PackedLinears(model)  # the unsplit model on the kernels the split decodes with
 
-        def serial(ids):
-            remote = RemoteDecoder(client.transport, client.segments, ids.shape[0], "float32", client._local,
-                                   pipeline=False)
-            try:
-                new = list(remote.decode(ids, None, GenerationConfig(max_new_tokens=N)))
-            finally:
-                remote.close()
-            return torch.cat([ids] + [t[:, None] for t in new], dim=1)
+        def packed(fn):
+            def run():
+                with whole.active():
+                    return fn()
+            return run
+
+        poller = IdlePoller(cfg.pinned_cores).start() if available() else None
+        if poller is not None:
+            poller.pause()
+
+        def polling(fn):  # fn with the pollers running
+            def run():
+                poller.resume()
+                try:
+                    return fn()
+                finally:
+                    poller.pause()
+            return run
 
         for B in cfg.gen_batches:
             ids = prompts(cfg, B, model.config.vocab_size)
             systems = {"unsplit (1 core)": lambda: hf_generate(model, ids, N),
                        "splitlearn u float32": lambda: client.generate(ids, max_new_tokens=N)}
+            if whole.usable:
+                systems["unsplit (1 core, packed)"] = packed(lambda: hf_generate(model, ids, N))
+            if poller is not None:
+                systems["splitlearn u float32 poll-idle"] = polling(systems["splitlearn u float32"])
             if B >= 2:
-                systems["splitlearn u float32 serial"] = lambda: serial(ids)
+                systems["splitlearn u float32 serial"] = lambda: client.generate(ids, max_new_tokens=N,
+                                                                                 pipeline=False)
             with torch.no_grad():
                 reference = systems["unsplit (1 core)"]()
                 same = {s: bool(torch.equal(fn(), reference)) for s, fn in systems.items()}  # + warm-up
@@ -91,13 +114,19 @@ def _child(conn, cfg: BenchConfig) -> None:
                              "system": s, "value": B * N / med, "unit": "tokens/s", "better": "higher",
                              "median_s": med, "runs": ts, "same_tokens": same[s],
                              "ratio": statistics.median(u / t for u, t in zip(base, ts)),
-                             "pipelined": s == "splitlearn u float32" and B >= 2})
-        trips, server = decode_step_overheads(client, cfg.overhead_calls)
-        rows.append({"workload": "pinned", "case": "one decode step, batch 1", "system": "splitlearn decode step",
-                     "value": 1e3 * statistics.median(t - s for t, s in zip(trips, server)), "unit": "ms/call",
-                     "better": "lower", "round_trip_ms": 1e3 * statistics.median(trips),
-                     "server_ms": 1e3 * statistics.median(server)})
+                             "pipelined": s.startswith("splitlearn u float32") and "serial" not in s and B >= 2})
+        overheads = {"splitlearn decode step": lambda: decode_step_overheads(client, cfg.overhead_calls)}
+        if poller is not None:
+            overheads["splitlearn decode step poll-idle"] = polling(overheads["splitlearn decode step"])
+        for system, fn in overheads.items():
+            trips, server = fn()
+            rows.append({"workload": "pinned", "case": "one decode step, batch 1", "system": system,
+                         "value": 1e3 * statistics.median(t - s for t, s in zip(trips, server)), "unit": "ms/call",
+                         "better": "lower", "round_trip_ms": 1e3 * statistics.median(trips),
+                         "server_ms": 1e3 * statistics.median(server)})
         client.close()
+        if poller is not None:
+            poller.stop()
         for r in rows:
             r["cores"] = {"client": cfg.pinned_cores[0], "server": cfg.pinned_cores[1]}
         conn.send(("ok", rows))

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import report
 from benchmarks.run import parse_args
@@ -126,12 +127,19 @@ def test_pinned_two_device_mode(result):
         pytest.skip("the pinned mode needs cores 0 and 1")
     rows = _rows(result, "pinned")
     gen = [r for r in rows if r["unit"] == "tokens/s"]
-    assert {(r["system"], r["batch"]) for r in gen} == {
-        ("unsplit (1 core)", 1), ("splitlearn u float32", 1), ("unsplit (1 core)", 2),
-        ("splitlearn u float32", 2), ("splitlearn u float32 serial", 2)}
+    from splitlearn.idlepoll import available
+    from splitlearn.packed import usable
+
+    systems = ["unsplit (1 core)", "splitlearn u float32"]
+    systems += ["unsplit (1 core, packed)"] if usable(torch.nn.Linear(1, 1)) else []
+    systems += ["splitlearn u float32 poll-idle"] if available() else []
+    assert {(r["system"], r["batch"]) for r in gen} == {(s, b) for s in systems for b in (1, 2)} | {
+        ("splitlearn u float32 serial", 2)}
     assert all(r["same_tokens"] is True and r["cores"] == {"client": 0, "server": 1} for r in gen)
     assert [r["pipelined"] for r in gen if r["system"] == "splitlearn u float32"] == [False, True]
-    step = next(r for r in rows if r["system"] == "splitlearn decode step")
-    assert 0 < step["server_ms"] < step["round_trip_ms"]
+    steps = [r for r in rows if r["unit"] == "ms/call"]
+    assert {r["system"] for r in steps} == {"splitlearn decode step"} | (
+        {"splitlearn decode step poll-idle"} if available() else set())
+    assert all(0 < r["server_ms"] < r["round_trip_ms"] for r in steps)
     names = [t["target"] for t in report.targets(result)]
-    assert sum("pinned two devices" in n for n in names) == 3
+    assert sum("pinned two devices" in n for n in names) == 3 * (1 + available())

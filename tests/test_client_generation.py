@@ -152,7 +152,7 @@ def test_pipelining_is_on_only_where_the_server_has_cores_of_its_own(client, pad
     greedy, sampling = GenerationConfig(max_new_tokens=2), GenerationConfig(max_new_tokens=2, do_sample=True)
     make = lambda rows, **kw: RemoteDecoder(client.transport, client.segments, rows, "float32", client._local, **kw)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(os.cpu_count() or 1)))
-    assert shares_cores_with_server(client.transport)  # loopback, every core: shared
+    assert shares_cores_with_server(client.transport.cfg.url)  # loopback, every core: shared
     assert not make(3).pipelined(greedy)
     if (os.cpu_count() or 1) >= 2:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned: the server has the others

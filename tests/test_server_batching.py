@@ -139,3 +139,56 @@ def test_unbatched_mode_runs_each_step_alone(model):
     with torch.no_grad():
         for i in range(3):
             torch.testing.assert_close(outs[i], seg(new[i], None, ref[i]), atol=1e-6, rtol=1e-5)
+
+
+def _sessions(model, n, seed):
+    seg = _server_segment(model, (1, 3)).eval()
+    g = torch.Generator().manual_seed(seed)
+    d = model.config.n_embd
+    _, caches = _prefilled(seg, [(torch.randn(1, 4, d, generator=g), None) for _ in range(n)])
+    return seg, caches, (lambda: torch.randn(1, 1, d, generator=g))
+
+
+def _step_all_together(batcher, compute, caches, x, keys):
+    """One batch of every session (the model kept busy until all queued)."""
+    busy = threading.Event()
+    compute.submit(busy.wait, 10)
+    futures = [batcher.enqueue(DecodeItem(c, x(), key=k)) for c, k in zip(caches, keys)]
+    busy.set()
+    for f in futures:
+        f.result(10)
+
+
+@pytest.mark.parametrize("wait_ms, batches", [(1000, 1), (0, 2)])
+def test_a_batch_waits_for_the_rest_of_the_previous_batch(model, wait_ms, batches):
+    """Sessions answered together come back a little apart: with a wait, the early one
+    waits for the others and they share the next forward; without, they split."""
+    seg, caches, x = _sessions(model, 3, 4)
+    compute = ComputeThread()
+    batcher = DecodeBatcher(seg, compute, wait_s=wait_ms / 1e3)
+    _step_all_together(batcher, compute, caches, x, "abc")
+    assert batcher.batches == 1
+    first = batcher.enqueue(DecodeItem(caches[0], x(), key="a"))  # a drain starts: b, c still away
+    time.sleep(0.2)
+    rest = [batcher.enqueue(DecodeItem(c, x(), key=k)) for c, k in zip(caches[1:], "bc")]
+    for f in [first, *rest]:
+        f.result(10)
+    compute.close()
+    assert batcher.batches - 1 == batches and batcher.items == 6
+    assert [c.length for c in caches] == [6, 6, 6]
+
+
+def test_no_wait_for_strangers_or_closed_sessions(model):
+    """A step of a session that was not in the previous batch, or a batch whose missing
+    sessions were closed, runs at once (a long wait would show as a timeout here)."""
+    seg, caches, x = _sessions(model, 3, 5)
+    compute = ComputeThread()
+    batcher = DecodeBatcher(seg, compute, wait_s=30.0)
+    _step_all_together(batcher, compute, caches[:2], x, "ab")
+    batcher.enqueue(DecodeItem(caches[2], x(), key="c")).result(5)  # not in {a, b}: no wait
+    assert batcher.batches == 2
+    _step_all_together(batcher, compute, caches[:2], x, "ab")
+    batcher.forget("b")  # b's session is closed
+    batcher.enqueue(DecodeItem(caches[0], x(), key="a")).result(5)  # b will not come: no wait
+    compute.close()
+    assert batcher.batches == 4

@@ -18,6 +18,14 @@ def test_abbreviated_options_are_refused():
     assert cfg.model == "tiny" and cfg.cuts == (1, 3)
 
 
+def test_batch_wait_is_parsed_and_checked():
+    from splitlearn.errors import ConfigError
+    assert parse_args(["--model", "tiny", "--cut", "1", "--batch-wait-ms", "0"]).batch_wait_ms == 0
+    assert parse_args(["--model", "tiny", "--cut", "1"]).batch_wait_ms == 2.0
+    with pytest.raises(ConfigError, match="batch-wait-ms"):
+        parse_args(["--model", "tiny", "--cut", "1", "--batch-wait-ms", "-1"])
+
+
 def test_bad_configuration_exits_2_with_one_line():
     r = subprocess.run([sys.executable, "-m", "splitlearn.server", "--model", "tiny"],
                        capture_output=True, text=True, timeout=120)

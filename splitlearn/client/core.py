@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -37,6 +38,8 @@ from ..segments import Segment, labels_from_batch, loss_from_logits
 from ..wire import check_wire_dtype, pack, unpack
 from . import lora as client_lora
 from .federation import FederationState, untied_weights, wait_while_busy
+from ..idlepoll import IdlePoller
+from ..packed import PackedLinears
 from .pipeline import pipelined_attempt, token_shares
 from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
                        write_entry)
@@ -68,6 +71,12 @@ class SplitClient:
     reconnect_timeout_s: how long a training step waits for a crashed server to come back
     before raising ``TransportError``; then the client replays the steps the server lost
     (see :mod:`splitlearn.client.recovery` for what it keeps to do so).
+    packed_weights: generate on oneDNN prepacked copies of the client's linear weights (CPU
+    float32; faster for a few rows, a second copy of those weights in memory; see
+    :mod:`splitlearn.packed`).
+    poll_idle: keep this process's cores polling instead of sleeping while the server works
+    (:class:`splitlearn.idlepoll.IdlePoller`, Linux): less latency per step, for the cores'
+    idle time; stopped by :meth:`close`.
     """
 
     def __init__(self, url: str, model, *, token: Optional[str] = None, optimizer: str = "adamw",
@@ -76,7 +85,8 @@ class SplitClient:
                  timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
                  reconnect_timeout_s: float = 120.0, journal_dir: Optional[Union[str, Path]] = None,
                  defense=None, micro_batches: int = 1, fed_url: Optional[str] = None,
-                 lora=None):
+                 lora=None, packed_weights: bool = True, poll_idle: bool = False):
+        self.poller: Optional[IdlePoller] = None
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
         self.info = self.transport.get_json(P.INFO)
@@ -111,6 +121,10 @@ class SplitClient:
         if self.journal_dir is not None and not has_state(self.journal_dir, "client"):
             self._persist()  # step 0: a resume without a later snapshot starts here
         self.recoveries: list[dict] = []  # one entry per recovery: the server's step, steps replayed
+        self.packed_weights = packed_weights
+        self._packed: Optional[list[PackedLinears]] = None  # made on the first generation
+        if poll_idle:  # last: a failed set-up leaves no pollers behind
+            self.poller = IdlePoller().start()
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -141,6 +155,8 @@ class SplitClient:
 
     def close(self) -> None:
         self.transport.close()
+        if self.poller is not None:
+            self.poller.stop()
 
     def __enter__(self) -> "SplitClient":
         return self
@@ -463,15 +479,21 @@ class SplitClient:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 32, do_sample: bool = False,
                  temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Optional[int] = None, seed: Optional[int] = None,
-                 pad_token_id: Optional[int] = None) -> torch.LongTensor:
-        """Prompt + new tokens (B, T + new), like ``model.generate``; prompts left-padded."""
+                 pad_token_id: Optional[int] = None, pipeline: Optional[bool] = None) -> torch.LongTensor:
+        """Prompt + new tokens (B, T + new), like ``model.generate``; prompts left-padded.
+
+        ``pipeline``: greedy decoding of two rows or more as two row groups in flight (None:
+        when the server does not share this process's cores; see
+        :mod:`splitlearn.client.generation`)."""
         ids, mask = self._batch(input_ids, attention_mask)
         new = list(self.generate_stream(ids, mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                         temperature=temperature, top_k=top_k, top_p=top_p,
-                                        eos_token_id=eos_token_id, seed=seed, pad_token_id=pad_token_id))
+                                        eos_token_id=eos_token_id, seed=seed, pad_token_id=pad_token_id,
+                                        pipeline=pipeline))
         return torch.cat([ids] + [t[:, None] for t in new], dim=1)
 
-    def generate_stream(self, input_ids, attention_mask=None, **kwargs) -> Iterator[torch.Tensor]:
+    def generate_stream(self, input_ids, attention_mask=None, pipeline: Optional[bool] = None,
+                        **kwargs) -> Iterator[torch.Tensor]:
         """Yield the next token of every row, (B,), as each arrives (same arguments as generate)."""
         ids, mask = self._batch(input_ids, attention_mask)
         cfg = GenerationConfig(**kwargs)
@@ -480,9 +502,14 @@ class SplitClient:
             raise ConfigError(f"prompt of {ids.shape[1]} tokens + max_new_tokens={cfg.max_new_tokens} "
                               f"passes the model's n_positions={n_pos}")
         remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
-                               client_id=self.client_id if self.lora is not None else None,
+                               pipeline=pipeline, client_id=self.client_id if self.lora is not None else None,
                                defend=self._defend)
+        if self.packed_weights and self._packed is None:
+            self._packed = [PackedLinears(s) for s in self.segments]
         try:
-            yield from remote.decode(ids, mask, cfg)
+            with ExitStack() as packed:
+                for pk in self._packed or []:
+                    packed.enter_context(pk.active())
+                yield from remote.decode(ids, mask, cfg)
         finally:
             remote.close()

@@ -36,9 +36,7 @@ at once only compete for the same cores.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable, Iterator, Optional, Sequence
-from urllib.parse import urlsplit
 
 import torch
 
@@ -47,21 +45,9 @@ from ..errors import NotFound, TransportError
 from ..generation import DecodeState, GenerationConfig, decode as decode_loop
 from ..segments import Segment
 from ..wire import pack, unpack
-from .transport import PendingCall, Transport, is_loopback
+from .transport import PendingCall, Transport, shares_cores_with_server
 
 log = logging.getLogger(__name__)
-
-
-def shares_cores_with_server(transport: Transport) -> bool:
-    """Whether the server may run on this process's cores: a loopback server, unless this
-    process is pinned to a subset of the machine's cores."""
-    if not is_loopback(urlsplit(transport.cfg.url).hostname or ""):
-        return False
-    try:
-        mine = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity API (macOS, Windows): assume shared
-        return True
-    return mine >= (os.cpu_count() or 1)
 
 
 class _Group:
@@ -169,7 +155,7 @@ class RemoteDecoder:
         return group.finish()
 
     def pipelined(self, cfg: GenerationConfig) -> bool:
-        want = (not shares_cores_with_server(self.transport)) if self.pipeline is None else self.pipeline
+        want = (not shares_cores_with_server(self.transport.cfg.url)) if self.pipeline is None else self.pipeline
         return want and self.rows >= 2 and not cfg.do_sample and not self.groups
 
     def decode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],

@@ -17,6 +17,17 @@ A lane holds at most one request in flight: :meth:`Transport.start` sends a requ
 returns a :class:`PendingCall` whose ``result()`` reads the answer later, so a caller can
 compute while the server works (the pipelined decoder keeps two lanes busy).
 
+Waking up for the answer. A thread blocked on a socket sleeps, and its core goes idle; when
+the answer comes, the kernel must wake the core first (on a virtual machine, the hypervisor
+must run the idle vCPU again), which costs a fraction of a millisecond. Where the server has
+cores of its own (:func:`shares_cores_with_server` is False), a lean-path wait for an answer
+sleeps until ``SPIN_S`` before the answer is expected (a per-lane average of recent waits),
+then polls the socket without sleeping until the answer comes or ``SPIN_S`` past the
+expected time, then sleeps again: at most ``2 x SPIN_S`` of one core's time a call. Measured
+on the two-device emulation (benchmarks/README.md): it takes ~0.25 ms off a decode step's
+round trip. Where client and server share cores, polling would take a core from the server,
+so it is off (``TransportConfig.spin``: None = decide so, True/False = force).
+
 Only connection failures are retried (with exponential backoff): the request never
 reached the server, or the server went away mid-request. That is safe for every splitlearn
 route because training steps are numbered and answered exactly once (a retry of an applied
@@ -29,6 +40,7 @@ import http.client
 import ipaddress
 import json
 import logging
+import os
 import select
 import socket
 import time
@@ -50,6 +62,30 @@ _CONNECTION_ERRORS = (ConnectionError, http.client.RemoteDisconnected, http.clie
                       http.client.ResponseNotReady, BrokenPipeError)
 
 
+SPIN_S = 1e-3  # poll the socket from this long before an answer is expected to as long after
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def shares_cores_with_server(url: str) -> bool:
+    """Whether the server at ``url`` may run on this process's cores: a loopback server,
+    unless this process is pinned to a subset of the machine's cores."""
+    if not is_loopback(urlsplit(url).hostname or ""):
+        return False
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS, Windows): assume shared
+        return True
+    return mine >= (os.cpu_count() or 1)
+
+
 @dataclass
 class TransportConfig:
     url: str  # server base URL, e.g. http://127.0.0.1:8000
@@ -59,6 +95,7 @@ class TransportConfig:
     retries: int = 6  # extra attempts after a connection failure
     backoff_s: float = 0.1  # first wait between attempts; doubles each time (0.1 .. 3.2 s)
     max_backoff_s: float = 5.0  # the longest wait between two attempts
+    spin: Optional[bool] = None  # poll for answers near their expected time (None: if the server has its own cores)
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
@@ -94,21 +131,14 @@ class WireStats:
         return {**asdict(self), "overhead_s": self.overhead_s}
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class _Lane:
     """One keep-alive ``http.client`` connection (plain HTTP); one request in flight."""
 
     def __init__(self, host: str, port: int, cfg: TransportConfig):
         self.host, self.port, self.cfg = host, port, cfg
         self.conn: Optional[http.client.HTTPConnection] = None
+        self.sent_at = 0.0  # when the request in flight went out
+        self.expected_s: Optional[float] = None  # average of recent waits for an answer
 
     def _connect(self) -> http.client.HTTPConnection:
         if self.conn is None:
@@ -126,6 +156,27 @@ class _Lane:
             conn.putheader(k, v)
         conn.putheader("Content-Length", str(len(body)))
         conn.endheaders(body)  # headers, then the body as is (no copy)
+        self.sent_at = time.perf_counter()
+
+    def await_answer(self) -> None:
+        """Sleep until ``SPIN_S`` before the answer is expected, then poll up to ``SPIN_S``
+        past it (see the module docstring); returns early when the answer is there."""
+        sock = self.conn.sock if self.conn is not None else None
+        if sock is None or self.expected_s is None:
+            return
+        due = self.sent_at + self.expected_s
+        nap = due - SPIN_S - time.perf_counter()
+        if nap > 0 and select.select([sock], [], [], nap)[0]:
+            return
+        stop = due + SPIN_S
+        while time.perf_counter() < stop:
+            if select.select([sock], [], [], 0)[0]:
+                return
+
+    def answered(self) -> None:
+        """The answer is readable: fold this wait into the expected one."""
+        wait = time.perf_counter() - self.sent_at
+        self.expected_s = wait if self.expected_s is None else 0.5 * (self.expected_s + wait)
 
     def readable(self) -> bool:
         """True if the answer (or the connection's end) can be read without blocking."""
@@ -182,6 +233,7 @@ class Transport:
                      and not requests.utils.get_environ_proxies(cfg.url))
         self._host, self._port = parts.hostname, parts.port or 80
         self._lanes: dict[int, _Lane] = {}
+        self.spin = (not shares_cores_with_server(cfg.url)) if cfg.spin is None else cfg.spin
 
     def close(self) -> None:
         self.http.close()
@@ -317,6 +369,11 @@ class Transport:
             try:
                 if not sent:
                     lane.send(self._base_path + p.path, p.body, self._headers)
+                if self.spin:
+                    lane.await_answer()
+                    answer = lane.receive()
+                    lane.answered()
+                    return answer
                 return lane.receive()
             except (socket.timeout, TimeoutError) as e:
                 lane.close()

@@ -9,7 +9,12 @@ Every route that carries tensors has the same shape, written once in :func:`tens
 
 so requests are decoded and answers encoded at this one layer, and this layer is the only one
 that hands work to the runtime's compute thread (``rt.compute.run``; every tensor operation
-runs there: see :mod:`.compute`); the runtime's methods assume they run on it. Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE,
+on the model runs there: see :mod:`.compute`); the runtime's methods assume they run on it.
+One exception, for the decode step's latency: a generation step's body of at most
+``INLINE_BODY_BYTES`` is decoded and validated on the WSGI thread (a tensor that small never
+starts OpenMP threads), and a decode step goes straight to the batcher's queue, which is safe
+from any thread; that saves a hand-off to the compute thread and back (about 0.3 ms a step,
+see benchmarks/README.md). Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE,
 "message": TEXT}`` with its HTTP status by one handler, so a bad request changes nothing and
 the server keeps serving.
 """
@@ -40,6 +45,9 @@ from .sessions import owner_of
 log = logging.getLogger(__name__)
 
 _HTTP_CODES = {404: NotFound, 413: PayloadTooLarge, 415: UnsupportedMediaType}
+# Generation-step bodies up to this size are decoded on the WSGI thread: under 16 Ki float32
+# values, below torch's grain size (32768) for running an operator on several threads.
+INLINE_BODY_BYTES = 64 << 10
 
 
 def error_response(err: SplitLearnError) -> Response:
@@ -124,11 +132,13 @@ def create_app(config: Optional[ServerConfig] = None,
         g.owner = owner_of(given.decode())
         return None
 
-    def tensor_route(rule: str, *, owner: bool = False) -> Callable:
+    def tensor_route(rule: str, *, owner: bool = False, inline: bool = False) -> Callable:
         """Register ``handler(tensors, meta, **url_args) -> Answer | Future[Answer]`` as a POST
         route taking and answering safetensors (see the module docstring). ``owner=True``
         also passes ``owner``, the digest of the caller's token (Flask's ``g`` does not reach
-        the compute thread)."""
+        the compute thread). ``inline=True``: bodies up to ``INLINE_BODY_BYTES`` are decoded
+        and the handler called on the WSGI thread; the handler hands its model work to the
+        compute thread itself."""
 
         def register(handler: Callable) -> Callable:
             @functools.wraps(handler)
@@ -141,7 +151,7 @@ def create_app(config: Optional[ServerConfig] = None,
                     tensors, meta = decode(body)
                     return handler(tensors, meta, **url_args)
 
-                answer = rt.compute.run(work)
+                answer = work() if inline and len(body) <= INLINE_BODY_BYTES else rt.compute.run(work)
                 if isinstance(answer, Future):  # a decode step waits for its batch
                     answer = answer.result()
                 resp = Response(answer.encode(), status=200, mimetype=P.CONTENT_TYPE)
@@ -226,7 +236,7 @@ def create_app(config: Optional[ServerConfig] = None,
         with lora_scope(rt.segment, adapter):
             return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")))
 
-    @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True)
+    @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True, inline=True)
     def session_step(t: dict, meta: dict, session_id: str, owner: str) -> Future:
         sess = rt.sessions.get(owner, session_id)
         m = P.SessionStepMeta.from_meta(meta)
@@ -234,7 +244,9 @@ def create_app(config: Optional[ServerConfig] = None,
         if m.position + h.shape[1] > npos:
             raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
         mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
-        return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
+        if h.shape[1] == 1:  # a decode step: queued for the batcher, from whichever thread
+            return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
+        return rt.compute.run(rt.session_step, sess, m.position, h, mask, m.wire_dtype)
 
     @app.get(P.FEDERATION)
     def federation():
@@ -283,7 +295,7 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.delete(P.SESSION.replace("{session_id}", "<session_id>"))
     def close_session(session_id: str):
-        rt.sessions.close(g.owner, session_id)
+        rt.close_session(g.owner, session_id)
         return Response(status=204)
 
     return app

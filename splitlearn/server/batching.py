@@ -15,11 +15,26 @@ kernel; only the row-wise matrix products are shared. No request waits for other
 queues, and the first step queued schedules one *drain* on the server's compute thread
 (:mod:`.compute`); when the drain runs it takes every step queued by then, so steps that
 arrive while the model is busy share the next pass (see :class:`DecodeBatcher`).
+
+Sessions that shared a batch get their answers at the same moment, and their next steps come
+back a little apart (each client turns its answer into the next step at its own pace). A
+drain that runs at the first of them would split the group: one pass for the early one, one
+for the rest, and the split would last. So a drain that finds some, but not all, of the
+previous batch's sessions back waits up to ``wait_s`` (``--batch-wait-ms``) for the others::
+
+    batch k:  {A, B, C}   answers out at t
+    queue:    A (t + 0.2 ms)                  -> wait: B and C were in batch k
+              B (t + 0.5 ms), C (t + 0.9 ms)  -> all back: batch k+1 = {A, B, C}
+
+A session that was not in the previous batch never makes a drain wait (a client's two row
+groups in flight, which alternate by design, stay apart), and a closed session is forgotten.
 """
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -51,6 +66,7 @@ class DecodeItem:
     mask: Optional[torch.Tensor] = None
     future: Future = field(default_factory=Future)
     adapter: Any = None  # the session's LoRA adapter (splitlearn.lora.Adapter), None: the base
+    key: Any = None  # the session's id: which steps belong together across batches
 
 
 @torch.no_grad()
@@ -99,18 +115,25 @@ class DecodeBatcher:
     """Collects decode steps from any thread and runs them together on the compute thread.
 
     ``batching=False`` runs each queued step alone (the benchmark's unbatched baseline).
-    ``lock``, if given, is held while a batch runs (the runtime's state lock).
+    ``lock``, if given, is held while a batch runs (the runtime's state lock). ``wait_s``: how
+    long a drain waits for the rest of the previous batch (see the module docstring).
+    ``inference``: a context for the forward (the runtime's prepacked weights,
+    :mod:`splitlearn.packed`).
     """
 
     def __init__(self, segment: Segment, compute: ComputeThread, lock: Optional[threading.RLock] = None,
-                 batching: bool = True):
+                 batching: bool = True, wait_s: float = 0.0, inference: Callable[[], Any] = nullcontext):
         self.segment = segment
         self.compute = compute
         self.lock = lock or threading.RLock()
         self.batching = batching
+        self.wait_s = wait_s
+        self.inference = inference
         self._queue: list[DecodeItem] = []
         self._queue_lock = threading.Lock()
+        self._arrived = threading.Condition(self._queue_lock)
         self._scheduled = False  # a drain is queued on the compute thread
+        self._last: set = set()  # keys of the previous batch's sessions
         self.batches = 0  # forwards run
         self.items = 0  # steps served
 
@@ -118,6 +141,7 @@ class DecodeBatcher:
         """Queue ``item`` (from any thread, the compute thread included); its future."""
         with self._queue_lock:
             self._queue.append(item)
+            self._arrived.notify()
             if not self._scheduled:
                 self._scheduled = True
                 self.compute.submit(self.drain)
@@ -127,15 +151,37 @@ class DecodeBatcher:
         """Queue ``item`` and wait for its answer (not from the compute thread itself)."""
         return self.enqueue(item).result()
 
+    def forget(self, key: Any) -> None:
+        """``key``'s session is closed: no drain waits for it."""
+        with self._queue_lock:
+            self._last.discard(key)
+
     def drain(self) -> None:
         """Run everything queued so far (on the compute thread)."""
         with self._queue_lock:
+            if self.batching and self.wait_s > 0:
+                self._wait_for_last_batch()
             batch, self._queue, self._scheduled = self._queue, [], False
+            if self.batching:
+                self._last = {it.key for it in batch if it.key is not None}
         if self.batching:
             self._run(batch)
         else:
             for it in batch:
                 self._run([it])
+
+    def _wait_for_last_batch(self) -> None:
+        """Wait (``_queue_lock`` held) up to ``wait_s`` while some of the previous batch's
+        sessions are queued and others are not yet."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            queued = {it.key for it in self._queue}
+            if not (self._last & queued) or self._last <= queued:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.wait(left)
 
     def _run(self, batch: list[DecodeItem]) -> None:
         with self.lock:
@@ -151,7 +197,8 @@ class DecodeBatcher:
             try:
                 if self.segment.training:  # eval() walks every submodule: 0.16 ms for 8 blocks
                     self.segment.eval()
-                outputs = batched_decode(self.segment, ready)
+                with self.inference():
+                    outputs = batched_decode(self.segment, ready)
                 self.batches += 1
                 self.items += len(ready)
             except Exception as e:

@@ -49,6 +49,15 @@ def parse_args(argv=None) -> ServerConfig:
                    help="intra-op threads for the segment (default: torch's, one per core)")
     p.add_argument("--no-batching", action="store_true",
                    help="run concurrent sessions' decode steps one at a time (for comparison)")
+    p.add_argument("--batch-wait-ms", type=float, default=2.0,
+                   help="how long a decode batch may wait for the sessions of the previous batch "
+                        "still on their way (0: never wait; see splitlearn/server/batching.py)")
+    p.add_argument("--no-packed-weights", action="store_true",
+                   help="decode on the layers' own matrix products, not on oneDNN prepacked copies of "
+                        "the weights (which are faster for a few rows and cost a second copy in memory)")
+    p.add_argument("--poll-idle", action="store_true",
+                   help="keep this server's cores polling instead of sleeping between requests (Linux; "
+                        "lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session expires")
     p.add_argument("--max-sessions", type=int, default=64)
     p.add_argument("--max-tokens-per-client", type=int, default=65536)
@@ -77,7 +86,8 @@ def parse_args(argv=None) -> ServerConfig:
         seed=a.seed, tokens=read_token_file(a.token_file) if a.token_file else (),
         checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         max_body_bytes=int(a.max_body_mb * (1 << 20)), max_batch=a.max_batch, threads=a.threads,
-        torch_threads=a.torch_threads, batching=not a.no_batching, session_ttl_s=a.session_ttl,
+        torch_threads=a.torch_threads, batching=not a.no_batching,
+        batch_wait_ms=a.batch_wait_ms, poll_idle=a.poll_idle, packed_weights=not a.no_packed_weights, session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
         federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
         lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a))
@@ -119,6 +129,7 @@ def serve(cfg: ServerConfig) -> None:
     """Build the app and serve it until SIGTERM/SIGINT, checkpointing on the way out."""
     import waitress
 
+    from ..idlepoll import IdlePoller
     from .app import create_app
 
     app = create_app(cfg)
@@ -131,8 +142,12 @@ def serve(cfg: ServerConfig) -> None:
         channel_timeout=300, connection_limit=256, ident="splitlearn")
     server.channel_class = _json_channel()
 
+    poller = IdlePoller().start() if cfg.poll_idle else None
+
     def stop(signum, _frame):
         logging.getLogger(__name__).info("signal %d: checkpointing and stopping", signum)
+        if poller is not None:
+            poller.stop()
         rt.compute.run(rt.checkpoint)
         server.close()
         sys.exit(0)

@@ -32,6 +32,9 @@ class ServerConfig:
     threads: int = 16  # WSGI worker threads (>= concurrent clients, so their decode steps can batch)
     torch_threads: Optional[int] = None  # intra-op threads of the compute thread (default: torch's)
     batching: bool = True  # batch concurrent sessions' decode steps into one forward
+    packed_weights: bool = True  # decode on oneDNN prepacked weights (CPU float32; splitlearn/packed.py)
+    poll_idle: bool = False  # keep the server's cores polling between requests (splitlearn/idlepoll.py)
+    batch_wait_ms: float = 2.0  # how long a decode batch waits for the rest of the last batch's sessions
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
     max_tokens_per_client: int = 65536  # cached tokens (rows x length) per token holder
@@ -70,6 +73,8 @@ class ServerConfig:
             raise ConfigError("--round-timeout and --lease-timeout must be > 0 seconds")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ConfigError(f"--batch-wait-ms must be in 0..1000, got {self.batch_wait_ms}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"--torch-threads must be >= 1, got {self.torch_threads}")
         if not self.tokens:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -27,6 +28,7 @@ from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import BadRequest, Conflict
 from ..export import load_segment, read_segment_spec
 from ..loading import load_model
+from ..packed import PackedLinears
 from ..partition import partition
 from ..segments import Segment, loss_from_logits
 from ..wire import WIRE_DTYPE_NAMES, pack
@@ -93,7 +95,9 @@ class SegmentRuntime:
         self.federation.on_change = self.checkpoint  # a sync or a closed round is made durable
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client)
-        self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching)
+        self._packed: Optional[PackedLinears] = None  # made on the first generation step
+        self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching,
+                                    wait_s=cfg.batch_wait_ms / 1e3, inference=self.inference)
         self.adapters = attach_lora(self) if cfg.lora is not None else None  # per-client LoRA
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
@@ -101,6 +105,15 @@ class SegmentRuntime:
             self.federation.restore(counters.get("federation", {}),
                                     read_extra(cfg.checkpoint_dir, "server", "federation"))
             log.info("resumed from %s: %d steps applied", cfg.checkpoint_dir, self.steps_applied)
+
+    def inference(self):
+        """Context of a generation step's forward: the segment's linear layers on prepacked
+        oneDNN weights (``--no-packed-weights``: as they are); see :mod:`splitlearn.packed`."""
+        if not self.cfg.packed_weights:
+            return nullcontext()
+        if self._packed is None:
+            self._packed = PackedLinears(self.segment)
+        return self._packed.active()
 
     def _make_optimizer(self, params) -> torch.optim.Optimizer:
         c = self.cfg
@@ -250,8 +263,11 @@ class SegmentRuntime:
 
         ``mask`` (rows, T) covers the new positions only; the session keeps the mask of the
         earlier ones, so a decode step's request does not grow with the sequence. Decode
-        steps (T = 1) go through the :class:`DecodeBatcher`, batched with concurrent ones.
-        Returns a future of the :class:`Answer`: wait for it off the compute thread.
+        steps (T = 1) go through the :class:`DecodeBatcher`, batched with concurrent ones;
+        queueing one is safe from any thread (everything that reads or changes the session
+        or the model runs in the item's ``prepare``, on the compute thread). A prefill
+        (T > 1) runs at once: call it on the compute thread. Returns a future of the
+        :class:`Answer`: wait for it off the compute thread.
         """
         T = hidden.shape[1]
 
@@ -268,17 +284,30 @@ class SegmentRuntime:
                 return Answer(pack(P.LOGITS, out[:, -1, :], wire_dtype))  # (B, V)
             return Answer(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)
 
-        h = self.to_model(hidden)
-        adapter = self.adapters.adapter_for(sess.client_id, self.cfg.federation) if self.adapters else None
+        def adapter():  # the session's LoRA adapter, None: the base model
+            return self.adapters.adapter_for(sess.client_id, self.cfg.federation) if self.adapters else None
+
         if T == 1:
-            return self.batcher.enqueue(DecodeItem(sess.cache, h, prepare, finish, adapter=adapter))
-        with self.lock, torch.no_grad(), lora_scope(self.segment, adapter):
+            item = DecodeItem(sess.cache, hidden, finish=finish, key=sess.id)
+
+            def prepare_decode() -> Optional[torch.Tensor]:
+                full = prepare()
+                item.hidden, item.adapter = self.to_model(hidden), adapter()  # (B, 1, d)
+                return full
+
+            item.prepare = prepare_decode
+            return self.batcher.enqueue(item)
+        with self.lock, torch.no_grad(), lora_scope(self.segment, adapter()), self.inference():
             full = prepare()
             self.segment.eval()
-            out = self.segment(h, full, sess.cache, logits_to_keep=1)  # (B, T, d) or (B, 1, V)
+            out = self.segment(self.to_model(hidden), full, sess.cache, logits_to_keep=1)  # (B, T, d) or (B, 1, V)
         done: Future = Future()
         done.set_result(finish(out))
         return done
+
+    def close_session(self, owner: str, session_id: str) -> None:
+        self.sessions.close(owner, session_id)
+        self.batcher.forget(session_id)  # no decode batch waits for its next step
 
     # -- persistence -------------------------------------------------------------------
 

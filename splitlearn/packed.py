@@ -1,0 +1,126 @@
+"""``PackedLinears``: few-row inference on oneDNN prepacked weights (CPU, float32).
+
+A decode step multiplies a few rows by every weight matrix of a segment. PyTorch's default
+CPU path for it (MKL ``sgemm`` through ``torch.addmm``, which GPT-2's ``Conv1D`` calls, or
+``F.linear``) is slow for such skinny products once there is more than one row, so a batch
+of 8 sessions cost 2.4x one session, not the ~1x that reading the same weights once should
+cost. oneDNN with the weight reordered once into its blocked layout ("prepacked", what
+``torch.compile``'s CPU backend does) is much flatter. Measured on this project's 2-core VM,
+one core, one thread, ms per product (``benchmarks/README.md``)::
+
+    rows                                        1      2      4      8
+    768 x 3072 (c_fc)     torch.addmm         0.44   0.71   0.98   1.07
+                          oneDNN prepacked    0.31   0.34   0.36   0.44
+    768 x 50257 (LM head) torch.addmm         5.7   11.3   12.4   15.9
+                          oneDNN prepacked    4.7    5.0    5.1    6.3
+
+It is the same float32 arithmetic summed in another order: outputs differ from
+``torch.addmm``'s by about 1e-6 relative (greedy tokens stay those of ``generate``; tested).
+
+:class:`PackedLinears` keeps a prepacked copy of the weight of every ``Conv1D`` and
+``nn.Linear`` of a module (a tied weight, the U-shape top's LM head, once) and, inside
+``with packed.active():``, sends those layers' no-grad forwards to it; with gradients on,
+they run as before. A weight changed since it was packed (an optimizer step bumps the
+tensor's version counter) is packed again before its next packed product. The cost is a second
+copy of those weights in memory, made on first use. Off (``PackedLinears.usable`` False)
+without oneDNN, off the CPU and for dtypes other than float32.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+def usable(module: nn.Module) -> bool:
+    """Whether ``module``'s linear layers can run on prepacked oneDNN weights."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    p = next(module.parameters(), None)
+    return p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+
+
+class _Packed:
+    """One weight's prepacked copy, and what it was packed from."""
+
+    def __init__(self, weight: torch.Tensor, transposed: bool):
+        self.weight, self.transposed = weight, transposed
+        self.key: Optional[tuple] = None
+        self.packed: Optional[torch.Tensor] = None
+
+    def refresh(self) -> None:
+        key = (self.weight._version, self.weight.data_ptr())
+        if key != self.key:
+            with torch.no_grad():
+                w = self.weight.detach()
+                w = w.t().contiguous() if self.transposed else w.contiguous()  # (out, in)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            self.key = key
+
+
+class PackedLinears:
+    """Prepacked copies of ``module``'s ``Conv1D`` / ``nn.Linear`` weights; see the module docstring."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.usable = usable(module)
+        self._layers: list[tuple[nn.Module, _Packed]] = []
+        by_weight: dict[int, _Packed] = {}
+        for layer in module.modules():
+            if isinstance(layer, Conv1D):
+                transposed = True  # Conv1D keeps its weight as (in, out)
+            elif isinstance(layer, nn.Linear):
+                transposed = False  # (out, in) already
+            else:
+                continue
+            w = layer.weight
+            if id(w) not in by_weight:
+                by_weight[id(w)] = _Packed(w, transposed)
+            self._layers.append((layer, by_weight[id(w)]))
+        self._weights = list(by_weight.values())
+        self._depth = 0  # active() blocks open (nested or interleaved generators)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def refresh(self) -> None:
+        """Pack every weight that changed since it was packed (or was never packed)."""
+        for p in self._weights:
+            p.refresh()
+
+    @contextmanager
+    def active(self) -> Iterator["PackedLinears"]:
+        """Within the block, no-grad forwards of the layers use the packed weights."""
+        if not self.usable:
+            yield self
+            return
+        self.refresh()
+        if self._depth == 0:
+            for layer, packed in self._layers:
+                layer.forward = _packed_forward(layer, packed)  # an instance attribute shadows the class's
+        self._depth += 1
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                for layer, _ in self._layers:
+                    del layer.forward
+
+
+def _packed_forward(layer: nn.Module, packed: _Packed):
+    original = type(layer).forward.__get__(layer)
+    bias = layer.bias
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return original(x)
+        if packed.weight._version != packed.key[0]:  # trained since active() began
+            packed.refresh()
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed.packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    return forward

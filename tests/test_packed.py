@@ -1,0 +1,79 @@
+"""``PackedLinears``: the same outputs as the layers' own products, fresh after training."""
+import pytest
+import torch
+
+import splitlearn as sl
+from splitlearn.packed import PackedLinears, usable
+
+
+@pytest.fixture()
+def parts():
+    return sl.partition(sl.load_model("tiny"), (1, 3))
+
+
+pytestmark = pytest.mark.skipif(not usable(torch.nn.Linear(2, 2)), reason="no oneDNN in this torch build")
+
+
+def _decode(seg, x, steps=3):
+    """Prefill + decode steps with a cache; the outputs, concatenated."""
+    cache, outs = seg.new_cache(), []
+    with torch.no_grad():
+        outs.append(seg(x[:, :-steps], None, cache))
+        for i in range(steps, 0, -1):
+            outs.append(seg(x[:, -i:][:, :1], None, cache))
+    return torch.cat(outs, dim=1)
+
+
+def test_packed_outputs_equal_the_layers_own_within_float32_rounding(parts):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, parts.config.vocab_size, (3, 9), generator=g)
+    h = torch.randn(3, 9, parts.config.n_embd, generator=g)
+    for seg, x in ((parts.bottom, ids), (parts.trunk, h), (parts.top, h)):
+        seg.eval()
+        plain = _decode(seg, x)
+        packed = PackedLinears(seg)
+        assert len(packed) > 0
+        with packed.active():
+            fast = _decode(seg, x)
+        assert not torch.equal(plain, fast) or seg is parts.bottom and len(seg.h) == 0
+        torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_weight_is_packed_once_and_layers_are_restored(parts):
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.weight = a.weight  # tied, as GPT-2's LM head and embedding are
+    assert (len(PackedLinears(torch.nn.Sequential(a, b))), len(PackedLinears(torch.nn.Sequential(a, b))._weights)) == (2, 1)
+    top = parts.top.eval()
+    packed = PackedLinears(top)
+    assert len(packed) == 4 * len(top.h) + 1  # c_attn, attn.c_proj, c_fc, mlp.c_proj; the LM head
+    with packed.active():
+        with packed.active():  # nested: the inner exit must not undo the outer
+            pass
+        assert "forward" in vars(top.lm_head)
+    assert all("forward" not in vars(m) for m in top.modules())
+
+
+def test_a_weight_trained_inside_or_between_blocks_is_repacked(parts):
+    trunk = parts.trunk.eval()
+    h = torch.randn(2, 4, parts.config.n_embd, generator=torch.Generator().manual_seed(1))
+    packed = PackedLinears(trunk)
+    with packed.active():
+        before = trunk(h).detach()  # grad on: the layers' own products
+        with torch.no_grad():
+            first = trunk(h)
+            for p in trunk.parameters():
+                p.mul_(1.5)  # as an optimizer step would, in place
+            second = trunk(h)
+    torch.testing.assert_close(first, before, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(second, trunk(h), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(first, second)
+
+
+def test_gradients_flow_through_the_layers_own_products(parts):
+    bottom = parts.bottom.train()
+    packed = PackedLinears(bottom)
+    ids = torch.randint(0, parts.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    with packed.active():
+        bottom(ids).sum().backward()
+    assert all(p.grad is not None for p in bottom.parameters() if p.requires_grad)
