@@ -21,7 +21,7 @@ def test_abbreviated_options_are_refused():
 def test_batch_wait_is_parsed_and_checked():
     from splitlearn.errors import ConfigError
     assert parse_args(["--model", "tiny", "--cut", "1", "--batch-wait-ms", "0"]).batch_wait_ms == 0
-    assert parse_args(["--model", "tiny", "--cut", "1"]).batch_wait_ms == 2.0
+    assert parse_args(["--model", "tiny", "--cut", "1"]).batch_wait_ms == 5.0
     with pytest.raises(ConfigError, match="batch-wait-ms"):
         parse_args(["--model", "tiny", "--cut", "1", "--batch-wait-ms", "-1"])
 

@@ -49,7 +49,7 @@ def parse_args(argv=None) -> ServerConfig:
                    help="intra-op threads for the segment (default: torch's, one per core)")
     p.add_argument("--no-batching", action="store_true",
                    help="run concurrent sessions' decode steps one at a time (for comparison)")
-    p.add_argument("--batch-wait-ms", type=float, default=2.0,
+    p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long a decode batch may wait for the sessions of the previous batch "
                         "still on their way (0: never wait; see splitlearn/server/batching.py)")
     p.add_argument("--no-packed-weights", action="store_true",
@@ -87,7 +87,8 @@ def parse_args(argv=None) -> ServerConfig:
         checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
         max_body_bytes=int(a.max_body_mb * (1 << 20)), max_batch=a.max_batch, threads=a.threads,
         torch_threads=a.torch_threads, batching=not a.no_batching,
-        batch_wait_ms=a.batch_wait_ms, poll_idle=a.poll_idle, packed_weights=not a.no_packed_weights, session_ttl_s=a.session_ttl,
+        batch_wait_ms=a.batch_wait_ms, poll_idle=a.poll_idle,
+        packed_weights=not a.no_packed_weights, session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
         federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
         lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a))

@@ -34,7 +34,7 @@ class ServerConfig:
     batching: bool = True  # batch concurrent sessions' decode steps into one forward
     packed_weights: bool = True  # decode on oneDNN prepacked weights (CPU float32; splitlearn/packed.py)
     poll_idle: bool = False  # keep the server's cores polling between requests (splitlearn/idlepoll.py)
-    batch_wait_ms: float = 2.0  # how long a decode batch waits for the rest of the last batch's sessions
+    batch_wait_ms: float = 5.0  # how long a decode batch waits for the rest of the last batch's sessions
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
     max_tokens_per_client: int = 65536  # cached tokens (rows x length) per token holder
