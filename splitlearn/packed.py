@@ -22,11 +22,14 @@ It is the same float32 arithmetic summed in another order: outputs differ from
 ``with packed.active():``, sends those layers' no-grad forwards to it; with gradients on,
 they run as before. A weight changed since it was packed (an optimizer step bumps the
 tensor's version counter) is packed again before its next packed product. The cost is a second
-copy of those weights in memory, made on first use. Off (``PackedLinears.usable`` False)
+copy of those weights in memory, made on first use and shared by every ``PackedLinears`` of
+the process over the same weight tensor (clients built from one model object share it). Off (``PackedLinears.usable`` False)
 without oneDNN, off the CPU and for dtypes other than float32.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -44,21 +47,46 @@ def usable(module: nn.Module) -> bool:
 
 
 class _Packed:
-    """One weight's prepacked copy, and what it was packed from."""
+    """One weight's prepacked copy, and what it was packed from (held weakly)."""
 
     def __init__(self, weight: torch.Tensor, transposed: bool):
-        self.weight, self.transposed = weight, transposed
+        self._weight, self.transposed = weakref.ref(weight), transposed
         self.key: Optional[tuple] = None
         self.packed: Optional[torch.Tensor] = None
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight()
+
     def refresh(self) -> None:
-        key = (self.weight._version, self.weight.data_ptr())
+        weight = self.weight
+        key = (weight._version, weight.data_ptr())
         if key != self.key:
             with torch.no_grad():
-                w = self.weight.detach()
+                w = weight.detach()
                 w = w.t().contiguous() if self.transposed else w.contiguous()  # (out, in)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self.key = key
+
+
+_STORE: dict[int, _Packed] = {}  # id(weight) -> its copy, dropped when the weight is
+_ACTIVE: dict[int, int] = {}  # id(layer) -> active() blocks open over it, in any PackedLinears
+_LOCK = threading.Lock()
+
+
+def _packed_for(weight: torch.Tensor, transposed: bool) -> _Packed:
+    with _LOCK:
+        p = _STORE.get(id(weight))
+        if p is None or p.weight is not weight:
+            p = _STORE[id(weight)] = _Packed(weight, transposed)
+            weakref.finalize(weight, _forget, id(weight), p)
+        return p
+
+
+def _forget(key: int, packed: _Packed) -> None:
+    with _LOCK:
+        if _STORE.get(key) is packed:
+            del _STORE[key]
 
 
 class PackedLinears:
@@ -68,7 +96,6 @@ class PackedLinears:
         self.module = module
         self.usable = usable(module)
         self._layers: list[tuple[nn.Module, _Packed]] = []
-        by_weight: dict[int, _Packed] = {}
         for layer in module.modules():
             if isinstance(layer, Conv1D):
                 transposed = True  # Conv1D keeps its weight as (in, out)
@@ -76,12 +103,8 @@ class PackedLinears:
                 transposed = False  # (out, in) already
             else:
                 continue
-            w = layer.weight
-            if id(w) not in by_weight:
-                by_weight[id(w)] = _Packed(w, transposed)
-            self._layers.append((layer, by_weight[id(w)]))
-        self._weights = list(by_weight.values())
-        self._depth = 0  # active() blocks open (nested or interleaved generators)
+            self._layers.append((layer, _packed_for(layer.weight, transposed) if self.usable else None))
+        self._weights = list({id(p): p for _, p in self._layers if p is not None}.values())
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -98,17 +121,22 @@ class PackedLinears:
             yield self
             return
         self.refresh()
-        if self._depth == 0:
+        with _LOCK:  # nested blocks, other generators, other objects over the same layers
             for layer, packed in self._layers:
-                layer.forward = _packed_forward(layer, packed)  # an instance attribute shadows the class's
-        self._depth += 1
+                n = _ACTIVE.get(id(layer), 0)
+                if n == 0:
+                    layer.forward = _packed_forward(layer, packed)  # an instance attribute shadows the class's
+                _ACTIVE[id(layer)] = n + 1
         try:
             yield self
         finally:
-            self._depth -= 1
-            if self._depth == 0:
+            with _LOCK:
                 for layer, _ in self._layers:
-                    del layer.forward
+                    n = _ACTIVE.pop(id(layer)) - 1
+                    if n:
+                        _ACTIVE[id(layer)] = n
+                    else:
+                        del layer.forward
 
 
 def _packed_forward(layer: nn.Module, packed: _Packed):

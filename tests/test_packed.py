@@ -77,3 +77,17 @@ def test_gradients_flow_through_the_layers_own_products(parts):
     with packed.active():
         bottom(ids).sum().backward()
     assert all(p.grad is not None for p in bottom.parameters() if p.requires_grad)
+
+
+def test_two_packers_of_one_model_share_the_copy_and_the_layers(parts):
+    """Clients built from one model object pack its weights once; one client's generation
+    ending does not unpack the layers under another's."""
+    trunk = parts.trunk.eval()
+    first, second = PackedLinears(trunk), PackedLinears(trunk)
+    assert all(a is b for a, b in zip(first._weights, second._weights))
+    layer = first._layers[0][0]
+    with first.active():
+        with second.active():
+            pass
+        assert "forward" in vars(layer)  # still packed for `first`
+    assert "forward" not in vars(layer)
