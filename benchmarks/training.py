@@ -55,7 +55,7 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
     model = ctx.model()
     ids = prompts(cfg, cfg.train_batch, model.config.vocab_size, cfg.train_seq).to(cfg.device)
     opt = make_optimizer(model.parameters(), "adamw", cfg.lr, 0.0)
-    steps = {"unsplit": lambda: unsplit_step(model, opt, ids)}
+    steps = {"unsplit": lambda opt=opt: unsplit_step(model, opt, ids)}
     clients = {}
     for shape in ("u", "2-way"):
         for wire in cfg.wire_dtypes:
@@ -83,7 +83,7 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
                          bytes_per_step=(s.bytes_sent + s.bytes_received) / cfg.train_repeats)
             clients[name].close()
         rows.append(_row(cfg, name, t, **extra))
-    del opt, clients
+    del steps, opt, clients
     naive = ctx.naive()
     if naive is not None:
         ctx.log("  training: naive JSON")
