@@ -159,3 +159,36 @@ def test_pipelining_is_on_only_where_the_server_has_cores_of_its_own(client, pad
         assert make(3).pipelined(greedy)
     assert not make(3, pipeline=True).pipelined(sampling)  # one generator for the batch: one group
     assert not make(1, pipeline=True).pipelined(greedy)
+
+
+def test_clients_generating_at_once_each_get_generates_tokens(server, tiny_model, padded_batch):
+    """Four clients, one row each, decode against one server at the same time (their steps
+    batched across sessions): each gets exactly what ``generate`` gives for its row, and the
+    server counts every decode step once."""
+    from serverproc import run_threads
+
+    ids, mask = padded_batch  # (3, 23), left-padded
+    rows = [(ids[i:i + 1], mask[i:i + 1]) for i in range(3)] + [(ids[:1, -7:], mask[:1, -7:])]
+    want = [tiny_model.generate(input_ids=x, attention_mask=m, max_new_tokens=NEW, do_sample=False,
+                                pad_token_id=256) for x, m in rows]
+    clients = [SplitClient(server.url, "tiny", token=TOKEN, device="cpu") for _ in rows]
+    before = clients[0].transport.get_json("/v1/info")["generation"]
+    got = [None] * len(rows)
+
+    def gen(i):
+        def run():
+            for _ in range(2):
+                got[i] = clients[i].generate(*rows[i], max_new_tokens=NEW, pad_token_id=256)
+        return run
+
+    try:
+        run_threads([gen(i) for i in range(len(rows))])
+        after = clients[0].transport.get_json("/v1/info")["generation"]
+    finally:
+        for c in clients:
+            c.close()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert steps == 2 * len(rows) * (NEW - 1)  # the prefill gives the first token
+    assert 1 <= after["decode_forwards"] - before["decode_forwards"] <= steps

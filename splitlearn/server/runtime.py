@@ -149,6 +149,9 @@ class SegmentRuntime:
                        "n_positions": self.config.n_positions, "max_sessions": c.max_sessions,
                        "max_tokens_per_client": c.max_tokens_per_client,
                        "session_ttl_s": c.session_ttl_s},
+            "generation": {"batching": c.batching, "batch_wait_ms": c.batch_wait_ms,
+                           "packed_weights": c.packed_weights, "sessions": len(self.sessions),
+                           "decode_steps": self.batcher.items, "decode_forwards": self.batcher.batches},
         }
 
     def client_step(self, client_id: str) -> int:
