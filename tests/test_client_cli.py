@@ -126,3 +126,25 @@ def test_train_and_generate_with_a_defense(capsys, monkeypatch):
         assert main(["train", "--server", srv.url, "--model", "tiny", "--steps", "1", "--quiet",
                      "--noise-sigma", "-1"]) == 2
         assert "sigma" in capsys.readouterr().err
+
+
+def test_train_lora_with_the_servers_options_and_export_the_adapter(tmp_path, capsys, monkeypatch):
+    """``train --lora`` takes r, alpha and targets from the server; ``--export-adapter`` writes
+    a peft directory whose server-side tensors are the ones the server trained."""
+    from safetensors.torch import load_file
+
+    with LocalServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--device", "cpu",
+                      "--lora-r", "2", "--lora-alpha", "4", "--lora-targets", "c_attn"]) as srv:
+        monkeypatch.setenv("SPLITLEARN_TOKEN", srv.token)
+        common = ["--server", srv.url, "--model", "tiny", "--device", "cpu", "--steps", "2", "--batch-size", "2",
+                  "--seq-len", "8", "--quiet", "--client-id", "owner-a"]
+        assert main(["train", *common]) == 2  # a LoRA server needs a LoRA client
+        assert "lora" in capsys.readouterr().err.lower()
+        assert main(["train", *common, "--export-adapter", str(tmp_path / "x")]) == 2  # needs --lora
+        assert main(["train", *common, "--lora", "--export-adapter", str(tmp_path / "adapter"), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == 2 and cfg["lora_alpha"] == 4 and cfg["target_modules"] == ["c_attn"]
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {k.split(".")[4] for k in tensors} == {str(b) for b in range(4)}  # every block's c_attn
+    assert any(float(t.abs().sum()) > 0 for k, t in tensors.items() if "lora_B" in k)  # trained: B left 0

@@ -69,6 +69,8 @@ def cmd_train(args) -> int:
     ids = tok.encode(load_corpus(args.data))
     if args.sync_every is not None and args.sync_every < 1:
         raise SplitLearnError(f"--sync-every must be >= 1, got {args.sync_every}")
+    if args.export_adapter and not args.lora:
+        raise SplitLearnError("--export-adapter needs --lora")
     if args.save_every is not None and (args.save_every < 1 or not args.save):
         raise SplitLearnError("--save-every N needs N >= 1 and --save DIR")
     save_dir = args.save or args.resume  # kept current: a killed client resumes from it exactly
@@ -77,7 +79,7 @@ def cmd_train(args) -> int:
                      client_id=args.client_id, wait_timeout_s=args.wait_timeout,
                      reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir,
                      defense=_defense(args), micro_batches=args.micro_batches,
-                     poll_idle=args.poll_idle) as client:
+                     lora="server" if args.lora else None, poll_idle=args.poll_idle) as client:
         start = client.load(args.resume) if args.resume else 0
         batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed)
         for _ in range(start):  # the batch of step i depends on the seed and i only
@@ -104,6 +106,8 @@ def cmd_train(args) -> int:
             client.sync()  # end of this client's turn / round
         if save_dir:
             client.save(save_dir)
+        if args.export_adapter:
+            client.export_adapter(args.export_adapter)
         s = client.stats
         done = args.steps - start
         summary = {
@@ -217,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--reconnect-timeout", type=float, default=120.0,
                     help="seconds to wait for a restarting server before failing (default 120)")
     tr.add_argument("--client-id", help="this data owner's name on the server (default: random)")
+    tr.add_argument("--lora", action="store_true", help="train LoRA adapters with the server's options "
+                    "(a server started with --lora-r); the base weights stay frozen on both sides")
+    tr.add_argument("--export-adapter", metavar="DIR", help="with --lora: write this client's adapter "
+                    "(both sides) to DIR as a peft adapter directory at the end")
     tr.add_argument("--micro-batches", type=int, default=1, help="split each batch into M micro-batches "
                     "and pipeline them, so client and server compute at the same time (GPipe)")
     tr.add_argument("--sync-every", type=int, help="federation: share client-side weights every N steps "

@@ -71,6 +71,9 @@ class SplitClient:
     reconnect_timeout_s: how long a training step waits for a crashed server to come back
     before raising ``TransportError``; then the client replays the steps the server lost
     (see :mod:`splitlearn.client.recovery` for what it keeps to do so).
+    lora: per-client LoRA adapters on a server started with ``--lora-r`` (a ``peft.LoraConfig``
+    or :class:`splitlearn.lora.LoraSpec` of the server's options, or ``"server"`` to take them
+    from the server); see :mod:`splitlearn.client.lora`.
     packed_weights: generate on oneDNN prepacked copies of the client's linear weights (CPU
     float32; faster for a few rows, a second copy of those weights in memory; see
     :mod:`splitlearn.packed`).

@@ -39,7 +39,8 @@ ADAPTER = "default"  # the adapter name peft uses inside the modules
 
 
 def as_spec(lora) -> LoraSpec:
-    """A :class:`LoraSpec` from a ``peft.LoraConfig`` or a :class:`LoraSpec`."""
+    """A :class:`LoraSpec` from a ``peft.LoraConfig`` or a :class:`LoraSpec` (``"server"``,
+    the server's own options, is resolved by :func:`setup`)."""
     if isinstance(lora, LoraSpec):
         return lora
     if type(lora).__name__ == "LoraConfig":
@@ -53,7 +54,7 @@ def check_server(info: dict, spec: Optional[LoraSpec]) -> None:
     if spec is None and server is not None:
         raise ConfigError(f"the server trains LoRA adapters ({server}) and keeps its segment frozen: "
                           f"connect with SplitClient(..., lora=peft.LoraConfig(...)) of the same r, "
-                          f"alpha and targets")
+                          f"alpha and targets, or lora=\"server\" (the command line's --lora)")
     if spec is not None and server is None:
         raise ConfigError("this client asks for LoRA but the server trains its whole segment "
                           "(started without --lora-r): drop lora=... or restart the server with --lora-r")
@@ -139,6 +140,10 @@ def export_adapter(directory: Union[str, Path], spec: LoraSpec, client: dict[str
 def setup(client, lora, seed: int) -> Optional[LoraSpec]:
     """Called once by ``SplitClient.__init__``: check the server agrees, put the adapters on,
     and give the client's optimizer (same rule and settings) the adapters alone."""
+    if isinstance(lora, str) and lora == "server":  # the server's own options (the CLI's --lora)
+        if client.info.get("lora") is None:
+            raise ConfigError("--lora: the server trains its whole segment (started without --lora-r)")
+        lora = LoraSpec.from_dict(client.info["lora"])
     spec = None if lora is None else as_spec(lora)
     check_server(client.info, spec)
     if spec is None:
