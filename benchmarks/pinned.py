@@ -67,24 +67,14 @@ def _child(conn, cfg: BenchConfig) -> None:
         client = SplitClient(srv.url, model, token=srv.token, device="cpu", wire_dtype="float32", seed=cfg.seed)
         N, rows = cfg.new_tokens, []
         whole = PackedLinears(model)  # the unsplit model on the kernels the split decodes with
-
-        def packed(fn):
-            def run():
-                with whole.active():
-                    return fn()
-            return run
-
         poller = IdlePoller(cfg.pinned_cores).start() if available() else None
         if poller is not None:
             poller.pause()
 
-        def polling(fn):  # fn with the pollers running
+        def within(context, fn):  # fn run inside context()
             def run():
-                poller.resume()
-                try:
+                with context():
                     return fn()
-                finally:
-                    poller.pause()
             return run
 
         for B in cfg.gen_batches:
@@ -92,9 +82,10 @@ def _child(conn, cfg: BenchConfig) -> None:
             systems = {"unsplit (1 core)": lambda: hf_generate(model, ids, N),
                        "splitlearn u float32": lambda: client.generate(ids, max_new_tokens=N)}
             if whole.usable:
-                systems["unsplit (1 core, packed)"] = packed(lambda: hf_generate(model, ids, N))
+                systems["unsplit (1 core, packed)"] = within(whole.active, lambda: hf_generate(model, ids, N))
             if poller is not None:
-                systems["splitlearn u float32 poll-idle"] = polling(systems["splitlearn u float32"])
+                systems["splitlearn u float32 poll-idle"] = within(poller.running,
+                                                                   systems["splitlearn u float32"])
             if B >= 2:
                 systems["splitlearn u float32 serial"] = lambda: client.generate(ids, max_new_tokens=N,
                                                                                  pipeline=False)
@@ -117,7 +108,8 @@ def _child(conn, cfg: BenchConfig) -> None:
                              "pipelined": s.startswith("splitlearn u float32") and "serial" not in s and B >= 2})
         overheads = {"splitlearn decode step": lambda: decode_step_overheads(client, cfg.overhead_calls)}
         if poller is not None:
-            overheads["splitlearn decode step poll-idle"] = polling(overheads["splitlearn decode step"])
+            overheads["splitlearn decode step poll-idle"] = within(poller.running,
+                                                                   overheads["splitlearn decode step"])
         for system, fn in overheads.items():
             trips, server = fn()
             rows.append({"workload": "pinned", "case": "one decode step, batch 1", "system": system,

@@ -30,7 +30,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Iterable, Optional
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional
 
 from .errors import ConfigError
 
@@ -57,8 +58,9 @@ def available() -> bool:
 class IdlePoller:
     """Pollers on ``cores`` (default: every core this process may run on).
 
-    ``start()`` / ``stop()`` (or a ``with`` block); ``pause()`` / ``resume()`` stop and
-    continue them without a new process (SIGSTOP / SIGCONT), for a benchmark's baseline.
+    ``start()`` / ``stop()`` (or a ``with`` block); ``pause()`` / ``resume()`` (or ``with
+    poller.running():``) stop and continue them without a new process (SIGSTOP / SIGCONT),
+    for a benchmark's baseline.
     """
 
     def __init__(self, cores: Optional[Iterable[int]] = None):
@@ -87,6 +89,15 @@ class IdlePoller:
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
 
+    @contextmanager
+    def running(self) -> Iterator["IdlePoller"]:
+        """Resumed within the block, paused after it."""
+        self.resume()
+        try:
+            yield self
+        finally:
+            self.pause()
+
     def stop(self) -> None:
         self.resume()  # a stopped process would not see SIGTERM until continued
         for p in self.procs:
@@ -101,7 +112,8 @@ class IdlePoller:
         self.procs = []
 
     @property
-    def running(self) -> int:
+    def alive(self) -> int:
+        """How many pollers are alive (stopped or not)."""
         return sum(p.poll() is None for p in self.procs)
 
     def __enter__(self) -> "IdlePoller":

@@ -22,7 +22,7 @@ It is the same float32 arithmetic summed in another order: outputs differ from
 ``with packed.active():``, sends those layers' no-grad forwards to it; with gradients on,
 they run as before. A weight changed since it was packed (an optimizer step bumps the
 tensor's version counter) is packed again before its next packed product. The cost is a second
-copy of those weights in memory, made on first use and shared by every ``PackedLinears`` of
+copy of those weights in memory, made on each weight's first packed product and shared by every ``PackedLinears`` of
 the process over the same weight tensor (clients built from one model object share it). Off (``PackedLinears.usable`` False)
 without oneDNN, off the CPU and for dtypes other than float32.
 """
@@ -58,7 +58,9 @@ class _Packed:
     def weight(self) -> torch.Tensor:
         return self._weight()
 
-    def refresh(self) -> None:
+    def current(self) -> torch.Tensor:
+        """The packed weight, packed (again) first if the weight changed since (an optimizer
+        step bumps the tensor's version counter) or was never packed."""
         weight = self.weight
         key = (weight._version, weight.data_ptr())
         if key != self.key:
@@ -67,6 +69,7 @@ class _Packed:
                 w = w.t().contiguous() if self.transposed else w.contiguous()  # (out, in)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self.key = key
+        return self.packed
 
 
 _STORE: dict[int, _Packed] = {}  # id(weight) -> its copy, dropped when the weight is
@@ -95,7 +98,7 @@ class PackedLinears:
     def __init__(self, module: nn.Module):
         self.module = module
         self.usable = usable(module)
-        self._layers: list[tuple[nn.Module, _Packed]] = []
+        self._layers: list[tuple[nn.Module, Optional[_Packed]]] = []
         for layer in module.modules():
             if isinstance(layer, Conv1D):
                 transposed = True  # Conv1D keeps its weight as (in, out)
@@ -105,14 +108,10 @@ class PackedLinears:
                 continue
             self._layers.append((layer, _packed_for(layer.weight, transposed) if self.usable else None))
         self._weights = list({id(p): p for _, p in self._layers if p is not None}.values())
+        self._forwards = [_packed_forward(layer, p) for layer, p in self._layers] if self.usable else []
 
     def __len__(self) -> int:
         return len(self._layers)
-
-    def refresh(self) -> None:
-        """Pack every weight that changed since it was packed (or was never packed)."""
-        for p in self._weights:
-            p.refresh()
 
     @contextmanager
     def active(self) -> Iterator["PackedLinears"]:
@@ -120,12 +119,11 @@ class PackedLinears:
         if not self.usable:
             yield self
             return
-        self.refresh()
         with _LOCK:  # nested blocks, other generators, other objects over the same layers
-            for layer, packed in self._layers:
+            for (layer, _), forward in zip(self._layers, self._forwards):
                 n = _ACTIVE.get(id(layer), 0)
                 if n == 0:
-                    layer.forward = _packed_forward(layer, packed)  # an instance attribute shadows the class's
+                    layer.forward = forward  # an instance attribute shadows the class's
                 _ACTIVE[id(layer)] = n + 1
         try:
             yield self
@@ -146,9 +144,7 @@ def _packed_forward(layer: nn.Module, packed: _Packed):
     def forward(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
             return original(x)
-        if packed.weight._version != packed.key[0]:  # trained since active() began
-            packed.refresh()
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed.packed, bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed.current(), bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
     return forward

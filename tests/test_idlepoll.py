@@ -31,12 +31,14 @@ def _policy_and_cores(pid):
 def test_one_idle_poller_per_core_pinned_to_it_and_stopped():
     cores = sorted(os.sched_getaffinity(0))
     with IdlePoller() as poller:
-        assert poller.cores == cores and poller.running == len(cores)
+        assert poller.cores == cores and poller.alive == len(cores)
         for core, p in zip(cores, poller.procs):
             assert _wait(lambda: _policy_and_cores(p.pid) == (os.SCHED_IDLE, {core}))
         poller.pause()
         poller.resume()
-        assert poller.running == len(cores)
+        with poller.running():
+            pass
+        assert poller.alive == len(cores)
         procs = list(poller.procs)
     assert all(p.poll() is not None for p in procs)
 
@@ -74,7 +76,7 @@ def test_a_server_and_a_client_with_poll_idle_serve_and_clean_up(tmp_path):
 
     with LocalServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--poll-idle"]) as srv:
         with SplitClient(srv.url, "tiny", token=srv.token, poll_idle=True) as client:
-            assert client.poller is not None and client.poller.running >= 1
+            assert client.poller is not None and client.poller.alive >= 1
             ids = torch.randint(0, 100, (1, 4), generator=torch.Generator().manual_seed(0))
             assert client.generate(ids, max_new_tokens=3).shape == (1, 7)
             procs = list(client.poller.procs)

@@ -140,7 +140,7 @@ def export_adapter(directory: Union[str, Path], spec: LoraSpec, client: dict[str
 def setup(client, lora, seed: int) -> Optional[LoraSpec]:
     """Called once by ``SplitClient.__init__``: check the server agrees, put the adapters on,
     and give the client's optimizer (same rule and settings) the adapters alone."""
-    if isinstance(lora, str) and lora == "server":  # the server's own options (the CLI's --lora)
+    if lora == "server":  # the server's own options (the CLI's --lora)
         if client.info.get("lora") is None:
             raise ConfigError("--lora: the server trains its whole segment (started without --lora-r)")
         lora = LoraSpec.from_dict(client.info["lora"])

@@ -56,6 +56,8 @@ class _Step:
         self.shares = token_shares(labels, micros)
         self.calls: dict = {}  # lane -> (kind, micro, PendingCall): the request in flight there
         self.results: dict = {}  # (kind, micro) -> the answer's tensors, once read
+        self.sent: list = []  # (what was sent (b, T, d), the defense's extra loss) per micro-batch
+        self.grads: list = []  # (b, T, d) per micro-batch, backpropagated through the bottom in order
         self.durable: Optional[int] = None
 
     def _meta(self, i: int) -> dict:
@@ -105,7 +107,6 @@ class _Step:
 
     def _run(self):
         c = self.c
-        self.sent = []
         for i, (x, m) in enumerate(self.parts):  # bottom(i + 1) while the server works on i
             h = c._defend(c.bottom(x, m), x)  # (b, T, d), what is sent
             self.sent.append((h, c._defense_loss))
@@ -113,7 +114,6 @@ class _Step:
             if not c.u_shape:
                 tensors[P.LABELS] = labels_from_batch(x, m).cpu()
             self._send("f", i, P.TRAIN_FORWARD if c.u_shape else P.TRAIN_STEP, tensors)
-        self.grads: list = []  # (b, T, d) per micro-batch, backpropagated through the bottom in order
         answers: dict = {}
         if not c.u_shape:
             loss = 0.0

@@ -161,28 +161,27 @@ class _Lane:
     def await_answer(self) -> None:
         """Sleep until ``SPIN_S`` before the answer is expected, then poll up to ``SPIN_S``
         past it (see the module docstring); returns early when the answer is there."""
-        sock = self.conn.sock if self.conn is not None else None
-        if sock is None or self.expected_s is None:
+        if self.expected_s is None:
             return
         due = self.sent_at + self.expected_s
         nap = due - SPIN_S - time.perf_counter()
-        if nap > 0 and select.select([sock], [], [], nap)[0]:
+        if nap > 0 and self.readable(nap):
             return
         stop = due + SPIN_S
-        while time.perf_counter() < stop:
-            if select.select([sock], [], [], 0)[0]:
-                return
+        while time.perf_counter() < stop and not self.readable():
+            pass
 
     def answered(self) -> None:
         """The answer is readable: fold this wait into the expected one."""
         wait = time.perf_counter() - self.sent_at
         self.expected_s = wait if self.expected_s is None else 0.5 * (self.expected_s + wait)
 
-    def readable(self) -> bool:
-        """True if the answer (or the connection's end) can be read without blocking."""
+    def readable(self, wait_s: float = 0.0) -> bool:
+        """True if the answer (or the connection's end) can be read without blocking, waiting
+        up to ``wait_s`` for it."""
         if self.conn is None or self.conn.sock is None:
             return True  # nothing to wait for: reading reconnects or fails at once
-        return bool(select.select([self.conn.sock], [], [], 0)[0])
+        return bool(select.select([self.conn.sock], [], [], wait_s)[0])
 
     def receive(self) -> tuple[int, Callable[[str], Optional[str]], bytes]:
         resp = self.conn.getresponse()
@@ -371,10 +370,9 @@ class Transport:
                     lane.send(self._base_path + p.path, p.body, self._headers)
                 if self.spin:
                     lane.await_answer()
-                    answer = lane.receive()
-                    lane.answered()
-                    return answer
-                return lane.receive()
+                answer = lane.receive()
+                lane.answered()
+                return answer
             except (socket.timeout, TimeoutError) as e:
                 lane.close()
                 raise TransportError(f"POST {url}: no answer in time ({e})") from None
