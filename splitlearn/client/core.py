@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from contextlib import ExitStack
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -124,8 +124,8 @@ class SplitClient:
         if self.journal_dir is not None and not has_state(self.journal_dir, "client"):
             self._persist()  # step 0: a resume without a later snapshot starts here
         self.recoveries: list[dict] = []  # one entry per recovery: the server's step, steps replayed
-        self.packed_weights = packed_weights
-        self._packed: Optional[list[PackedLinears]] = None  # made on the first generation
+        # generation's linear layers on prepacked weights (packed on their first product)
+        self._packed = PackedLinears(torch.nn.ModuleList(self.segments)) if packed_weights else None
         if poll_idle:  # last: a failed set-up leaves no pollers behind
             self.poller = IdlePoller().start()
 
@@ -507,12 +507,8 @@ class SplitClient:
         remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
                                pipeline=pipeline, client_id=self.client_id if self.lora is not None else None,
                                defend=self._defend)
-        if self.packed_weights and self._packed is None:
-            self._packed = [PackedLinears(s) for s in self.segments]
         try:
-            with ExitStack() as packed:
-                for pk in self._packed or []:
-                    packed.enter_context(pk.active())
+            with self._packed.active() if self._packed is not None else nullcontext():
                 yield from remote.decode(ids, mask, cfg)
         finally:
             remote.close()

@@ -95,10 +95,11 @@ class SegmentRuntime:
         self.federation.on_change = self.checkpoint  # a sync or a closed round is made durable
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client)
-        self._packed: Optional[PackedLinears] = None  # made on the first generation step
         self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching,
                                     wait_s=cfg.batch_wait_ms / 1e3, inference=self.inference)
         self.adapters = attach_lora(self) if cfg.lora is not None else None  # per-client LoRA
+        # generation's linear layers on prepacked weights (packed on their first product)
+        self._packed = PackedLinears(self.segment) if cfg.packed_weights else None
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
@@ -109,11 +110,7 @@ class SegmentRuntime:
     def inference(self):
         """Context of a generation step's forward: the segment's linear layers on prepacked
         oneDNN weights (``--no-packed-weights``: as they are); see :mod:`splitlearn.packed`."""
-        if not self.cfg.packed_weights:
-            return nullcontext()
-        if self._packed is None:
-            self._packed = PackedLinears(self.segment)
-        return self._packed.active()
+        return self._packed.active() if self._packed is not None else nullcontext()
 
     def _make_optimizer(self, params) -> torch.optim.Optimizer:
         c = self.cfg
