@@ -79,10 +79,10 @@ class _Step:
         self.results[(kind, i)] = out
 
     def _lane_of(self, kind: str, i: int) -> Optional[int]:
-        for lane, (k, j, _) in self.calls.items():
-            if (k, j) == (kind, i):
-                return lane
-        return None
+        """The lane ``(kind, i)`` went out on (``i % lanes``, as :meth:`_send` chose), if its
+        request is still there."""
+        entry = self.calls.get(i % self.lanes)
+        return i % self.lanes if entry is not None and entry[:2] == (kind, i) else None
 
     def _ready(self, kind: str, i: int) -> bool:
         """True if the answer of ``(kind, i)`` can be had without waiting for the server."""
