@@ -49,6 +49,12 @@ class Unauthorized(SplitLearnError):
     status, code = 401, "unauthorized"
 
 
+class Forbidden(SplitLearnError):
+    """A valid token that may not do this (an operator action without the operator's token)."""
+
+    status, code = 403, "forbidden"
+
+
 class NotFound(SplitLearnError):
     """Unknown route, or a generation session that does not exist (for this token)."""
 
@@ -98,7 +104,7 @@ class TransportError(SplitLearnError):
 _BY_CODE = {
     cls.code: cls
     for cls in (
-        SplitLearnError, ConfigError, SegmentFileError, BadRequest, Unauthorized, NotFound,
+        SplitLearnError, ConfigError, SegmentFileError, BadRequest, Unauthorized, Forbidden, NotFound,
         Conflict, NotYourTurn, StaleWeights, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServiceUnavailable,
         TransportError,
     )

@@ -91,7 +91,9 @@ class StepMeta:
     loss_scale: float = 1.0  # 2-way: this micro-batch's share of the step's loss (its target tokens / all)
 
     def to_meta(self) -> dict[str, str]:
-        meta = {"client_id": self.client_id, "step": str(self.step), "wire_dtype": self.wire_dtype}
+        # the server scopes client_id as "<tenant>:<id>"; the wire carries the id alone
+        meta = {"client_id": self.client_id.rsplit(":", 1)[-1], "step": str(self.step),
+                "wire_dtype": self.wire_dtype}
         if self.fed_version is not None:
             meta["fed_version"] = str(self.fed_version)
         if self.micros != 1:
@@ -160,13 +162,30 @@ def valid_client_id(client_id: str) -> bool:
 ECHO = "/v1/echo"
 
 
+def parse_token_line(line: str) -> Optional[tuple[str, str, bool]]:
+    """``(name, token, operator)`` of a token-file line; None for blanks and comments.
+    A bare token gets an empty name (named from its digest later)."""
+    words = line.split()
+    if not words or words[0].startswith("#"):
+        return None
+    if len(words) == 1:
+        return "", words[0], False
+    if len(words) == 2:
+        return words[0], words[1], False
+    if len(words) == 3 and words[2] == "operator":
+        return words[0], words[1], True
+    raise ConfigError(f"a token file line has {len(words)} words: expected '<token>', '<name> <token>' "
+                      f"or '<name> <token> operator' (the line is not shown: it may hold a token)")
+
+
 def read_token_file(path: str) -> tuple[str, ...]:
-    """Tokens from a file, one per line (blank lines and ``#`` comments ignored)."""
+    """The lines of a token file that carry a token, whitespace-normalised (the format:
+    :mod:`splitlearn.server.tenants`; a client takes the token of the first line)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise ConfigError(f"cannot read --token-file {path}: {e}") from None
-    tokens = tuple(t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#"))
-    if not tokens:
+    entries = tuple(" ".join(line.split()) for line in lines if parse_token_line(line) is not None)
+    if not entries:
         raise ConfigError(f"--token-file {path} holds no token")
-    return tokens
+    return entries

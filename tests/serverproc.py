@@ -17,7 +17,10 @@ from splitlearn.checkpoint import read_weights
 from splitlearn.localserver import LocalServer
 from splitlearn.wire import decode, encode
 
-TOKEN, OTHER = "tok", "other"
+# two tenants; strong enough for the server (16+ characters, not a documentation example)
+TOKEN, OTHER = "tok-5c1f0e8b2a9d4e77", "other-93be41d06fa2c815"
+# token-file lines of a two-tenant server: TOKEN is tenant "alice" and the operator, OTHER "mallory"
+TENANTS = (f"alice {TOKEN} operator", f"mallory {OTHER}")
 
 
 def auth(token: Optional[str] = TOKEN) -> dict:

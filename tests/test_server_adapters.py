@@ -1,4 +1,4 @@
-"""splitlearn.server.adapters: the bank (owners, checkpoints), LoRA federation, the routes in-process."""
+"""splitlearn.server.adapters: the bank (tenant-scoped keys, checkpoints), LoRA federation, the routes in-process."""
 import json
 
 import pytest
@@ -14,7 +14,7 @@ from splitlearn.server.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import decode
 
-from serverproc import OTHER, TOKEN, assert_error, auth, post_tensors, same_weights, snapshot, tensors_of
+from serverproc import TENANTS, OTHER, TOKEN, assert_error, auth, post_tensors, same_weights, snapshot, tensors_of
 
 SPEC = LoraSpec(r=2, alpha=4.0, targets=("c_attn", "c_fc"))
 
@@ -38,20 +38,19 @@ def _train(rep, seed, steps=2):
 def test_each_client_gets_its_own_adapter_and_a_checkpoint_restores_them_all(tmp_path):
     trunk, bank = _bank()
     base = snapshot(trunk)
-    for i, cid in enumerate(["a", "b"]):
-        bank.claim(cid, f"owner-{cid}")
+    for i, cid in enumerate(["t1:a", "t2:b"]):
         _train(bank.replica(cid), i)
-    assert bank.replica("a").segment.adapter is not bank.replica("b").segment.adapter
+    assert bank.replica("t1:a").segment.adapter is not bank.replica("t2:b").segment.adapter
     assert same_weights(base, snapshot(trunk))
-    sizes = bank.bytes_of("a")
-    n = sum(p.numel() for p in bank.replica("a").segment.parameters())
-    assert sizes == {"adapter": 4 * n, "optimizer": 2 * 4 * n + 4 * len(list(bank.replica("a").segment.parameters()))}
+    sizes = bank.bytes_of("t1:a")
+    n = sum(p.numel() for p in bank.replica("t1:a").segment.parameters())
+    assert sizes == {"adapter": 4 * n, "optimizer": 2 * 4 * n + 4 * len(list(bank.replica("t1:a").segment.parameters()))}
     tensors, meta = bank.state()
     save_file(tensors, str(tmp_path / "a.safetensors"))  # what a checkpoint holds: safetensors + JSON
     _, fresh = _bank()
     fresh.restore(load_file(str(tmp_path / "a.safetensors")), json.loads(json.dumps(meta)))
-    assert fresh.owners == {"a": "owner-a", "b": "owner-b"}
-    for cid in ("a", "b"):
+    assert fresh.client_ids() == ["t1:a", "t2:b"]
+    for cid in ("t1:a", "t2:b"):
         assert same_weights(bank.replica(cid).segment.state_dict(), fresh.replica(cid).segment.state_dict())
         # same optimizer state: one more identical step gives identical adapters
         _train(bank.replica(cid), 7, 1)
@@ -59,16 +58,17 @@ def test_each_client_gets_its_own_adapter_and_a_checkpoint_restores_them_all(tmp
         assert same_weights(bank.replica(cid).segment.state_dict(), fresh.replica(cid).segment.state_dict())
 
 
-def test_a_client_id_belongs_to_the_first_token_that_uses_it():
+def test_a_client_id_is_scoped_to_its_tenant_and_seeded_by_the_id_alone():
     _, bank = _bank()
-    bank.claim("a", "t1")
-    bank.claim("a", "t1")
-    with pytest.raises(NotFound):
-        bank.claim("a", "t2")
-    with pytest.raises(NotFound):
-        bank.check_reader("a", "t2")
     with pytest.raises(NotFound, match="not trained"):
-        bank.adapter_bytes("a", "t1", "shared")
+        bank.adapter_bytes("t1:a", "shared", trained=False)
+    a1, a2 = bank.replica("t1:a"), bank.replica("t2:a")
+    assert a1 is not a2 and a1.segment.adapter is not a2.segment.adapter  # two tenants, two clients
+    # the initial adapter depends on the client's own id only (the client inits its side the same way)
+    assert same_weights(a1.segment.adapter.tensors(), a2.segment.adapter.tensors())
+    _train(a1, 0)
+    assert not same_weights(a1.segment.adapter.tensors(), a2.segment.adapter.tensors())
+    assert decode(bank.adapter_bytes("t2:a", "shared", trained=True))[0].keys() == a2.segment.adapter.tensors().keys()
 
 
 def test_splitfed_averages_adapters_only_and_never_copies_the_base():
@@ -93,27 +93,27 @@ def test_splitfed_averages_adapters_only_and_never_copies_the_base():
 
 @pytest.fixture(scope="module")
 def app():
-    cfg = ServerConfig(model="tiny", cuts=(1, 3), tokens=(TOKEN, OTHER), lora=SPEC, optimizer="sgd", lr=0.1)
+    cfg = ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS, lora=SPEC, optimizer="sgd", lr=0.1)
     return create_app(cfg).test_client()
 
 
-def test_routes_bind_adapters_to_tokens(app):
+def test_routes_bind_adapters_to_tenants(app):
     info = app.get(P.INFO, headers=auth()).get_json()
     assert info["lora"] == SPEC.to_dict()
     h = torch.randn(1, 4, 32)
     meta = P.StepMeta("alice", 1).to_meta()
     tensors_of(post_tensors(app, P.TRAIN_FORWARD, {P.HIDDEN: h}, meta))
-    assert_error(post_tensors(app, P.TRAIN_FORWARD, {P.HIDDEN: h}, P.StepMeta("alice", 1).to_meta(), token=OTHER),
-                 404, "no client")
     tensors_of(post_tensors(app, P.TRAIN_BACKWARD, {P.GRAD: torch.ones(1, 4, 32)}, meta))
+    # the other tenant has no "alice": her adapter, her sessions' adapter and her step are not its
+    assert_error(app.get(P.CLIENT_ADAPTER.format(client_id="alice"), headers=auth(OTHER)), 404, "not trained")
+    assert app.get(P.CLIENT_STATE.format(client_id="alice"), headers=auth(OTHER)).get_json()["step"] == 0
     r = app.get(P.CLIENT_ADAPTER.format(client_id="alice"), headers=auth())
     tensors, _ = decode(r.get_data())
     assert r.status_code == 200 and set(tensors) == {
         f"base_model.model.transformer.h.{i}.{m}.lora_{ab}.weight"
         for i in (1, 2) for m in ("attn.c_attn", "mlp.c_fc") for ab in "AB"}
-    assert_error(app.get(P.CLIENT_ADAPTER.format(client_id="alice"), headers=auth(OTHER)), 404, "no client")
-    assert_error(app.post(P.SESSIONS, data=json.dumps({"rows": 1, "client_id": "alice"}), headers=auth(OTHER)),
-                 404, "no client")
+    theirs = app.post(P.SESSIONS, data=json.dumps({"rows": 1, "client_id": "alice"}), headers=auth(OTHER))
+    assert theirs.status_code == 201  # their own "alice" (no adapter yet): no squatting either way
     assert_error(app.post(P.SESSIONS, data=json.dumps({"rows": 1, "client_id": "bad id!"}), headers=auth()),
                  400, "client_id")
     r = app.post(P.SESSIONS, data=json.dumps({"rows": 1, "client_id": "alice"}), headers=auth())
@@ -122,4 +122,6 @@ def test_routes_bind_adapters_to_tokens(app):
     plain = tensors_of(post_tensors(app, P.FORWARD, {P.HIDDEN: h}, {}))[P.HIDDEN]
     mine = tensors_of(post_tensors(app, P.FORWARD, {P.HIDDEN: h}, {"client_id": "alice"}))[P.HIDDEN]
     assert not torch.allclose(plain, mine)
-    assert_error(post_tensors(app, P.FORWARD, {P.HIDDEN: h}, {"client_id": "alice"}, token=OTHER), 404, "no client")
+    # the other tenant's "alice" has no adapter: it evaluates on the base model, not on hers
+    other = tensors_of(post_tensors(app, P.FORWARD, {P.HIDDEN: h}, {"client_id": "alice"}, token=OTHER))[P.HIDDEN]
+    assert torch.equal(other, plain)

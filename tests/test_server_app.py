@@ -11,7 +11,7 @@ from splitlearn.server.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import encode, pack
 
-from serverproc import (OTHER, TOKEN, assert_error, auth, post_tensors, same_weights, segment_of,
+from serverproc import (TENANTS, OTHER, TOKEN, assert_error, auth, post_tensors, same_weights, segment_of,
                         snapshot, tensors_of)
 
 D, NPOS, VOCAB = 32, 64, 257  # models/tiny.json
@@ -19,12 +19,12 @@ D, NPOS, VOCAB = 32, 64, 257  # models/tiny.json
 
 @pytest.fixture
 def u_app():
-    return create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=(TOKEN, OTHER)))
+    return create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS))
 
 
 @pytest.fixture
 def two_way_app():
-    return create_app(ServerConfig(model="tiny", cuts=(2,), tokens=(TOKEN, OTHER)))
+    return create_app(ServerConfig(model="tiny", cuts=(2,), tokens=TENANTS))
 
 
 @pytest.fixture

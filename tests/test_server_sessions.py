@@ -12,14 +12,14 @@ from splitlearn import protocol as P
 from splitlearn.server.app import create_app
 from splitlearn.server.config import ServerConfig
 
-from serverproc import OTHER, TOKEN, assert_error, auth, post_tensors, tensors_of
+from serverproc import TENANTS, OTHER, TOKEN, assert_error, auth, post_tensors, tensors_of
 
 D, NPOS, VOCAB = 32, 64, 257  # models/tiny.json
 PREFILL_MASK = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # (2, 5), row 0 left-padded
 
 
 def make_app(cuts=(1, 3), **limits):
-    return create_app(ServerConfig(model="tiny", cuts=cuts, tokens=(TOKEN, OTHER), **limits))
+    return create_app(ServerConfig(model="tiny", cuts=cuts, tokens=TENANTS, **limits))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch
 from ..data import get_tokenizer, lm_batches, load_corpus
 from .. import protocol as P
 from ..errors import SplitLearnError
-from ..protocol import read_token_file
+from ..protocol import parse_token_line, read_token_file
 from ..wire import WIRE_DTYPE_NAMES
 from .core import SplitClient
 from .transport import Transport, TransportConfig
@@ -21,7 +21,7 @@ from .transport import Transport, TransportConfig
 
 def _token(args) -> Optional[str]:
     if getattr(args, "token_file", None):
-        return read_token_file(args.token_file)[0]  # the server's rule: first non-comment line
+        return parse_token_line(read_token_file(args.token_file)[0])[1]  # the first line's token
     return os.environ.get("SPLITLEARN_TOKEN")
 
 

@@ -15,14 +15,14 @@ The runtime's training paths get the client's copy from ``Federation.replica_for
 always: :class:`LoraFederation` answers with an :class:`~splitlearn.lora.AdaptedSegment`
 (the shared segment with that adapter switched on) and an optimizer over the adapter alone.
 
-Ownership: the first token that trains as (or opens a session for) a client id owns it;
-another token gets 404 for that id's adapter, its steps and its sessions, as for an id that
-does not exist. Memory per client (GPT-2 small, blocks 2-10, r=8 on c_attn): the adapter
+Ownership: adapters are keyed by the scoped key ``<tenant>:<client_id>``
+(:mod:`.tenants`), so a client id belongs to its tenant and nothing is first-come: another
+tenant's request for ``alice`` reaches its own ``alice`` (or nothing), never this one. Memory per client (GPT-2 small, blocks 2-10, r=8 on c_attn): the adapter
 (8 x (768 + 2304) x 9 = 221k parameters, 0.88 MB) plus AdamW's two moments (1.8 MB),
 against 680 MB for a full copy of the segment with AdamW state (benchmarks/lora.py).
 
 Checkpoints: every adapter and optimizer tensor (keyed ``<client>/<name>``) is the
-``adapters`` tensor set of the server's checkpoint generation, the spec, owners and optimizer
+``adapters`` tensor set of the server's checkpoint generation, the spec and optimizer
 settings its ``counters["adapters"]`` (JSON), so adapters and the step ledger are saved
 atomically together (:mod:`splitlearn.checkpoint`); no pickle.
 """
@@ -43,6 +43,7 @@ from ..partition import partition
 from ..segments import Segment
 from ..wire import encode
 from .federation import Federation, Replica
+from .tenants import client_of
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ GLOBAL = "*"  # the round's / the turn's adapter in sequential and splitfed (not
 
 
 class AdapterBank:
-    """Adapters, their optimizers and their owners; called on the compute thread."""
+    """Adapters and their optimizers, keyed by scoped client key; called on the compute thread."""
 
     def __init__(self, segment: Segment, spec: LoraSpec, seed: int, make_optimizer: Callable):
         self.spec = spec
@@ -58,13 +59,14 @@ class AdapterBank:
         self.make_optimizer = make_optimizer  # params -> the server's optimizer
         self.router = LoraRouter(segment, spec)
         self.replicas: dict[str, Replica] = {}  # client id (or GLOBAL) -> its adapter + optimizer
-        self.owners: dict[str, str] = {}  # client id -> digest of the token that owns it
         self.lock = threading.Lock()
 
     # -- adapters --------------------------------------------------------------------
 
     def new_replica(self, client_id: str) -> Replica:
-        seg = AdaptedSegment(self.router, self.router.new_adapter(self.seed, "" if client_id == GLOBAL else client_id))
+        # seeded by the client's own id (not its tenant), as the client inits its side
+        seed_id = "" if client_id == GLOBAL else client_of(client_id)
+        seg = AdaptedSegment(self.router, self.router.new_adapter(self.seed, seed_id))
         return Replica(seg, self.make_optimizer(seg.parameters()))
 
     def replica(self, client_id: str) -> Replica:
@@ -86,25 +88,16 @@ class AdapterBank:
     def client_ids(self) -> list[str]:
         return sorted(k for k in self.replicas if k != GLOBAL)
 
-    # -- ownership -------------------------------------------------------------------
+    # -- reading ---------------------------------------------------------------------
 
-    def claim(self, client_id: str, owner: str) -> None:
-        """``owner`` may act as ``client_id``: it already owns it, or it is nobody's yet."""
-        with self.lock:
-            held = self.owners.setdefault(client_id, owner)
-        if held != owner:
-            raise NotFound(f"no client {client_id!r} for this token")
-
-    def check_reader(self, client_id: str, owner: str) -> None:
-        if self.owners.get(client_id) != owner:
-            raise NotFound(f"no client {client_id!r} for this token")
-
-    def adapter_bytes(self, client_id: str, owner: str, mode: str) -> bytes:
-        """``GET /v1/clients/<id>/adapter``: the adapter with peft's names, as safetensors."""
-        self.check_reader(client_id, owner)
-        adapter = self.adapter_for(client_id, mode)
+    def adapter_bytes(self, key: str, mode: str, trained: bool) -> bytes:
+        """``GET /v1/clients/<id>/adapter``: the adapter the caller's client ``key`` trains
+        (scoped to its tenant, so another tenant's is never found) with peft's names;
+        ``trained``: the key has a training record (the turn's or round's adapter is shown
+        only to the clients that train it)."""
+        adapter = self.adapter_for(key, mode) if trained else None
         if adapter is None:
-            raise NotFound(f"client {client_id!r} has no server-side adapter yet (it has not trained)")
+            raise NotFound(f"client {client_of(key)!r} has no server-side adapter yet (it has not trained)")
         return encode(adapter.tensors(), {"lora": json.dumps(self.spec.to_dict())})
 
     # -- memory ----------------------------------------------------------------------
@@ -129,7 +122,7 @@ class AdapterBank:
                     tensors[f"{cid}/{k}"] = v
                 opt_tensors, optim[cid] = optimizer_state(rep.optimizer)
                 tensors.update({f"{cid}/optim/{k}": v for k, v in opt_tensors.items()})
-            return tensors, {"spec": self.spec.to_dict(), "owners": dict(self.owners), "optimizers": optim}
+            return tensors, {"spec": self.spec.to_dict(), "optimizers": optim}
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Put back what :meth:`state` gave: every adapter, optimizer and owner."""
@@ -137,7 +130,6 @@ class AdapterBank:
             raise ConfigError(f"the checkpointed adapters have LoRA {meta['spec']}, this server runs "
                               f"{self.spec.to_dict()}: start it with the same --lora-* options")
         with self.lock:
-            self.owners = dict(meta["owners"])
             self.replicas = {}
             for cid, opt in meta["optimizers"].items():
                 rep = self.new_replica(cid)

@@ -20,10 +20,11 @@ the server keeps serving.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import hmac
 import json
 import logging
+import secrets
 import time
 from concurrent.futures import Future
 from typing import Callable, Optional
@@ -32,7 +33,7 @@ from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from .. import protocol as P
-from ..errors import (BadRequest, NotFound, PayloadTooLarge, SplitLearnError, Unauthorized,
+from ..errors import (BadRequest, Forbidden, NotFound, PayloadTooLarge, SplitLearnError, Unauthorized,
                       UnsupportedMediaType)
 from ..lora import lora_scope
 from ..wire import check_wire_dtype, decode
@@ -40,7 +41,7 @@ from . import validate
 from .config import ServerConfig
 from .ledger import Answer
 from .runtime import SegmentRuntime
-from .sessions import owner_of
+from .tenants import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,28 @@ def _body() -> bytes:
     return request.get_data(cache=False)
 
 
+MAX_JSON_BYTES = 4096  # control messages are a few fields; anything larger is refused unparsed
+
+
+def json_object(body: bytes, shape: str) -> dict:
+    """A small flat JSON object, or 400: never a 500 (deep nesting, bad UTF-8, huge bodies)."""
+    if len(body) > MAX_JSON_BYTES:
+        raise PayloadTooLarge(f"a JSON control message is at most {MAX_JSON_BYTES} bytes; expected {shape}")
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise BadRequest(f"the body must be JSON {shape}") from None
+    if not isinstance(payload, dict) or any(isinstance(v, (dict, list)) for v in payload.values()):
+        raise BadRequest(f"the body must be a flat JSON object {shape}")
+    return payload
+
+
 def session_rows(body: bytes, max_batch: int) -> int:
     """``rows`` of a ``POST /v1/sessions`` body: JSON ``{"rows": N}``; an empty body means 1."""
     if not body.strip():
         return 1
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise BadRequest('the body must be JSON {"rows": <int>} (or empty for one row)') from None
-    if not isinstance(payload, dict) or set(payload) - {"rows", "client_id"}:
+    payload = json_object(body, '{"rows": <int>, "client_id": <str, LoRA>} (or empty for one row)')
+    if set(payload) - {"rows", "client_id"}:
         raise BadRequest(f'the body must be a JSON object {{"rows": <int>}}, got {str(payload)[:80]}')
     rows = payload.get("rows", 1)
     if not isinstance(rows, int) or isinstance(rows, bool):
@@ -86,7 +100,7 @@ def session_rows(body: bytes, max_batch: int) -> int:
 
 def session_client_id(body: bytes) -> Optional[str]:
     """``client_id`` of a ``POST /v1/sessions`` body (LoRA: whose adapter); None if absent."""
-    payload = json.loads(body) if body.strip() else {}
+    payload = json_object(body, '{"rows": <int>, "client_id": <str>}') if body.strip() else {}
     cid = payload.get("client_id")
     if cid is not None and not (isinstance(cid, str) and P.valid_client_id(cid)):
         raise BadRequest("'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
@@ -101,7 +115,7 @@ def create_app(config: Optional[ServerConfig] = None,
     app = Flask("splitlearn.server")
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes  # 413 from Content-Length, unread
     app.extensions["splitlearn"] = rt
-    tokens = [t.encode() for t in cfg.tokens]
+    tenants = cfg.tenants
     d, npos, vocab = rt.config.n_embd, rt.config.n_positions, rt.config.vocab_size
 
     @app.errorhandler(SplitLearnError)
@@ -118,25 +132,31 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.errorhandler(Exception)
     def _internal(err: Exception):
-        log.exception("internal error on %s %s", request.method, request.path)
-        return error_response(SplitLearnError(f"internal server error: {type(err).__name__}: {err}"))
+        incident = secrets.token_hex(6)  # the answer names it; the log has the details
+        log.exception("internal error %s on %s %s", incident, request.method, request.path)
+        return error_response(SplitLearnError(f"internal server error (incident {incident}: the "
+                                              f"operator's log has the details)"))
 
     @app.before_request
     def _authenticate():
         if request.path == P.HEALTH:
             return None
-        header = request.headers.get("Authorization", "")
-        given = header[7:].encode() if header.startswith("Bearer ") else b""
-        if not given or not any(hmac.compare_digest(given, t) for t in tokens):
+        tenant = tenants.authenticate(request.headers.get("Authorization"))
+        if tenant is None:
             raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
-        g.owner = owner_of(given.decode())
+        g.tenant, g.owner = tenant, tenant.digest
         return None
+
+    def scoped(m, tenant: Tenant):
+        """The request's metadata with its client id scoped to the caller's tenant: every
+        server state is keyed by ``<tenant>:<client_id>`` (:mod:`.tenants`)."""
+        return dataclasses.replace(m, client_id=tenant.key(m.client_id))
 
     def tensor_route(rule: str, *, owner: bool = False, inline: bool = False) -> Callable:
         """Register ``handler(tensors, meta, **url_args) -> Answer | Future[Answer]`` as a POST
         route taking and answering safetensors (see the module docstring). ``owner=True``
-        also passes ``owner``, the digest of the caller's token (Flask's ``g`` does not reach
-        the compute thread). ``inline=True``: bodies up to ``INLINE_BODY_BYTES`` are decoded
+        also passes ``owner``, the caller's :class:`~.tenants.Tenant` (Flask's ``g`` does not
+        reach the compute thread). ``inline=True``: bodies up to ``INLINE_BODY_BYTES`` are decoded
         and the handler called on the WSGI thread; the handler hands its model work to the
         compute thread itself."""
 
@@ -145,7 +165,7 @@ def create_app(config: Optional[ServerConfig] = None,
             def view(**url_args) -> Response:
                 started, body = time.perf_counter(), _body()
                 if owner:
-                    url_args["owner"] = g.owner
+                    url_args["owner"] = g.tenant
 
                 def work():  # on the compute thread
                     tensors, meta = decode(body)
@@ -182,63 +202,62 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.get(P.INFO)
     def info():
-        return jsonify({**rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None})
+        you = {"tenant": g.tenant.name, "operator": g.tenant.operator, "tenants": len(tenants)}
+        return jsonify({**rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None,
+                        "you": you})
 
-    def as_client(client_id: str, owner: str) -> None:
-        """LoRA: the first token that acts as a client id owns it; others get 404."""
-        if rt.adapters is not None:
-            rt.adapters.claim(client_id, owner)
+    def client_key(client_id: str) -> str:
+        if not P.valid_client_id(client_id):
+            raise BadRequest("client ids are 1-64 characters of [A-Za-z0-9_.-]")
+        return g.tenant.key(client_id)
 
     @app.get(P.CLIENT_ADAPTER.replace("{client_id}", "<client_id>"))
     def client_adapter(client_id: str):
         if rt.adapters is None:
             raise NotFound("this server has no LoRA adapters (started without --lora-r)")
-        body = rt.compute.run(rt.adapters.adapter_bytes, client_id, g.owner, cfg.federation)
+        key = client_key(client_id)
+        body = rt.compute.run(rt.adapters.adapter_bytes, key, cfg.federation, rt.ledger.known(key))
         return Response(body, status=200, mimetype=P.CONTENT_TYPE)
 
     @app.get(P.CLIENT_STATE.replace("{client_id}", "<client_id>"))
     def client_state(client_id: str):
-        if not P.valid_client_id(client_id):
-            raise BadRequest("client ids are 1-64 characters of [A-Za-z0-9_.-]")
-        return jsonify(client_id=client_id, step=rt.client_step(client_id),
-                       durable=rt.ledger.durable_step(client_id))
+        key = client_key(client_id)  # another tenant's id reads as one never used
+        return jsonify(client_id=client_id, step=rt.client_step(key),
+                       durable=rt.ledger.durable_step(key))
 
     @tensor_route(P.TRAIN_STEP, owner=True)
-    def train_step(t: dict, meta: dict, owner: str) -> Answer:
-        m = P.StepMeta.from_meta(meta)
-        as_client(m.client_id, owner)
+    def train_step(t: dict, meta: dict, owner: Tenant) -> Answer:
+        m = scoped(P.StepMeta.from_meta(meta), owner)
         h, mask = hidden_and_mask(t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
         return rt.train_step(m, h, y, mask)
 
     @tensor_route(P.TRAIN_FORWARD, owner=True)
-    def train_forward(t: dict, meta: dict, owner: str) -> Answer:
-        m = P.StepMeta.from_meta(meta)
-        as_client(m.client_id, owner)
+    def train_forward(t: dict, meta: dict, owner: Tenant) -> Answer:
+        m = scoped(P.StepMeta.from_meta(meta), owner)
         h, mask = hidden_and_mask(t)
         return rt.train_forward(m, h, mask)
 
     @tensor_route(P.TRAIN_BACKWARD, owner=True)
-    def train_backward(t: dict, meta: dict, owner: str) -> Answer:
-        m = P.StepMeta.from_meta(meta)
-        as_client(m.client_id, owner)
+    def train_backward(t: dict, meta: dict, owner: Tenant) -> Answer:
+        m = scoped(P.StepMeta.from_meta(meta), owner)
         grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
         return rt.train_backward(m, grad)
 
     @tensor_route(P.FORWARD, owner=True)
-    def forward(t: dict, meta: dict, owner: str) -> Answer:
+    def forward(t: dict, meta: dict, owner: Tenant) -> Answer:
         h, mask = hidden_and_mask(t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
         adapter = None
         if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter
-            as_client(P.StepMeta.from_meta({**meta, "step": "1"}).client_id, owner)
-            adapter = rt.adapters.adapter_for(meta["client_id"], cfg.federation)
+            key = scoped(P.StepMeta.from_meta({**meta, "step": "1"}), owner).client_id
+            adapter = rt.adapters.adapter_for(key, cfg.federation)
         with lora_scope(rt.segment, adapter):
             return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")))
 
     @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True, inline=True)
-    def session_step(t: dict, meta: dict, session_id: str, owner: str) -> Future:
-        sess = rt.sessions.get(owner, session_id)
+    def session_step(t: dict, meta: dict, session_id: str, owner: Tenant) -> Future:
+        sess = rt.sessions.get(owner.digest, session_id)
         m = P.SessionStepMeta.from_meta(meta)
         h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=sess.rows)
         if m.position + h.shape[1] > npos:
@@ -279,6 +298,9 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.post(P.CHECKPOINT)
     def checkpoint():
+        if not g.tenant.operator:
+            raise Forbidden("a checkpoint on request is an operator action: use the operator's token "
+                            "(the server checkpoints by itself every --checkpoint-every steps)")
         if not cfg.checkpoint_dir:
             raise BadRequest("this server was started without --checkpoint-dir")
         return jsonify(saved=rt.compute.run(rt.checkpoint), steps_applied=rt.steps_applied)
@@ -287,10 +309,8 @@ def create_app(config: Optional[ServerConfig] = None,
     def open_session():
         body = request.get_data(cache=False)
         rows, client_id = session_rows(body, cfg.max_batch), session_client_id(body)
-        if client_id is not None:
-            as_client(client_id, g.owner)
         sess = rt.open_session(g.owner, rows)
-        sess.client_id = client_id
+        sess.client_id = None if client_id is None else g.tenant.key(client_id)  # LoRA: its adapter
         return jsonify(session_id=sess.id, rows=sess.rows, ttl_s=cfg.session_ttl_s), 201
 
     @app.delete(P.SESSION.replace("{session_id}", "<session_id>"))

@@ -18,7 +18,7 @@ from typing import Optional
 
 from ..errors import ConfigError, SplitLearnError, from_status
 from ..lora import LoraSpec
-from ..protocol import read_token_file
+from .tenants import read_token_file
 from .config import ServerConfig
 
 
@@ -38,8 +38,9 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="seed of random inits (must match the client's)")
-    p.add_argument("--token-file", help="file with the accepted bearer tokens, one per line "
-                                        "(default: $SPLITLEARN_TOKEN, comma-separated)")
+    p.add_argument("--token-file", help="the tenants' bearer tokens, one per line: '<token>', '<name> <token>' "
+                                        "or '<name> <token> operator' (default: $SPLITLEARN_TOKEN, "
+                                        "comma-separated; see docs/SECURITY.md)")
     p.add_argument("--checkpoint-dir", help="save segment + optimizer state here periodically and on SIGTERM")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--max-body-mb", type=float, default=256.0, help="larger request bodies get 413")
@@ -60,7 +61,16 @@ def parse_args(argv=None) -> ServerConfig:
                         "lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session expires")
     p.add_argument("--max-sessions", type=int, default=64)
-    p.add_argument("--max-tokens-per-client", type=int, default=65536)
+    p.add_argument("--max-tokens-per-client", type=int, default=65536,
+                   help="cached generation tokens (rows x length) per tenant, over its sessions")
+    p.add_argument("--max-sessions-per-tenant", type=int, default=16,
+                   help="open generation sessions per tenant (--max-sessions is the server's total)")
+    p.add_argument("--max-clients-per-tenant", type=int, default=64,
+                   help="client ids one tenant may train with (each holds server state)")
+    p.add_argument("--max-pending-per-tenant", type=int, default=8,
+                   help="training steps one tenant may have in flight at once")
+    p.add_argument("--allow-weak-tokens", action="store_true",
+                   help="accept tokens shorter than 16 characters or the docs' examples (never in production)")
     p.add_argument("--federation", default="shared", choices=["shared", "sequential", "splitfed"],
                    help="how several data owners share the model (docs/FEDERATION.md)")
     p.add_argument("--clients-per-round", type=int, default=2, help="splitfed: syncs that close a round")
@@ -90,6 +100,8 @@ def parse_args(argv=None) -> ServerConfig:
         batch_wait_ms=a.batch_wait_ms, poll_idle=a.poll_idle,
         packed_weights=not a.no_packed_weights, session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
+        max_sessions_per_tenant=a.max_sessions_per_tenant, max_clients_per_tenant=a.max_clients_per_tenant,
+        max_pending_per_tenant=a.max_pending_per_tenant, allow_weak_tokens=a.allow_weak_tokens,
         federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
         lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a))
 

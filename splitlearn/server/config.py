@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..lora import LoraSpec
+from .tenants import Tenants
 
 
 @dataclass
@@ -24,7 +25,8 @@ class ServerConfig:
     lr: float = 1e-3  # learning rate of the server's optimizer
     weight_decay: float = 0.0  # decoupled (AdamW) or L2 (SGD) weight decay
     seed: int = 0  # seed of random inits; must match the client's
-    tokens: tuple[str, ...] = ()  # accepted bearer tokens; from SPLITLEARN_TOKEN (comma-separated) if empty
+    tokens: tuple[str, ...] = ()  # token-file lines ("<token>", "<name> <token> [operator]"; splitlearn/server/tenants.py); from SPLITLEARN_TOKEN (comma-separated) if empty
+    allow_weak_tokens: bool = False  # accept tokens under 16 characters or the docs' examples
     checkpoint_dir: Optional[str] = None  # where the segment + optimizer state are saved
     checkpoint_every: int = 100  # steps between periodic checkpoints (0: only on SIGTERM/request)
     max_body_bytes: int = 256 << 20  # requests larger than this get 413 unread
@@ -37,7 +39,10 @@ class ServerConfig:
     batch_wait_ms: float = 5.0  # how long a decode batch waits for the rest of the last batch's sessions
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
-    max_tokens_per_client: int = 65536  # cached tokens (rows x length) per token holder
+    max_tokens_per_client: int = 65536  # cached tokens (rows x length) per tenant, over its sessions
+    max_sessions_per_tenant: int = 16  # open generation sessions per tenant (of max_sessions in all)
+    max_clients_per_tenant: int = 64  # client ids a tenant may train (each keeps a ledger entry, an adapter...)
+    max_pending_per_tenant: int = 8  # training steps a tenant may have in flight at once
     federation: str = "shared"  # shared | sequential | splitfed (splitlearn/server/federation.py)
     clients_per_round: int = 2  # splitfed: clients whose sync closes a round
     round_timeout_s: float = 300.0  # seconds a splitfed round waits for syncs / a turn may idle
@@ -60,7 +65,8 @@ class ServerConfig:
             raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        for name in ("max_body_bytes", "max_batch", "threads", "max_sessions", "max_tokens_per_client"):
+        for name in ("max_body_bytes", "max_batch", "threads", "max_sessions", "max_tokens_per_client",
+                     "max_sessions_per_tenant", "max_clients_per_tenant", "max_pending_per_tenant"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.federation not in ("shared", "sequential", "splitfed"):
@@ -81,8 +87,9 @@ class ServerConfig:
             env = os.environ.get("SPLITLEARN_TOKEN", "")
             self.tokens = tuple(t.strip() for t in env.split(",") if t.strip())
         if not self.tokens:
-            self.tokens = (secrets.token_urlsafe(24),)
+            self.tokens = (secrets.token_urlsafe(32),)
             self.generated_token = True
         self.tokens = tuple(self.tokens)
+        self.tenants = Tenants(self.tokens, self.allow_weak_tokens)  # ConfigError for weak or malformed ones
         self.cuts = tuple(self.cuts)
 

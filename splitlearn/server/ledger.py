@@ -125,7 +125,21 @@ class StepLedger:
         return p if p is not None and (step is None or p.step == step) else None
 
     def set_pending(self, client_id: str, pending: Optional[Pending]) -> None:
+        if pending is None and client_id not in self.clients:
+            return  # nothing to clear; never create a record for it
         self.record(client_id).pending = pending
+
+    def pending_since(self) -> dict[str, float]:
+        """Every pending step's client and the time.monotonic() of its first request."""
+        return {c: r.pending.since for c, r in self.clients.items() if r.pending is not None}
+
+    def known(self, client_id: str) -> bool:
+        return client_id in self.clients
+
+    def count(self, prefix: str) -> tuple[int, int]:
+        """(client ids, pending steps) of the keys starting with ``prefix`` (a tenant's)."""
+        mine = [r for c, r in self.clients.items() if c.startswith(prefix)]
+        return len(mine), sum(1 for r in mine if r.pending is not None)
 
     def applied(self, client_id: str, step: int, answer: Answer, pieces: Optional[dict[int, Answer]] = None,
                 forwards: Optional[dict[int, Answer]] = None) -> int:

@@ -88,13 +88,13 @@ class SegmentRuntime:
         self.ledger = StepLedger()
         self._client_shapes: Optional[dict] = None
         self.training = Training(self)
-        self.lease = StepLease(cfg.lease_timeout_s, on_expire=self._drop_pending)
+        self.lease = StepLease(cfg.lease_timeout_s, on_expire=lambda cid: self.drop_pending(cid, release=False))
         self.federation = Federation(cfg.federation, Replica(self.segment, self.optimizer),
                                      self._make_optimizer, cfg.clients_per_round, cfg.round_timeout_s)
         self.federation.client_weights_at = cfg.client_weights
         self.federation.on_change = self.checkpoint  # a sync or a closed round is made durable
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
-                                     cfg.max_tokens_per_client)
+                                     cfg.max_tokens_per_client, cfg.max_sessions_per_tenant)
         self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching,
                                     wait_s=cfg.batch_wait_ms / 1e3, inference=self.inference)
         self.adapters = attach_lora(self) if cfg.lora is not None else None  # per-client LoRA
@@ -145,7 +145,10 @@ class SegmentRuntime:
             "limits": {"max_body_bytes": c.max_body_bytes, "max_batch": c.max_batch,
                        "n_positions": self.config.n_positions, "max_sessions": c.max_sessions,
                        "max_tokens_per_client": c.max_tokens_per_client,
-                       "session_ttl_s": c.session_ttl_s},
+                       "max_sessions_per_tenant": c.max_sessions_per_tenant,
+                       "max_clients_per_tenant": c.max_clients_per_tenant,
+                       "max_pending_per_tenant": c.max_pending_per_tenant,
+                       "lease_timeout_s": c.lease_timeout_s, "session_ttl_s": c.session_ttl_s},
             "generation": {"batching": c.batching, "batch_wait_ms": c.batch_wait_ms,
                            "packed_weights": c.packed_weights, "sessions": len(self.sessions),
                            "decode_steps": self.batcher.items, "decode_forwards": self.batcher.batches},
@@ -183,14 +186,18 @@ class SegmentRuntime:
         with self.lock:
             return self.training.backward(meta, grad)
 
-    def _drop_pending(self, client_id: str) -> None:  # the lease of a vanished client expired
+    def drop_pending(self, client_id: str, release: bool = True) -> None:
+        """A step left unfinished for over the lease timeout (its client vanished) is dropped:
+        gradients freed, lease given back; the client's late piece gets 409 and redoes it."""
         with self.lock:
-            log.warning("client %s held the segment for over %gs in one step: its step is dropped",
+            log.warning("client %s left a step unfinished for over %gs: it is dropped",
                         client_id, self.cfg.lease_timeout_s)
             pend = self.ledger.pending(client_id)
             if pend is not None:
                 pend.state.rep.optimizer.zero_grad(set_to_none=True)
             self.ledger.set_pending(client_id, None)
+            if release:  # (not when the lease itself expires it: it is taking the lease over)
+                self.lease.release(client_id)
 
     def applied(self, meta: P.StepMeta, answer: Answer, pieces: Optional[dict] = None,
                 forwards: Optional[dict] = None) -> None:

@@ -3,9 +3,11 @@
 A session is opened by a token holder, addressed by an unguessable id
 (``secrets.token_urlsafe``), and visible only to the token that opened it: any other token
 gets 404, as for an id that never existed. Idle sessions expire after ``ttl_s``. Limits:
-``max_sessions`` open sessions on the server (503 + Retry-After when full) and
-``max_tokens`` cached tokens (rows x length, summed over a holder's sessions; 429 +
-Retry-After when exceeded).
+``max_sessions`` open sessions on the server (503 + Retry-After when full), at most
+``max_per_owner`` of them for one tenant (429), and ``max_tokens`` cached tokens (rows x
+length, summed over a tenant's sessions; 429 + Retry-After when exceeded), so no tenant
+takes every slot or the whole cache. The owner is the tenant's token digest
+(:mod:`.tenants`).
 """
 from __future__ import annotations
 
@@ -43,11 +45,13 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, new_cache, ttl_s: float, max_sessions: int, max_tokens: int):
+    def __init__(self, new_cache, ttl_s: float, max_sessions: int, max_tokens: int,
+                 max_per_owner: Optional[int] = None):
         self._new_cache = new_cache  # () -> SegmentCache for the server's segment
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
+        self.max_per_owner = max_per_owner or max_sessions  # one tenant's share of max_sessions
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -62,6 +66,12 @@ class SessionStore:
         now = time.monotonic()
         with self._lock:
             self._expire(now)
+            mine = [s.last_used for s in self._sessions.values() if s.owner == owner]
+            if len(mine) >= self.max_per_owner:
+                raise TooManyRequests(
+                    f"this tenant holds {len(mine)} generation sessions, its limit "
+                    f"(--max-sessions-per-tenant {self.max_per_owner}): close one",
+                    retry_after=max(1.0, self.ttl_s - (now - min(mine))))
             if len(self._sessions) >= self.max_sessions:
                 oldest = min(s.last_used for s in self._sessions.values())
                 raise ServiceUnavailable(

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import protocol as P
-from ..errors import BadRequest, Conflict
+from ..errors import BadRequest, Conflict, TooManyRequests
 from ..segments import loss_from_logits
 from ..wire import pack
 from . import guard
@@ -67,6 +67,7 @@ class Training:
                                  f"this piece says {meta.micros}")
             return st
         rt.ledger.expect_next(meta.client_id, meta.step)
+        self._admit(meta.client_id)
         rep = rt.federation.replica_for(meta.client_id, meta.fed_version)
         leased = rep is rt.federation.base
         if leased:
@@ -75,6 +76,26 @@ class Training:
         st = StepInFlight(rep, meta.micros, leased)
         rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, time.monotonic()))
         return st
+
+    def _admit(self, key: str) -> None:
+        """A tenant's fair share: at most ``max_clients_per_tenant`` client ids and
+        ``max_pending_per_tenant`` steps in flight (429 beyond); pending steps older than the
+        lease timeout are dropped first (a vanished client's graph does not live for ever)."""
+        rt, cfg = self.rt, self.rt.cfg
+        now = time.monotonic()
+        for cid, since in rt.ledger.pending_since().items():
+            if now - since > cfg.lease_timeout_s:
+                rt.drop_pending(cid)
+        tenant = key.split(":", 1)[0] + ":" if ":" in key else ""
+        ids, pending = rt.ledger.count(tenant)
+        if not rt.ledger.known(key) and ids >= cfg.max_clients_per_tenant:
+            raise TooManyRequests(f"this tenant already trains {ids} client ids, the server's limit "
+                                  f"(--max-clients-per-tenant {cfg.max_clients_per_tenant}): reuse one",
+                                  retry_after=60.0)
+        if pending >= cfg.max_pending_per_tenant:
+            raise TooManyRequests(f"this tenant has {pending} training steps in flight, the server's limit "
+                                  f"(--max-pending-per-tenant {cfg.max_pending_per_tenant}): finish them first",
+                                  retry_after=1.0)
 
     def abort(self, meta: P.StepMeta, st: StepInFlight) -> None:
         st.rep.optimizer.zero_grad(set_to_none=True)
