@@ -16,6 +16,7 @@ __all__ = [
     "ByteTokenizer", "ConfigError", "Partition", "Segment", "SegmentCache", "SegmentFileError",
     "SplitClient", "SplitLearnError", "export_segments", "get_tokenizer", "load_config",
     "load_corpus", "load_model", "load_segment", "load_segments", "partition", "validate_cuts",
+    "OffloadGPT2LMHeadModel",
     "__version__",
 ]
 
@@ -26,4 +27,8 @@ def __getattr__(name: str):
         from .client import SplitClient
 
         return SplitClient
+    if name == "OffloadGPT2LMHeadModel":  # masked offload (docs/OFFLOAD.md), imported on first use too
+        from .offload import OffloadGPT2LMHeadModel
+
+        return OffloadGPT2LMHeadModel
     raise AttributeError(f"module 'splitlearn' has no attribute {name!r}")

@@ -20,6 +20,11 @@ is ignored and removed by the next save). Loading checks every file against its 
 truncated or corrupt file is refused with :class:`~splitlearn.errors.SegmentFileError`
 naming it, never half-loaded. Nothing is unpickled: tensors come from safetensors, the rest
 JSON.
+
+Permissions: a checkpoint holds the model and, on a client, the training data's tokens (the
+journal), so only its owner may read it: every file is written 0600 and every directory this
+module creates (``DIR`` if missing, each generation) is 0700, whatever the umask
+(:func:`private_dir`, :func:`open_private`; the client's journal uses them too).
 """
 from __future__ import annotations
 
@@ -92,9 +97,26 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict[str, torch
     optimizer.load_state_dict({"state": state, "param_groups": rest["param_groups"]})
 
 
+def private_dir(path: Union[str, Path]) -> Path:
+    """``path``, made if missing; each directory made here is 0700 (only its owner may enter it)."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for p in missing:  # mkdir's mode reaches only the last one, and through the umask
+        os.chmod(p, 0o700)
+    return path
+
+
+def open_private(path: Union[str, Path]):
+    """``path`` opened for writing (truncated), mode 0600 even if it existed with another."""
+    f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+    os.fchmod(f.fileno(), 0o600)
+    return f
+
+
 def _write(path: Path, data: bytes) -> str:
-    """Write and fsync ``data``; its sha256."""
-    with open(path, "wb") as f:
+    """Write (0600) and fsync ``data``; its sha256."""
+    with open_private(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -118,15 +140,15 @@ def save_state(directory: Union[str, Path], name: str, segments: Sequence[Segmen
                extra: Optional[dict[str, dict[str, torch.Tensor]]] = None) -> Path:
     """Write weights, optimizer state, ``counters`` (JSON-able) and ``extra`` tensor sets as a
     new generation under ``directory``; returns the generation's directory."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    d = private_dir(directory)
     for stale in d.glob(f"{name}-*.tmp"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
     previous = _generations(d, name)
     gen = int(previous[-1].name.rsplit("-", 1)[1]) + 1 if previous else 1
     final = d / f"{name}-{gen:08d}"
     tmp = d / (final.name + ".tmp")
-    tmp.mkdir()
+    tmp.mkdir(mode=0o700)
+    os.chmod(tmp, 0o700)  # whatever the umask
     tensors, optim = optimizer_state(optimizer)
     files = {"weights.safetensors": _write(tmp / "weights.safetensors", st_save(_weights(segments))),
              "optim.safetensors": _write(tmp / "optim.safetensors", st_save(tensors))}

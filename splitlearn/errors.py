@@ -79,6 +79,12 @@ class StaleWeights(Conflict):
     code = "stale_weights"
 
 
+class RequestTimeout(SplitLearnError):
+    """A request that did not arrive within its deadline (the server's front door cut it off)."""
+
+    status, code, retryable = 408, "request_timeout", True
+
+
 class PayloadTooLarge(SplitLearnError):
     status, code = 413, "payload_too_large"
 
@@ -101,12 +107,19 @@ class TransportError(SplitLearnError):
     status, code, retryable = 502, "transport", True
 
 
+class IntegrityError(SplitLearnError):
+    """A server's answer failed verification (masked offload: Freivalds' check of a product,
+    splitlearn/offload/verify.py): the server computed something else; nothing is returned."""
+
+    status, code = 502, "integrity"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
         SplitLearnError, ConfigError, SegmentFileError, BadRequest, Unauthorized, Forbidden, NotFound,
-        Conflict, NotYourTurn, StaleWeights, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServiceUnavailable,
-        TransportError,
+        Conflict, NotYourTurn, StaleWeights, RequestTimeout, PayloadTooLarge, UnsupportedMediaType, TooManyRequests, ServiceUnavailable,
+        TransportError, IntegrityError,
     )
 }
 

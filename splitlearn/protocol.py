@@ -21,13 +21,16 @@ route                          method   what
 /v1/echo                       POST     the body back, no tensor work (transport diagnostics)
 /v1/federation                 GET      mode, version, round, members, who synced, whose turn
 /v1/federation/turn            POST     sequential: {"client_id"} -> take the turn (503: busy)
-/v1/federation/sync            POST     client-side weights + client_id, samples -> status
+/v1/federation/sync            POST     client-side weights + client_id, samples (+ ticket) -> status
 /v1/federation/weights         GET      the shared client-side weights (meta: version)
+/v1/federation/close           POST     fed server: {"record"} the segment server signed -> status
 /v1/clients/<cid>/adapter      GET      LoRA: the server side's adapter of a client (its token only)
+/v1/offload/linear             POST     --offload servers only: masked products of linear layers (docs/OFFLOAD.md)
 ============================  =======  ==========================================================
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -55,7 +58,11 @@ FEDERATION = "/v1/federation"
 FEDERATION_TURN = "/v1/federation/turn"
 FEDERATION_SYNC = "/v1/federation/sync"
 FEDERATION_WEIGHTS = "/v1/federation/weights"
+FEDERATION_CLOSE = "/v1/federation/close"  # fed server: the segment server's signed close record
+MAX_SAMPLES = 1 << 40  # rows one member may report for a round: far beyond any real one
+MAX_TICKET_CHARS = 2048  # a signed ticket is ~250 characters
 CLIENT_ADAPTER = "/v1/clients/{client_id}/adapter"
+OFFLOAD_LINEAR = "/v1/offload/linear"  # masked offload (splitlearn/offload/layers.py: the bytes)
 
 # tensor names in bodies
 MAX_MICROS = 64  # micro-batches per training step
@@ -137,20 +144,34 @@ class SessionStepMeta:
 
 @dataclass(frozen=True)
 class SyncMeta:
-    """Fields of a federation sync: who, and how many samples its weights were trained on."""
+    """Fields of a federation sync: who, the rows it trained (as the client counts them), and,
+    to a fed server, the segment server's signed ticket for this sync."""
 
     client_id: str
-    samples: int  # training rows since the client's last sync (FedAvg weight)
+    samples: int  # rows trained since the last sync, 1..MAX_SAMPLES; servers weight by their own count
+    ticket: Optional[str] = None  # fed server only: the ticket the segment server answered the sync
 
     def to_meta(self) -> dict[str, str]:
-        return {"client_id": self.client_id, "samples": str(self.samples)}
+        meta = {"client_id": self.client_id, "samples": str(self.samples)}
+        if self.ticket is not None:
+            meta["ticket"] = self.ticket
+        return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> "SyncMeta":
         client_id = meta.get("client_id", "")
         if not _CLIENT_ID.fullmatch(client_id):
             raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
-        return cls(client_id, _int_field(meta, "samples", 1))
+        raw = str(meta.get("samples", ""))
+        if len(raw) > 20:  # int() of a 10^400 string works, and FedAvg's float(sum) overflowed
+            raise BadRequest(f"metadata field 'samples' must be in 1..{MAX_SAMPLES}")
+        samples = _int_field(meta, "samples", 1)
+        if samples > MAX_SAMPLES:
+            raise BadRequest(f"metadata field 'samples' must be in 1..{MAX_SAMPLES}, got {samples}")
+        ticket = meta.get("ticket")
+        if ticket is not None and not (isinstance(ticket, str) and 0 < len(ticket) <= MAX_TICKET_CHARS):
+            raise BadRequest(f"metadata field 'ticket' must be the segment server's ticket (1-{MAX_TICKET_CHARS} characters)")
+        return cls(client_id, samples, ticket)
 
 
 def valid_client_id(client_id: str) -> bool:
@@ -189,3 +210,19 @@ def read_token_file(path: str) -> tuple[str, ...]:
     if not entries:
         raise ConfigError(f"--token-file {path} holds no token")
     return entries
+
+
+# -- replicas (splitlearn/cluster, docs/CLUSTER.md) ------------------------------------------
+
+ROUTE_HEADER = "X-Splitlearn-Route"  # what HAProxy hashes (balance hdr + hash-type consistent)
+REPLICA_HEADER = "X-Splitlearn-Replica"  # set by the cluster's HAProxy on answers: which replica served
+
+
+def route_key(token: Optional[str], client_id: str) -> str:
+    """The routing key a client sends in :data:`ROUTE_HEADER`: its tenant and client id, so
+    every request of one owner (training, its generation sessions) lands on one replica.
+
+    ``<16 hex of sha256(token)>:<client_id>``: the tenant is named by a hash prefix, never
+    the token (a proxy's logs may keep headers)."""
+    tenant = hashlib.sha256((token or "").encode()).hexdigest()[:16]
+    return f"{tenant}:{client_id}"

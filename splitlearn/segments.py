@@ -145,7 +145,8 @@ class Segment(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[SegmentCache] = None,
-                position_ids: Optional[torch.Tensor] = None, logits_to_keep: int = 0) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None, logits_to_keep: int = 0,
+                head: bool = True) -> torch.Tensor:
         """Run the segment on the new positions ``x``.
 
         x: input_ids (B, T) for a bottom/full segment, else hidden states (B, T, d).
@@ -154,6 +155,8 @@ class Segment(nn.Module):
         position_ids: (B, T) to override the positions derived from the mask (bottom only).
         logits_to_keep: with the head, compute logits for the last this many positions only
             (0: all), as Hugging Face's ``logits_to_keep``; generation needs just the last.
+        head: False: a top stops before ``ln_f`` and returns its last block's output (B, T, d),
+            for a loss computed in chunks (:mod:`splitlearn.headloss`) or a few positions' logits.
         Returns hidden states (B, T, d), or logits (B, T, V) for a top/full segment
         ((B, logits_to_keep, V) if that is given).
         """
@@ -174,7 +177,7 @@ class Segment(nn.Module):
                 x = block(x, kv, mask, use_cache=kv is not None)  # (B, T, d)
         if cache is not None:
             cache.length = past + T
-        if self.has_head:
+        if self.has_head and head:
             if logits_to_keep:
                 x = x[:, -logits_to_keep:]  # (B, k, d): ln_f and lm_head act per position
             x = self.lm_head(self.ln_f(x))  # (B, T or k, V)

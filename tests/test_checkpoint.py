@@ -105,3 +105,31 @@ def test_a_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, damage):
     _, fresh, fresh_opt, _ = trained_parts(0)
     with pytest.raises(SegmentFileError, match=str(target)):
         load_state(tmp_path, "server", fresh, fresh_opt)
+
+
+def test_checkpoints_and_journals_are_readable_by_their_owner_only(tmp_path):
+    """Files 0600, every directory made 0700, whatever the umask (here 0: everything open)."""
+    import os
+    import stat
+
+    from splitlearn.client.recovery import Entry, read_entries, write_entry
+
+    def mode(p):
+        return stat.S_IMODE(p.stat().st_mode)
+
+    _, segs, opt, ids = trained_parts(1)
+    top = tmp_path / "made" / "ckpt"
+    old = os.umask(0)
+    try:
+        for _ in range(2):  # a second generation, and a file that existed is rewritten 0600
+            gen = save_state(top, "client", segs, opt, {"n": 1})
+        write_entry(top, Entry(2, ids, None, torch.get_rng_state(), {"grad": torch.ones(2)}))
+    finally:
+        os.umask(old)
+    assert [mode(d) for d in (tmp_path / "made", top, gen, top / "wal")] == [0o700] * 4
+    files = [p for p in top.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"client.latest", "weights.safetensors", "state.json", "0000000002.safetensors"}
+    assert {p.name: mode(p) for p in files} == {p.name: 0o600 for p in files}
+    assert [e.step for e in read_entries(top, 1, torch.device("cpu"))] == [2]
+    _, fresh, fresh_opt, _ = trained_parts(0)
+    assert load_state(top, "client", fresh, fresh_opt) == {"n": 1}

@@ -13,10 +13,10 @@ import torch
 from splitlearn import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.client.federation import untied_weights
-from splitlearn.errors import BadRequest, Conflict, SplitLearnError
-from splitlearn.wire import encode, pack
+from splitlearn.errors import Conflict
+from splitlearn.wire import decode, encode, pack
 
-from serverproc import TOKEN, ServerProcess, auth, run_threads
+from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth, run_threads
 from test_client import BATCHES, LR, assert_both_sides_equal, unsplit_steps
 
 pytestmark = pytest.mark.slow
@@ -91,8 +91,9 @@ def test_sequential_turns_equal_the_unsplit_model_in_the_servers_order(cuts, tmp
         assert status["mode"] == "sequential" and status["version"] == 4 and status["turn"] is None
 
 
-def test_sequential_refuses_a_client_out_of_turn():
-    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], extra=["--federation", "sequential"]) as srv:
+def test_sequential_refuses_a_client_out_of_turn_and_reposting_the_turn_does_not_keep_it():
+    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
+                       extra=["--federation", "sequential", "--round-timeout", "2"]) as srv:
         with client_of(srv, "a") as a:
             a.train_step(*BATCHES[0])  # a holds the turn
             s = requests.Session()
@@ -102,29 +103,51 @@ def test_sequential_refuses_a_client_out_of_turn():
             assert r.status_code == 409 and r.json()["error"] == "not_your_turn"
             turn = requests.post(srv.url + P.FEDERATION_TURN, json={"client_id": "b"}, headers=auth(), timeout=10)
             assert turn.status_code == 503 and "holds the turn" in turn.json()["message"]
+            assert requests.post(srv.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("b", 1).to_meta()),
+                                 headers={**auth(), "Content-Type": P.CONTENT_TYPE}, timeout=10).status_code == 409
+            # a keeps re-posting /turn but trains no more: the turn lapses after --round-timeout anyway
+            t0 = time.monotonic()
+            while True:
+                again = requests.post(srv.url + P.FEDERATION_TURN, json={"client_id": "a"}, headers=auth(), timeout=10)
+                assert again.status_code == 200 and again.json()["turn"] == "a"
+                taken = requests.post(srv.url + P.FEDERATION_TURN, json={"client_id": "b"}, headers=auth(), timeout=10)
+                if taken.status_code == 200:
+                    break
+                assert time.monotonic() - t0 < 60, "re-posting /turn kept the turn"
+                time.sleep(0.25)
+            assert taken.json()["turn"] == "b" and time.monotonic() - t0 > 1.0
 
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
-def test_splitfed_round_equals_one_unsplit_sgd_step_on_the_concatenated_batches(cuts, tmp_path):
-    batches = [same_batch(10), same_batch(11), same_batch(12)]
+def test_splitfed_round_equals_one_unsplit_sgd_step_weighted_by_the_rows_the_server_counted(cuts, tmp_path):
+    """Members of 2 and 4 rows: the round equals one SGD step on the 6 rows concatenated, whatever
+    samples they claim (10**12 is taken and ignored, 10**400 refused: it overflowed FedAvg's float sum)."""
+    batches = [same_batch(10), (torch.cat([same_batch(11)[0], same_batch(12)[0]]), None)]  # (2, 12), (4, 12)
     with ServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
-                       extra=["--federation", "splitfed", "--clients-per-round", "3"]) as srv:
-        clients = [client_of(srv, n) for n in "abc"]
+                       extra=["--federation", "splitfed", "--clients-per-round", "2"]) as srv:
+        clients = [client_of(srv, n) for n in "ab"]
+        clients[0].train_step(*batches[0])
+        huge = requests.post(srv.url + P.FEDERATION_SYNC, headers={**auth(), "Content-Type": P.CONTENT_TYPE},
+                             data=encode(untied_weights(clients[0].segments),
+                                         {"client_id": "a", "samples": "1" + "0" * 400}), timeout=30)
+        assert huge.status_code == 400 and "samples" in huge.json()["message"]
+        clients[0].federation.samples = 10**12  # what a's library reports: the server counts 2 rows
 
-        def one_round(c, batch):
-            return lambda: (c.train_step(*batch), c.sync())
+        def one_round(c, batch, first):
+            return lambda: (None if first else c.train_step(*batch), c.sync())
 
-        run_threads([one_round(c, b) for c, b in zip(clients, batches)])
-        whole = torch.cat([b[0] for b in batches])  # (6, 12): equal sizes, no padding
-        reference, _ = unsplit_steps(cuts, "sgd", [(whole, None)])
-        for c in clients:  # every client continues from the average
+        run_threads([one_round(c, b, i == 0) for i, (c, b) in enumerate(zip(clients, batches))])
+        reference, _ = unsplit_steps(cuts, "sgd", [(torch.cat([b[0] for b in batches]), None)])
+        for c in clients:  # every client continues from the average; the server checkpoints (not deferred)
             assert c.federation.version == 1
             assert_both_sides_equal(reference, c, srv)
         status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
         assert status["round"] == 2 and status["members"] == [] and status["version"] == 1
+        assert status["last_round"] == {"round": 1, "members": 2, "samples": 6, "server_clipped": 0, "client_clipped": 0}
+        assert clients[0].train_step(*batches[0]) < 100  # training goes on: no 500 after the round
 
 
-def test_splitfed_round_timeout_closes_with_the_clients_that_synced():
+def test_splitfed_round_timeout_runs_from_the_first_member_and_made_up_ids_leave_the_round():
     with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
                        extra=["--federation", "splitfed", "--clients-per-round", "2", "--round-timeout", "2"]) as srv:
         a, b = client_of(srv, "a"), client_of(srv, "b")
@@ -132,12 +155,23 @@ def test_splitfed_round_timeout_closes_with_the_clients_that_synced():
         a.train_step(*same_batch(2))
         t0 = time.monotonic()
         status = a.sync()  # waits for b, then the round closes without it
-        assert 1.5 < time.monotonic() - t0 < 60
+        assert time.monotonic() - t0 < 60
         assert status["version"] == 1 and status["round"] == 2
         with pytest.raises(Conflict, match="not a member"):
             b.federation.sync(untied_weights(b.segments))
-        b.train_step(*same_batch(3))  # stale weights: b downloads the average and goes on
+        t0 = time.monotonic()
+        b.train_step(*same_batch(3))  # stale weights: b downloads the average, goes on, and is round 2's member
         assert b.federation.version == 1 and b.step == 2
+        # a made-up id trains once and never syncs (nor does b): round 2 is full...
+        ghost = client_of(srv, "ghost-1")
+        ghost.train_step(*same_batch(4))
+        c = client_of(srv, "c")
+        c.train_step(*same_batch(5))  # ...until --round-timeout after its first member (b): they leave, c is in
+        assert 1.9 < time.monotonic() - t0 < 60
+        status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        assert status["version"] == 1 and status["round"] == 3 and status["members"] == ["c"]
+        with pytest.raises(Conflict, match="not a member"):  # the ghost's late sync
+            ghost.federation.sync(untied_weights(ghost.segments))
 
 
 def bad_sync_bodies(client):
@@ -150,6 +184,7 @@ def bad_sync_bodies(client):
         "extra": {**good, "transformer.h.9.ln_1.weight": torch.ones(32)},
         "shape": {**good, name: torch.ones(3, 3)},
         "dtype": {**good, name: good[name].to(torch.int64)},
+        "float16": {**good, name: good[name].half()},  # 1e6 in float16 is inf: float32 only
         "nan": {**good, name: torch.full_like(good[name], float("nan"))},
     }
 
@@ -172,49 +207,103 @@ def test_bad_sync_bodies_are_400_and_average_nothing():
             assert a.sync()["version"] == 1  # the good one closes the round
 
 
-def test_a_separate_fed_server_averages_the_client_weights_the_segment_server_never_sees(tmp_path):
-    """SplitFed with the client-side weights on a fed server: still one unsplit SGD step per round."""
-    import sys
+# -- one member cannot break a round (issue 19, item 5) -----------------------------------
 
-    from splitlearn.localserver import ChildServer, free_port
-
-    batches = [same_batch(20), same_batch(21)]
-    port = free_port()
-    fed = ChildServer([sys.executable, "-m", "splitlearn.server.fedavg", "--mode", "splitfed",
-                       "--clients-per-round", "2", "--port", str(port)], port, env={"SPLITLEARN_TOKEN": TOKEN})
-    with fed, ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
-                            extra=["--federation", "splitfed", "--clients-per-round", "2",
-                                   "--client-weights", "external"]) as srv:
-        with pytest.raises(SplitLearnError, match="fed_url"):
-            client_of(srv, "x")  # this server wants a fed server
-        clients = [client_of(srv, n, fed_url=fed.url) for n in "ab"]
-        run_threads([lambda c=c, b=b: (c.train_step(*b), c.sync()) for c, b in zip(clients, batches)])
-        reference, _ = unsplit_steps((1, 3), "sgd", [(torch.cat([b[0] for b in batches]), None)])
-        for c in clients:
-            assert_both_sides_equal(reference, c, srv)
-        # the segment server holds no client-side weights; the fed server does
-        r = requests.get(srv.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10)
-        assert r.status_code == 404 and "fed server" in r.json()["message"]
-        assert requests.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10).status_code == 200
-        s = requests.Session()
-        s.headers.update({**auth(), "Content-Type": P.CONTENT_TYPE})
-        weights = untied_weights(clients[0].segments)
-        refused = s.post(srv.url + P.FEDERATION_SYNC, data=encode(weights, P.SyncMeta("a", 2).to_meta()))
-        assert refused.status_code == 400  # weights sent to the segment server are refused, not kept
-        bad = {**weights, next(iter(weights)): torch.full_like(next(iter(weights.values())), float("nan"))}
-        assert s.post(fed.url + P.FEDERATION_SYNC, data=encode(bad, P.SyncMeta("a", 2).to_meta())).status_code == 400
+BOUND = 5.0  # --max-update-norm here: honest rounds of these tests move either side by < 2
 
 
-def test_fed_server_averager_rounds_and_refusals():
-    from splitlearn.server.fedavg import WeightAverager
+@pytest.fixture(scope="module")
+def two_tenants(tmp_path_factory):
+    """A splitfed server, K=2, tenants alice (TOKEN) and mallory (OTHER)."""
+    d = tmp_path_factory.mktemp("splitfed-tenants")
+    (d / "tokens").write_text("\n".join(TENANTS) + "\n")
+    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], extra=[
+            "--federation", "splitfed", "--clients-per-round", "2", "--max-update-norm", str(BOUND),
+            "--token-file", str(d / "tokens")]) as srv:
+        yield srv
 
-    avg = WeightAverager("splitfed", 2, round_timeout_s=60)
-    a, b = {"w": torch.ones(2)}, {"w": torch.full((2,), 4.0)}
-    assert avg.sync("a", 1, a)["version"] == 0
-    with pytest.raises(BadRequest, match="shape"):
-        avg.sync("b", 1, {"w": torch.ones(3)})
-    with pytest.raises(BadRequest, match="NaN"):
-        avg.sync("b", 1, {"w": torch.tensor([1.0, float("nan")])})
-    assert avg.sync("b", 3, b)["version"] == 1
-    version, w = avg.latest()
-    assert version == 1 and torch.allclose(w["w"], torch.full((2,), (1 + 3 * 4) / 4))
+
+def shared_weights(srv) -> dict:
+    r = requests.get(srv.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=30)
+    assert r.status_code == 200, r.text
+    return decode(r.content)[0]
+
+
+def distance(a: dict, b: dict) -> float:
+    return sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in a) ** 0.5
+
+
+def test_one_members_upload_moves_the_model_by_at_most_the_bound_whatever_it_sends_or_claims(two_tenants):
+    """3e38 everywhere (it made every next forward NaN) and 50.0 claiming 10**12 samples (it became
+    the model exactly) from mallory's member: the shared weights stay finite, within the bound of
+    where they were, and alice's next step trains."""
+    srv = two_tenants
+    a = client_of(srv, "a")
+    m = SplitClient(srv.url, "tiny", token=OTHER, optimizer="sgd", lr=LR["sgd"], device="cpu", client_id="m")
+    before = untied_weights(a.segments)  # version 0: where every client starts
+    for i, (value, claimed) in enumerate(((3e38, 1), (50.0, 10**12))):
+        a.train_step(*same_batch(40 + i))
+        m.train_step(*same_batch(50 + i))
+        mine = requests.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
+        theirs = requests.get(srv.url + P.FEDERATION, headers=auth(OTHER), timeout=10).json()
+        assert (mine["members"], theirs["members"], mine["members_count"]) == (["a"], ["m"], 2)  # no other's ids
+        evil = {k: torch.full_like(v, value) for k, v in before.items()}
+        r = requests.post(srv.url + P.FEDERATION_SYNC, headers={**auth(OTHER), "Content-Type": P.CONTENT_TYPE},
+                          data=encode(evil, P.SyncMeta("m", claimed).to_meta()), timeout=30)
+        assert r.status_code == 200, r.text
+        a.sync()
+        after = shared_weights(srv)
+        assert all(bool(torch.isfinite(t).all()) for t in after.values())
+        assert distance(after, before) <= BOUND * (1 + 1e-5)
+        assert distance(after, evil) > 1.0
+        status = requests.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
+        assert status["last_round"]["client_clipped"] == 1 and status["last_round"]["samples"] == 4  # 2 rows each
+        before = after
+    loss = a.train_step(*same_batch(60))  # on the new shared weights: a finite forward
+    assert loss == loss and loss < 100
+    a.close()
+    m.close()
+
+
+# -- in process: the federation's bookkeeping ---------------------------------------------
+
+def _federation(mode, k=2, timeout_s=60.0, **kw):
+    from splitlearn import load_model, partition
+    from splitlearn.checkpoint import make_optimizer
+    from splitlearn.server.federation import Federation, Replica
+
+    trunk = partition(load_model("tiny"), (1, 3)).trunk
+    opt = lambda ps: make_optimizer(ps, "sgd", 0.1)  # noqa: E731
+    return Federation(mode, Replica(trunk, opt(trunk.parameters())), opt, k, timeout_s, **kw)
+
+
+def test_status_shows_a_tenant_its_own_ids_and_counts_the_others():
+    fed = _federation("splitfed")
+    for key in ("alice:a", "mallory:m"):
+        fed.replica_for(key, 0)
+        fed.trained(key, 3)
+    st = fed.status("alice")
+    assert (st["members"], st["members_count"], st["synced"]) == (["a"], 2, [])
+    fed.sync("mallory:m", {})
+    st = fed.status("alice")
+    assert (st["synced"], st["synced_count"]) == ([], 1) and "mallory" not in str(st)
+    assert fed.status("mallory")["synced"] == ["m"]
+
+
+def test_sequential_with_a_fed_server_tickets_only_the_turn_holder():
+    from splitlearn.errors import NotYourTurn
+    from splitlearn.server import tickets
+
+    secret = b"k" * 32
+    fed = _federation("sequential", client_weights_at="external", secret=secret)
+    fed.take_turn("alice:a")
+    fed.replica_for("alice:a", 0)
+    fed.trained("alice:a", 4)
+    with pytest.raises(NotYourTurn):
+        fed.sync("mallory:m", {})
+    st = fed.sync("alice:a", {})
+    t = tickets.verify(secret, st["ticket"], tickets.Ticket)
+    assert (t.mode, t.version, t.tenant, t.client_id, t.samples) == ("sequential", 0, "alice", "a", 4)
+    assert tickets.verify(secret, st["last_close"], tickets.Close).version == 1 == st["version"]
+    with pytest.raises(NotYourTurn):  # the turn is given back: the same sync again gets no second ticket
+        fed.sync("alice:a", {})

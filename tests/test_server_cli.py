@@ -46,3 +46,29 @@ def test_a_body_over_the_limit_gets_the_json_413_from_the_real_server():
         small = requests.post(srv.url + P.ECHO, data=b"x" * 100, timeout=10,
                               headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE})
         assert small.status_code == 200 and small.content == b"x" * 100
+
+
+def test_weak_tokens_stop_the_server_unless_forced(tmp_path, monkeypatch):
+    from splitlearn.errors import ConfigError
+    for weak in ("change-me", "short-token"):  # an example; under 16 characters
+        r = subprocess.run([sys.executable, "-m", "splitlearn.server", "--model", "tiny", "--cut", "1"],
+                           capture_output=True, text=True, timeout=120,
+                           env={"SPLITLEARN_TOKEN": weak, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 2 and "weak token" in r.stderr and weak not in r.stderr, r.stderr
+    monkeypatch.setenv("SPLITLEARN_TOKEN", "change-me")
+    assert parse_args(["--model", "tiny", "--cut", "1", "--allow-weak-tokens"]).tenants.names == ["t-" + __import__(
+        "hashlib").sha256(b"change-me").hexdigest()[:12]]
+    f = tmp_path / "tokens"
+    f.write_text(f"# tenants\nalice {TOKEN} operator\n\nmallory {TOKEN}-2\n")
+    tenants = parse_args(["--model", "tiny", "--cut", "1", "--token-file", str(f)]).tenants
+    assert tenants.names == ["alice", "mallory"]
+    assert tenants.authenticate(f"Bearer {TOKEN}").operator
+    assert not tenants.authenticate(f"Bearer {TOKEN}-2").operator
+    assert tenants.authenticate(f"Bearer {TOKEN}-3") is None and tenants.authenticate(TOKEN) is None
+    f.write_text(f"alice {TOKEN}\nalice {TOKEN}-2\n")
+    with pytest.raises(ConfigError, match="twice"):
+        parse_args(["--model", "tiny", "--cut", "1", "--token-file", str(f)])
+    f.write_text(f"alice {TOKEN} admin\n")
+    with pytest.raises(ConfigError, match="3 words") as e:
+        parse_args(["--model", "tiny", "--cut", "1", "--token-file", str(f)])
+    assert TOKEN not in str(e.value)

@@ -25,6 +25,13 @@ def _token(args) -> Optional[str]:
     return os.environ.get("SPLITLEARN_TOKEN")
 
 
+def _fed_token(args) -> Optional[str]:
+    """The fed server's own token: --fed-token-file's first line, else $SPLITLEARN_FED_TOKEN."""
+    if getattr(args, "fed_token_file", None):
+        return parse_token_line(read_token_file(args.fed_token_file)[0])[1]
+    return os.environ.get("SPLITLEARN_FED_TOKEN")
+
+
 def _defense(args):
     """The --noise-sigma/--noise-clip (GaussianNoise) or --nopeek (NoPeek) defense, or None."""
     from ..privacy import GaussianNoise, NoPeek
@@ -79,7 +86,8 @@ def cmd_train(args) -> int:
                      client_id=args.client_id, wait_timeout_s=args.wait_timeout,
                      reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir,
                      defense=_defense(args), micro_batches=args.micro_batches,
-                     lora="server" if args.lora else None, poll_idle=args.poll_idle) as client:
+                     lora="server" if args.lora else None, poll_idle=args.poll_idle,
+                     fed_url=args.fed_url, fed_token=_fed_token(args) if args.fed_url else None) as client:
         start = client.load(args.resume) if args.resume else 0
         batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed)
         for _ in range(start):  # the batch of step i depends on the seed and i only
@@ -229,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "and pipeline them, so client and server compute at the same time (GPipe)")
     tr.add_argument("--sync-every", type=int, help="federation: share client-side weights every N steps "
                     "(sequential: end of a turn; splitfed: end of a round); always at the end")
+    tr.add_argument("--fed-url", help="federation: the fed server that averages the client-side weights (a "
+                    "segment server started with --client-weights external)")
+    tr.add_argument("--fed-token-file", help="with --fed-url: file whose first line is this tenant's token on the "
+                    "fed server (default: $SPLITLEARN_FED_TOKEN); never the segment server's token")
     tr.add_argument("--wait-timeout", type=float, default=600.0,
                     help="seconds to wait for a busy segment, a turn or a round before failing")
     tr.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

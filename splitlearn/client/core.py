@@ -66,6 +66,9 @@ class SplitClient:
     every activation this client sends, in training, evaluation and generation.
     fed_url: a separate fed server (``python -m splitlearn.server.fedavg``) that averages the
     client-side weights, so the segment server never sees them (its ``--client-weights external``).
+    fed_token: the fed server's own bearer token for this client's tenant (default
+    ``$SPLITLEARN_FED_TOKEN``); the segment server's token is never sent to the fed server, so
+    the segment server's operator cannot download the client-side weights with it.
     micro_batches: split each training batch into this many micro-batches and keep requests in
     flight so client and server compute at once (GPipe; see :mod:`splitlearn.client.pipeline`).
     reconnect_timeout_s: how long a training step waits for a crashed server to come back
@@ -88,6 +91,7 @@ class SplitClient:
                  timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
                  reconnect_timeout_s: float = 120.0, journal_dir: Optional[Union[str, Path]] = None,
                  defense=None, micro_batches: int = 1, fed_url: Optional[str] = None,
+                 fed_token: Optional[str] = None,
                  lora=None, packed_weights: bool = True, poll_idle: bool = False):
         self.poller: Optional[IdlePoller] = None
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
@@ -107,10 +111,11 @@ class SplitClient:
         self.client_id = client_id or uuid.uuid4().hex[:16]
         if not P.valid_client_id(self.client_id):
             raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
+        self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))  # replicas: docs/CLUSTER.md
         self.step = 0  # last training step applied on both sides
         self.wait_timeout_s = wait_timeout_s  # longest wait for a busy segment, a turn or a round
         fed = None if fed_url is None else Transport(TransportConfig(
-            fed_url, token or os.environ.get("SPLITLEARN_TOKEN"), read_timeout_s=timeout_s, retries=retries))
+            fed_url, self._fed_token(fed_token), read_timeout_s=timeout_s, retries=retries))
         self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s, fed)
         self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
         self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
@@ -130,6 +135,17 @@ class SplitClient:
             self.poller = IdlePoller().start()
 
     # -- set-up ------------------------------------------------------------------------
+
+    def _fed_token(self, fed_token: Optional[str]) -> str:
+        """The fed server's token: given, or ``$SPLITLEARN_FED_TOKEN``; never the segment server's."""
+        fed_token = fed_token or os.environ.get("SPLITLEARN_FED_TOKEN")
+        if not fed_token:
+            raise ConfigError("fed_url needs the fed server's own token: fed_token=... or $SPLITLEARN_FED_TOKEN "
+                              "(the segment server's token is never sent to the fed server)")
+        if fed_token == self.transport.cfg.token:
+            raise ConfigError("fed_token is the segment server's token: the fed server needs a token of its "
+                              "own, or the segment server's operator could download the client-side weights")
+        return fed_token
 
     def _own_segments(self, model, seed: int) -> list[Segment]:
         kinds = ["bottom", "top"] if self.u_shape else ["bottom"]
@@ -345,8 +361,17 @@ class SplitClient:
         """Bring this client back in step with a server that restarted from its checkpoint:
         return to the server's step using the journal, then replay the steps it lost.
         Returns the number of steps replayed."""
-        server = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))["step"]
+        state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
+        server = state["step"]
+        # what the server holds may be more than its checkpoint: a replica that kept this
+        # client's later steps in memory (docs/CLUSTER.md); the journal moves to the durable one
+        durable = min(int(state.get("durable", server)), server)
         if server == self.step:  # the server's checkpoint holds every step: nothing to replay
+            self.recoveries.append({"server_step": server, "replayed": 0})
+            return 0
+        if server == self.step + 1:
+            # it applied (and saved) the step whose answer this client never got: the retry of
+            # that step gets the stored answer from its ledger, nothing is applied twice
             self.recoveries.append({"server_step": server, "replayed": 0})
             return 0
         if server > self.step:
@@ -361,9 +386,13 @@ class SplitClient:
         load_snapshot(snap, self.segments, self.optimizer)
         self.step = snap.step
         for e in entries:
-            if e.step <= server:
+            if e.step <= max(durable, snap.step):
                 self._apply_local(e)
         self.journal.start(self._snapshot)
+        for e in entries:  # held by the server, not yet durable there: kept in the journal
+            if max(durable, snap.step) < e.step <= server:
+                self._apply_local(e)
+                self.journal.record(e)
         lost = [e for e in entries if e.step > server]
         log.warning("server is at step %d of %d: replaying %d steps", server, entries[-1].step if entries else server,
                     len(lost))
@@ -444,6 +473,7 @@ class SplitClient:
             raise ConfigError(f"checkpoint was made with cuts {counters['cuts']}, server has {list(self.cuts)}")
         self.client_id, self.step = counters["client_id"], int(counters["step"])
         self.federation.client_id = self.client_id
+        self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))
         entries = read_entries(directory, self.step, self.device)
         state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
         server = state["step"]

@@ -172,11 +172,12 @@ def diagnose(transport: Transport, cfg: Optional[DiagnoseConfig] = None) -> dict
     """Measure the link to ``transport``'s server; the report as a JSON-ready dict."""
     cfg = cfg or DiagnoseConfig()
     info = transport.get_json(P.INFO)
-    limit = info.get("limits", {}).get("max_body_bytes")
+    limits = info.get("limits", {})
+    limit = limits.get("max_echo_bytes", limits.get("max_body_bytes"))  # echo's own cap, where there is one
     sizes = tuple(s for s in cfg.sizes if limit is None or s <= limit)
     skipped = [s for s in cfg.sizes if s not in sizes]
     if len(sizes) < 2:
-        raise ConfigError(f"the server accepts bodies up to {limit} bytes: too small to measure a link")
+        raise ConfigError(f"the server echoes bodies up to {limit} bytes: too small to measure a link")
     log.info("echo round trips of %s bytes, %d each", sizes, cfg.repeats)
     trips = echo_round_trips(transport, sizes, cfg.repeats, cfg.warmup)
     overhead_ms, mbps = fit_link(trips)
@@ -212,7 +213,7 @@ def render(report: dict) -> str:
         lines.append(f"  {_size(r['bytes']):>9}  {r['median_ms']:10.3f}  {r['min_ms']:8.3f}  "
                      f"{r['p90_ms']:8.3f}  {r['effective_MBps']:8.1f}")
     if report["skipped_sizes"]:
-        lines.append(f"  (skipped, over the server's body limit: {', '.join(map(_size, report['skipped_sizes']))})")
+        lines.append(f"  (skipped, over the server's echo limit: {', '.join(map(_size, report['skipped_sizes']))})")
     lines += ["", f"per-call overhead {report['per_call_overhead_ms']:.3f} ms, "
                   f"bandwidth {report['bandwidth_MBps']:.0f} MB/s (fit: round trip = overhead + 2 x bytes / bandwidth)",
               "", "(de)serialise per wire dtype (encode + decode, ms):",

@@ -9,6 +9,9 @@ the waiting users should not have to write::
                 client-side weights if behind -> train ... -> sync (upload, give the turn back)
     splitfed:   train (wait while the round is full) ... -> sync (upload) -> wait for the
                 round to close -> download the average -> train in the next round
+    fed server: sync sends the segment server an empty sync (its answer: a signed ticket)
+                and the weights, with the ticket, to the fed server, which has its own token;
+                downloads come from the fed server once it has closed the round too
     shared:     nothing: sync() is a no-op, client-side weights stay with their owner
 
 Every wait is bounded by ``wait_timeout_s`` and ends in a clear
@@ -23,9 +26,9 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from .. import protocol as P
-from ..errors import ConfigError, ServiceUnavailable
+from ..errors import ConfigError, NotFound, ServiceUnavailable
 from ..segments import Segment
-from ..wire import decode
+from ..wire import decode, encode
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -93,12 +96,39 @@ class FederationState:
         if server_version == 0:
             self.version = 0
             return
-        source = self.fed or self.transport  # the fed server holds them, if there is one
-        body = source.get_bytes(P.FEDERATION_WEIGHTS)
-        tensors, meta = decode(body)
-        self.load_weights(tensors)
-        self.version = server_version if self.fed is not None else int(meta["version"])
+        if self.fed is None:
+            tensors, meta = decode(self.transport.get_bytes(P.FEDERATION_WEIGHTS))
+            self.load_weights(tensors)
+            self.version = int(meta["version"])
+        else:  # the fed server holds them, once it has closed the round (or turn) too
+            self._fed_catch_up(server_version)
+            try:
+                tensors, _ = decode(self.fed.get_bytes(P.FEDERATION_WEIGHTS))
+                self.load_weights(tensors)
+            except NotFound:  # no member's upload ever reached it: keep ours
+                log.warning("the fed server has no client-side weights yet; client %s keeps its own", self.client_id)
+            self.version = server_version  # what the segment server checks training requests against
         log.info("client %s loaded shared client-side weights version %d", self.client_id, self.version)
+
+    def _fed_catch_up(self, target: int) -> None:
+        """Wait until the fed server reaches the segment server's version ``target``, forwarding
+        the segment server's signed close record once (a round that closed there on its
+        timeout then closes on the fed server as well, with the uploads of its members)."""
+        forwarded: set[str] = set()
+
+        def caught_up() -> dict:
+            st = self.fed.get_json(P.FEDERATION)
+            if st["version"] < target:
+                record = self.transport.get_json(P.FEDERATION).get("last_close")
+                if record and record not in forwarded:
+                    forwarded.add(record)
+                    st = self.fed.post_json(P.FEDERATION_CLOSE, {"record": record})
+            if st["version"] < target:
+                raise ServiceUnavailable(f"the fed server is at version {st['version']}, the segment server "
+                                         f"at {target}: waiting for the members' uploads", retry_after=0.5)
+            return st
+
+        wait_while_busy(caught_up, "the fed server's average", self.wait_timeout_s)
 
     def stale(self) -> None:
         """The server said our weights are stale (or our turn lapsed): fetch before redoing."""
@@ -106,28 +136,33 @@ class FederationState:
         self.version = -1
 
     def sync(self, weights: dict[str, torch.Tensor]) -> dict:
-        """Upload our client-side weights; in splitfed, wait for the round's average."""
+        """Share our client-side weights; in splitfed, wait for the round's result.
+
+        Without a fed server they go to the segment server. With one, the segment server
+        gets an empty sync and answers a signed ticket (the rows it counted for us, our
+        round), and the weights go to the fed server with that ticket (:mod:`splitlearn.server.tickets`)."""
         if self.shared:
             return self.transport.get_json(P.FEDERATION)
-        from ..wire import encode
-
-        meta = P.SyncMeta(self.client_id, max(self.samples, 1)).to_meta()
-        if self.fed is not None:  # weights to the fed server; the segment server gets the count only
-            self.fed.post_bytes_json(P.FEDERATION_SYNC, encode(weights, meta))
-            weights = {}
-        status = self.transport.post_bytes_json(P.FEDERATION_SYNC, encode(weights, meta))
+        meta = P.SyncMeta(self.client_id, min(max(self.samples, 1), P.MAX_SAMPLES))
+        if self.fed is None:
+            status = answer = self.transport.post_bytes_json(P.FEDERATION_SYNC, encode(weights, meta.to_meta()))
+        else:
+            status = self.transport.post_bytes_json(P.FEDERATION_SYNC, encode({}, meta.to_meta()))
+            ticket = P.SyncMeta(meta.client_id, meta.samples, status["ticket"])
+            answer = self.fed.post_bytes_json(P.FEDERATION_SYNC, encode(weights, ticket.to_meta()))
         self.samples = 0
         if self.mode == "sequential":
             self.has_turn = False
-            self.version = status["version"]  # what we uploaded is the latest
+            # what we uploaded is the latest, unless the server bounded it (then fetch it)
+            self.version = -1 if answer.get("clipped") else status["version"]
             return status
         mine = self.version
 
         def closed() -> dict:
             st = self.transport.get_json(P.FEDERATION)
             if st["version"] == mine:
-                raise ServiceUnavailable(f"round {st['round']} waits for {st['clients_per_round']} "
-                                         f"syncs ({len(st['synced'])} so far)", retry_after=0.5)
+                raise ServiceUnavailable(f"round {st['round']} waits for {st['clients_per_round']} syncs "
+                                         f"({st.get('synced_count', 0)} so far)", retry_after=0.5)
             return st
 
         status = wait_while_busy(closed, "the other clients of the round", self.wait_timeout_s)

@@ -44,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..checkpoint import open_private, private_dir
 from ..errors import SegmentFileError
 
 log = logging.getLogger(__name__)
@@ -121,14 +122,13 @@ def load_snapshot(snap: Snapshot, segments, optimizer: torch.optim.Optimizer) ->
 
 def write_entry(directory: Path, e: Entry) -> None:
     """Append step ``e`` to the write-ahead log (fsynced, atomically named)."""
-    wal = Path(directory) / "wal"
-    wal.mkdir(parents=True, exist_ok=True)
+    wal = private_dir(Path(directory) / "wal")  # 0700: the entries hold the training tokens
     tensors = {"ids": e.ids.cpu().contiguous(), "rng": e.rng.contiguous(),
                **{f"answer.{k}": v.detach().cpu().contiguous() for k, v in e.answers.items()}}
     if e.mask is not None:
         tensors["mask"] = e.mask.cpu().contiguous()
     tmp = wal / f"{e.step:010d}.tmp"
-    with open(tmp, "wb") as f:
+    with open_private(tmp) as f:  # 0600
         f.write(st_save(tensors))
         f.flush()
         os.fsync(f.fileno())

@@ -234,6 +234,15 @@ class Transport:
         self._lanes: dict[int, _Lane] = {}
         self.spin = (not shares_cores_with_server(cfg.url)) if cfg.spin is None else cfg.spin
 
+    def set_route(self, key: Optional[str]) -> None:
+        """Send ``key`` in :data:`~splitlearn.protocol.ROUTE_HEADER` on every request (None:
+        none), so a cluster's HAProxy pins this client to one replica (docs/CLUSTER.md)."""
+        for headers in (self.http.headers, self._headers):
+            if key is None:
+                headers.pop(P.ROUTE_HEADER, None)
+            else:
+                headers[P.ROUTE_HEADER] = key
+
     def close(self) -> None:
         self.http.close()
         for lane in self._lanes.values():

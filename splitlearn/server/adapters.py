@@ -9,7 +9,8 @@ segment and trains adapters only (:mod:`splitlearn.lora`)::
     sequential  one adapter, trained in turns (the turn, versions and syncs as without LoRA)
     splitfed    SplitLoRA (Lin et al. 2024, arXiv 2407.00952): each member of a round trains
                 a copy of the round's adapter; the copies (and the client-side adapters)
-                are averaged, weighted by samples; the base is never copied
+                are aggregated by the federation's strategy (bounded updates, weighted by
+                the rows trained: :mod:`.strategy`); the base is never copied
 
 The runtime's training paths get the client's copy from ``Federation.replica_for`` as
 always: :class:`LoraFederation` answers with an :class:`~splitlearn.lora.AdaptedSegment`
@@ -34,14 +35,13 @@ import threading
 from typing import Callable, Optional
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from ..checkpoint import has_state, latest, optimizer_state, read_extra, read_meta, restore_optimizer
 from ..errors import ConfigError, NotFound, SegmentFileError
-from ..lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec, hf_module_name, target_modules
-from ..partition import partition
+from ..lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec
 from ..segments import Segment
 from ..wire import encode
+from .clientside import client_adapter_shapes  # noqa: F401 (the runtime imports it from here)
 from .federation import Federation, Replica
 from .tenants import client_of
 
@@ -60,6 +60,7 @@ class AdapterBank:
         self.router = LoraRouter(segment, spec)
         self.replicas: dict[str, Replica] = {}  # client id (or GLOBAL) -> its adapter + optimizer
         self.lock = threading.Lock()
+        self.on_lookup: Optional[Callable[[str], None]] = None  # replicas: load a newer state first (.clientstate)
 
     # -- adapters --------------------------------------------------------------------
 
@@ -82,6 +83,8 @@ class AdapterBank:
         """The adapter inference uses for ``client_id``: its own (shared mode) or the
         federation's (sequential, splitfed); None (the base model) before it has one."""
         key = client_id if mode == "shared" else GLOBAL
+        if key is not None and key != GLOBAL and self.on_lookup is not None:
+            self.on_lookup(key)
         rep = self.replicas.get(key) if key is not None else None
         return rep.segment.adapter if rep is not None else None
 
@@ -146,11 +149,14 @@ class AdapterBank:
 
 class LoraFederation(Federation):
     """:class:`Federation` over adapters: ``shared`` gives each client its own; the other
-    modes train (and average) the one adapter of the turn or round, never the base."""
+    modes train (and aggregate, with the same strategy and bounds) the one adapter of the
+    turn or round, never the base. ``options``: :class:`Federation`'s keyword options
+    (strategy, client-side schema, where client weights live, the fed secret)."""
 
-    def __init__(self, bank: AdapterBank, mode: str, clients_per_round: int, round_timeout_s: float):
+    def __init__(self, bank: AdapterBank, mode: str, clients_per_round: int, round_timeout_s: float,
+                 **options):
         super().__init__(mode, bank.replica(GLOBAL) if mode != "shared" else bank.new_replica(GLOBAL),
-                         bank.make_optimizer, clients_per_round, round_timeout_s)
+                         bank.make_optimizer, clients_per_round, round_timeout_s, **options)
         self.bank = bank
 
     def replica_for(self, client_id: str, version: Optional[int]) -> Replica:
@@ -158,23 +164,9 @@ class LoraFederation(Federation):
             return self.bank.replica(client_id)
         return super().replica_for(client_id, version)
 
-    def _average_server(self, replicas: list[Replica], samples: list[int]) -> None:
-        super()._average_server(replicas, samples)  # AdaptedSegment's state dict: the adapter only
+    def _load_server(self, weights: dict[str, torch.Tensor]) -> None:
+        super()._load_server(weights)  # AdaptedSegment's state dict: the adapter only
         self.bank.replicas[GLOBAL] = self.base
-
-
-def client_adapter_shapes(config: GPT2Config, cuts: tuple[int, ...], spec: LoraSpec) -> dict[str, tuple[int, ...]]:
-    """peft names and shapes of the client-side adapters (what a LoRA client's sync carries)."""
-    with torch.device("meta"):  # shapes only, no memory
-        parts = partition(GPT2LMHeadModel(config), cuts)
-    segs = [parts.bottom, parts.top] if parts.u_shape else [parts.bottom]
-    out = {}
-    for seg in segs:
-        for local, m in target_modules(seg, spec).items():
-            name = f"base_model.model.{hf_module_name(seg, local)}"
-            out[f"{name}.lora_A.weight"] = (spec.r, m.nx)
-            out[f"{name}.lora_B.weight"] = (m.nf, spec.r)
-    return out
 
 
 def attach(runtime) -> AdapterBank:
@@ -183,7 +175,10 @@ def attach(runtime) -> AdapterBank:
     cfg = runtime.cfg
     bank = AdapterBank(runtime.segment, cfg.lora, cfg.seed, runtime._make_optimizer)
     old = runtime.federation
-    runtime.federation = LoraFederation(bank, cfg.federation, cfg.clients_per_round, cfg.round_timeout_s)
+    # the same options as the federation it replaces (strategy, schema, --client-weights, secret)
+    runtime.federation = LoraFederation(bank, cfg.federation, cfg.clients_per_round, cfg.round_timeout_s,
+                                        strategy=old.strategy, clientside=old.clientside,
+                                        client_weights_at=old.client_weights_at, secret=old.secret)
     runtime.federation.on_change = getattr(old, "on_change", runtime.federation.on_change)
     if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
         meta = read_meta(latest(cfg.checkpoint_dir, "server"))["counters"].get("adapters")

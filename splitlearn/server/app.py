@@ -39,8 +39,10 @@ from ..lora import lora_scope
 from ..wire import check_wire_dtype, decode
 from . import validate
 from .config import ServerConfig
+from .frontdoor import TENANT_KEY
 from .ledger import Answer
 from .runtime import SegmentRuntime
+from .priority import timed
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,9 @@ def session_client_id(body: bytes) -> Optional[str]:
 def create_app(config: Optional[ServerConfig] = None,
                runtime: Optional[SegmentRuntime] = None) -> Flask:
     """Build the app around a runtime (given, or built from ``config``)."""
+    if runtime is None and config is not None and config.offload:  # issue 22: masked offload
+        from .offload import OffloadRuntime
+        runtime = OffloadRuntime(config)
     rt = runtime or SegmentRuntime(config)
     cfg = rt.cfg
     app = Flask("splitlearn.server")
@@ -141,7 +146,8 @@ def create_app(config: Optional[ServerConfig] = None,
     def _authenticate():
         if request.path == P.HEALTH:
             return None
-        tenant = tenants.authenticate(request.headers.get("Authorization"))
+        # the front door (frontdoor.py) found the tenant at the headers; under another server, here
+        tenant = request.environ.get(TENANT_KEY) or tenants.authenticate(request.headers.get("Authorization"))
         if tenant is None:
             raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
         g.tenant, g.owner = tenant, tenant.digest
@@ -152,7 +158,7 @@ def create_app(config: Optional[ServerConfig] = None,
         server state is keyed by ``<tenant>:<client_id>`` (:mod:`.tenants`)."""
         return dataclasses.replace(m, client_id=tenant.key(m.client_id))
 
-    def tensor_route(rule: str, *, owner: bool = False, inline: bool = False) -> Callable:
+    def tensor_route(rule: str, *, owner: bool = False, inline: bool = False, cls: str = "other") -> Callable:
         """Register ``handler(tensors, meta, **url_args) -> Answer | Future[Answer]`` as a POST
         route taking and answering safetensors (see the module docstring). ``owner=True``
         also passes ``owner``, the caller's :class:`~.tenants.Tenant` (Flask's ``g`` does not
@@ -171,7 +177,10 @@ def create_app(config: Optional[ServerConfig] = None,
                     tensors, meta = decode(body)
                     return handler(tensors, meta, **url_args)
 
-                answer = work() if inline and len(body) <= INLINE_BODY_BYTES else rt.compute.run(work)
+                if inline and len(body) <= INLINE_BODY_BYTES:
+                    answer = work()
+                else:  # `cls`: the priority class whose wait for the compute thread is counted
+                    answer = rt.compute.run(timed(rt.waits, cls, work))
                 if isinstance(answer, Future):  # a decode step waits for its batch
                     answer = answer.result()
                 resp = Response(answer.encode(), status=200, mimetype=P.CONTENT_TYPE)
@@ -194,8 +203,14 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.post(P.ECHO)
     def echo():
-        """The body back, untouched, with no tensor work (``client diagnose`` times the link)."""
+        """The body back, untouched, with no tensor work (``client diagnose`` times the link);
+        at most ``max_echo_bytes`` (what an echo nobody reads can hold, :mod:`.frontdoor`)."""
+        cap = cfg.max_echo_bytes
+        if (request.content_length or 0) > cap:
+            raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {request.content_length}")
         started, body = time.perf_counter(), request.get_data(cache=False)
+        if len(body) > cap:
+            raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {len(body)}")
         resp = Response(body, status=200, mimetype=P.CONTENT_TYPE)
         resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
         return resp
@@ -206,10 +221,17 @@ def create_app(config: Optional[ServerConfig] = None,
         return jsonify({**rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None,
                         "you": you})
 
+    if cfg.offload:  # an offload server multiplies masked inputs and serves nothing else
+        from .offload import register_routes
+        register_routes(tensor_route, rt)
+        return app
+
     def client_key(client_id: str) -> str:
         if not P.valid_client_id(client_id):
             raise BadRequest("client ids are 1-64 characters of [A-Za-z0-9_.-]")
-        return g.tenant.key(client_id)
+        key = g.tenant.key(client_id)
+        rt.claim(key)  # replicas: the newest state of a client that arrives from another one
+        return key
 
     @app.get(P.CLIENT_ADAPTER.replace("{client_id}", "<client_id>"))
     def client_adapter(client_id: str):
@@ -225,20 +247,23 @@ def create_app(config: Optional[ServerConfig] = None,
         return jsonify(client_id=client_id, step=rt.client_step(key),
                        durable=rt.ledger.durable_step(key))
 
-    @tensor_route(P.TRAIN_STEP, owner=True)
+    @tensor_route(P.TRAIN_STEP, owner=True, cls="training")
     def train_step(t: dict, meta: dict, owner: Tenant) -> Answer:
         m = scoped(P.StepMeta.from_meta(meta), owner)
         h, mask = hidden_and_mask(t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
+        rt.budget.train(h.shape[0], h.shape[1], mask)  # 413 before allocating
         return rt.train_step(m, h, y, mask)
 
-    @tensor_route(P.TRAIN_FORWARD, owner=True)
+    @tensor_route(P.TRAIN_FORWARD, owner=True, cls="training")
     def train_forward(t: dict, meta: dict, owner: Tenant) -> Answer:
         m = scoped(P.StepMeta.from_meta(meta), owner)
         h, mask = hidden_and_mask(t)
+        # its graph waits for the backward, with its step's other micro-batches' (GPipe)
+        rt.budget.train(h.shape[0], h.shape[1], mask, graphs=m.micros)
         return rt.train_forward(m, h, mask)
 
-    @tensor_route(P.TRAIN_BACKWARD, owner=True)
+    @tensor_route(P.TRAIN_BACKWARD, owner=True, cls="training")
     def train_backward(t: dict, meta: dict, owner: Tenant) -> Answer:
         m = scoped(P.StepMeta.from_meta(meta), owner)
         grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
@@ -248,6 +273,7 @@ def create_app(config: Optional[ServerConfig] = None,
     def forward(t: dict, meta: dict, owner: Tenant) -> Answer:
         h, mask = hidden_and_mask(t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+        rt.budget.forward(h.shape[0], h.shape[1], mask, labels=y is not None)
         adapter = None
         if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter
             key = scoped(P.StepMeta.from_meta({**meta, "step": "1"}), owner).client_id
@@ -255,7 +281,7 @@ def create_app(config: Optional[ServerConfig] = None,
         with lora_scope(rt.segment, adapter):
             return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")))
 
-    @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True, inline=True)
+    @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True, inline=True, cls="prefill")
     def session_step(t: dict, meta: dict, session_id: str, owner: Tenant) -> Future:
         sess = rt.sessions.get(owner.digest, session_id)
         m = P.SessionStepMeta.from_meta(meta)
@@ -263,13 +289,15 @@ def create_app(config: Optional[ServerConfig] = None,
         if m.position + h.shape[1] > npos:
             raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
         mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
+        rt.budget.session_step(sess.rows, m.position, h.shape[1], mask)
         if h.shape[1] == 1:  # a decode step: queued for the batcher, from whichever thread
             return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
-        return rt.compute.run(rt.session_step, sess, m.position, h, mask, m.wire_dtype)
+        return rt.compute.run(timed(rt.waits, "prefill", rt.session_step), sess, m.position, h, mask, m.wire_dtype)
 
     @app.get(P.FEDERATION)
     def federation():
-        return jsonify(rt.compute.run(rt.federation.status))
+        """The federation as the caller's tenant may see it: its own client ids, others counted."""
+        return jsonify(rt.compute.run(rt.federation.status, g.tenant.name))
 
     @app.post(P.FEDERATION_TURN)
     def take_turn():
@@ -277,18 +305,19 @@ def create_app(config: Optional[ServerConfig] = None,
         client_id = payload.get("client_id") if isinstance(payload, dict) else None
         if not isinstance(client_id, str) or not P.valid_client_id(client_id):
             raise BadRequest('the body must be JSON {"client_id": "<1-64 of [A-Za-z0-9_.-]>"}')
-        return jsonify(rt.compute.run(rt.federation.take_turn, client_id))
+        return jsonify(rt.compute.run(rt.federation.take_turn, g.tenant.key(client_id)))
 
     @app.post(P.FEDERATION_SYNC)
     def sync():
-        started, body = time.perf_counter(), _body()
+        started, body, tenant = time.perf_counter(), _body(), g.tenant
 
         def work() -> dict:
             tensors, meta = decode(body)
-            return rt.sync(P.SyncMeta.from_meta(meta), tensors)
+            return rt.sync(tenant.key(P.SyncMeta.from_meta(meta).client_id), tensors)
 
         status = rt.compute.run(work)
-        log.info("sync: %s (%.0f ms)", status, (time.perf_counter() - started) * 1e3)
+        log.info("sync: version %s, round %s (%.0f ms)", status["version"], status["round"],
+                 (time.perf_counter() - started) * 1e3)
         return jsonify(status)
 
     @app.get(P.FEDERATION_WEIGHTS)
@@ -309,6 +338,7 @@ def create_app(config: Optional[ServerConfig] = None,
     def open_session():
         body = request.get_data(cache=False)
         rows, client_id = session_rows(body, cfg.max_batch), session_client_id(body)
+        rt.budget.session(rows, min(rows * npos, cfg.max_tokens_per_client))  # the KV cache it may grow to
         sess = rt.open_session(g.owner, rows)
         sess.client_id = None if client_id is None else g.tenant.key(client_id)  # LoRA: its adapter
         return jsonify(session_id=sess.id, rows=sess.rows, ttl_s=cfg.session_ttl_s), 201

@@ -67,6 +67,7 @@ class DecodeItem:
     future: Future = field(default_factory=Future)
     adapter: Any = None  # the session's LoRA adapter (splitlearn.lora.Adapter), None: the base
     key: Any = None  # the session's id: which steps belong together across batches
+    queued_at: float = 0.0  # time.monotonic() when it was queued
 
 
 @torch.no_grad()
@@ -122,7 +123,8 @@ class DecodeBatcher:
     """
 
     def __init__(self, segment: Segment, compute: ComputeThread, lock: Optional[threading.RLock] = None,
-                 batching: bool = True, wait_s: float = 0.0, inference: Callable[[], Any] = nullcontext):
+                 batching: bool = True, wait_s: float = 0.0, inference: Callable[[], Any] = nullcontext,
+                 on_wait: Callable[[float], None] = lambda seconds: None):
         self.segment = segment
         self.compute = compute
         self.lock = lock or threading.RLock()
@@ -136,9 +138,14 @@ class DecodeBatcher:
         self._last: set = set()  # keys of the previous batch's sessions
         self.batches = 0  # forwards run
         self.items = 0  # steps served
+        self.on_wait = on_wait  # called with each step's wait for the compute thread (seconds)
+        # CUDA: decode kernels on a high-priority stream overtake training's (splitlearn/server/priority.py)
+        dev = next(segment.parameters()).device
+        self._stream = torch.cuda.Stream(device=dev, priority=-1) if dev.type == "cuda" else None
 
     def enqueue(self, item: DecodeItem) -> Future:
         """Queue ``item`` (from any thread, the compute thread included); its future."""
+        item.queued_at = time.monotonic()
         with self._queue_lock:
             self._queue.append(item)
             self._arrived.notify()
@@ -156,6 +163,23 @@ class DecodeBatcher:
         with self._queue_lock:
             self._last.discard(key)
 
+    def pending(self) -> bool:
+        """Decode steps are queued (a hint: read without the lock)."""
+        return bool(self._queue)
+
+    def run_now(self) -> None:
+        """Run what is queued at once, without the batch window (on the compute thread, in
+        the middle of a training step: :mod:`.priority`); the segment's mode is restored."""
+        with self._queue_lock:
+            batch, self._queue = self._queue, []
+        if batch:
+            was_training = self.segment.training
+            try:
+                self._run(batch)
+            finally:
+                if was_training:
+                    self.segment.train()
+
     def drain(self) -> None:
         """Run everything queued so far (on the compute thread)."""
         with self._queue_lock:
@@ -169,6 +193,12 @@ class DecodeBatcher:
         else:
             for it in batch:
                 self._run([it])
+
+    def _on_stream(self):
+        if self._stream is None:
+            return nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))  # caches written before
+        return torch.cuda.stream(self._stream)
 
     def _wait_for_last_batch(self) -> None:
         """Wait (``_queue_lock`` held) up to ``wait_s`` while some of the previous batch's
@@ -194,11 +224,16 @@ class DecodeBatcher:
                     it.future.set_exception(e)
             if not ready:
                 return
+            now = time.monotonic()
+            for it in ready:
+                self.on_wait(now - it.queued_at)
             try:
                 if self.segment.training:  # eval() walks every submodule: 0.16 ms for 8 blocks
                     self.segment.eval()
-                with self.inference():
+                with self.inference(), self._on_stream():
                     outputs = batched_decode(self.segment, ready)
+                if self._stream is not None:
+                    self._stream.synchronize()  # the answers are read on the CPU next
                 self.batches += 1
                 self.items += len(ready)
             except Exception as e:

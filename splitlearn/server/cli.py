@@ -2,24 +2,27 @@
 
 Why waitress: it is a production WSGI server in pure Python that runs in this process (one
 model copy, shared by its worker threads), keeps connections alive and sets TCP_NODELAY by
-default. Its request/response spill-to-disk thresholds (512 KiB / 1 MiB by default) are
-raised to the body limit so activation bodies stay in memory, and its own error pages
-(a body over the limit is refused by waitress before Flask sees it) are answered as the
-same JSON ``{"error", "message"}`` as every other error (see docs/INTERNALS.md).
+default. It is set up by :mod:`.frontdoor`: request and response bodies stay in memory,
+a request without a valid token is refused at its headers (before its body is read), slow
+senders and clients that do not read their answers are cut off, and waitress's own error
+answers are the same JSON ``{"error", "message"}`` as every other error (docs/INTERNALS.md).
+A token generated for a run goes to a 0600 file, never to the log.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError, SplitLearnError, from_status
+from ..errors import ConfigError, SplitLearnError
 from ..lora import LoraSpec
 from .tenants import read_token_file
 from .config import ServerConfig
+from .strategy import DEFAULT_MAX_UPDATE_NORM
+from .tickets import read_secret_file
 
 
 def parse_args(argv=None) -> ServerConfig:
@@ -43,13 +46,33 @@ def parse_args(argv=None) -> ServerConfig:
                                         "comma-separated; see docs/SECURITY.md)")
     p.add_argument("--checkpoint-dir", help="save segment + optimizer state here periodically and on SIGTERM")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--state-dir", help="replicas (docs/CLUSTER.md): keep each client's LoRA adapter, optimizer "
+                                       "and step record here, shared by the replicas, saved every "
+                                       "--checkpoint-every steps of that client (needs --lora-r)")
     p.add_argument("--max-body-mb", type=float, default=256.0, help="larger request bodies get 413")
+    p.add_argument("--max-echo-mb", type=float, default=4.0, help="larger POST /v1/echo bodies get 413")
+    p.add_argument("--max-connections", type=int, default=256, help="open connections at once")
+    p.add_argument("--request-timeout", type=float, default=10.0,
+                   help="seconds for a request's headers; its body, and the reading of an answer, get "
+                        "this plus their size at --min-rate-kib (docs: splitlearn/server/frontdoor.py)")
+    p.add_argument("--min-rate-kib", type=float, default=256.0,
+                   help="KiB/s a body must arrive at, and an answer be read at, on average")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="seconds an authenticated keep-alive connection may idle")
+    p.add_argument("--token-out", help="where to write a generated token, mode 0600 (without --token-file "
+                                       "and $SPLITLEARN_TOKEN; default <checkpoint-dir or .>/splitlearn-token)")
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-request-memory-gb", type=float, default=None,
+                   help="memory one request may cost (GiB; 413 beyond, before allocating); default: half "
+                        "of the memory free at start less the training state (splitlearn/server/budget.py)")
     p.add_argument("--threads", type=int, default=16, help="WSGI threads; >= concurrent clients so decode steps batch")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads for the segment (default: torch's, one per core)")
     p.add_argument("--no-batching", action="store_true",
                    help="run concurrent sessions' decode steps one at a time (for comparison)")
+    p.add_argument("--priority", default="decode-first", choices=["decode-first", "fifo"],
+                   help="decode-first: a training step yields to queued decode steps between its linear "
+                        "layers (forward and backward); fifo: arrival order (splitlearn/server/priority.py)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long a decode batch may wait for the sessions of the previous batch "
                         "still on their way (0: never wait; see splitlearn/server/batching.py)")
@@ -82,11 +105,30 @@ def parse_args(argv=None) -> ServerConfig:
                    help="external: clients share their client-side weights through a separate fed "
                         "server (python -m splitlearn.server.fedavg); this one never sees them")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the server's gradient norm per step")
+    p.add_argument("--aggregation", default="fedavg", choices=["fedavg", "median", "trimmed-mean"],
+                   help="how a splitfed round's updates combine: sample-weighted mean, or the coordinate-wise "
+                        "median / trimmed mean (robust to a few bad members; docs/FEDERATION.md)")
+    p.add_argument("--max-update-norm", type=_norm, default=DEFAULT_MAX_UPDATE_NORM,
+                   help=f"bound on the L2 norm of one member's update per round or turn, around the shared "
+                        f"weights ('none': unbounded; default {DEFAULT_MAX_UPDATE_NORM:g}, docs/FEDERATION.md)")
+    p.add_argument("--trim-beta", type=float, default=0.2,
+                   help="--aggregation trimmed-mean: fraction of the members dropped at each end, per coordinate")
+    p.add_argument("--fed-secret-file", help="--client-weights external: file with the secret shared with the fed "
+                                             "server (>= 32 bytes), which signs each member's ticket")
     p.add_argument("--lora-r", type=int, default=None,
                    help="train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha/r (default: 2r)")
     p.add_argument("--lora-targets", default="c_attn", help="comma-separated: c_attn, c_proj, c_fc")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    p.add_argument("--offload", action="store_true",
+                   help="serve the linear layers of --model's blocks and LM head as products on one-time-"
+                        "padded inputs (no --cut; client: splitlearn.OffloadGPT2LMHeadModel; docs/OFFLOAD.md)")
+    p.add_argument("--offload-plain", action="store_true",
+                   help="--offload: also answer unmasked float32 products (the benchmark's baseline)")
+    p.add_argument("--offload-record", metavar="DIR",
+                   help="test hook (needs SPLITLEARN_TEST_HOOKS=1): save every offload input to DIR")
+    p.add_argument("--offload-tamper", type=int, default=0, metavar="N",
+                   help="test hook (needs SPLITLEARN_TEST_HOOKS=1): alter every answer from the N-th product on")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -94,16 +136,29 @@ def parse_args(argv=None) -> ServerConfig:
         model=a.model, segment=a.segment, cuts=tuple(a.cuts), host=a.host, port=a.port,
         device=a.device, dtype=a.dtype, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
         seed=a.seed, tokens=read_token_file(a.token_file) if a.token_file else (),
-        checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
+        checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every, state_dir=a.state_dir,
         max_body_bytes=int(a.max_body_mb * (1 << 20)), max_batch=a.max_batch, threads=a.threads,
+        max_echo_bytes=int(a.max_echo_mb * (1 << 20)), max_connections=a.max_connections,
+        request_timeout_s=a.request_timeout, min_rate_kib_s=a.min_rate_kib, idle_timeout_s=a.idle_timeout,
+        token_out=a.token_out,
+        max_request_memory_bytes=None if a.max_request_memory_gb is None else int(a.max_request_memory_gb * (1 << 30)),
         torch_threads=a.torch_threads, batching=not a.no_batching,
-        batch_wait_ms=a.batch_wait_ms, poll_idle=a.poll_idle,
+        batch_wait_ms=a.batch_wait_ms, priority=a.priority, poll_idle=a.poll_idle,
         packed_weights=not a.no_packed_weights, session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
         max_sessions_per_tenant=a.max_sessions_per_tenant, max_clients_per_tenant=a.max_clients_per_tenant,
         max_pending_per_tenant=a.max_pending_per_tenant, allow_weak_tokens=a.allow_weak_tokens,
         federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
-        lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a))
+        lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a),
+        aggregation=a.aggregation, max_update_norm=a.max_update_norm, trim_beta=a.trim_beta,
+        fed_secret=read_secret_file(a.fed_secret_file) if a.fed_secret_file else None,
+        offload=a.offload, offload_plain=a.offload_plain, offload_record=a.offload_record,
+        offload_tamper=a.offload_tamper)
+
+
+def _norm(text: str) -> Optional[float]:
+    """``--max-update-norm``: a number, or ``none`` for no bound."""
+    return None if text.strip().lower() == "none" else float(text)
 
 
 def _lora_spec(a) -> Optional[LoraSpec]:
@@ -116,44 +171,33 @@ def _lora_spec(a) -> Optional[LoraSpec]:
     return LoraSpec(a.lora_r, alpha, a.lora_targets, a.lora_dropout)
 
 
-def _json_channel():
-    """A waitress channel whose own error answers (413, 400) are splitlearn's JSON errors."""
-    from waitress.channel import HTTPChannel
-    from waitress.task import ErrorTask
+def write_generated_token(cfg: ServerConfig) -> Path:
+    """Write the token made up for this run to a new file only its owner can read; its path.
 
-    class JsonErrorTask(ErrorTask):
-        def execute(self):
-            e = self.request.error
-            err = from_status(e.code, f"{e.reason}: {e.body}")
-            body = json.dumps(err.to_payload()).encode()
-            self.status = f"{e.code} {e.reason}"
-            self.response_headers.append(("Content-Type", "application/json"))
-            self.set_close_on_finish()
-            self.content_length = len(body)
-            self.write(body)
+    The token itself never goes to the log (logs are collected, shipped and kept)."""
+    from ..checkpoint import open_private, private_dir
 
-    class JsonChannel(HTTPChannel):
-        error_task_class = JsonErrorTask
-
-    return JsonChannel
+    path = Path(cfg.token_out or Path(cfg.checkpoint_dir or ".") / "splitlearn-token")
+    try:
+        private_dir(path.parent)
+        with open_private(path) as f:
+            f.write(cfg.tokens[0].encode() + b"\n")
+    except OSError as e:
+        raise ConfigError(f"no token given, and the one generated cannot be written to {path}: {e}; "
+                          f"give --token-out PATH, --token-file or $SPLITLEARN_TOKEN") from None
+    return path.resolve()
 
 
 def serve(cfg: ServerConfig) -> None:
     """Build the app and serve it until SIGTERM/SIGINT, checkpointing on the way out."""
-    import waitress
-
     from ..idlepoll import IdlePoller
     from .app import create_app
+    from .frontdoor import make_server
 
     app = create_app(cfg)
     rt = app.extensions["splitlearn"]
-    body_limit = cfg.max_body_bytes
-    server = waitress.create_server(
-        app, host=cfg.host, port=cfg.port, threads=cfg.threads,
-        inbuf_overflow=body_limit, outbuf_overflow=body_limit, max_request_body_size=body_limit,
-        recv_bytes=256 << 10,  # default 8 KiB: a 1.5 MB body took 190 reads (echo 8.8 -> 6.3 ms)
-        channel_timeout=300, connection_limit=256, ident="splitlearn")
-    server.channel_class = _json_channel()
+    server = make_server(app, cfg.tenants, host=cfg.host, port=cfg.port, threads=cfg.threads,
+                         max_body_bytes=cfg.max_body_bytes, limits=cfg.door_limits())
 
     poller = IdlePoller().start() if cfg.poll_idle else None
 
@@ -167,12 +211,16 @@ def serve(cfg: ServerConfig) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    seg = rt.segment
     if cfg.generated_token:
-        print(f"no token given: generated one for this run: export SPLITLEARN_TOKEN={cfg.tokens[0]}",
-              file=sys.stderr)
-    print(f"splitlearn server: {seg.kind} blocks [{seg.start}, {seg.end}) on {rt.device} "
-          f"at http://{cfg.host}:{cfg.port} (ready)", file=sys.stderr, flush=True)
+        path = write_generated_token(cfg)
+        print(f"no token given: generated one for this run, written to {path} (mode 0600); "
+              f"clients: --token-file {path}", file=sys.stderr)
+    if cfg.offload:
+        what = f"masked offload of {len(rt.layers)} linear layers of {cfg.model} on cpu"
+    else:
+        seg = rt.segment
+        what = f"{seg.kind} blocks [{seg.start}, {seg.end}) on {rt.device}"
+    print(f"splitlearn server: {what} at http://{cfg.host}:{cfg.port} (ready)", file=sys.stderr, flush=True)
     server.run()
 
 

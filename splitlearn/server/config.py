@@ -9,6 +9,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..lora import LoraSpec
+from .strategy import DEFAULT_MAX_UPDATE_NORM, make_strategy
+from .tickets import check_secret
 from .tenants import Tenants
 
 
@@ -29,13 +31,22 @@ class ServerConfig:
     allow_weak_tokens: bool = False  # accept tokens under 16 characters or the docs' examples
     checkpoint_dir: Optional[str] = None  # where the segment + optimizer state are saved
     checkpoint_every: int = 100  # steps between periodic checkpoints (0: only on SIGTERM/request)
+    state_dir: Optional[str] = None  # replicas: per-client LoRA state in a directory shared by them (splitlearn/server/clientstate.py)
     max_body_bytes: int = 256 << 20  # requests larger than this get 413 unread
+    max_echo_bytes: int = 4 << 20  # POST /v1/echo bodies (link diagnostics) larger than this get 413
+    max_connections: int = 256  # open connections (splitlearn/server/frontdoor.py)
+    request_timeout_s: float = 10.0  # seconds for a request's headers; bodies and answers get this + size / min rate
+    min_rate_kib_s: float = 256.0  # KiB/s a request body must arrive at, and an answer be read at, on average
+    idle_timeout_s: float = 300.0  # seconds a keep-alive connection with a valid token may idle
+    token_out: Optional[str] = None  # where a generated token is written (0600); default <checkpoint_dir or cwd>/splitlearn-token
+    max_request_memory_bytes: Optional[int] = None  # bytes of memory one request may cost (413 beyond); None: derived at start (splitlearn/server/budget.py)
     max_batch: int = 64  # rows per request
     threads: int = 16  # WSGI worker threads (>= concurrent clients, so their decode steps can batch)
     torch_threads: Optional[int] = None  # intra-op threads of the compute thread (default: torch's)
     batching: bool = True  # batch concurrent sessions' decode steps into one forward
     packed_weights: bool = True  # decode on oneDNN prepacked weights (CPU float32; splitlearn/packed.py)
     poll_idle: bool = False  # keep the server's cores polling between requests (splitlearn/idlepoll.py)
+    priority: str = "decode-first"  # decode-first: training yields to decode steps | fifo (splitlearn/server/priority.py)
     batch_wait_ms: float = 5.0  # how long a decode batch waits for the rest of the last batch's sessions
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
@@ -49,14 +60,26 @@ class ServerConfig:
     lease_timeout_s: float = 60.0  # seconds a U-shape forward may wait for its backward
     client_weights: str = "server"  # server: syncs carry client weights | external: a fed server has them
     max_grad_norm: Optional[float] = None  # clip the server's gradient norm per step (None: off)
+    aggregation: str = "fedavg"  # fedavg | median | trimmed-mean: how a round's updates combine (server/strategy.py)
+    max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM  # L2 bound of one member's update per round/turn, weight units (None: off)
+    trim_beta: float = 0.2  # trimmed-mean: fraction of a round's members dropped at each end, per coordinate
+    fed_secret: Optional[bytes] = field(default=None, repr=False)  # shared with the fed server: signs tickets (>= 32 bytes)
     lora: Optional[LoraSpec] = None  # per-client LoRA adapters on a frozen segment (splitlearn/server/adapters.py)
+    offload: bool = False  # serve the model's linear layers on masked inputs instead of a segment (docs/OFFLOAD.md)
+    offload_plain: bool = False  # --offload: also answer unmasked float32 products (benchmark baseline)
+    offload_record: Optional[str] = None  # test hook: save every offload input to this directory
+    offload_tamper: int = 0  # test hook: alter one element of every offload answer from this product on (0: never)
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
 
     def __post_init__(self):
         if (self.model is None) == (self.segment is None):
             raise ConfigError("give exactly one of --model (with --cut) or --segment")
-        if self.model is not None and not 1 <= len(self.cuts) <= 2:
-            raise ConfigError("--model needs one --cut (2-way) or two (U-shape)")
+        if self.offload:
+            self._check_offload()
+        elif self.model is not None and not 1 <= len(self.cuts) <= 2:
+            raise ConfigError("--model needs one --cut (2-way) or two (U-shape), or --offload")
+        elif self.offload_plain or self.offload_record or self.offload_tamper:
+            raise ConfigError("--offload-plain, --offload-record and --offload-tamper need --offload")
         if self.segment is not None and not Path(self.segment).with_suffix(".json").is_file():
             raise ConfigError(f"--segment {self.segment}: no such exported segment spec")
         if not 0 < self.port < 65536:
@@ -75,12 +98,30 @@ class ServerConfig:
             raise ConfigError(f"--client-weights must be server or external, got {self.client_weights!r}")
         if self.clients_per_round < 1:
             raise ConfigError(f"--clients-per-round must be >= 1, got {self.clients_per_round}")
+        if self.max_echo_bytes < 1 or self.max_connections < 1:
+            raise ConfigError("--max-echo-mb and --max-connections must be > 0")
+        if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):
+            raise ConfigError("--request-timeout, --min-rate-kib and --idle-timeout must be > 0")
         if not (self.round_timeout_s > 0 and self.lease_timeout_s > 0):
             raise ConfigError("--round-timeout and --lease-timeout must be > 0 seconds")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
+        make_strategy(self.aggregation, self.max_update_norm, self.trim_beta)  # ConfigError if invalid
+        if self.client_weights == "external" and self.federation != "shared" and self.fed_secret is None:
+            raise ConfigError("--client-weights external needs --fed-secret-file (the secret shared with the "
+                              "fed server, which signs each member's ticket: docs/FEDERATION.md)")
+        if self.fed_secret is not None:
+            check_secret(self.fed_secret)
+        if self.priority not in ("decode-first", "fifo"):
+            raise ConfigError(f"--priority must be decode-first or fifo, got {self.priority!r}")
         if not 0 <= self.batch_wait_ms <= 1000:
             raise ConfigError(f"--batch-wait-ms must be in 0..1000, got {self.batch_wait_ms}")
+        if self.max_request_memory_bytes is not None and self.max_request_memory_bytes < 1 << 20:
+            raise ConfigError(f"--max-request-memory-gb must be at least 1 MiB (0.001), got "
+                              f"{self.max_request_memory_bytes} bytes")
+        if self.state_dir is not None and (self.lora is None or self.federation != "shared" or self.checkpoint_dir):
+            raise ConfigError("--state-dir keeps each client's LoRA adapter apart: it needs --lora-r, "
+                              "--federation shared and no --checkpoint-dir (the frozen base needs none)")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"--torch-threads must be >= 1, got {self.torch_threads}")
         if not self.tokens:
@@ -92,4 +133,22 @@ class ServerConfig:
         self.tokens = tuple(self.tokens)
         self.tenants = Tenants(self.tokens, self.allow_weak_tokens)  # ConfigError for weak or malformed ones
         self.cuts = tuple(self.cuts)
+
+    def _check_offload(self) -> None:
+        """``--offload``: a whole model, no cut, no training options; test hooks only when asked for."""
+        if self.model is None or self.cuts or self.lora is not None:
+            raise ConfigError("--offload serves a whole model's linear layers: give --model, no --cut, "
+                              "--segment or --lora-r")
+        if self.offload_tamper < 0:
+            raise ConfigError(f"--offload-tamper must be >= 0, got {self.offload_tamper}")
+        if (self.offload_record or self.offload_tamper) and os.environ.get("SPLITLEARN_TEST_HOOKS") != "1":
+            raise ConfigError("--offload-record and --offload-tamper are test hooks: they need "
+                              "SPLITLEARN_TEST_HOOKS=1 in the environment")
+        if self.offload_record:
+            Path(self.offload_record).mkdir(parents=True, exist_ok=True)
+
+    def door_limits(self):
+        """The connection limits as the front door takes them (:mod:`.frontdoor`)."""
+        from .frontdoor import DoorLimits
+        return DoorLimits(self.max_connections, self.request_timeout_s, self.min_rate_kib_s, self.idle_timeout_s)
 

@@ -4,16 +4,30 @@ SplitFed proper (Thapa et al., AAAI 2022) averages the clients' client-side weig
 server of their own, apart from the server that trains the segment; sharing client-side
 weights with the segment server raises what it can learn from the activations it sees (see
 docs/FEDERATION.md). Run one beside a ``--federation splitfed --client-weights external``
-(or ``sequential``) segment server::
+(or ``sequential``) segment server, with the same model, cuts, LoRA options and a secret
+the two share::
 
-    python -m splitlearn.server.fedavg --mode splitfed --clients-per-round 3 --port 8001
-    SplitClient(url, model, client_id="alice", fed_url="http://127.0.0.1:8001")
+    python -m splitlearn.server.fedavg --model tiny-demo --cut 2 --cut 4 --mode splitfed \\
+        --fed-secret-file fed.secret --token-file fed-tokens.txt --port 8001
+    SplitClient(url, model, client_id="alice", fed_url="http://127.0.0.1:8001", fed_token=...)
 
-Clients then sync their weights here (``POST /v1/federation/sync``, the same body as to a
-segment server) and download the average here (``GET /v1/federation/weights``); to the
-segment server they send only their sample count. Both servers close a round after the same
-K syncs, so their versions advance together. The fed server holds no model: it checks each
-upload against the first one of the round (same names, shapes, float dtype, finite).
+Who may upload what. The fed server has its own tokens (``--token-file``, or
+``$SPLITLEARN_FED_TOKEN``), one per tenant, named as on the segment server; a client never
+sends it the segment server's token. It takes an upload only with the ticket the segment
+server answered that member's sync (:mod:`.tickets`): signed with the shared secret, for
+the round being collected (splitfed) or the latest version (sequential: the turn holder's
+sync), from the tenant the ticket names, once per member and round. The FedAvg weight is the
+ticket's samples (the rows the segment server trained for the member), the schema is this
+server's own (:mod:`.clientside`: from ``--model``/``--cut``/``--lora-*``, never the first
+upload), and each update is bounded and combined by the same :mod:`.strategy` as on the
+segment server.
+
+When a round closes. The segment server's status carries a signed close record once its
+round (or turn) closed; clients forward it (``POST /v1/federation/close``). The fed server
+closes its round when it holds the uploads of all the record's members, when a ticket of a
+later round arrives (the segment server moved on), or ``--upload-timeout`` seconds after the
+record if a member's upload never comes (a client that died between its two syncs); its
+version is then the segment server's. State is in memory (a restart forgets the average).
 """
 from __future__ import annotations
 
@@ -22,94 +36,180 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, g, jsonify, request
 
 from .. import protocol as P
-from ..errors import BadRequest, Conflict, NotFound, SplitLearnError, Unauthorized
+from ..errors import BadRequest, ConfigError, Conflict, Forbidden, NotFound, SplitLearnError, Unauthorized
+from ..lora import LoraSpec
 from ..wire import decode, encode
-from .federation import weighted_average
+from . import tickets
+from .clientside import ClientSide
+from .strategy import AGGREGATIONS, DEFAULT_MAX_UPDATE_NORM, Strategy, coordinate_median, make_strategy
+from .tenants import Tenants
 
 log = logging.getLogger(__name__)
 
+Weights = dict[str, torch.Tensor]
 
-class WeightAverager:
-    """Rounds of ``k`` syncs (splitfed: FedAvg weighted by samples) or turns (sequential:
-    the last upload wins); thread-safe."""
 
-    def __init__(self, mode: str, k: int, round_timeout_s: float):
-        if mode not in ("sequential", "splitfed"):
-            raise BadRequest(f"a fed server runs sequential or splitfed, not {mode!r}")
-        self.mode, self.k, self.round_timeout_s = mode, k, round_timeout_s
-        self.version, self.round = 0, 1
-        self.weights: Optional[dict[str, torch.Tensor]] = None
-        self.pending: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
-        self.first_sync: Optional[float] = None
+@dataclass
+class FedConfig:
+    model: str  # the segment server's --model: the client-side schema and initial weights
+    cuts: tuple[int, ...]  # the segment server's --cut(s)
+    secret: bytes = field(repr=False)  # shared with the segment server (--fed-secret-file), >= 32 bytes
+    mode: str = "splitfed"  # splitfed | sequential: the segment server's --federation
+    seed: int = 0  # the seed of random inits, as the segment server's
+    lora: Optional[LoraSpec] = None  # the segment server's --lora-* (client-side adapters only)
+    aggregation: str = "fedavg"  # fedavg | median | trimmed-mean (splitlearn/server/strategy.py)
+    max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM  # L2 bound of one member's update (None: off)
+    trim_beta: float = 0.2  # trimmed-mean: fraction of the members dropped at each end
+    upload_timeout_s: float = 60.0  # seconds a closed round waits for its members' uploads
+
+    def __post_init__(self):
+        if self.mode not in ("splitfed", "sequential"):
+            raise ConfigError(f"a fed server runs sequential or splitfed, not {self.mode!r}")
+        if not self.upload_timeout_s > 0:
+            raise ConfigError(f"--upload-timeout must be > 0 seconds, got {self.upload_timeout_s}")
+        tickets.check_secret(self.secret)
+        self.cuts = tuple(self.cuts)
+
+
+class FedRounds:
+    """The shared client-side weights and the uploads of the round (splitfed) or turn
+    (sequential) being collected; thread-safe."""
+
+    def __init__(self, cfg: FedConfig, side: ClientSide, strategy: Strategy):
+        self.cfg, self.side, self.strategy = cfg, side, strategy
+        self.version = 0  # equals the segment server's once a round closes here too
+        self.weights: Optional[Weights] = None
+        self.round: Optional[int] = None  # splitfed: the segment server's round being collected
+        self.round_version = 0  # the version that round's members trained from
+        self.uploads: dict[str, tuple[Weights, int]] = {}  # "<tenant>:<client>" -> (weights, samples)
+        self.expected: Optional[int] = None  # members of the closed round (its close record)
+        self.target: Optional[int] = None  # the version the segment server reached (a close record)
+        self.target_seen = 0.0  # time.monotonic() that record first came
+        self.last_round: dict = {}
         self.lock = threading.Lock()
 
-    def _check(self, weights: dict[str, torch.Tensor]) -> None:
-        ref = self.weights or next((w for _, w in self.pending.values()), None)
-        for name, t in weights.items():
-            if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise BadRequest(f"weight {name!r} has dtype {t.dtype}; send float32, bfloat16 or float16")
-            if not bool(torch.isfinite(t).all()):
-                raise BadRequest(f"weight {name!r} contains NaN or inf")
-        if ref is not None:
-            if set(ref) != set(weights):
-                raise BadRequest(f"the weights must have the same names as the others': missing "
-                                 f"{sorted(set(ref) - set(weights))[:5]}, unexpected {sorted(set(weights) - set(ref))[:5]}")
-            for name, t in weights.items():
-                if t.shape != ref[name].shape:
-                    raise BadRequest(f"weight {name!r} has shape {list(t.shape)}, expected {list(ref[name].shape)}")
+    # -- uploads and close records ----------------------------------------------------
 
-    def sync(self, client_id: str, samples: int, weights: dict[str, torch.Tensor]) -> dict:
+    def upload(self, tenant: str, meta: P.SyncMeta, weights: Weights) -> dict:
+        """A member's client-side weights with its ticket (see the module docstring)."""
+        if meta.ticket is None:
+            raise BadRequest("an upload needs the ticket the segment server answered this sync "
+                             "(metadata 'ticket'); SplitClient sends it")
+        t = tickets.verify(self.cfg.secret, meta.ticket, tickets.Ticket)
+        if t.mode != self.cfg.mode:
+            raise BadRequest(f"a {t.mode} ticket, but this fed server runs {self.cfg.mode}")
+        if t.tenant != tenant:
+            raise Forbidden("this ticket was given to another tenant's member: upload with your own")
+        if t.client_id != meta.client_id:
+            raise BadRequest(f"the ticket is client {t.client_id!r}'s, the upload says {meta.client_id!r}")
+        self.side.check(weights)
         with self.lock:
-            self._check(weights)
-            if self.mode == "sequential":
-                self.weights, self.version = weights, self.version + 1
-                return self._status()
-            self._close_if_timed_out()
-            self.pending[client_id] = (samples, weights)
-            self.first_sync = self.first_sync or time.monotonic()
-            if len(self.pending) >= self.k:
-                self._close()
-            return self._status()
+            self._expire()
+            if t.version < self.version:
+                raise Conflict(f"the fed server holds version {self.version}: the round or turn of this "
+                               f"ticket (version {t.version}) closed without this upload")
+            if self.cfg.mode == "sequential":  # the turn holder's weights, bounded, are the latest
+                agg = self._aggregate([(weights, 1)])
+                self.version = t.version + 1
+                self.target = None if self.target is not None and self.target <= self.version else self.target
+                return {**self._status(tenant), "clipped": agg.clipped[0]}
+            if self.round is not None and t.round != self.round:
+                if t.round < self.round:
+                    raise Conflict(f"round {t.round} is closed here; this fed server collects round {self.round}")
+                self._close(f"a ticket of round {t.round} came")
+            if self.round is None:
+                self._open(t.round, t.version)
+            self.uploads.setdefault(f"{tenant}:{t.client_id}", (weights, t.samples))  # a retry changes nothing
+            self._maybe_close()
+            return self._status(tenant)
 
-    def _close_if_timed_out(self) -> None:
-        if self.first_sync is not None and time.monotonic() - self.first_sync > self.round_timeout_s:
-            log.warning("round %d timed out with %d of %d syncs", self.round, len(self.pending), self.k)
-            self._close()
+    def close(self, tenant: str, record: object) -> dict:
+        """The segment server's signed word that a round or turn closed (any member sends it)."""
+        c = tickets.verify(self.cfg.secret, record, tickets.Close)
+        if c.mode != self.cfg.mode:
+            raise BadRequest(f"a {c.mode} close record, but this fed server runs {self.cfg.mode}")
+        with self.lock:
+            self._expire()
+            if c.version > self.version and (self.round is None or c.round >= self.round):
+                if self.round is not None and c.round > self.round:
+                    self._close(f"the segment server closed round {c.round}")
+                if self.cfg.mode == "splitfed" and self.round is None:
+                    self._open(c.round, c.version - 1)
+                if self.target != c.version:
+                    self.target, self.target_seen = c.version, time.monotonic()
+                self.expected = c.synced if self.cfg.mode == "splitfed" else None
+                self._maybe_close()
+            return self._status(tenant)
 
-    def _close(self) -> None:
-        ids = list(self.pending)
-        self.weights = weighted_average([self.pending[c][1] for c in ids], [self.pending[c][0] for c in ids])
-        self.version, self.round = self.version + 1, self.round + 1
-        self.pending, self.first_sync = {}, None
+    def _open(self, number: int, version: int) -> None:
+        self.round, self.round_version, self.uploads, self.expected = number, version, {}, None
 
-    def latest(self) -> tuple[int, dict[str, torch.Tensor]]:
+    def _maybe_close(self) -> None:
+        if self.expected is not None and len(self.uploads) >= self.expected:
+            self._close("every member's upload is here")
+
+    def _expire(self) -> None:
+        if self.target is not None and time.monotonic() - self.target_seen > self.cfg.upload_timeout_s:
+            if self.cfg.mode == "splitfed":
+                self._close(f"uploads still missing {self.cfg.upload_timeout_s:g}s after the close record")
+            else:
+                log.warning("the turn holder's upload for version %d never came: keeping version %d's weights",
+                            self.target - 1, self.version)
+                self.version, self.target = max(self.version, self.target), None
+
+    def _close(self, why: str) -> None:
+        if self.uploads:
+            agg = self._aggregate(list(self.uploads.values()))
+            self.last_round = {"round": self.round, "members": len(self.uploads),
+                               "samples": sum(n for _, n in self.uploads.values()), "clipped": sum(agg.clipped)}
+            self.version = max(self.version, self.round_version + 1)
+        if self.target is not None:
+            self.version = max(self.version, self.target)
+        log.info("round %s closed (%s): %d uploads, version %d", self.round, why, len(self.uploads), self.version)
+        self.round, self.uploads, self.expected, self.target = None, {}, None, None
+
+    def _aggregate(self, uploads: list[tuple[Weights, int]]):
+        ref = self.weights if self.weights is not None else self.side.initial()
+        if ref is None:
+            ref = coordinate_median([w for w, _ in uploads])
+        agg = self.strategy.aggregate(ref, uploads)
+        self.weights = agg.weights
+        self.side.forget_initial()
+        log.info("update norms %s, clipped %s", [round(x, 4) for x in agg.norms], agg.clipped)
+        return agg
+
+    # -- reading ---------------------------------------------------------------------
+
+    def latest(self) -> tuple[int, Weights]:
         with self.lock:
             if self.weights is None:
-                raise NotFound("no client has synced its weights yet")
+                raise NotFound("no member has uploaded its weights yet")
             return self.version, self.weights
 
-    def _status(self) -> dict:
-        return {"mode": self.mode, "version": self.version, "round": self.round,
-                "clients_per_round": self.k if self.mode == "splitfed" else None,
-                "synced": sorted(self.pending), "members": [], "turn": None,
-                "round_timeout_s": self.round_timeout_s, "fed_server": True}
-
-    def status(self) -> dict:
+    def status(self, tenant: str) -> dict:
         with self.lock:
-            if self.mode == "splitfed":
-                self._close_if_timed_out()
-            return self._status()
+            self._expire()
+            return self._status(tenant)
+
+    def _status(self, tenant: str) -> dict:
+        mine = sorted(k.split(":", 1)[1] for k in self.uploads if k.split(":", 1)[0] == tenant)
+        return {"mode": self.cfg.mode, "version": self.version, "round": self.round, "fed_server": True,
+                "synced": mine, "synced_count": len(self.uploads), "expected": self.expected,
+                "upload_timeout_s": self.cfg.upload_timeout_s, "last_round": self.last_round,
+                **self.strategy.describe()}
 
 
-def create_fedavg_app(averager: WeightAverager, tokens: tuple[str, ...]) -> Flask:
+def create_fedavg_app(rounds: FedRounds, tenants: Tenants) -> Flask:
+    """The fed server's routes around ``rounds``; ``tenants``: its own tokens."""
     app = Flask("splitlearn.fedavg")
-    app.extensions["splitlearn.fedavg"] = averager
+    app.extensions["splitlearn.fedavg"] = rounds
 
     @app.errorhandler(SplitLearnError)
     def _error(err: SplitLearnError):
@@ -118,12 +218,13 @@ def create_fedavg_app(averager: WeightAverager, tokens: tuple[str, ...]) -> Flas
         return resp
 
     @app.before_request
-    def _authenticate():
+    def _authenticate():  # constant-time (Tenants.authenticate); the front door checked it already
         if request.path == P.HEALTH:
             return None
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or header[7:] not in tokens:
-            raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+        g.tenant = tenants.authenticate(request.headers.get("Authorization"))
+        if g.tenant is None:
+            raise Unauthorized("missing or wrong bearer token: the fed server's own (fed_token=, "
+                               "$SPLITLEARN_FED_TOKEN), not the segment server's")
         return None
 
     @app.get(P.HEALTH)
@@ -132,50 +233,94 @@ def create_fedavg_app(averager: WeightAverager, tokens: tuple[str, ...]) -> Flas
 
     @app.get(P.FEDERATION)
     def status():
-        return jsonify(averager.status())
+        return jsonify(rounds.status(g.tenant.name))
 
     @app.post(P.FEDERATION_SYNC)
     def sync():
         if request.mimetype != P.CONTENT_TYPE:
             raise BadRequest(f"send the weights as {P.CONTENT_TYPE} (safetensors)")
         tensors, meta = decode(request.get_data(cache=False))
-        m = P.SyncMeta.from_meta(meta)
-        if not tensors:
-            raise Conflict("a fed server takes the weights themselves; an empty sync is for the segment server")
-        return jsonify(averager.sync(m.client_id, m.samples, tensors))
+        return jsonify(rounds.upload(g.tenant.name, P.SyncMeta.from_meta(meta), tensors))
+
+    @app.post(P.FEDERATION_CLOSE)
+    def close():
+        payload = request.get_json(silent=True)
+        if not isinstance(payload, dict) or set(payload) != {"record"}:
+            raise BadRequest('the body must be JSON {"record": "<the last_close of the segment server>"}')
+        return jsonify(rounds.close(g.tenant.name, payload["record"]))
 
     @app.get(P.FEDERATION_WEIGHTS)
     def weights():
-        version, w = averager.latest()
+        version, w = rounds.latest()
         return Response(encode(w, {"version": str(version)}), mimetype=P.CONTENT_TYPE)
 
     return app
 
 
-def main(argv=None) -> int:
-    import os
-
-    import waitress
-
+def parse_args(argv=None) -> tuple[argparse.Namespace, FedConfig]:
     p = argparse.ArgumentParser(prog="python -m splitlearn.server.fedavg", allow_abbrev=False,
                                 description="a fed server: averages client-side weights apart from the segment server")
+    p.add_argument("--model", required=True, help="the segment server's --model (the client-side schema)")
+    p.add_argument("--cut", type=int, action="append", required=True, dest="cuts", help="the segment server's --cut(s)")
+    p.add_argument("--seed", type=int, default=0, help="the segment server's --seed")
     p.add_argument("--mode", default="splitfed", choices=["splitfed", "sequential"])
-    p.add_argument("--clients-per-round", type=int, default=2)
-    p.add_argument("--round-timeout", type=float, default=300.0)
+    p.add_argument("--fed-secret-file", required=True, help="the secret shared with the segment server (>= 32 bytes)")
+    p.add_argument("--token-file", help="this server's tenants, '<name> <token>' per line, named as on the segment "
+                                        "server (default: $SPLITLEARN_FED_TOKEN, comma-separated)")
+    p.add_argument("--allow-weak-tokens", action="store_true", help="accept tokens under 16 characters (tests only)")
+    p.add_argument("--aggregation", default="fedavg", choices=list(AGGREGATIONS))
+    p.add_argument("--max-update-norm", default=str(DEFAULT_MAX_UPDATE_NORM),
+                   help="L2 bound of one member's update around the shared weights ('none': unbounded)")
+    p.add_argument("--trim-beta", type=float, default=0.2)
+    p.add_argument("--upload-timeout", type=float, default=60.0,
+                   help="seconds a closed round waits for a member's upload before closing without it")
+    p.add_argument("--lora-r", type=int, default=None, help="the segment server's --lora-r (adapters only)")
+    p.add_argument("--lora-alpha", type=float, default=None)
+    p.add_argument("--lora-targets", default="c_attn")
+    p.add_argument("--lora-dropout", type=float, default=0.0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--max-body-mb", type=float, default=2048.0)
+    p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
-    tokens = tuple(t.strip() for t in os.environ.get("SPLITLEARN_TOKEN", "").split(",") if t.strip())
-    if not tokens or a.clients_per_round < 1:
-        print("error: set SPLITLEARN_TOKEN and give --clients-per-round >= 1", file=sys.stderr)
+    lora = None if a.lora_r is None else LoraSpec(a.lora_r, 2.0 * a.lora_r if a.lora_alpha is None else a.lora_alpha,
+                                                   a.lora_targets, a.lora_dropout)
+    norm = None if a.max_update_norm.strip().lower() == "none" else float(a.max_update_norm)
+    cfg = FedConfig(a.model, tuple(a.cuts), tickets.read_secret_file(a.fed_secret_file), a.mode, a.seed, lora,
+                    a.aggregation, norm, a.trim_beta, a.upload_timeout)
+    return a, cfg
+
+
+def build(cfg: FedConfig, tenants: Tenants) -> Flask:
+    from ..loading import load_config
+
+    side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
+    strategy = make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta)
+    return create_fedavg_app(FedRounds(cfg, side, strategy), tenants)
+
+
+def main(argv=None) -> int:
+    import os
+
+    from .frontdoor import make_server
+    from .tenants import read_token_file
+
+    try:
+        a, cfg = parse_args(argv)
+        logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        tokens = (read_token_file(a.token_file) if a.token_file else
+                  tuple(t.strip() for t in os.environ.get("SPLITLEARN_FED_TOKEN", "").split(",") if t.strip()))
+        app = build(cfg, Tenants(tokens, allow_weak=a.allow_weak_tokens))
+    except (SplitLearnError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     limit = int(a.max_body_mb * (1 << 20))
-    app = create_fedavg_app(WeightAverager(a.mode, a.clients_per_round, a.round_timeout), tokens)
     app.config["MAX_CONTENT_LENGTH"] = limit
+    # the same front door as the segment server (header-time auth, deadlines): splitlearn/server/frontdoor.py
+    server = make_server(app, Tenants(tokens, allow_weak=a.allow_weak_tokens), host=a.host, port=a.port, threads=8,
+                         max_body_bytes=limit, ident="splitlearn-fedavg")
     print(f"splitlearn fed server ({a.mode}) at http://{a.host}:{a.port} (ready)", file=sys.stderr, flush=True)
-    waitress.serve(app, host=a.host, port=a.port, threads=8, inbuf_overflow=limit, outbuf_overflow=limit,
-                   max_request_body_size=limit, ident="splitlearn-fedavg")
+    server.run()
     return 0
 
 

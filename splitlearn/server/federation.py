@@ -11,19 +11,23 @@ client-side weights that data owners share.
                taking turns equal one model trained on their batches in the server's order.
 ``splitfed``   SplitFed v1 (Thapa et al., AAAI 2022): the first ``clients_per_round``
                clients of a round each train their own copy of the server segment in
-               parallel; each ends with ``sync`` (client-side weights + sample count); when
-               all have synced, the copies and the client-side weights are averaged,
-               weighted by samples (FedAvg), and every client continues from the average.
+               parallel; each ends with ``sync``; when all have synced, the copies and the
+               client-side weights are aggregated by the :mod:`.strategy` (FedAvg weighted
+               by the rows this server counted for each member, each update norm-bounded),
+               and every client continues from the result.
 =============  ==============================================================================
 
-Client-side weights are versioned: ``version`` counts the uploads (sequential) or the closed
-rounds (splitfed). Training requests carry the version the client holds; a client behind
-gets 409 ``stale_weights`` and the library downloads the latest and redoes its step.
-
-Timeouts (``round_timeout_s``): a sequential turn idle that long may be taken by the next
-client (the old holder's next step gets 409 ``not_your_turn``); a splitfed round whose
-members have not all synced that long after its first sync closes with those that did (the
-others' copies are dropped, their late sync gets 409, and they continue from the average).
+One member cannot break it: a member's FedAvg weight is the rows this server trained for it
+in the round (:meth:`Federation.trained`), never a number it claims; uploads must match the
+server's own schema (:mod:`.clientside`); each update is bounded around the current shared
+weights before the :mod:`.strategy` combines them; a round's timeout runs from its *first
+member*, so members that never sync (made-up ids included) leave it then. Versions count the
+uploads (sequential) or closed rounds (splitfed); a training request of an older version gets
+409 ``stale_weights`` and the library downloads the latest. With ``--client-weights external``
+a sync carries no weights and is answered a signed ticket, and a closed round leaves a signed
+close record in the status, for the fed server (:mod:`.fedavg`, :mod:`.tickets`). Keys are
+opaque: the app passes ``"<tenant>:<client_id>"`` (:mod:`.tenants`), and :meth:`Federation.status`
+shows a viewer its own tenant's ids only.
 
 Server memory per client: ``shared`` and ``sequential`` none beyond the ledger; ``splitfed``
 one copy of the segment and its optimizer state per member of the current round (created at
@@ -43,6 +47,10 @@ import torch
 
 from ..errors import BadRequest, ConfigError, Conflict, NotFound, NotYourTurn, ServiceUnavailable, StaleWeights
 from ..segments import Segment
+from . import tickets
+from .clientside import ClientSide
+from .strategy import Aggregate, Strategy, make_strategy, coordinate_median
+from .tenants import client_of, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -60,151 +68,245 @@ class Replica:
 @dataclass
 class Round:
     number: int = 1
-    members: dict[str, Replica] = field(default_factory=dict)  # client id -> its copy
-    synced: dict[str, int] = field(default_factory=dict)  # client id -> samples
-    weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # client-side
-    first_sync: Optional[float] = None  # time.monotonic()
+    members: dict[str, Replica] = field(default_factory=dict)  # key -> its copy
+    rows: dict[str, int] = field(default_factory=dict)  # key -> rows this server trained for it
+    synced: dict[str, int] = field(default_factory=dict)  # key -> samples (its FedAvg weight)
+    weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # key -> client-side
+    tickets: dict[str, str] = field(default_factory=dict)  # key -> its signed ticket (external)
+    started: Optional[float] = None  # time.monotonic() of the first member
 
 
-def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
-    """FedAvg (McMahan et al. 2017, eq. 1 as used by SplitFed): sum_k n_k w_k / sum_k n_k."""
-    total = float(sum(weights))
-    out = {}
-    for k, first in states[0].items():
-        if not first.is_floating_point():  # integer/bool buffers are not averaged
-            out[k] = first.clone()
-            continue
-        out[k] = sum(s[k].double() * (n / total) for s, n in zip(states, weights)).to(first.dtype)
-    return out
+def federation_options(cfg, config, cuts) -> dict:
+    """The keyword options of :class:`Federation` from a ``ServerConfig`` (the model's
+    ``GPT2Config`` and cuts for the client-side schema)."""
+    side = None
+    if cfg.federation != "shared":
+        side = ClientSide(config, cuts, model=cfg.model, segment=cfg.segment, seed=cfg.seed, lora=cfg.lora)
+    return {"strategy": make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta),
+            "clientside": side, "client_weights_at": cfg.client_weights, "secret": cfg.fed_secret}
 
 
 class Federation:
     """State of the federation; every method is called under the runtime's lock."""
 
     def __init__(self, mode: str, base: Replica, make_optimizer: Callable, clients_per_round: int,
-                 round_timeout_s: float):
+                 round_timeout_s: float, *, strategy: Optional[Strategy] = None,
+                 clientside: Optional[ClientSide] = None, client_weights_at: str = "server",
+                 secret: Optional[bytes] = None):
         if mode not in MODES:
             raise BadRequest(f"unknown federation mode {mode!r}; choose one of {', '.join(MODES)}")
+        if client_weights_at == "external" and mode != "shared" and secret is None:
+            raise ConfigError("--client-weights external needs --fed-secret-file: the secret this server "
+                              "shares with the fed server, which signs each member's ticket")
         self.mode = mode
         self.base = base
         self.make_optimizer = make_optimizer  # params -> optimizer (the server's rule)
         self.k = clients_per_round
         self.round_timeout_s = round_timeout_s
+        self.strategy = strategy or make_strategy()
+        self.clientside = clientside  # schema + initial weights of the client side (None: unchecked)
+        self.client_weights_at = client_weights_at  # "server", or "external": a fed server holds them
+        self.secret = secret  # shared with the fed server: signs tickets and close records
         self.version = 0  # of the shared client-side weights
         self.client_weights: Optional[dict[str, torch.Tensor]] = None
         self.turn: Optional[str] = None
-        self.turn_seen = 0.0  # time.monotonic() of the holder's last request
+        self.turn_seen = 0.0  # time.monotonic() of the holder's last training step or take
+        self.turn_rows = 0  # rows trained in the current turn
         self.round = Round()
+        self.last_close: Optional[str] = None  # external: the signed record of the last close
+        self.last_round: dict = {}  # what the last close did (members, clipped updates, norms)
         self.lock = threading.RLock()
-        self.client_weights_at = "server"  # or "external": a fed server holds them (server/fedavg.py)
         self.on_change: Callable[[], object] = lambda: None  # shared weights changed (the runtime checkpoints)
+
+    @property
+    def external(self) -> bool:
+        return self.client_weights_at == "external"
 
     # -- admission of a training request ----------------------------------------------
 
-    def replica_for(self, client_id: str, version: Optional[int]) -> Replica:
-        """The copy ``client_id`` trains now; raises 409/503 when it may not train now."""
+    def replica_for(self, key: str, version: Optional[int]) -> Replica:
+        """The copy ``key`` trains now; raises 409/503 when it may not train now."""
         with self.lock:
             if self.mode == "shared":
                 return self.base
-            self._check_version(client_id, version)
+            self._check_version(key, version)
             if self.mode == "sequential":
-                if self.turn != client_id:
-                    holder = self.turn or "nobody"
-                    raise NotYourTurn(f"client {client_id!r} does not hold the turn ({holder} does): "
-                                      f"take it with POST /v1/federation/turn first")
+                if self.turn != key:
+                    raise NotYourTurn(f"client {client_of(key)!r} does not hold the turn: take it with "
+                                      f"POST /v1/federation/turn first")
                 self.turn_seen = time.monotonic()
                 return self.base
-            return self._member(client_id)
+            return self._member(key)
 
-    def _check_version(self, client_id: str, version: Optional[int]) -> None:
+    def trained(self, key: str, rows: int) -> None:
+        """A training step of ``rows`` rows was applied for ``key``: what its FedAvg weight
+        counts (called by :mod:`.training` when a step's last piece is applied)."""
+        with self.lock:
+            if self.mode == "splitfed" and key in self.round.members:
+                self.round.rows[key] = self.round.rows.get(key, 0) + rows
+            elif self.mode == "sequential" and key == self.turn:
+                self.turn_rows += rows
+
+    def _check_version(self, key: str, version: Optional[int]) -> None:
         if version is None:
             raise BadRequest(f"this server runs federation mode {self.mode!r}: training requests "
                              f"must carry 'fed_version' (use SplitClient, which does)")
         if version != self.version:
-            raise StaleWeights(f"client {client_id!r} holds client-side weights of version "
+            raise StaleWeights(f"client {client_of(key)!r} holds client-side weights of version "
                                f"{version}, the latest is {self.version}: download them first")
 
-    def _member(self, client_id: str) -> Replica:
+    def _member(self, key: str) -> Replica:
         self._close_if_timed_out()
         r = self.round
-        if client_id in r.synced:
-            raise ServiceUnavailable(f"client {client_id!r} has synced in round {r.number}; it "
+        if key in r.synced:
+            raise ServiceUnavailable(f"client {client_of(key)!r} has synced in round {r.number}; it "
                                      f"waits for the round to close", retry_after=1.0)
-        if client_id not in r.members:
+        if key not in r.members:
             if len(r.members) >= self.k:
-                raise ServiceUnavailable(f"round {r.number} is full ({self.k} clients); wait for "
-                                         f"the next round", retry_after=1.0)
+                raise ServiceUnavailable(f"round {r.number} is full ({self.k} clients); wait for the next "
+                                         f"round (at most {self._time_left():.0f}s)",
+                                         retry_after=min(1.0, max(self._time_left(), 0.05)))
             seg = copy.deepcopy(self.base.segment)
-            r.members[client_id] = Replica(seg, self.make_optimizer(seg.parameters()))
-        return r.members[client_id]
+            r.members[key] = Replica(seg, self.make_optimizer(seg.parameters()))
+            r.started = r.started or time.monotonic()
+        return r.members[key]
 
     # -- turns (sequential) -------------------------------------------------------------
 
-    def take_turn(self, client_id: str) -> dict:
-        """Give ``client_id`` the turn if it is free (or idle past the timeout); else 503."""
+    def take_turn(self, key: str) -> dict:
+        """Give ``key`` the turn if it is free (or idle past the timeout); else 503. Taking
+        the turn it already holds changes nothing (only training or syncing keeps it)."""
         with self.lock:
             if self.mode != "sequential":
                 raise BadRequest(f"turns exist in sequential mode only; this server runs {self.mode!r}")
             now = time.monotonic()
-            if self.turn not in (None, client_id):
-                idle = now - self.turn_seen
-                if idle < self.round_timeout_s:
-                    raise ServiceUnavailable(f"client {self.turn!r} holds the turn; retry",
-                                             retry_after=min(1.0, self.round_timeout_s - idle))
-                log.warning("turn of %s expired after %.0fs idle; given to %s", self.turn, idle, client_id)
-            self.turn, self.turn_seen = client_id, now
-            return self.status()
+            if self.turn != key:
+                if self.turn is not None:
+                    idle = now - self.turn_seen
+                    if idle < self.round_timeout_s:
+                        raise ServiceUnavailable("another client holds the turn; retry",
+                                                 retry_after=min(1.0, self.round_timeout_s - idle))
+                    log.warning("turn of %s expired after %.0fs idle; given to %s", self.turn, idle, key)
+                self.turn, self.turn_seen, self.turn_rows = key, now, 0
+            return self.status(tenant_of(key))
 
     # -- sync ------------------------------------------------------------------------
 
-    def sync(self, client_id: str, weights: dict[str, torch.Tensor], samples: int) -> dict:
-        """Take ``client_id``'s client-side weights at the end of its turn or round."""
+    def sync(self, key: str, weights: dict[str, torch.Tensor], samples: Optional[int] = None) -> dict:
+        """``key``'s client-side weights at the end of its turn or round. ``samples`` (its
+        FedAvg weight) is for in-process callers: every HTTP sync is weighted by the rows
+        this server counted for the member (:meth:`trained`)."""
         with self.lock:
+            viewer = tenant_of(key)
             if self.mode == "shared":
-                return self.status()  # nothing is shared in this mode
+                return self.status(viewer)  # nothing is shared in this mode
             if self.mode == "sequential":
-                if self.turn != client_id:
-                    raise NotYourTurn(f"client {client_id!r} does not hold the turn; only the holder syncs")
-                self.client_weights, self.version = weights or None, self.version + 1
-                self.turn = None
-                self.on_change()
-                return self.status()
+                return self._end_turn(key, weights)
             self._close_if_timed_out()
             r = self.round
-            if client_id not in r.members:
-                raise Conflict(f"client {client_id!r} is not a member of round {r.number}: it has "
+            if key not in r.members:
+                raise Conflict(f"client {client_of(key)!r} is not a member of round {r.number}: it has "
                                f"not trained in it (or the round closed without its sync)")
-            r.synced[client_id], r.weights[client_id] = samples, weights
-            r.first_sync = r.first_sync or time.monotonic()
+            self._check_upload(weights)
+            if key not in r.synced:  # a repeated sync (a retry) changes nothing
+                n = samples if samples is not None else r.rows.get(key, 0)
+                if n <= 0:
+                    raise Conflict(f"client {client_of(key)!r} has no training step applied in round "
+                                   f"{r.number}: train before syncing")
+                r.synced[key], r.weights[key] = n, weights
+                if self.external:
+                    r.tickets[key] = self._sign(tickets.Ticket("splitfed", r.number, self.version, viewer,
+                                                               client_of(key), n))
+            ticket = r.tickets.get(key)
             if len(r.synced) >= self.k:
                 self._close()
-            return self.status()
+            return {**self.status(viewer), **({"ticket": ticket} if ticket else {})}
+
+    def _check_upload(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.external:
+            if weights:
+                raise BadRequest("this server keeps no client-side weights (--client-weights external): "
+                                 "send them to the fed server and an empty sync here")
+        elif self.clientside is not None:
+            self.clientside.check(weights)
+
+    def _end_turn(self, key: str, weights: dict[str, torch.Tensor]) -> dict:
+        if self.turn != key:
+            raise NotYourTurn(f"client {client_of(key)!r} does not hold the turn; only the holder syncs")
+        self._check_upload(weights)
+        out = {}
+        if self.external:
+            out["ticket"] = self._sign(tickets.Ticket("sequential", 0, self.version, tenant_of(key),
+                                                      client_of(key), max(self.turn_rows, 1)))
+            self.last_close = self._sign(tickets.Close("sequential", 0, self.version + 1, 1))
+        elif weights:
+            agg = self._aggregate_client([(weights, 1)])
+            self.client_weights, out["clipped"] = agg.weights, agg.clipped[0]
+        self.version += 1
+        self.turn, self.turn_rows = None, 0
+        self.on_change()
+        return {**self.status(tenant_of(key)), **out}
+
+    # -- rounds (splitfed) --------------------------------------------------------------
+
+    def _time_left(self) -> float:
+        started = self.round.started
+        return self.round_timeout_s if started is None else self.round_timeout_s - (time.monotonic() - started)
 
     def _close_if_timed_out(self) -> None:
         r = self.round
-        if r.first_sync is not None and time.monotonic() - r.first_sync > self.round_timeout_s:
-            log.warning("round %d timed out: closing with %d of %d clients", r.number, len(r.synced), self.k)
+        if r.started is not None and self._time_left() < 0:
+            log.warning("round %d timed out %gs after its first member: closing with %d of %d members "
+                        "synced (%d leave)", r.number, self.round_timeout_s, len(r.synced), len(r.members),
+                        len(r.members) - len(r.synced))
             self._close()
 
     def _close(self) -> None:
         r = self.round
-        ids = list(r.synced)
-        samples = [r.synced[c] for c in ids]
-        self._average_server([r.members[c] for c in ids], samples)
-        uploads = [r.weights[c] for c in ids]
-        self.client_weights = weighted_average(uploads, samples) if uploads[0] else None  # None: a fed server has them
-        self.version += 1
-        log.info("round %d closed: %d clients, %d samples", r.number, len(ids), sum(samples))
+        keys = list(r.synced)
+        if keys:
+            samples = [r.synced[k] for k in keys]
+            server = self.strategy.aggregate(self.base.segment.state_dict(),
+                                             [(r.members[k].segment.state_dict(), n) for k, n in zip(keys, samples)])
+            self._load_server(server.weights)
+            self.last_round = {"round": r.number, "members": len(keys), "samples": sum(samples),
+                               "server_clipped": sum(server.clipped)}
+            if self.external:
+                self.last_close = self._sign(tickets.Close("splitfed", r.number, self.version + 1, len(keys)))
+            else:
+                client = self._aggregate_client([(r.weights[k], n) for k, n in zip(keys, samples)])
+                self.client_weights = client.weights
+                self.last_round["client_clipped"] = sum(client.clipped)
+            self.version += 1
+            log.info("round %d closed: %s; update norms: server %s", r.number, self.last_round,
+                     [round(x, 4) for x in server.norms])
         self.round = Round(r.number + 1)
         self.on_change()
 
-    def _average_server(self, replicas: list[Replica], samples: list[int]) -> None:
-        avg = weighted_average([rep.segment.state_dict() for rep in replicas], samples)
-        self.base.segment.load_state_dict(avg)
+    def _aggregate_client(self, uploads: list[tuple[dict[str, torch.Tensor], int]]) -> Aggregate:
+        """The strategy around the current shared client-side weights (first: the initial ones)."""
+        ref = self.client_weights
+        if ref is None and self.clientside is not None:
+            ref = self.clientside.initial()
+        if ref is None:  # nothing known to bound around: the uploads' coordinate-wise median
+            ref = coordinate_median([w for w, _ in uploads])
+        agg = self.strategy.aggregate(ref, uploads)
+        if self.clientside is not None:
+            self.clientside.forget_initial()
+        log.info("client-side update norms %s, clipped %s", [round(x, 4) for x in agg.norms], agg.clipped)
+        return agg
+
+    def _load_server(self, weights: dict[str, torch.Tensor]) -> None:
+        self.base.segment.load_state_dict(weights)  # float32 -> the segment's dtype
+
+    def _sign(self, statement) -> str:
+        return tickets.sign(self.secret, statement)
 
     def round_open(self) -> bool:
         """A splitfed round has members (their copies would be lost by a checkpoint now)."""
         return self.mode == "splitfed" and bool(self.round.members)
+
+    # -- persistence and reading --------------------------------------------------------
 
     def counters(self) -> dict:
         return {"mode": self.mode, "version": self.version, "round": self.round.number}
@@ -213,7 +315,7 @@ class Federation:
         """State from a checkpoint (a round in progress at the crash starts over)."""
         if counters and counters.get("mode") != self.mode:
             raise ConfigError(f"the checkpoint was written in federation mode {counters.get('mode')!r}, "
-                             f"this server runs {self.mode!r}: start it with the same --federation")
+                              f"this server runs {self.mode!r}: start it with the same --federation")
         self.version = int(counters.get("version", 0))
         self.round = Round(int(counters.get("round", 1)))
         self.client_weights = client_weights
@@ -225,14 +327,28 @@ class Federation:
                 raise NotFound("no client-side weights here: none synced yet, or a fed server holds them")
             return self.version, self.client_weights
 
-    def status(self) -> dict:
+    def status(self, viewer: Optional[str] = None) -> dict:
+        """The federation's state as ``viewer`` (a tenant name) may see it: its own client
+        ids only, the others as counts. ``viewer=None``: every key (in-process use)."""
         with self.lock:
             if self.mode == "splitfed":
                 self._close_if_timed_out()
-            r = self.round
-            return {"mode": self.mode, "version": self.version, "round": r.number,
-                    "clients_per_round": self.k if self.mode == "splitfed" else None,
-                    "members": sorted(r.members) if self.mode == "splitfed" else [],
-                    "synced": sorted(r.synced) if self.mode == "splitfed" else [],
-                    "turn": self.turn, "round_timeout_s": self.round_timeout_s,
-                    "client_weights": self.client_weights_at}
+            r, fed = self.round, self.mode == "splitfed"
+
+            def mine(keys) -> list[str]:
+                if viewer is None:
+                    return sorted(keys)
+                return sorted(client_of(k) for k in keys if tenant_of(k) == viewer)
+
+            turn = None if self.turn is None else mine([self.turn])
+            out = {"mode": self.mode, "version": self.version, "round": r.number,
+                   "clients_per_round": self.k if fed else None,
+                   "members": mine(r.members) if fed else [], "synced": mine(r.synced) if fed else [],
+                   "members_count": len(r.members) if fed else 0, "synced_count": len(r.synced) if fed else 0,
+                   "round_closes_in_s": round(max(self._time_left(), 0.0), 3) if fed and r.started else None,
+                   "turn": turn[0] if turn else None, "turn_held": self.turn is not None,
+                   "round_timeout_s": self.round_timeout_s, "client_weights": self.client_weights_at,
+                   **self.strategy.describe(), "last_round": self.last_round}
+            if self.external and self.last_close is not None:
+                out["last_close"] = self.last_close
+            return out

@@ -20,25 +20,27 @@ from contextlib import nullcontext
 from typing import Optional
 
 import torch
-from transformers import GPT2LMHeadModel
 
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, read_extra, save_state
 from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import BadRequest, Conflict
 from ..export import load_segment, read_segment_spec
+from ..headloss import head_loss
 from ..loading import load_model
 from ..packed import PackedLinears
 from ..partition import partition
-from ..segments import Segment, loss_from_logits
+from ..segments import Segment
 from ..wire import WIRE_DTYPE_NAMES, pack
 from .batching import DecodeBatcher, DecodeItem
-from . import validate
+from .priority import Preemptor, QueueWaits
+from .budget import make_budget
 from .compute import ComputeThread
 from .config import ServerConfig
 from ..lora import lora_scope
-from .adapters import attach as attach_lora, client_adapter_shapes
-from .federation import Federation, Replica
+from .adapters import attach as attach_lora
+from .clientstate import ClientStates
+from .federation import Federation, Replica, federation_options
 from .lease import StepLease
 from .ledger import Answer, StepLedger
 from .training import Training
@@ -86,20 +88,31 @@ class SegmentRuntime:
         self.optimizer = self._make_optimizer(self.segment.parameters())
         self.lock = threading.RLock()
         self.ledger = StepLedger()
-        self._client_shapes: Optional[dict] = None
         self.training = Training(self)
         self.lease = StepLease(cfg.lease_timeout_s, on_expire=lambda cid: self.drop_pending(cid, release=False))
         self.federation = Federation(cfg.federation, Replica(self.segment, self.optimizer),
-                                     self._make_optimizer, cfg.clients_per_round, cfg.round_timeout_s)
-        self.federation.client_weights_at = cfg.client_weights
+                                     self._make_optimizer, cfg.clients_per_round, cfg.round_timeout_s,
+                                     **federation_options(cfg, self.config, self.cuts))
         self.federation.on_change = self.checkpoint  # a sync or a closed round is made durable
         self.sessions = SessionStore(self.segment.new_cache, cfg.session_ttl_s, cfg.max_sessions,
                                      cfg.max_tokens_per_client, cfg.max_sessions_per_tenant)
+        self.waits = QueueWaits()  # per priority class (splitlearn/server/priority.py)
         self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching,
-                                    wait_s=cfg.batch_wait_ms / 1e3, inference=self.inference)
+                                    wait_s=cfg.batch_wait_ms / 1e3, inference=self.inference,
+                                    on_wait=lambda s: self.waits.record("decode", s))
         self.adapters = attach_lora(self) if cfg.lora is not None else None  # per-client LoRA
+        self.states: Optional[ClientStates] = None  # replicas: per-client state in a shared dir
+        if cfg.state_dir is not None:
+            self.states = ClientStates(cfg.state_dir, self)
+            self.adapters.on_lookup = self.states.claim  # a session's adapter: the newest one
+        self.preemptor: Optional[Preemptor] = None
+        if cfg.priority == "decode-first":  # training yields to queued decode steps
+            self.preemptor = Preemptor(self.batcher.pending, self.batcher.run_now, self.compute.on_thread)
         # generation's linear layers on prepacked weights (packed on their first product)
         self._packed = PackedLinears(self.segment) if cfg.packed_weights else None
+        # what one request may cost (413 beyond), priced on the segment as trained (LoRA: frozen base)
+        self.budget = make_budget(self.segment, self.dtype, self.device, cfg.max_request_memory_bytes,
+                                  cfg.optimizer, self._packed is not None)
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
@@ -139,24 +152,36 @@ class SegmentRuntime:
             "device": str(self.device),
             "wire_dtypes": list(WIRE_DTYPE_NAMES),
             "optimizer": {"name": c.optimizer, "lr": c.lr, "weight_decay": c.weight_decay},
-            "checkpoint": {"enabled": bool(c.checkpoint_dir), "every": c.checkpoint_every},
+            "checkpoint": {"enabled": bool(c.checkpoint_dir or c.state_dir), "every": c.checkpoint_every,
+                           "per_client": c.state_dir is not None},
             "steps_applied": self.steps_applied,
             "federation": c.federation,
-            "limits": {"max_body_bytes": c.max_body_bytes, "max_batch": c.max_batch,
+            "limits": {"max_body_bytes": c.max_body_bytes, "max_echo_bytes": c.max_echo_bytes,
+                       **c.door_limits().as_info(), "max_batch": c.max_batch,
                        "n_positions": self.config.n_positions, "max_sessions": c.max_sessions,
                        "max_tokens_per_client": c.max_tokens_per_client,
                        "max_sessions_per_tenant": c.max_sessions_per_tenant,
                        "max_clients_per_tenant": c.max_clients_per_tenant,
                        "max_pending_per_tenant": c.max_pending_per_tenant,
-                       "lease_timeout_s": c.lease_timeout_s, "session_ttl_s": c.session_ttl_s},
+                       "lease_timeout_s": c.lease_timeout_s, "session_ttl_s": c.session_ttl_s,
+                       **self.budget.to_dict()},
+            "priority": {"policy": c.priority, "waits": self.waits.summary(),
+                         "preemptions": self.preemptor.preemptions if self.preemptor else 0},
             "generation": {"batching": c.batching, "batch_wait_ms": c.batch_wait_ms,
                            "packed_weights": c.packed_weights, "sessions": len(self.sessions),
                            "decode_steps": self.batcher.items, "decode_forwards": self.batcher.batches},
         }
 
     def client_step(self, client_id: str) -> int:
+        self.claim(client_id)
         with self.lock:
             return self.ledger.last_step(client_id)
+
+    def claim(self, key: str) -> None:
+        """Replicas (``--state-dir``): hold the newest state of client ``key`` before serving it
+        (:mod:`.clientstate`); a no-op otherwise. Any thread."""
+        if self.states is not None:
+            self.compute.run(self.states.claim, key)
 
     # -- training ----------------------------------------------------------------------
 
@@ -169,7 +194,8 @@ class SegmentRuntime:
         if self.u_shape:
             raise BadRequest(f"{P.TRAIN_STEP} is for 2-way servers; this one holds the trunk "
                              f"(use {P.TRAIN_FORWARD} and {P.TRAIN_BACKWARD})")
-        with self.lock:
+        with self.lock, self._preemptible():
+            self.claim(meta.client_id)
             return self.training.step(meta, hidden, labels, mask)
 
     def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> Answer:
@@ -177,14 +203,24 @@ class SegmentRuntime:
         if not self.u_shape:
             raise BadRequest(f"{P.TRAIN_FORWARD} is for U-shape servers; this one holds the top "
                              f"(use {P.TRAIN_STEP})")
-        with self.lock:
+        with self.lock, self._preemptible():
+            self.claim(meta.client_id)
             return self.training.forward(meta, hidden, mask)
 
     def train_backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
         """U-shape: backpropagate ``grad`` of the trunk output; grad of input. Applied or
         refused, a step's last piece gives the lease back; refused, the step is dropped."""
         with self.lock:
+            self.claim(meta.client_id)
             return self.training.backward(meta, grad)
+
+    def _preemptible(self):
+        """Training yields to queued decode steps (``--priority decode-first``, :mod:`.priority`):
+        points on the base segment and on SplitFed members' copies."""
+        if self.preemptor is None:
+            return nullcontext()
+        members = getattr(self.federation.round, "members", {})
+        return self.preemptor.active([self.segment, *(r.segment for r in members.values())])
 
     def drop_pending(self, client_id: str, release: bool = True) -> None:
         """A step left unfinished for over the lease timeout (its client vanished) is dropped:
@@ -206,38 +242,18 @@ class SegmentRuntime:
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and every and total % every == 0:
             self.checkpoint()
+        if self.states is not None:  # replicas: this client's own state, every N of its steps
+            self.states.applied(meta.client_id, meta.step)
         answer.meta["durable"] = str(self.ledger.durable_step(meta.client_id))
 
     # -- federation --------------------------------------------------------------------
 
-    def client_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Names (Hugging Face) and shapes of the client-side weights: what a sync carries."""
-        if self._client_shapes is None and self.adapters is not None:  # LoRA: adapters only
-            self._client_shapes = client_adapter_shapes(self.config, self.cuts, self.cfg.lora)
-        if self._client_shapes is None:
-            with torch.device("meta"):  # shapes only, no memory
-                parts = partition(GPT2LMHeadModel(self.config), self.cuts)
-            segs = [parts.bottom, parts.top] if self.u_shape else [parts.bottom]
-            names, seen = {}, set()
-            for seg in segs:  # a tied tensor (U-shape: lm_head is wte) travels once, by its first name
-                for (_, p), k in zip(seg.state_dict(keep_vars=True).items(), seg.hf_state_dict()):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        names[k] = tuple(p.shape)
-            self._client_shapes = names
-        return self._client_shapes
-
-    def sync(self, meta: P.SyncMeta, weights: dict[str, torch.Tensor]) -> dict:
-        """A client's client-side weights at the end of its turn or round (validated here);
-        with ``--client-weights external`` only its sample count (a fed server has the weights)."""
-        if self.cfg.client_weights == "external":
-            if weights:
-                raise BadRequest("this server keeps no client-side weights (--client-weights external): "
-                                 "send them to the fed server and an empty sync here")
-        else:
-            validate.weights(weights, self.client_shapes())
+    def sync(self, key: str, weights: dict[str, torch.Tensor]) -> dict:
+        """Client ``key``'s client-side weights at the end of its turn or round (none with
+        ``--client-weights external``): checked against the schema, weighted by the rows this
+        server counted and aggregated by the federation (:mod:`.federation`)."""
         with self.lock:
-            return self.federation.sync(meta.client_id, weights, meta.samples)
+            return self.federation.sync(key, weights)
 
     def shared_weights(self) -> Answer:
         version, weights = self.federation.latest()
@@ -248,15 +264,18 @@ class SegmentRuntime:
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor], wire_dtype: str) -> Answer:
-        """No-grad forward for evaluation: trunk output, or (top) the loss if labels are given."""
+        """No-grad forward for evaluation: trunk output, or (top) the last position's logits and,
+        if labels are given, the loss, computed in chunks of positions (:mod:`splitlearn.headloss`):
+        the (B, T, V) logits never exist."""
         with self.lock:
             self.segment.eval()
-            out = self.segment(self.to_model(hidden), mask)
-        if self.u_shape:
-            return Answer(pack(P.HIDDEN, out, wire_dtype))
-        tensors = pack(P.LOGITS, out[:, -1, :], wire_dtype)  # (B, V): the next-token logits
-        if labels is not None:
-            tensors[P.LOSS] = loss_from_logits(out, labels).float().reshape(1).cpu()
+            out = self.segment(self.to_model(hidden), mask, head=False)  # (B, T, d)
+            if self.u_shape:
+                return Answer(pack(P.HIDDEN, out, wire_dtype))
+            seg = self.segment
+            tensors = pack(P.LOGITS, seg.lm_head(seg.ln_f(out[:, -1, :])), wire_dtype)  # (B, V)
+            if labels is not None:
+                tensors[P.LOSS] = head_loss(seg, out, labels).float().reshape(1).cpu()
         return Answer(tensors)
 
     def open_session(self, owner: str, rows: int) -> Session:
@@ -319,7 +338,10 @@ class SegmentRuntime:
     # -- persistence -------------------------------------------------------------------
 
     def checkpoint(self) -> Optional[str]:
-        """Save segment, optimizer state and step ledger to ``--checkpoint-dir``."""
+        """Save segment, optimizer state and step ledger to ``--checkpoint-dir``; with
+        ``--state-dir``, every client's state that is not durable yet."""
+        if self.states is not None:
+            self.compute.run(self.states.save_all)
         if not self.cfg.checkpoint_dir:
             return None
         with self.lock:

@@ -28,7 +28,7 @@ import torch
 
 from .. import protocol as P
 from ..errors import BadRequest, Conflict, TooManyRequests
-from ..segments import loss_from_logits
+from ..headloss import head_loss
 from ..wire import pack
 from . import guard
 from .federation import Replica
@@ -46,6 +46,7 @@ class StepInFlight:
     leased: bool  # holds the shared segment's lease
     forwards: dict[int, tuple] = field(default_factory=dict)  # micro -> (inputs, outputs, answer)
     answers: dict[int, Answer] = field(default_factory=dict)  # micro -> backward/step answer
+    rows: dict[int, int] = field(default_factory=dict)  # micro -> its rows (what federation counts)
 
 
 class Training:
@@ -120,6 +121,7 @@ class Training:
         if st.leased:
             self.rt.lease.release(meta.client_id)
         forwards = {i: f[2] for i, f in st.forwards.items()}
+        self.rt.federation.trained(meta.client_id, sum(st.rows.values()))  # a member's FedAvg weight
         self.rt.applied(meta, answer, st.answers, forwards)
         return answer
 
@@ -139,7 +141,8 @@ class Training:
         try:
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
-            loss = loss_from_logits(st.rep.segment(h, mask), labels)  # logits (B, T, V)
+            # the logits (B, T, V) never exist whole: chunks of positions (splitlearn/headloss.py)
+            loss = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels)
             guard.finite("loss", loss)
             (loss * meta.loss_scale).backward()
             guard.finite("the gradient sent back to the client", h.grad)
@@ -148,6 +151,7 @@ class Training:
             raise
         answer = Answer({**pack(P.GRAD, h.grad, meta.wire_dtype),
                          P.LOSS: loss.detach().float().reshape(1).cpu()}, meta.to_meta())
+        st.rows[meta.micro] = h.shape[0]
         return self._piece_done(meta, st, answer)
 
     def forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> Answer:
@@ -172,6 +176,7 @@ class Training:
             raise
         answer = Answer(pack(P.HIDDEN, out, meta.wire_dtype), meta.to_meta())
         st.forwards[meta.micro] = (h, out, answer)
+        st.rows[meta.micro] = h.shape[0]
         return answer
 
     def backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:

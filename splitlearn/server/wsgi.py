@@ -10,6 +10,16 @@ Run exactly one worker process: the segment, its optimizer and the per-client st
 counters live in that process (threads are fine; gunicorn: ``-w 1 -k gthread --threads 4``).
 Checkpoint-on-SIGTERM is done by ``python -m splitlearn.server``; under another server,
 rely on ``--checkpoint-every`` and ``POST /v1/checkpoint``.
+
+What another server does not have: the front door of ``python -m splitlearn.server``
+(:mod:`.frontdoor`). The app still refuses a request without a valid token before its view
+reads the body (Flask's ``before_request``, which reads no ``wsgi.input``), so under a server
+that streams bodies (gunicorn) a tokenless body is never read into memory; but
+``waitress-serve`` as configured by default reads the whole body first (into memory up to
+512 KiB, then into a temporary file) before the app is called, and neither enforces the
+request and answer deadlines or ``--max-connections``, ``--request-timeout``,
+``--min-rate-kib`` and ``--idle-timeout`` (their values in ``/v1/info`` then describe nothing).
+Put a proxy that enforces them in front (server/README.md, "Behind TLS").
 """
 from __future__ import annotations
 

@@ -1,0 +1,150 @@
+"""Priority classes on one server: interactive generation while another owner trains.
+
+    python benchmarks/priority.py              # GPT-2 small shape, U-shape (2, 10), b4 x 128 trainer
+    python benchmarks/priority.py --quick      # tiny model, seconds
+
+The server has one core (core 1) and one torch thread; the clients run on core 0. For each
+policy (``--priority decode-first``, then ``fifo``: one server each, started in turn):
+
+1. *generation alone*: a ``SplitClient`` generates ``--tokens`` greedy tokens, batch 1;
+   the gaps between consecutive tokens give its p50/p99 per-token time;
+2. *training alone*: an owner sends U-shape training steps (forward + backward of a
+   b x T batch, random activations and gradients: the server's work, no client compute) back
+   to back for ``--train-s`` seconds; steps per second;
+3. *both*: the owner trains back to back while the generator generates; the worst gap
+   between two tokens, and the trainer's steps per second.
+
+Targets (issue: priority classes): with ``decode-first``, worst gap while training <=
+4 x the p99 alone, and training keeps >= 70% of its throughput alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+
+from splitlearn import protocol as P  # noqa: E402
+from splitlearn.client import SplitClient  # noqa: E402
+from splitlearn.localserver import LocalServer  # noqa: E402
+from splitlearn.wire import encode  # noqa: E402
+
+
+def gaps_of(client: SplitClient, tokens: int, seed: int) -> list[float]:
+    """Seconds between consecutive tokens of one greedy generation, batch 1."""
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(seed))
+    stamps = [time.perf_counter()]
+    for _ in client.generate_stream(ids, max_new_tokens=tokens):
+        stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps[1:], stamps[2:])]  # from the first token on (no prefill)
+
+
+class Trainer(threading.Thread):
+    """U-shape training steps back to back, as raw requests (no client compute)."""
+
+    def __init__(self, url: str, token: str, d: int, shape: tuple[int, int]):
+        super().__init__(daemon=True)
+        self.url, self.d, (self.B, self.T) = url, d, shape
+        self.session = requests.Session()
+        self.session.headers.update({"Authorization": f"Bearer {token}", "Content-Type": P.CONTENT_TYPE})
+        self.stop = threading.Event()
+        self.done: list[float] = []  # time.perf_counter() of each applied step
+        self.step = 0
+
+    def _post(self, path: str, name: str, meta: P.StepMeta) -> None:
+        x = torch.randn(self.B, self.T, self.d) * (1e-3 if name == P.GRAD else 1.0)
+        r = self.session.post(self.url + path, data=encode({name: x}, meta.to_meta()), timeout=600)
+        r.raise_for_status()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.step += 1
+            meta = P.StepMeta("trainer", self.step)
+            self._post(P.TRAIN_FORWARD, P.HIDDEN, meta)
+            self._post(P.TRAIN_BACKWARD, P.GRAD, meta)
+            self.done.append(time.perf_counter())
+
+
+def rate(stamps: list[float], since: float, until: float) -> float:
+    inside = [s for s in stamps if since <= s <= until]
+    return (len(inside) - 1) / (inside[-1] - inside[0]) if len(inside) > 1 else 0.0
+
+
+def measure(policy: str, model: str, cuts, shape, tokens: int, train_s: float, seed: int) -> dict:
+    os.sched_setaffinity(0, {1})  # the server inherits core 1
+    srv = LocalServer(["--model", model, "--cut", str(cuts[0]), "--cut", str(cuts[1]), "--torch-threads", "1",
+                       "--device", "cpu", "--lr", "1e-5", "--priority", policy, "--threads", "8"],
+                      env={"OMP_NUM_THREADS": "1"}).start()
+    os.sched_setaffinity(0, {0})
+    try:
+        gen = SplitClient(srv.url, model, token=srv.token, device="cpu", client_id="generator")
+        d = gen.info["model_config"]["n_embd"]
+        gaps_of(gen, 4, seed)  # warm-up
+        alone = gaps_of(gen, tokens, seed)
+        tr = Trainer(srv.url, srv.token, d, shape)
+        tr.start()
+        t0 = time.perf_counter()
+        time.sleep(train_s)
+        train_alone = rate(tr.done, t0, time.perf_counter())
+        t1 = time.perf_counter()
+        both = gaps_of(gen, tokens, seed + 1)
+        t2 = time.perf_counter()
+        train_both = rate(tr.done, t1, t2)
+        tr.stop.set()
+        tr.join(600)
+        info = requests.get(srv.url + P.INFO, headers={"Authorization": f"Bearer {srv.token}"}, timeout=30).json()
+    finally:
+        srv.stop()
+    p99 = sorted(alone)[min(len(alone) - 1, int(0.99 * len(alone)))]
+    worst = max(both)
+    return {"policy": policy, "p50_alone_ms": 1e3 * statistics.median(alone), "p99_alone_ms": 1e3 * p99,
+            "worst_alone_ms": 1e3 * max(alone), "p50_while_training_ms": 1e3 * statistics.median(both),
+            "worst_while_training_ms": 1e3 * worst, "worst_over_p99": worst / p99,
+            "train_steps_per_s_alone": train_alone, "train_steps_per_s_with_generation": train_both,
+            "train_kept": train_both / train_alone if train_alone else None,
+            "steps_during_generation": sum(1 for s in tr.done if t1 <= s <= t2),
+            "server_priority": info.get("priority")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/priority.py", allow_abbrev=False,
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per generation (default 200; quick 40)")
+    p.add_argument("--train-s", type=float, default=None, help="seconds of training alone (default 20; quick 3)")
+    p.add_argument("--policies", default="decode-first,fifo")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    if (os.cpu_count() or 1) < 2:
+        print("needs two cores", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    model, cuts, shape = ("tiny", (1, 3), (4, 32)) if a.quick else ("random:gpt2", (2, 10), (4, 128))
+    tokens = a.tokens or (40 if a.quick else 200)
+    train_s = a.train_s or (3.0 if a.quick else 20.0)
+    results = [measure(pol, model, cuts, shape, tokens, train_s, 0) for pol in a.policies.split(",")]
+    out = {"model": model, "cuts": list(cuts), "trainer_batch": list(shape), "tokens": tokens, "results": results}
+    for r in results:
+        print(f"{r['policy']:>12}: token p99 alone {r['p99_alone_ms']:.1f} ms, worst while training "
+              f"{r['worst_while_training_ms']:.1f} ms ({r['worst_over_p99']:.1f}x; target <= 4x); training "
+              f"{r['train_steps_per_s_alone']:.3f} -> {r['train_steps_per_s_with_generation']:.3f} steps/s "
+              f"({(r['train_kept'] or 0):.0%} kept; target >= 70%)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

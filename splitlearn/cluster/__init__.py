@@ -1,0 +1,10 @@
+"""Replicas of a splitlearn server behind HAProxy: ``python -m splitlearn.cluster`` (docs/CLUSTER.md).
+
+:mod:`.config` (what the cluster is started with), :mod:`.haproxy` (the router's
+configuration: consistent hashing on the client's route header, health checks, failover),
+:mod:`.supervisor` (the processes). Per-client state shared by the replicas lives in
+:mod:`splitlearn.server.clientstate`; the client's route header in :mod:`splitlearn.client.transport`.
+"""
+from .config import ClusterConfig
+
+__all__ = ["ClusterConfig"]

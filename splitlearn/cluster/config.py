@@ -1,0 +1,107 @@
+"""``ClusterConfig``: what ``python -m splitlearn.cluster`` is started with, validated once.
+
+The replicas are ``python -m splitlearn.server`` with the arguments after ``--``; the cluster
+adds ``--host 127.0.0.1 --port <its port>`` to each and, for per-client LoRA on a frozen base
+(``--lora-r`` without ``--federation``/with ``--federation shared``), ``--state-dir`` (the shared
+directory where each owner's adapter, optimizer and step record live; default
+``RUN_DIR/state``). It refuses what would make replicas disagree silently: ``--checkpoint-dir``
+(each replica would train and keep its own copy of a shared segment), ``--host``/``--port``
+(the cluster picks them), no token for the replicas to share, and ``--federation sequential``
+or ``splitfed`` over several replicas (rounds and turns across replicas: not implemented).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+
+RESERVED = ("--host", "--port", "--checkpoint-dir")  # server flags the cluster sets or refuses
+
+
+def _value(args: tuple[str, ...], flag: str) -> Optional[str]:
+    """The value of ``flag`` in a server command line (``--flag v`` or ``--flag=v``); None if absent."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _has(args: tuple[str, ...], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+@dataclass
+class ClusterConfig:
+    replicas: int  # servers to start (>= 1)
+    port: int  # HAProxy's port: where clients connect
+    run_dir: str  # replicas.json, haproxy.cfg, the replicas' logs, state/ (per-client LoRA state)
+    server_args: tuple[str, ...]  # python -m splitlearn.server arguments, the same for every replica
+    host: str = "127.0.0.1"  # HAProxy's bind address (0.0.0.0 to serve other machines: put TLS in front)
+    replica_port: Optional[int] = None  # replica i listens on replica_port + i (None: free ports)
+    haproxy: str = "haproxy"  # HAProxy executable
+    cores_per_replica: int = 0  # pin replica i to cores [i*k, (i+1)*k) mod the machine's (0: no pinning)
+    restart: bool = True  # start a replica again when it dies (on its port; its owners come back)
+    check_interval_ms: int = 200  # HAProxy health check interval, milliseconds
+    fall: int = 2  # failed checks before HAProxy takes a replica out
+    rise: int = 2  # good checks before it is back
+    server_timeout_s: int = 600  # the longest request a replica may take, seconds
+    startup_timeout_s: float = 300.0  # seconds a replica may take to load its model
+    state_dir: Optional[str] = field(default=None, init=False)  # derived: the shared per-client state
+
+    def __post_init__(self):
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.replica_port is not None and not 0 < self.replica_port <= 65536 - self.replicas:
+            raise ConfigError(f"--replica-port must leave room for {self.replicas} ports below 65536")
+        if self.cores_per_replica < 0:
+            raise ConfigError(f"--cores-per-replica must be >= 0, got {self.cores_per_replica}")
+        if self.check_interval_ms < 10 or self.fall < 1 or self.rise < 1:
+            raise ConfigError("--check-interval-ms must be >= 10, --fall and --rise >= 1")
+        if self.server_timeout_s < 1 or not self.startup_timeout_s > 0:
+            raise ConfigError("--server-timeout and --startup-timeout must be > 0")
+        self.server_args = tuple(self.server_args)
+        if not (_has(self.server_args, "--model") or _has(self.server_args, "--segment")):
+            raise ConfigError("give the replicas' server arguments after --, e.g. "
+                              "-- --model gpt2 --cut 2 --cut 10 --lora-r 8")
+        for flag in RESERVED:
+            if _has(self.server_args, flag):
+                raise ConfigError(f"{flag} is not a replica argument: the cluster sets the replicas' "
+                                  f"host and port, and per-client state goes to --state-dir (docs/CLUSTER.md)")
+        if not (_has(self.server_args, "--token-file") or os.environ.get("SPLITLEARN_TOKEN")):
+            raise ConfigError("the replicas must accept the same tokens: set SPLITLEARN_TOKEN or give "
+                              "--token-file after --")
+        fed = _value(self.server_args, "--federation")
+        if fed not in (None, "shared") and self.replicas > 1:
+            raise ConfigError(f"--federation {fed} across replicas is not supported yet: each replica would "
+                              f"close its own rounds or turns and their models would diverge (docs/CLUSTER.md); "
+                              f"run it on one server (--replicas 1)")
+        run = Path(self.run_dir)
+        if self.lora_per_client:
+            self.state_dir = _value(self.server_args, "--state-dir") or str(run / "state")
+
+    @property
+    def lora_per_client(self) -> bool:
+        """Per-client LoRA on a frozen base: the mode whose owners fail over with their state."""
+        return _has(self.server_args, "--lora-r") and _value(self.server_args, "--federation") in (None, "shared")
+
+    def replica_args(self, port: int) -> list[str]:
+        """The server arguments of the replica on ``port``."""
+        extra = ["--host", "127.0.0.1", "--port", str(port)]
+        if self.state_dir is not None and not _has(self.server_args, "--state-dir"):
+            extra += ["--state-dir", self.state_dir]
+        return [*self.server_args, *extra]
+
+    def cores(self, index: int) -> Optional[list[int]]:
+        """The cores replica ``index`` is pinned to (None: not pinned)."""
+        k = self.cores_per_replica
+        if not k:
+            return None
+        n = os.cpu_count() or 1
+        return sorted({(index * k + j) % n for j in range(k)})

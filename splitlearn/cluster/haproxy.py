@@ -1,0 +1,130 @@
+"""HAProxy in front of the replicas: the configuration, checked, and the process.
+
+Routing is HAProxy's, not ours (docs/CLUSTER.md says why). Every request a
+:class:`~splitlearn.client.SplitClient` sends carries ``X-Splitlearn-Route: <tenant hash>:<client id>``
+(:func:`splitlearn.protocol.route_key`); the backend hashes that header on a consistent-hash
+ring, so one owner's training steps and generation sessions reach one replica, and when a
+replica leaves the ring only its owners move (the others keep theirs)::
+
+    balance hdr(X-Splitlearn-Route)     hash of the header (requests without it: round robin)
+    hash-type consistent                a ring: removing a server moves only its keys
+    option httpchk GET /v1/health       health check (answered without the model, no token)
+    default-server inter 200ms fall 2 rise 2
+                                        a dead replica is out within ~0.4 s of checks, and back
+                                        after two good ones
+    observe layer4 error-limit 1 on-error mark-down
+                                        ... or at once, on the first refused connection
+    on-marked-down shutdown-sessions    connections to a replica marked down are closed
+    retries 3 + option redispatch 1     a connection that fails is retried on another replica
+                                        (every retry), so a request that never reached the dead
+                                        one is served by the next one on the ring
+    http-response set-header X-Splitlearn-Replica %[srv_name]
+                                        which replica answered (tests, debugging)
+
+A request that reached a replica which then died gets 502 from HAProxy (it never resends a
+request that may have been processed); the client library treats that as a lost connection
+and recovers (docs/RECOVERY.md), which is safe because training steps are numbered and
+applied once. ``timeout server`` must exceed the longest request (a training step of a large
+model on CPU takes seconds); ``timeout client`` the longest pause of a client between two
+requests on a kept-alive connection.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .. import protocol as P
+from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TEMPLATE = """\
+# Written by python -m splitlearn.cluster (splitlearn/cluster/haproxy.py); docs/CLUSTER.md.
+global
+    maxconn {maxconn}
+    nbthread {threads}
+
+defaults
+    mode http
+    timeout connect {connect_ms}ms
+    timeout client {client_s}s
+    timeout server {server_s}s
+    timeout http-request 60s
+    timeout http-keep-alive {client_s}s
+    timeout queue 30s
+    timeout check 2s
+    retries 3
+    option redispatch 1
+
+frontend splitlearn
+    bind {bind}
+    default_backend replicas
+
+backend replicas
+    balance hdr({route_header})
+    hash-type consistent
+    option httpchk GET {health}
+    http-check expect status 200
+    http-response set-header {replica_header} %[srv_name]
+    default-server check inter {inter_ms}ms fastinter {inter_ms}ms downinter {down_ms}ms fall {fall} rise {rise} observe layer4 error-limit 1 on-error mark-down on-marked-down shutdown-sessions
+{servers}
+"""
+
+
+@dataclass
+class HAProxySettings:
+    bind: str  # "host:port" HAProxy listens on (where clients connect)
+    servers: Sequence[tuple[str, str]]  # (name, "host:port") of each replica, in ring order
+    inter_ms: int = 200  # health check interval, milliseconds
+    fall: int = 2  # failed checks before a replica is out
+    rise: int = 2  # good checks before it is back
+    connect_ms: int = 1000  # timeout to connect to a replica, milliseconds
+    server_s: int = 600  # the longest a replica may take to answer, seconds
+    client_s: int = 600  # the longest a client connection may idle, seconds
+    maxconn: int = 4096  # connections HAProxy accepts at once
+    threads: int = 1  # HAProxy's threads (one is plenty for a few thousand requests/s)
+
+    def __post_init__(self):
+        if not self.servers:
+            raise ConfigError("HAProxy needs at least one replica")
+        for name, value in (("inter_ms", self.inter_ms), ("fall", self.fall), ("rise", self.rise),
+                            ("connect_ms", self.connect_ms), ("server_s", self.server_s),
+                            ("client_s", self.client_s), ("maxconn", self.maxconn), ("threads", self.threads)):
+            if value < 1:
+                raise ConfigError(f"HAProxy setting {name} must be >= 1, got {value}")
+
+    def render(self) -> str:
+        servers = "\n".join(f"    server {name} {addr}" for name, addr in self.servers)
+        return TEMPLATE.format(maxconn=self.maxconn, threads=self.threads, connect_ms=self.connect_ms,
+                               client_s=self.client_s, server_s=self.server_s, bind=self.bind,
+                               route_header=P.ROUTE_HEADER, health=P.HEALTH, replica_header=P.REPLICA_HEADER,
+                               inter_ms=self.inter_ms, down_ms=max(self.inter_ms, 500), fall=self.fall,
+                               rise=self.rise, servers=servers)
+
+
+def find_haproxy(binary: str = "haproxy") -> str:
+    """The HAProxy executable's path; ConfigError naming the package when it is missing."""
+    path = shutil.which(binary)
+    if path is None:
+        raise ConfigError(f"{binary!r} not found: install HAProxy (Debian/Ubuntu: apt-get install haproxy; "
+                          f"it is the router in front of the replicas, docs/CLUSTER.md)")
+    return path
+
+
+def write_config(settings: HAProxySettings, path: Path, binary: str) -> Path:
+    """Write the configuration and have HAProxy check it (``haproxy -c``); ConfigError if it
+    does not pass."""
+    path.write_text(settings.render())
+    check = subprocess.run([binary, "-c", "-q", "-f", str(path)], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise ConfigError(f"HAProxy refuses {path}: {(check.stderr or check.stdout).strip()[-800:]}")
+    return path
+
+
+def command(binary: str, config: Path) -> list[str]:
+    """HAProxy in the foreground (``-db``: no daemon), as a child of the supervisor."""
+    return [binary, "-db", "-f", str(config)]

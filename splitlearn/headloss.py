@@ -1,0 +1,125 @@
+"""The causal-LM loss of a top segment computed in chunks of positions, so the (B, T, V)
+logits never exist at once.
+
+GPT-2's LM head turns each position's d-vector into V = 50257 logits: for 64 rows of 1024
+positions that is 64 x 1024 x 50257 x 4 B = 13 GB in float32, several times over once the
+softmax and its gradient are counted, while the hidden states it comes from take 17 MB. So::
+
+    x = ln_f(h)                                               # (B, T, d), as the segment does
+    loss = sum over chunks c of CE_sum(x[c] @ W^T, y[c]) / n  # logits (rows_c, V), one chunk at a time
+
+with ``n`` the number of targets that are not ``-100``: the mean :func:`~.segments.loss_from_logits`
+takes, divided once. With gradients, :class:`_ChunkedHeadLoss` computes each chunk's
+gradients with respect to ``x`` and ``W`` during the forward, while that chunk's logits exist,
+and drops them (the "fused linear cross-entropy" of Liger Kernel: Hsu et al. 2024,
+arXiv:2410.10989); its backward only scales the stored gradients by the loss's incoming
+gradient. That costs no recomputation (the same three matrix products as the unchunked
+head: logits, grad of x, grad of W) and holds one chunk of logits plus the gradients of
+``x`` and ``W``, which the unchunked head holds too. The cross-entropy of a chunk, and its
+gradient with respect to the logits, are torch's own (``F.cross_entropy``, float32 as in
+``loss_from_logits``), so a single chunk is the unchunked computation op for op; several
+chunks differ from it only in the order the sums over positions are added (~1e-7 relative).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+IGNORE = -100
+# Bytes of one chunk's float32 logits; the chunk's working set is 4x this (logits, log-softmax,
+# the gradients of both). Above glibc's largest mmap threshold (32 MiB) on purpose: every chunk
+# is then mapped and unmapped whole; 32 MiB chunks came from the heap, which grew by a
+# fragment per chunk (409 MiB for 49 chunks against 127 MiB for one; docs/INTERNALS.md).
+CHUNK_LOGITS_BYTES = 64 << 20
+
+
+def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_LOGITS_BYTES) -> int:
+    """Positions per chunk: as many as fit ``chunk_bytes`` of float32 logits (at least 1)."""
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+def _chunk_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """Summed cross-entropy of one chunk and its gradient with respect to the logits.
+
+    x: (c, d); weight: (V, d); targets: (c,). Returns (loss_sum, grad_logits (c, V) in x's dtype).
+    """
+    with torch.enable_grad():
+        logits = (x @ weight.t()).detach().requires_grad_()  # (c, V)
+        loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
+        (grad,) = torch.autograd.grad(loss, logits)  # (c, V)
+    return loss.detach(), grad
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """sum_c CE_sum(x[c] @ W^T, y[c]) / n, gradients made chunk by chunk in the forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                rows: int) -> torch.Tensor:  # x (N, d), weight (V, d), targets (N,)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n = (targets != IGNORE).sum()
+        grad_x = torch.empty_like(x) if need_x else None  # (N, d)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for i in range(0, x.shape[0], rows):
+            xc, tc = x[i:i + rows], targets[i:i + rows]  # (c, d), (c,)
+            loss_c, g = _chunk_grad(xc, weight, tc)  # g (c, V)
+            total += loss_c
+            if need_x:
+                torch.mm(g, weight, out=grad_x[i:i + rows])  # (c, d)
+            if need_w:  # accumulated in float32 whatever the compute dtype
+                grad_w.addmm_(g.t().float(), xc.float())  # (V, d)
+            del g
+        nf = n.to(torch.float32)
+        if need_x:
+            grad_x.div_(nf.to(grad_x.dtype))
+        if need_w:
+            grad_w = grad_w.div_(nf).to(weight.dtype)
+        ctx.save_for_backward(grad_x, grad_w)
+        return total / nf
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if getattr(ctx, "spent", False):  # the stored gradients are scaled in place: once only
+            raise RuntimeError("the chunked head loss supports one backward per forward")
+        ctx.spent = True
+        grad_x, grad_w = ctx.saved_tensors
+        scale = grad_out.to(torch.float32)
+        gx = None if grad_x is None else grad_x.mul_(scale.to(grad_x.dtype))
+        gw = None if grad_w is None else grad_w.mul_(scale.to(grad_w.dtype))
+        return gx, gw, None, None
+
+
+def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    rows: Optional[int] = None) -> torch.Tensor:
+    """Causal-LM loss of ``logits = x @ weight^T`` without materialising the logits.
+
+    x: (B, T, d) after ``ln_f``; weight: (V, d), the LM head (no bias); labels: (B, T) with
+    -100 for ignored targets. Shifts by one and averages over the targets kept, exactly as
+    :func:`~splitlearn.segments.loss_from_logits`. ``rows``: positions per chunk (default:
+    :func:`chunk_rows`). Differentiable in ``x`` and ``weight``.
+    """
+    xs = x[:, :-1, :].reshape(-1, x.shape[-1])  # (B*(T-1), d)
+    ys = labels[:, 1:].reshape(-1).to(x.device)  # (B*(T-1),)
+    rows = rows or chunk_rows(weight.shape[0])
+    if torch.is_grad_enabled() and (xs.requires_grad or weight.requires_grad):
+        return _ChunkedHeadLoss.apply(xs, weight, ys, rows)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for i in range(0, xs.shape[0], rows):  # no gradients: the losses only
+        logits = xs[i:i + rows] @ weight.t()  # (c, V)
+        total += F.cross_entropy(logits.float(), ys[i:i + rows], ignore_index=IGNORE, reduction="sum")
+    return total / (ys != IGNORE).sum().to(torch.float32)
+
+
+def head_loss(top: nn.Module, h: torch.Tensor, labels: torch.Tensor,
+              rows: Optional[int] = None) -> torch.Tensor:
+    """The loss of a top (or full) segment from its last block's output ``h`` (B, T, d):
+    ``ln_f`` then :func:`chunked_lm_loss` on ``lm_head``'s weight (GPT-2's head has no bias).
+    A LoRA :class:`~splitlearn.lora.AdaptedSegment`'s head is its base's (adapters never target it)."""
+    top = getattr(top, "base", top)
+    if getattr(top.lm_head, "bias", None) is not None:
+        raise ValueError("the chunked head loss needs an LM head without bias (GPT-2's has none)")
+    return chunked_lm_loss(top.ln_f(h), top.lm_head.weight, labels, rows)

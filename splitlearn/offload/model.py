@@ -1,0 +1,135 @@
+"""``OffloadGPT2LMHeadModel``: a GPT-2 whose linear layers are computed by an untrusted
+server on one-time-padded inputs (docs/OFFLOAD.md).
+
+    model = OffloadGPT2LMHeadModel.from_pretrained("tiny", server=url, token=token)
+    out = model.generate(ids, max_new_tokens=32, do_sample=False)   # the unsplit model's tokens
+
+It is the Hugging Face model itself (loaded by :func:`splitlearn.load_model`, any source it
+takes) with every ``Conv1D`` of every block and the LM head replaced by a
+:class:`~.remote.RemoteLinear`; embeddings, layer norms, attention scores, softmax, GELU and
+the residual stream run here, as in the unsplit model. What the client keeps besides the
+float32 model: the fixed-point weights ``Wq`` (float64, 8 bytes a weight: the pads'
+unmasking factors are products with them), one :class:`~.pads.PadPool` per layer filled at
+construction, and Freivalds' secret vectors (:mod:`.verify`). Inference only (no gradients
+flow through a remote product).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field as dc_field
+from typing import Optional
+
+from transformers import GPT2LMHeadModel
+
+from .. import protocol as P
+from ..client.transport import Transport, TransportConfig
+from ..errors import ConfigError
+from ..loading import ModelSource, load_model
+from .layers import HEAD, SCHEMES, QuantisedLayers, linear_weights
+from .pads import ON_EMPTY, PadPool, Refiller
+from .remote import OffloadChannel, RemoteLinear, _Layer
+from .verify import Freivalds
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadConfig:
+    server: str  # URL of a `python -m splitlearn.server --model M --offload` server
+    token: Optional[str] = None  # its bearer token
+    scheme: str = "masked"  # masked | plain (unmasked float32 products: a measurement baseline)
+    verify: bool = True  # Freivalds' check of every product (masked); False only to measure its cost
+    pad_rows: int = 256  # pad rows precomputed per block linear layer (one row = one token of one sequence)
+    head_pad_rows: int = 32  # pad rows of the LM head (generate needs one per sequence per step)
+    refill: str = "background"  # background: a thread tops pools up below half | none
+    on_empty: str = "compute"  # a pool that runs out: compute | wait | raise (never reuse)
+    lanes: int = 2  # row groups in flight at once for products of >= overlap_rows rows
+    overlap_rows: int = 16  # rows from which a product is split across lanes
+    transport: dict = dc_field(default_factory=dict)  # extra TransportConfig fields (timeouts, retries)
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.refill not in ("background", "none"):
+            raise ConfigError(f"refill must be background or none, got {self.refill!r}")
+        if self.on_empty not in ON_EMPTY:
+            raise ConfigError(f"on_empty must be one of {ON_EMPTY}, got {self.on_empty!r}")
+        if self.pad_rows < 1 or self.head_pad_rows < 1 or self.lanes < 1 or self.overlap_rows < 1:
+            raise ConfigError("pad_rows, head_pad_rows, lanes and overlap_rows must be >= 1")
+
+
+class OffloadGPT2LMHeadModel(GPT2LMHeadModel):
+    """A ``GPT2LMHeadModel`` whose linear layers run remotely on masked inputs."""
+
+    @classmethod
+    def from_pretrained(cls, source: ModelSource, *, server: str, token: Optional[str] = None,
+                        seed: int = 0, **options) -> "OffloadGPT2LMHeadModel":
+        """``source``: what :func:`splitlearn.load_model` takes (``"tiny"``, a hub id, a
+        directory, ``"random:gpt2"``...; ``seed`` for random inits: the server's ``--seed``);
+        ``options``: the fields of :class:`OffloadConfig`. Fills the pad pools before returning."""
+        cfg = OffloadConfig(server=server, token=token, **options)
+        model = load_model(source, seed=seed)
+        model.__class__ = cls  # the same module tree; only the linear layers change below
+        model._attach(cfg)
+        return model
+
+    def _attach(self, cfg: OffloadConfig) -> None:
+        self.offload_config = cfg
+        self.offload_transport = Transport(TransportConfig(cfg.server, cfg.token, **cfg.transport))
+        info = self.offload_transport.get_json(P.INFO)
+        if info.get("mode") != "offload":
+            raise ConfigError(f"{cfg.server} is not an offload server (start it with --offload)")
+        theirs = info["model_config"]
+        for key in ("n_layer", "n_embd", "vocab_size", "n_positions"):
+            if theirs.get(key) != getattr(self.config, key):
+                raise ConfigError(f"the server's model has {key}={theirs.get(key)}, this one {getattr(self.config, key)}")
+        if cfg.scheme not in info["offload"]["schemes"]:
+            raise ConfigError(f"the server does not answer scheme {cfg.scheme!r} (it offers {info['offload']['schemes']})")
+        weights = linear_weights(self)
+        layers: dict[str, _Layer] = {}
+        t0 = time.perf_counter()
+        if cfg.scheme == "masked":
+            quantised = QuantisedLayers(self)
+            if quantised.digest() != info["offload"]["weights_digest"]:
+                raise ConfigError("the server holds other weights than this model (weights digest differs): "
+                                  "load the same checkpoint, or the same spec and --seed, on both sides")
+            for name, q in quantised.items():
+                pool = PadPool(q, cfg.head_pad_rows if name == HEAD else cfg.pad_rows, cfg.on_empty)
+                layers[name] = _Layer(q, pool, Freivalds(q) if cfg.verify else None)
+        else:
+            layers = {name: _Layer(None, None, None) for name in weights}
+        self.offload_setup_s = time.perf_counter() - t0
+        self.offload_channel = OffloadChannel(self.offload_transport, layers, cfg.scheme, cfg.lanes, cfg.overlap_rows)
+        self.offload_pools = [layer.pool for layer in layers.values() if layer.pool is not None]
+        t0 = time.perf_counter()
+        for pool in self.offload_pools:  # "offline": before the first request
+            pool.refill()
+        self.offload_precompute_s = time.perf_counter() - t0
+        for i, block in enumerate(self.transformer.h):
+            for sub in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+                parent_name, attr = sub.rsplit(".", 1)
+                conv = block.get_submodule(sub)
+                parent = block.get_submodule(parent_name)
+                setattr(parent, attr, RemoteLinear(f"h.{i}.{sub}", self.offload_channel, conv.weight, conv.bias, conv.nf))
+        self.lm_head = RemoteLinear(HEAD, self.offload_channel, self.lm_head.weight, None, self.config.vocab_size)
+        self.offload_refiller = Refiller(self.offload_pools) if cfg.refill == "background" and self.offload_pools else None
+        log.info("offload to %s: %d layers, scheme %s, setup %.2fs, pads precomputed in %.2fs",
+                 cfg.server, len(layers), cfg.scheme, self.offload_setup_s, self.offload_precompute_s)
+
+    @property
+    def offload_stats(self) -> dict:
+        """Counts and seconds: products, requests, masking, checking, waiting, bytes, pads."""
+        t = self.offload_transport.stats
+        pools = self.offload_pools
+        return {**self.offload_channel.stats.as_dict(), "bytes_sent": t.bytes_sent,
+                "bytes_received": t.bytes_received, "server_s": t.server_compute_s,
+                "round_trip_s": t.round_trip_s, "pads_issued": sum(p.issued for p in pools),
+                "pads_late": sum(p.late for p in pools), "pads_make_s": sum(p.make_s for p in pools),
+                "pads_ready": sum(p.level for p in pools)}
+
+    def close(self) -> None:
+        """Stop the refill thread and close the server connections."""
+        if getattr(self, "offload_refiller", None) is not None:
+            self.offload_refiller.close()
+        self.offload_transport.close()

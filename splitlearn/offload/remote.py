@@ -1,0 +1,159 @@
+"""The client side of masked offload: one product of a linear layer, remote, masked, checked.
+
+:class:`OffloadChannel` turns ``x (n, in) float32`` into ``x W`` (no bias) through the
+server, and :class:`RemoteLinear` is the ``nn.Module`` that stands in for a GPT-2
+``Conv1D`` (or the LM head) and adds the bias. One product of scheme ``masked``::
+
+    client                                                       server (--offload)
+    xq, sx = quantise(x)            (n, in) int, (n, 1)
+    R, U   = pool.take(n)           pads made offline (.pads)
+    X~     = xq + R mod pi          int32 (2, n, in)   --POST /v1/offload/linear-->  Z = X~ Wq mod pi
+    Freivalds: Z S == X~ V mod pi   (.verify)          <--------- int32 (2, n, out)
+    yq     = CRT(Z - U mod pi)      int64 (n, out)
+    y      = sx sw yq               float32 (n, out)   (+ bias in RemoteLinear)
+
+Overlap (the seed's lesson: fewer synchronisation points, transfers overlapped with work):
+a product of at least ``overlap_rows`` rows is split in ``lanes`` row groups, each its own
+request on its own keep-alive connection: group g+1 is masked while group g is on the wire
+or being multiplied, and group g is checked and unmasked while group g+1 is. Every step is
+timed into :class:`OffloadStats` (the seed's table: masking, unmasking, checking, waiting,
+server compute as the server reports it). Scheme ``plain`` sends ``x`` as float32 and gets
+``x W`` back: the unmasked baseline, for measurement only.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import protocol as P
+from ..client.transport import Transport
+from ..errors import IntegrityError
+from ..wire import decode, encode
+from . import field
+from .layers import QuantisedLayer
+from .pads import PadPool
+from .verify import Freivalds
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadStats:
+    products: int = 0  # layer products computed remotely
+    requests: int = 0  # HTTP requests (a product split in row groups makes several)
+    rows: int = 0  # input rows multiplied
+    mask_s: float = 0.0  # quantising + adding pads (client)
+    unmask_s: float = 0.0  # removing pads + CRT + dequantising + bias (client)
+    verify_s: float = 0.0  # Freivalds' checks (client)
+    send_s: float = 0.0  # writing requests to the socket (loopback: the kernel's copy, waking the server)
+    wait_s: float = 0.0  # blocked waiting for the server's answers (transfers + server compute)
+    codec_s: float = 0.0  # encoding requests and decoding answers (safetensors)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Layer:
+    q: QuantisedLayer
+    pool: Optional[PadPool]  # None for the plain scheme
+    check: Optional[Freivalds]  # None when verify=False (measurement only)
+    w: Optional[torch.Tensor] = None  # float32 (in, out): the plain scheme's weight on the client side
+
+
+class OffloadChannel:
+    """Remote products of the layers in ``layers`` over ``transport`` (one per model)."""
+
+    def __init__(self, transport: Transport, layers: dict[str, _Layer], scheme: str = "masked",
+                 lanes: int = 2, overlap_rows: int = 16):
+        self.transport, self.layers, self.scheme = transport, layers, scheme
+        self.lanes, self.overlap_rows = max(1, lanes), overlap_rows
+        self.stats = OffloadStats()
+
+    def product(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x (n, in) @ W (in, out)`` of layer ``name``, computed by the server; float32."""
+        n = x.shape[0]
+        groups = self.lanes if n >= self.overlap_rows else 1
+        bounds = [round(n * g / groups) for g in range(groups + 1)]
+        st = self.stats
+        st.products += 1
+        st.rows += n
+        sent = []
+        for g in range(groups):  # mask group g while group g-1 is on its way
+            sent.append(self._send(name, x[bounds[g]:bounds[g + 1]], lane=g))
+        return torch.cat([self._finish(name, s) for s in sent]) if groups > 1 else self._finish(name, sent[0])
+
+    def _send(self, name: str, x: torch.Tensor, lane: int):
+        st, layer = self.stats, self.layers[name]
+        t0 = time.perf_counter()
+        if self.scheme == "plain":
+            tensors, state = {"x.0": x.detach().to(torch.float32).contiguous()}, None
+        else:
+            xq, sx = field.quantise_rows(x, layer.q.limits.xmax)  # (n, in) int64, (n, 1)
+            pads = layer.pool.take(x.shape[0])  # fresh rows, never handed out before
+            xt = field.mask(xq, pads.r)  # (2, n, in) int32, uniform over Z_p1 x Z_p2
+            tensors, state = {"x.0": xt}, (xt, pads.u, sx)
+        t1 = time.perf_counter()
+        st.mask_s += t1 - t0
+        body = encode(tensors, {"layers": name, "scheme": self.scheme})
+        t2 = time.perf_counter()
+        st.codec_s += t2 - t1
+        pending = self.transport.start(P.OFFLOAD_LINEAR, body, lane=lane)  # sent now; answered later
+        st.send_s += time.perf_counter() - t2
+        st.requests += 1
+        return pending, state
+
+    def _finish(self, name: str, sent) -> torch.Tensor:
+        pending, state = sent
+        st, layer = self.stats, self.layers[name]
+        t0 = time.perf_counter()
+        body = pending.result()  # blocks until the server has answered
+        t1 = time.perf_counter()
+        st.wait_s += t1 - t0
+        tensors, _ = decode(body)
+        t2 = time.perf_counter()
+        st.codec_s += t2 - t1
+        z = tensors.get("y.0")
+        if z is None:
+            raise IntegrityError(f"{name}: the server's answer has no product (tensors {sorted(tensors)})")
+        if self.scheme == "plain":
+            return z
+        xt, u, sx = state
+        if layer.check is not None:
+            layer.check.check(xt, z)  # raises IntegrityError; nothing below runs on a bad answer
+        t3 = time.perf_counter()
+        st.verify_s += t3 - t2
+        y = field.dequantise(field.unmask(z, u), sx, layer.q.sw)  # (n, out) float32
+        st.unmask_s += time.perf_counter() - t3
+        return y
+
+
+class RemoteLinear(nn.Module):
+    """Stands in for a ``Conv1D`` (or the LM head): ``y = remote(x W) + b``, same shapes.
+
+    ``weight``/``bias`` stay the original parameters (the client holds the model; the LM
+    head's weight stays tied to ``wte``), so state dicts and weight tying are unchanged."""
+
+    def __init__(self, name: str, channel: OffloadChannel, weight: nn.Parameter,
+                 bias: Optional[nn.Parameter], n_out: int):
+        super().__init__()
+        self.name, self.channel, self.nf = name, channel, n_out
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self.channel.product(self.name, x.reshape(-1, x.shape[-1]))  # (n, out)
+        if self.bias is not None:
+            t0 = time.perf_counter()
+            y = y + self.bias.detach()
+            self.channel.stats.unmask_s += time.perf_counter() - t0
+        return y.to(x.dtype).reshape(*lead, self.nf)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, out={self.nf}, remote"

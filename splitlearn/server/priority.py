@@ -1,0 +1,149 @@
+"""Priority classes on the one compute thread: decode steps before training and prefill.
+
+Every tensor operation of a server runs on one thread (:mod:`.compute`), in arrival order.
+A decode step is a few milliseconds; a training step's forward or backward of a b4 x 128
+batch on GPT-2 small's trunk is seconds, and a decode step that arrives during one waited
+for all of it (3.7 s worst token against 37 ms p99 alone, measured on one thread). Seed 003's
+lesson: latency-bound work first, throughput-bound work fills the gaps.
+
+``decode-first`` (the default) cuts training into pieces small enough that a decode batch
+never waits for a whole forward or backward: while a training request runs, the segment's
+heavy modules (each block's four linear layers ``c_attn``, ``attn.c_proj``, ``c_fc``,
+``mlp.c_proj``, and the LM head) get a *preemption point* before their forward and, through a
+hook on their output, before their backward::
+
+    training forward:  ... c_attn | c_proj | c_fc | c_proj | ...     (one block)
+                              ^ a decode step queued now runs here, then training goes on
+    training backward: ... d c_proj | d c_fc | d c_proj | d c_attn ...
+                              ^ the same, between two gradient products
+
+At a point, if decode steps are queued (:meth:`~.batching.DecodeBatcher.pending`), they run
+there and then, on the compute thread, in no-grad eval mode with their own KV caches; the
+training step then continues. Training is unchanged: decode neither reads the step's
+activations nor changes a parameter, the optimizer steps only after the step's last piece,
+and the segment's train/eval mode is restored. ``fifo`` keeps arrival order (the comparison).
+
+On CUDA the decode batch also runs on a high-priority stream (``torch.cuda.Stream(priority=-1)``)
+so its kernels overtake training's queued ones (:class:`~.batching.DecodeBatcher`); untested
+here (no GPU in CI).
+
+:class:`QueueWaits` keeps how long work of each class waited for the compute thread (from
+arrival to start), reported in ``/v1/info`` under ``priority``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+POLICIES = ("decode-first", "fifo")
+CLASSES = ("decode", "prefill", "training", "other")
+
+
+class QueueWaits:
+    """Waits for the compute thread per class: the last ``keep`` of each, in milliseconds."""
+
+    def __init__(self, keep: int = 2048):
+        self._waits = {c: deque(maxlen=keep) for c in CLASSES}
+        self._counts = dict.fromkeys(CLASSES, 0)
+        self._lock = threading.Lock()
+
+    def record(self, cls: str, seconds: float) -> None:
+        with self._lock:
+            self._waits[cls].append(seconds * 1e3)
+            self._counts[cls] += 1
+
+    def summary(self) -> dict:
+        out = {}
+        with self._lock:
+            for c, w in self._waits.items():
+                s = sorted(w)
+                pick = lambda q: round(s[min(len(s) - 1, int(q * len(s)))], 3) if s else None  # noqa: E731
+                out[c] = {"count": self._counts[c], "p50_ms": pick(0.5), "p99_ms": pick(0.99),
+                          "max_ms": round(s[-1], 3) if s else None}
+        return out
+
+
+def heavy_modules(segment: nn.Module) -> list[nn.Module]:
+    """The modules between which training may yield: each block's linear layers, the head."""
+    mods = []
+    for block in getattr(segment, "h", []):
+        mods += [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
+    head = getattr(segment, "lm_head", None)
+    if head is not None:
+        mods.append(head)
+    return mods
+
+
+class Preemptor:
+    """Preemption points in a segment's training forward and backward (``decode-first``).
+
+    ``ready()`` says whether latency work waits; ``run()`` runs it (on the compute thread).
+    Points fire only on ``on_thread()`` (the compute thread) and only while gradients are
+    being built or propagated, never inside a decode forward itself.
+    """
+
+    def __init__(self, ready: Callable[[], bool], run: Callable[[], None], on_thread: Callable[[], bool]):
+        self.ready, self.run, self.on_thread = ready, run, on_thread
+        self.preemptions = 0  # times training yielded to decode steps
+        self._inside = False
+
+    def __deepcopy__(self, memo) -> "Preemptor":
+        return self  # a copied segment (SplitFed's per-member copies) keeps the same points
+
+    def point(self) -> None:
+        if self._inside or not self.ready() or not self.on_thread():
+            return
+        self._inside = True
+        try:
+            self.run()
+            self.preemptions += 1
+        finally:
+            self._inside = False
+
+    @contextmanager
+    def active(self, segments: Iterable[nn.Module]) -> Iterator[None]:
+        """Points on the heavy modules of ``segments`` while a training request runs.
+
+        Hooked only for the request: a module with hooks leaves PyTorch's fast call path
+        (measured: +4-22 us a call, 32 calls a decode step on GPT-2 small's trunk), and decode
+        steps run far more often than training requests. The backward's points are tensor
+        hooks on the forward's outputs, so they outlive the context until the backward
+        (a U-shape step's second request) has run."""
+        handles = []
+        try:
+            for seg in segments:
+                for m in heavy_modules(seg):
+                    handles.append(m.register_forward_pre_hook(self._before_forward))
+                    handles.append(m.register_forward_hook(self._after_forward))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        if torch.is_grad_enabled():  # a training forward (decode runs under no_grad)
+            self.point()
+
+    def _after_forward(self, module: nn.Module, args, out) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._before_backward)  # runs when the gradient reaches `out`
+
+    def _before_backward(self, grad: torch.Tensor) -> None:
+        self.point()  # returning None leaves the gradient as it is
+
+
+def timed(waits: QueueWaits, cls: str, fn: Callable) -> Callable:
+    """``fn`` wrapped to record, when it starts, how long it waited since now."""
+    queued = time.monotonic()
+
+    def run(*args, **kwargs):
+        waits.record(cls, time.monotonic() - queued)
+        return fn(*args, **kwargs)
+
+    return run

@@ -1,0 +1,330 @@
+"""Replicas: ``python -m splitlearn.cluster`` with a real HAProxy, and the shared per-client state.
+
+The first tests need no HAProxy: the configuration it is given, the client's route key, and
+two in-process server runtimes sharing one ``--state-dir`` handing a client back and forth
+(every answer equals a single server's). The rest start the real thing once (module fixture:
+2 replicas of the tiny model with per-client LoRA behind HAProxy) and skip with a reason
+where ``haproxy`` is not installed (``.ci/run`` installs it):
+
+- LoRA owners of two tenants, spread over both replicas, train while one replica is killed
+  with SIGKILL: every owner's losses and both sides' adapters equal a run against one server
+  (float32 wire), and the server holds exactly the steps sent, so none was lost or applied
+  twice; a generation in progress on that replica gives the tokens of the one-server run;
+- replicas.json names live processes; SIGTERM stops every one of them, and so does HAProxy dying.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from splitlearn import protocol as P
+from splitlearn.client import SplitClient
+from splitlearn.client.lora import client_adapter_tensors
+from splitlearn.cluster.config import ClusterConfig
+from splitlearn.cluster.haproxy import HAProxySettings, write_config
+from splitlearn.errors import ConfigError
+from splitlearn.localserver import ChildServer, free_port
+from splitlearn.lora import LoraSpec
+from splitlearn.wire import decode
+
+from serverproc import OTHER, TOKEN, auth
+
+HAPROXY = shutil.which("haproxy")
+needs_haproxy = pytest.mark.skipif(HAPROXY is None, reason="HAProxy is not installed (apt-get install haproxy; "
+                                                           ".ci/run installs it): the cluster tests run it for real")
+LORA = ["--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "c_attn,c_proj"]
+SERVER = ["--model", "tiny", "--cut", "1", "--cut", "3", "--optimizer", "adamw", "--lr", "0.01",
+          "--threads", "4", "--checkpoint-every", "3", *LORA]
+STEPS, KILL_AFTER = 8, 4
+
+
+# -- no HAProxy needed ----------------------------------------------------------------------
+
+def test_the_haproxy_config_hashes_the_route_header_on_a_ring_and_checks_health(tmp_path):
+    conf = HAProxySettings(bind="127.0.0.1:9000", servers=[("r0", "127.0.0.1:9001"), ("r1", "127.0.0.1:9002")]).render()
+    for line in (f"balance hdr({P.ROUTE_HEADER})", "hash-type consistent", f"option httpchk GET {P.HEALTH}",
+                 "option redispatch 1", "retries 3", "server r0 127.0.0.1:9001", "server r1 127.0.0.1:9002",
+                 "on-error mark-down", f"set-header {P.REPLICA_HEADER} %[srv_name]", "bind 127.0.0.1:9000"):
+        assert line in conf, line
+    if HAPROXY:  # HAProxy itself accepts it
+        write_config(HAProxySettings(bind="127.0.0.1:9000", servers=[("r0", "127.0.0.1:9001")]),
+                     tmp_path / "h.cfg", HAPROXY)
+    with pytest.raises(ConfigError):
+        HAProxySettings(bind="127.0.0.1:9000", servers=[])
+
+
+def test_the_cluster_config_sets_host_port_and_state_dir_and_refuses_what_would_split_the_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)
+    cfg = ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=tuple(SERVER))
+    assert cfg.state_dir == str(tmp_path / "state")
+    args = cfg.replica_args(9001)
+    assert args[-6:] == ["--host", "127.0.0.1", "--port", "9001", "--state-dir", str(tmp_path / "state")]
+    plain = ClusterConfig(replicas=1, port=9000, run_dir=str(tmp_path), server_args=("--model", "tiny", "--cut", "2"))
+    assert plain.state_dir is None and "--state-dir" not in plain.replica_args(9001)
+    bad = [dict(replicas=0), dict(port=0), dict(server_args=(*SERVER, "--port", "1")),
+           dict(server_args=(*SERVER, "--checkpoint-dir", "x")), dict(server_args=()),
+           dict(server_args=(*SERVER, "--federation", "splitfed"))]
+    for change in bad:
+        with pytest.raises(ConfigError):
+            ClusterConfig(**{**dict(replicas=2, port=9000, run_dir=str(tmp_path), server_args=tuple(SERVER)), **change})
+    monkeypatch.delenv("SPLITLEARN_TOKEN")
+    with pytest.raises(ConfigError, match="same tokens"):
+        ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=tuple(SERVER))
+    assert cfg.cores(1) is None  # pinning is off by default
+    assert ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=(*SERVER, "--token-file", "t"),
+                         cores_per_replica=1).cores(1) == [1 % (os.cpu_count() or 1)]
+
+
+def test_the_route_key_names_the_tenant_by_a_hash_and_never_carries_the_token():
+    key = P.route_key(TOKEN, "alice")
+    assert key.endswith(":alice") and TOKEN not in key and len(key.split(":")[0]) == 16
+    assert key == P.route_key(TOKEN, "alice") != P.route_key(OTHER, "alice")
+
+
+def _runtime(state_dir):
+    from splitlearn.server.config import ServerConfig
+    from splitlearn.server.runtime import SegmentRuntime
+
+    return SegmentRuntime(ServerConfig(model="tiny", cuts=(2,), optimizer="adamw", lr=1e-2, tokens=(TOKEN,),
+                                       lora=LoraSpec(4, 8.0, ("c_attn", "c_proj")), checkpoint_every=2,
+                                       state_dir=None if state_dir is None else str(state_dir), torch_threads=1))
+
+
+@pytest.mark.slow
+def test_two_replicas_sharing_a_state_dir_hand_a_client_over_exactly(tmp_path):
+    """Steps applied on A, then B, then A again give the answers of one server; a replica never
+    overwrites a newer generation with its stale copy, and reloads it instead."""
+    ref, a, b = _runtime(None), _runtime(tmp_path), _runtime(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, 6, 32, generator=g), torch.randint(0, 256, (2, 6), generator=g)) for _ in range(7)]
+    key = "t-x:alice"
+    assert ref.config.n_embd == 32
+
+    def step(rt, s):
+        h, y = batches[s - 1]
+        ans = rt.compute.run(rt.train_step, P.StepMeta(key, s, "float32"), h, y, None)
+        return ans.tensors, ans.meta.get("durable")
+
+    def same(x, y):
+        return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+    want = [step(ref, s)[0] for s in range(1, 8)]
+    assert step(a, 1)[1] == "0" and step(a, 2)[1] == "2"  # durable every 2 of this client's steps
+    assert same(step(a, 3)[0], want[2])
+    assert b.client_step(key) == 2  # B loads A's generation: step 2, not A's step 3 in memory
+    assert same(step(b, 2)[0], want[1])  # a retry of the durable step gets the stored answer
+    for s in (3, 4, 5):  # B replays 3 and goes on; durable at 4
+        assert same(step(b, s)[0], want[s - 1])
+    assert not a.compute.run(a.states.save, key)  # A's stale copy never overwrites B's generation
+    assert a.client_step(key) == 4  # A sees a newer generation and reloads it
+    for s in (5, 6, 7):
+        assert same(step(a, s)[0], want[s - 1])
+    assert b.client_step(key) == 6 and a.states.loads == 1 and b.states.loads == 2
+    for rt in (ref, a, b):
+        rt.compute.close()
+
+
+# -- the real cluster -------------------------------------------------------------------------
+
+class ClusterProcess(ChildServer):
+    """``python -m splitlearn.cluster`` of the tiny model with per-client LoRA; ready when
+    replicas.json is written and a request through HAProxy answers."""
+
+    def __init__(self, run_dir: Path, replicas: int = 2):
+        self.run_dir = run_dir
+        port = free_port()
+        tokens = run_dir.parent / "tokens"
+        tokens.write_text(f"alice {TOKEN} operator\nmallory {OTHER}\n")
+        cmd = [sys.executable, "-m", "splitlearn.cluster", "--replicas", str(replicas), "--port", str(port),
+               "--run-dir", str(run_dir), "--check-interval-ms", "100", "--log-level", "WARNING", "--",
+               *SERVER, "--token-file", str(tokens), "--log-level", "WARNING"]
+        super().__init__(cmd, port, startup_timeout_s=180, quiet=False, env={"OMP_NUM_THREADS": "1"})
+
+    def ready(self) -> bool:
+        return (self.run_dir / "replicas.json").is_file() and super().ready()
+
+    def manifest(self) -> dict:
+        return json.loads((self.run_dir / "replicas.json").read_text())
+
+
+@contextlib.contextmanager
+def one_server():
+    """The reference: one server with the replicas' options, in this process (waitress on a
+    thread; one torch thread, as the replicas under OMP_NUM_THREADS=1)."""
+    from waitress import create_server
+
+    from splitlearn.server.app import create_app
+    from splitlearn.server.config import ServerConfig
+
+    cfg = ServerConfig(model="tiny", cuts=(1, 3), optimizer="adamw", lr=0.01, threads=4, torch_threads=1,
+                       lora=LoraSpec(4, 8.0, ("c_attn", "c_proj")), tokens=(f"alice {TOKEN} operator", f"mallory {OTHER}"))
+    server = create_server(create_app(cfg), host="127.0.0.1", port=0, threads=4)
+    threading.Thread(target=server.run, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.effective_port}"
+    finally:
+        server.close()
+
+
+def replica_of(url: str, token: str, client_id: str) -> str:
+    r = requests.get(url + P.HEALTH, headers={P.ROUTE_HEADER: P.route_key(token, client_id)}, timeout=10)
+    return r.headers[P.REPLICA_HEADER]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if HAPROXY is None:
+        pytest.skip("HAProxy is not installed (apt-get install haproxy; .ci/run installs it)")
+    c = ClusterProcess(tmp_path_factory.mktemp("cluster") / "run").start()
+    yield c
+    c.stop()
+
+
+def batches_of(seed: int, n: int = STEPS):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (2, 10), generator=g) for _ in range(n)]
+
+
+def lora_client(url, token, cid) -> SplitClient:
+    return SplitClient(url, "tiny", token=token, optimizer="adamw", lr=1e-2, device="cpu", client_id=cid,
+                       lora="server", reconnect_timeout_s=60)
+
+
+def both_adapters(client: SplitClient, url: str, token: str) -> dict:
+    r = requests.get(url + P.CLIENT_ADAPTER.format(client_id=client.client_id),
+                     headers={**auth(token), P.ROUTE_HEADER: P.route_key(token, client.client_id)}, timeout=30)
+    assert r.status_code == 200, r.text
+    return {**client_adapter_tensors(client.segments), **decode(r.content)[0]}
+
+
+@needs_haproxy
+@pytest.mark.slow
+def test_replicas_json_names_the_live_processes_and_owners_spread_over_both(cluster):
+    m = cluster.manifest()
+    assert [r["name"] for r in m["replicas"]] == ["r0", "r1"] and m["port"] == cluster.port
+    for pid in [r["pid"] for r in m["replicas"]] + [m["haproxy"]["pid"]]:
+        os.kill(pid, 0)  # alive
+    assert Path(m["state_dir"]).is_dir() and m["url"] == cluster.url
+    seen = {replica_of(cluster.url, TOKEN, f"o{i}") for i in range(12)}
+    assert seen == {"r0", "r1"}  # the ring spreads client ids over both
+    assert replica_of(cluster.url, TOKEN, "o1") == replica_of(cluster.url, TOKEN, "o1")  # and pins each
+
+
+@needs_haproxy
+@pytest.mark.slow
+def test_a_replica_killed_mid_training_and_mid_generation_loses_nothing(cluster):
+    """Two LoRA owners per replica, of two tenants (the same client id "o0" in both is two
+    clients), train; a third owner on r0 generates. r0 is killed with SIGKILL between steps
+    4 and 5 of every owner (3 is durable: --checkpoint-every 3) and mid-generation."""
+    owners, per = [], {"r0": 0, "r1": 0}
+    for i in range(20):
+        for token in (TOKEN, OTHER):
+            rep = replica_of(cluster.url, token, f"o{i}")
+            if per[rep] < 2:
+                per[rep] += 1
+                owners.append((token, f"o{i}", rep))
+    assert per == {"r0": 2, "r1": 2}
+    writer = next(f"w{i}" for i in range(50) if replica_of(cluster.url, OTHER, f"w{i}") == "r0")
+    data = {(t, c): batches_of(seed) for seed, (t, c, _) in enumerate(owners)}
+    prompt = batches_of(7, 1)[0][:1, :5]
+
+    # the reference: the same owners against one server
+    with one_server() as url:
+        ref = {}
+        for t, c, _ in owners:
+            with lora_client(url, t, c) as cl:
+                ref[(t, c)] = ([cl.train_step(b) for b in data[(t, c)]], both_adapters(cl, url, t))
+        with lora_client(url, OTHER, writer) as cl:
+            for b in batches_of(99, 3):  # 3 steps: its adapter is durable
+                cl.train_step(b)
+            ref_tokens = cl.generate(prompt, max_new_tokens=10)
+
+    gen = lora_client(cluster.url, OTHER, writer)
+    for b in batches_of(99, 3):
+        gen.train_step(b)
+    clients = {(t, c): lora_client(cluster.url, t, c) for t, c, _ in owners}
+    losses = {k: [] for k in clients}
+    at_kill, errors = threading.Barrier(len(clients) + 1), []
+
+    def train(k):
+        try:
+            for i, b in enumerate(data[k]):
+                if i == KILL_AFTER:
+                    at_kill.wait(120)  # everyone is past a durable step (3) with one step more in memory
+                losses[k].append(clients[k].train_step(b))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{k[1]}: {e!r}")
+            at_kill.abort()
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in clients]
+    for th in threads:
+        th.start()
+    victim = cluster.manifest()["replicas"][0]
+    tokens = [prompt]
+    for i, tok in enumerate(gen.generate_stream(prompt, max_new_tokens=10)):
+        tokens.append(tok[:, None])
+        if i == 2:  # 3 tokens out: the session's replica dies, with the owners' steps 5 in flight
+            at_kill.wait(120)
+            os.kill(victim["pid"], signal.SIGKILL)
+    for th in threads:
+        th.join(180)
+    assert not errors, errors
+    assert torch.equal(torch.cat(tokens, dim=1), ref_tokens)  # the generation went on, unchanged
+    for (t, c, rep), k in zip(owners, clients):
+        assert losses[k] == ref[k][0], (c, rep)  # bit-identical to one server
+        got, want = both_adapters(clients[k], cluster.url, t), ref[k][1]
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), (c, rep)
+        state = requests.get(cluster.url + P.CLIENT_STATE.format(client_id=c),
+                             headers={**auth(t), P.ROUTE_HEADER: P.route_key(t, c)}, timeout=30).json()
+        assert state["step"] == STEPS  # every step once: none lost, none applied twice
+        if rep == "r0":
+            assert clients[k].recoveries, c  # its replica died: it recovered elsewhere
+    deadline = time.monotonic() + 30
+    while cluster.manifest()["replicas"][0]["pid"] == victim["pid"]:  # the supervisor starts it again
+        assert time.monotonic() < deadline, "the killed replica was not restarted"
+        time.sleep(0.2)
+    for cl in [gen, *clients.values()]:
+        cl.close()
+
+
+@needs_haproxy
+@pytest.mark.slow
+def test_sigterm_stops_the_haproxy_and_every_replica(cluster):
+    time.sleep(0.5)  # (a replica killed by the tests above is being started again: it is listed)
+    m = cluster.manifest()
+    pids = [r["pid"] for r in m["replicas"]] + [m["haproxy"]["pid"]]
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(60) == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (cluster.run_dir / "replicas.json").exists()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(cluster.url + P.HEALTH, timeout=5)
+
+
+@needs_haproxy
+@pytest.mark.slow
+def test_haproxy_dying_stops_the_cluster(tmp_path):
+    """No router, nothing to serve: the supervisor stops its replicas and exits 1."""
+    c = ClusterProcess(tmp_path / "run", replicas=1).start()
+    try:
+        m = c.manifest()
+        os.kill(m["haproxy"]["pid"], signal.SIGKILL)
+        assert c.proc.wait(60) == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(m["replicas"][0]["pid"], 0)
+        assert not (tmp_path / "run" / "replicas.json").exists()
+    finally:
+        c.stop()

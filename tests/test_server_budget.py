@@ -1,0 +1,339 @@
+"""splitlearn.server.budget: the memory one request may cost, priced before allocating.
+
+The cost model against what autograd really keeps and what a route really peaks at; every
+route that allocates by request size answering 413 (naming the limit and the flag) and
+changing nothing; and a real server under an address-space limit, where shapes that used to
+answer 500 (the allocation failed) now answer 413, or simply succeed, and the server keeps
+serving.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from splitlearn import protocol as P
+from splitlearn.errors import ConfigError, PayloadTooLarge
+from splitlearn.loading import config_from_dict, load_model, read_spec
+from splitlearn.localserver import LocalServer
+from splitlearn.partition import partition
+from splitlearn.server import budget as bm
+from splitlearn.server.app import create_app
+from splitlearn.server.cli import parse_args
+from splitlearn.server.config import ServerConfig
+from splitlearn.wire import decode, encode
+
+from serverproc import (TENANTS, TOKEN, assert_error, auth, post_tensors, same_weights, segment_of,
+                        snapshot, tensors_of)
+
+ROOT = Path(__file__).resolve().parent.parent
+D, NPOS, VOCAB = 32, 64, 257  # models/tiny.json
+MiB, GiB = 1 << 20, 1 << 30
+# GPT-2's vocabulary and context on a narrow, shallow body: the logits dominate at once
+GPT2_VOCAB_SMALL = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=64, n_layer=2,
+                        n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+# -- the cost model --------------------------------------------------------------------------
+
+def _saved_bytes(seg, B, T, padded):
+    """Bytes autograd keeps for a training forward of ``seg`` (parameters and input excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in seg.parameters()}
+    h = torch.randn(B, T, seg.config.n_embd, requires_grad=True)
+    mask = None
+    if padded:
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[0, : T // 2] = 0
+    seen = {}
+
+    def keep(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params and s.data_ptr() != h.untyped_storage().data_ptr():
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    seg.train()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        seg(h, mask)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "gpt2-dropout"])
+@pytest.mark.parametrize("B,T,padded", [(2, 16, False), (3, 64, True), (8, 64, False)])
+def test_kept_per_block_is_what_autograd_keeps(dropout, B, T, padded):
+    """Exact for sdpa without dropout; with GPT-2's dropout (scores materialised) at most 10% over."""
+    spec = {**read_spec("tiny"), "attn_pdrop": dropout, "resid_pdrop": dropout}
+    seg = partition(load_model(config_from_dict(spec)), (1, 2)).trunk  # one block
+    measured = _saved_bytes(seg, B, T, padded)
+    predicted = bm.kept_per_block(bm.Dims.of(seg, torch.float32), B, T, T, padded)
+    if dropout == 0.0:
+        assert predicted == measured
+    else:
+        assert measured <= predicted <= 1.1 * measured
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS reset is Linux-only")
+def test_a_measured_peak_stays_under_the_prediction():
+    """benchmarks/request_memory.py's measurement of one route (a fresh process, peak RSS) is
+    below the model's price, and not absurdly so."""
+    case = ["gpt2-vocab-d64", "train_step", 4, 512, True]
+    out = subprocess.run([sys.executable, "benchmarks/request_memory.py", "--child", json.dumps(case)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["measured"] > 50 * MiB  # the route really ran
+    assert r["measured"] <= r["predicted"] <= 2 * r["measured"], r
+
+
+def test_dims_come_from_the_segment_and_its_dtype():
+    top = partition(load_model("tiny"), (1,)).top
+    m = bm.Dims.of(top, torch.float32)
+    assert (m.d, m.heads, m.inner, m.vocab, m.blocks, m.head, m.elem) == (32, 4, 128, 257, 3, True, 4)
+    assert not m.eager and not m.scores  # sdpa, no dropout: the flash kernel keeps no scores
+    assert bm.Dims.of(top, torch.bfloat16).elem == 2
+    gpt2 = partition(load_model(config_from_dict(read_spec("gpt2")), device="meta"), (2, 10)).trunk
+    g = bm.Dims.of(gpt2, torch.float32)
+    assert (g.blocks, g.head, g.attn_dropout, g.dropout, g.scores) == (8, False, True, True, True)
+
+
+def test_the_head_costs_one_chunk_not_the_logits():
+    """64 x 1024 positions of a GPT-2-vocabulary top: training is priced far under the 13 GB of
+    logits it used to make, and a forward without labels pays for the last position only."""
+    top = partition(load_model(config_from_dict(GPT2_VOCAB_SMALL), device="meta"), (1,)).top
+    m = bm.Dims.of(top, torch.float32)
+    logits = 64 * 1024 * 50257 * 4
+    assert bm.train_cost(m, 64, 1024, False) < logits / 8
+    with_labels, without = bm.forward_cost(m, 64, 1024, False, True), bm.forward_cost(m, 64, 1024, False, False)
+    assert without < with_labels < without + 4 * 64 * MiB  # labels add one chunk of logits (and x)
+    # 32 more rows cost their activations, not their 6.6 GB of logits
+    assert bm.forward_cost(m, 64, 1024, False, True) - bm.forward_cost(m, 32, 1024, False, True) < logits / 2 / 20
+
+
+def test_kv_cache_and_session_steps():
+    top = partition(load_model("tiny"), (2,)).top
+    m = bm.Dims.of(top, torch.float32)
+    assert bm.kv_bytes(m, 100) == 2 * 2 * 100 * 32 * 4  # K and V, 2 blocks, d=32, float32
+    assert bm.session_step_cost(m, 2, 60, 1) > bm.kv_bytes(m, 2 * 61)  # the cache it reads, and more
+
+
+def test_check_names_the_limit_and_the_flag():
+    top = partition(load_model("tiny"), (2,)).top
+    budget = bm.Budget(GiB, bm.Dims.of(top, torch.float32), "set by --max-request-memory-gb")
+    budget.check("a thing", GiB)  # at the limit: allowed
+    with pytest.raises(PayloadTooLarge) as e:
+        budget.check("a thing", 3 * GiB)
+    assert e.value.status == 413
+    assert "3.00 GiB" in e.value.message and "1.00 GiB" in e.value.message
+    assert "--max-request-memory-gb" in e.value.message
+
+
+def test_derived_limit_is_half_of_what_the_training_state_leaves():
+    assert bm.derived_limit(10 * GiB, 2 * GiB) == 4 * GiB
+    assert bm.derived_limit(1 * GiB, 2 * GiB) == bm.MIN_DERIVED  # never zero: a warning says why
+    seg = partition(load_model("tiny"), (2,)).top
+    params = bm.trainable_bytes(seg)
+    assert bm.state_bytes(seg, "adamw", packed=True) == 4 * params  # grad, two moments, packed copy
+    assert bm.state_bytes(seg, "sgd", packed=False) == params
+    for p in seg.parameters():
+        p.requires_grad_(False)  # a LoRA server's frozen base makes no gradients
+    assert bm.trainable_bytes(seg) == 0
+
+
+def test_available_memory_honours_an_address_space_limit():
+    code = ("import resource, torch; from splitlearn.server import budget as b\n"
+            "size = b._status_kib('VmSize'); hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), hard))\n"
+            "print(*b.available_memory(torch.device('cpu')), sep='|')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    free, what = out.stdout.strip().split("|")
+    assert what == "RLIMIT_AS" and 0 < int(free) <= 64 << 20
+
+
+# -- the routes (Flask's test client) ----------------------------------------------------------
+
+def _app(cuts, limit):
+    return create_app(ServerConfig(model="tiny", cuts=cuts, tokens=TENANTS, max_request_memory_bytes=limit))
+
+
+def _hidden(B, T, seed=0):
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))  # (B, T, d)
+
+
+def _step(B, T, step=1, seed=0, **meta):
+    y = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed + 1))
+    return {P.HIDDEN: _hidden(B, T, seed), P.LABELS: y}, P.StepMeta("c1", step, **meta).to_meta()
+
+
+def _client_step(client):
+    return client.get(P.CLIENT_STATE.format(client_id="c1"), headers=auth()).get_json()["step"]
+
+
+def test_an_over_budget_training_step_is_413_and_changes_nothing():
+    app = _app((2,), 4 * MiB)
+    rt, client = app.extensions["splitlearn"], app.test_client()
+    m = bm.Dims.of(rt.segment, rt.dtype)
+    assert bm.train_cost(m, 64, 64, False) > 4 * MiB > bm.train_cost(m, 2, 6, False)
+    before = snapshot(segment_of(app))
+    r = post_tensors(client, P.TRAIN_STEP, *_step(64, 64))
+    err = assert_error(r, 413, "this server allows 0.00 GiB per request (--max-request-memory-gb")
+    assert err["error"] == "payload_too_large" and "64 x 64 positions" in err["message"]
+    assert same_weights(before, snapshot(segment_of(app)))
+    assert _client_step(client) == 0  # the ledger never saw it: no record, nothing pending
+    assert not rt.ledger.known("alice:c1") and rt.ledger.pending_since() == {}
+    out = tensors_of(post_tensors(client, P.TRAIN_STEP, *_step(2, 6)))  # the same step number, smaller
+    assert out[P.GRAD].shape == (2, 6, D) and _client_step(client) == 1
+    assert not same_weights(before, snapshot(segment_of(app)))
+
+
+def test_an_over_budget_u_shape_forward_keeps_no_graph_and_no_lease():
+    app = _app((1, 3), 4 * MiB)
+    client = app.test_client()
+    before = snapshot(segment_of(app))
+    meta = P.StepMeta("c1", 1).to_meta()
+    assert_error(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(64, 64)}, meta), 413,
+                 "--max-request-memory-gb")
+    assert_error(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: _hidden(64, 64)}, meta), 409, "forward")
+    # nothing pending, nothing leased: another client steps at once, then c1 at its step 1
+    other = P.StepMeta("c2", 1).to_meta()
+    tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(2, 6)}, other))
+    tensors_of(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: _hidden(2, 6, 1)}, other))
+    tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(2, 6)}, meta))
+    assert same_weights(before, snapshot(segment_of(app))) is False  # c2's step was applied
+    assert _client_step(client) == 0
+
+
+def test_a_u_shape_micro_batch_is_priced_with_its_steps_other_graphs():
+    """The graphs of a step's micro-batches wait together for their backwards: a piece that fits
+    alone is refused when its step's ``micros`` graphs of its size would not."""
+    probe = _app((1, 3), 1 << 40)
+    rt = probe.extensions["splitlearn"]
+    m = bm.Dims.of(rt.segment, rt.dtype)
+    one, four = (bm.train_cost(m, 32, 64, False, graphs=g) for g in (1, 4))
+    app = _app((1, 3), (one + four) // 2)
+    client = app.test_client()
+    piece = lambda micros: P.StepMeta("c1", 1, micro=0, micros=micros, loss_scale=1 / micros).to_meta()
+    assert_error(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(32, 64)}, piece(4)), 413,
+                 "x 4 micro-batches")
+    assert tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(32, 64)}, piece(1)))
+
+
+def test_an_over_budget_forward_is_413_and_a_smaller_one_answers():
+    app = _app((2,), 4 * MiB)
+    client = app.test_client()
+    before = snapshot(segment_of(app))
+    tensors, _ = _step(64, 64)
+    assert_error(post_tensors(client, P.FORWARD, tensors, {}), 413, "a forward of 64 x 64 positions")
+    tensors, _ = _step(2, 6)
+    out = tensors_of(post_tensors(client, P.FORWARD, tensors, {}))
+    assert out[P.LOGITS].shape == (2, VOCAB) and torch.isfinite(out[P.LOSS]).all()
+    assert same_weights(before, snapshot(segment_of(app)))
+
+
+def test_sessions_are_priced_at_open_and_at_every_step():
+    app = _app((2,), 1 * MiB)
+    rt, client = app.extensions["splitlearn"], app.test_client()
+    m = bm.Dims.of(rt.segment, rt.dtype)
+    assert bm.kv_bytes(m, 64 * NPOS) > MiB > bm.kv_bytes(m, 8 * NPOS)
+    r = client.post(P.SESSIONS, json={"rows": 64}, headers=auth())
+    assert_error(r, 413, "KV cache")
+    assert len(rt.sessions) == 0  # nothing opened
+    r = client.post(P.SESSIONS, json={"rows": 8}, headers=auth())
+    assert r.status_code == 201, r.get_data(as_text=True)
+    url = P.SESSION_STEP.format(session_id=r.get_json()["session_id"])
+    assert bm.session_step_cost(m, 8, 0, NPOS, False) > 1.5 * MiB
+    assert bm.session_step_cost(m, 8, 8, 1, False) < bm.session_step_cost(m, 8, 0, 8, False) < MiB / 2
+    assert_error(post_tensors(client, url, {P.HIDDEN: _hidden(8, NPOS)}, P.SessionStepMeta(0).to_meta()),
+                 413, "a generation step of 8 x 64 positions")
+    # the session did not move: its prompt in pieces works from position 0
+    out = tensors_of(post_tensors(client, url, {P.HIDDEN: _hidden(8, 8)}, P.SessionStepMeta(0).to_meta()))
+    assert out[P.LOGITS].shape == (8, VOCAB)
+    out = tensors_of(post_tensors(client, url, {P.HIDDEN: _hidden(8, 1)}, P.SessionStepMeta(8).to_meta()))
+    assert out[P.LOGITS].shape == (8, VOCAB)
+
+
+def test_info_reports_the_limit_and_where_it_comes_from():
+    info = _app((2,), 3 * GiB).test_client().get(P.INFO, headers=auth()).get_json()["limits"]
+    assert info["max_request_memory_bytes"] == 3 * GiB
+    assert "--max-request-memory-gb" in info["max_request_memory_source"]
+    derived = _app((2,), None).test_client().get(P.INFO, headers=auth()).get_json()["limits"]
+    assert derived["max_request_memory_bytes"] >= bm.MIN_DERIVED
+    assert derived["max_request_memory_source"].startswith("derived at start")
+
+
+def test_the_flag_and_the_config_field():
+    assert parse_args(["--model", "tiny", "--cut", "1", "--max-request-memory-gb", "1.5"]) \
+        .max_request_memory_bytes == int(1.5 * GiB)
+    assert parse_args(["--model", "tiny", "--cut", "1"]).max_request_memory_bytes is None
+    with pytest.raises(ConfigError, match="max-request-memory-gb"):
+        ServerConfig(model="tiny", cuts=(1,), tokens=TENANTS, max_request_memory_bytes=1000)
+
+
+# -- a real server under an address-space limit -------------------------------------------------
+
+# python -m splitlearn.server, with RLIMIT_AS set first (an allocation past it fails: as out of memory)
+LAUNCH = ("import resource, runpy, sys; limit = int(sys.argv.pop(1)); "
+          "resource.setrlimit(resource.RLIMIT_AS, (limit, limit)); "
+          "runpy.run_module('splitlearn.server', run_name='__main__', alter_sys=True)")
+
+
+class LimitedServer(LocalServer):
+    """A LocalServer whose process may map at most ``as_bytes`` of address space."""
+
+    def __init__(self, args, as_bytes: int):
+        # two malloc arenas and one OpenMP thread keep the idle virtual size near 1 GB
+        super().__init__(args, token=TOKEN, env={"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"})
+        self.cmd = [sys.executable, "-c", LAUNCH, str(as_bytes), *self.cmd[3:]]  # not "-m splitlearn.server"
+
+    def post(self, path, tensors, meta=None):
+        return requests.post(self.url + path, data=encode(tensors, meta), timeout=300,
+                             headers={**auth(), "Content-Type": P.CONTENT_TYPE})
+
+
+def _gpt2_vocab_step(B, T, step, labels=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = {P.HIDDEN: torch.randn(B, T, 64, generator=g)}
+    if labels:
+        t[P.LABELS] = torch.randint(0, 50257, (B, T), generator=g)
+    return t, P.StepMeta("c1", step).to_meta()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS semantics are Linux's")
+def test_a_real_server_under_an_address_space_limit_refuses_or_serves_and_keeps_serving(tmp_path):
+    """2.5 GiB of address space (the idle server maps ~1 GiB). Before the budget, this
+    GPT-2-vocabulary top made all the logits: 13 GB for a forward of 64 x 1024 positions, 3.3 GB
+    with the log-softmax for a forward of 8 x 1024 with labels, and a training step of 4 x 1024
+    peaked near 2.7 GB (8 x 1024: 5.4 GB measured): each failed to allocate and answered 500.
+    Now the forwards compute the last logits only and the loss in chunks, the training step
+    fits, and a training step of 64 x 1024 is refused with 413 before anything is allocated."""
+    spec = tmp_path / "gpt2-vocab-small.json"
+    spec.write_text(json.dumps(GPT2_VOCAB_SMALL))
+    args = ["--model", str(spec), "--cut", "1", "--threads", "2", "--max-request-memory-gb", "0.75"]
+    with LimitedServer(args, int(2.5 * GiB)) as srv:
+        r = srv.post(P.TRAIN_STEP, *_gpt2_vocab_step(64, 1024, 1))
+        assert r.status_code == 413, r.text[:500]
+        err = r.json()
+        assert err["error"] == "payload_too_large"
+        assert "0.75 GiB per request (--max-request-memory-gb" in err["message"]
+
+        r = srv.post(P.FORWARD, _gpt2_vocab_step(64, 1024, 1, labels=False)[0], {})
+        assert r.status_code == 200, r.text[:500]
+        assert decode(r.content)[0][P.LOGITS].shape == (64, 50257)
+
+        r = srv.post(P.FORWARD, _gpt2_vocab_step(8, 1024, 1)[0], {})
+        assert r.status_code == 200, r.text[:500]
+        assert torch.isfinite(decode(r.content)[0][P.LOSS]).all()
+
+        r = srv.post(P.TRAIN_STEP, *_gpt2_vocab_step(4, 1024, 1))  # step 1: the refused one changed nothing
+        assert r.status_code == 200, r.text[:500]
+        out = decode(r.content)[0]
+        assert out[P.GRAD].shape == (4, 1024, 64) and torch.isfinite(out[P.LOSS]).all()
+
+        assert requests.get(srv.url + P.HEALTH, timeout=10).status_code == 200
+        state = requests.get(srv.url + P.CLIENT_STATE.format(client_id="c1"), headers=auth(), timeout=10)
+        assert state.json()["step"] == 1
+        assert srv.proc.poll() is None  # alive

@@ -1,0 +1,79 @@
+"""splitlearn.server.strategy: bounded updates, FedAvg / median / trimmed mean, float32 results."""
+import math
+
+import pytest
+import torch
+
+from splitlearn.errors import BadRequest, ConfigError
+from splitlearn.server.strategy import (FedAvg, FedMedian, FedTrimmedAvg, coordinate_median, make_strategy,
+                                        update_norm)
+
+REF = {"w": torch.tensor([1.0, 2.0, 3.0]), "step": torch.tensor([7])}  # a float tensor and an int buffer
+
+
+def up(values, n=1):
+    return {"w": torch.tensor(values, dtype=torch.float32), "step": torch.tensor([99])}, n
+
+
+def test_fedavg_is_the_sample_weighted_mean_in_float32_and_keeps_integer_buffers():
+    agg = FedAvg(None).aggregate(REF, [up([2.0, 2.0, 2.0], 1), up([5.0, 6.0, 7.0], 3)])
+    want = (torch.tensor([2.0, 2.0, 2.0], dtype=torch.float64) * 1 + torch.tensor([5.0, 6.0, 7.0]).double() * 3) / 4
+    assert agg.weights["w"].dtype == torch.float32
+    assert torch.equal(agg.weights["w"], want.float())
+    assert torch.equal(agg.weights["step"], REF["step"])  # buffers: the reference's
+    assert agg.clipped == [False, False]
+
+
+def test_each_update_is_bounded_around_the_reference_not_the_upload():
+    bound = 1.0
+    agg = FedAvg(bound).aggregate(REF, [up([3e38, -3e38, 3e38], 1)])
+    delta = agg.weights["w"].double() - REF["w"].double()
+    assert agg.clipped == [True] and math.isclose(float(delta.norm()), bound, rel_tol=1e-6)
+    assert bool(torch.isfinite(agg.weights["w"]).all())
+    assert agg.norms[0] == pytest.approx(math.sqrt(3) * 3e38 * (1 + 1e-9), rel=1e-6)  # float64: no overflow
+    # the direction is kept: (1, -1, 1) / sqrt(3)
+    assert torch.allclose(delta.float(), torch.tensor([1.0, -1.0, 1.0]) / math.sqrt(3), atol=1e-6)
+
+
+def test_an_honest_update_under_the_bound_is_untouched_bit_for_bit():
+    w = {"w": torch.tensor([1.1, 2.2, 3.3]), "step": REF["step"]}
+    agg = FedAvg(10.0).aggregate(REF, [(w, 5)])
+    assert agg.clipped == [False] and torch.equal(agg.weights["w"], w["w"])
+
+
+def test_claimed_samples_cannot_buy_more_than_the_bound():
+    """A member claiming 10**12 samples moves the average by at most the bound (model replacement
+    needs a boosted update; Sun et al. 2019)."""
+    honest, evil = up([1.5, 2.5, 3.5], 2), up([50.0, 50.0, 50.0], 10**12)
+    agg = FedAvg(1.0).aggregate(REF, [honest, evil])
+    assert update_norm(REF, agg.weights) <= 1.0 + 1e-6
+    assert not torch.allclose(agg.weights["w"], torch.full((3,), 50.0))
+
+
+def test_median_and_trimmed_mean_ignore_an_outlier_and_its_samples():
+    ups = [up([1.0, 2.0, 3.0], 1), up([1.2, 2.2, 3.2], 1), up([1.4, 2.4, 3.4], 1), up([1.1, 2.1, 3.1], 1),
+           up([1000.0, -1000.0, 1000.0], 10**9)]
+    med = FedMedian(None).aggregate(REF, ups)
+    assert torch.allclose(med.weights["w"], torch.tensor([1.2, 2.1, 3.2]))  # the 3rd of 5 sorted values
+    trimmed = FedTrimmedAvg(None, beta=0.2).aggregate(REF, ups)  # drops 1 value at each end per coordinate
+    want = torch.tensor([(1.1 + 1.2 + 1.4) / 3, (2.0 + 2.1 + 2.2) / 3, (3.1 + 3.2 + 3.4) / 3])
+    assert torch.allclose(trimmed.weights["w"], want, atol=1e-6)
+    even = FedMedian(None).aggregate(REF, ups[:4])  # an even count averages the two middle values (numpy's median)
+    assert torch.allclose(even.weights["w"], torch.tensor([1.15, 2.15, 3.15]))
+
+
+def test_coordinate_median_is_the_fallback_reference():
+    ref = coordinate_median([up([1.0, 5.0, 9.0])[0], up([3.0, 1.0, 8.0])[0], up([2.0, 2.0, 7.0])[0]])
+    assert torch.equal(ref["w"], torch.tensor([2.0, 2.0, 8.0])) and ref["w"].dtype == torch.float32
+
+
+def test_refusals():
+    with pytest.raises(BadRequest):
+        FedAvg(1.0).aggregate(REF, [])
+    with pytest.raises(BadRequest):
+        FedAvg(1.0).aggregate(REF, [up([1.0, 1.0, 1.0], 0)])
+    for bad in (lambda: make_strategy("krum"), lambda: make_strategy("fedavg", 0.0),
+                lambda: make_strategy("trimmed-mean", 1.0, 0.5)):
+        with pytest.raises(ConfigError):
+            bad()
+    assert make_strategy("median", None).describe() == {"aggregation": "median", "max_update_norm": None}
