@@ -12,13 +12,14 @@ with ``n`` the number of targets that are not ``-100``: the mean :func:`~.segmen
 takes, divided once. With gradients, :class:`_ChunkedHeadLoss` computes each chunk's
 gradients with respect to ``x`` and ``W`` during the forward, while that chunk's logits exist,
 and drops them (the "fused linear cross-entropy" of Liger Kernel: Hsu et al. 2024,
-arXiv:2410.10989); its backward only scales the stored gradients by the loss's incoming
-gradient. That costs no recomputation (the same three matrix products as the unchunked
+arXiv:2410.10989), made for the gradient the loss will be backpropagated with (``grad_scale``:
+a micro-batch's ``loss_scale``); its backward hands them over. That costs no recomputation (the same three matrix products as the unchunked
 head: logits, grad of x, grad of W) and holds one chunk of logits plus the gradients of
 ``x`` and ``W``, which the unchunked head holds too. The cross-entropy of a chunk, and its
 gradient with respect to the logits, are torch's own (``F.cross_entropy``, float32 as in
-``loss_from_logits``), so a single chunk is the unchunked computation op for op; several
-chunks differ from it only in the order the sums over positions are added (~1e-7 relative).
+``loss_from_logits``), scaled as autograd scales them, so one chunk gives the unchunked loss bit for
+bit and its gradients up to the matrix products' blocking; several chunks differ from it only
+in the order the sums over positions are added (~1e-7 relative).
 """
 from __future__ import annotations
 
@@ -41,72 +42,79 @@ def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_LOGITS_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
-def _chunk_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-    """Summed cross-entropy of one chunk and its gradient with respect to the logits.
+def _chunk_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, per_target: torch.Tensor):
+    """Summed cross-entropy of one chunk and its gradient with respect to the logits, for an
+    incoming gradient of ``per_target`` on each target's loss.
 
     x: (c, d); weight: (V, d); targets: (c,). Returns (loss_sum, grad_logits (c, V) in x's dtype).
     """
     with torch.enable_grad():
         logits = (x @ weight.t()).detach().requires_grad_()  # (c, V)
         loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
-        (grad,) = torch.autograd.grad(loss, logits)  # (c, V)
+        (grad,) = torch.autograd.grad(loss, logits, per_target)  # (c, V)
     return loss.detach(), grad
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum_c CE_sum(x[c] @ W^T, y[c]) / n, gradients made chunk by chunk in the forward."""
+    """sum_c CE_sum(x[c] @ W^T, y[c]) / n, gradients made chunk by chunk in the forward.
+
+    The gradients are made for the incoming gradient ``scale`` (what the loss will be
+    backpropagated with: 1, or a micro-batch's ``loss_scale``), scaled before the products as
+    autograd scales the unchunked loss's (cross-entropy's backward gives each target
+    ``scale / n``), so one chunk's gradients are the unchunked ones bit for bit. A backward
+    with another incoming gradient rescales them.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                rows: int) -> torch.Tensor:  # x (N, d), weight (V, d), targets (N,)
+                rows: int, scale: float) -> torch.Tensor:  # x (N, d), weight (V, d), targets (N,)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n = (targets != IGNORE).sum()
-        grad_x = torch.empty_like(x) if need_x else None  # (N, d)
+        nf = (targets != IGNORE).sum().to(torch.float32)
+        ctx.scale = torch.tensor(scale, dtype=torch.float32, device=x.device)
+        per_target = ctx.scale / nf  # as cross-entropy's mean divides its incoming gradient
+        grad_x = torch.empty_like(x) if need_x else None  # (N, d), every row written below
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for i in range(0, x.shape[0], rows):
             xc, tc = x[i:i + rows], targets[i:i + rows]  # (c, d), (c,)
-            loss_c, g = _chunk_grad(xc, weight, tc)  # g (c, V)
+            loss_c, g = _chunk_grad(xc, weight, tc, per_target)  # g (c, V)
             total += loss_c
             if need_x:
                 torch.mm(g, weight, out=grad_x[i:i + rows])  # (c, d)
             if need_w:  # accumulated in float32 whatever the compute dtype
                 grad_w.addmm_(g.t().float(), xc.float())  # (V, d)
             del g
-        nf = n.to(torch.float32)
-        if need_x:
-            grad_x.div_(nf.to(grad_x.dtype))
-        if need_w:
-            grad_w = grad_w.div_(nf).to(weight.dtype)
-        ctx.save_for_backward(grad_x, grad_w)
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype) if need_w else None)
         return total / nf
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        if getattr(ctx, "spent", False):  # the stored gradients are scaled in place: once only
+        if getattr(ctx, "spent", False):  # the stored gradients may be rescaled in place: once only
             raise RuntimeError("the chunked head loss supports one backward per forward")
         ctx.spent = True
         grad_x, grad_w = ctx.saved_tensors
-        scale = grad_out.to(torch.float32)
-        gx = None if grad_x is None else grad_x.mul_(scale.to(grad_x.dtype))
-        gw = None if grad_w is None else grad_w.mul_(scale.to(grad_w.dtype))
-        return gx, gw, None, None
+        if not torch.equal(grad_out.to(torch.float32), ctx.scale):  # not the gradient expected
+            ratio = grad_out.to(torch.float32) / ctx.scale
+            grad_x = None if grad_x is None else grad_x.mul_(ratio.to(grad_x.dtype))
+            grad_w = None if grad_w is None else grad_w.mul_(ratio.to(grad_w.dtype))
+        return grad_x, grad_w, None, None, None
 
 
 def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    rows: Optional[int] = None) -> torch.Tensor:
+                    rows: Optional[int] = None, grad_scale: float = 1.0) -> torch.Tensor:
     """Causal-LM loss of ``logits = x @ weight^T`` without materialising the logits.
 
     x: (B, T, d) after ``ln_f``; weight: (V, d), the LM head (no bias); labels: (B, T) with
     -100 for ignored targets. Shifts by one and averages over the targets kept, exactly as
     :func:`~splitlearn.segments.loss_from_logits`. ``rows``: positions per chunk (default:
-    :func:`chunk_rows`). Differentiable in ``x`` and ``weight``.
+    :func:`chunk_rows`). Differentiable in ``x`` and ``weight``; ``grad_scale``: the gradient
+    the loss will be backpropagated with (``(loss * s).backward()``: s), for exact gradients.
     """
     xs = x[:, :-1, :].reshape(-1, x.shape[-1])  # (B*(T-1), d)
     ys = labels[:, 1:].reshape(-1).to(x.device)  # (B*(T-1),)
     rows = rows or chunk_rows(weight.shape[0])
     if torch.is_grad_enabled() and (xs.requires_grad or weight.requires_grad):
-        return _ChunkedHeadLoss.apply(xs, weight, ys, rows)
+        return _ChunkedHeadLoss.apply(xs, weight, ys, rows, float(grad_scale))
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for i in range(0, xs.shape[0], rows):  # no gradients: the losses only
         logits = xs[i:i + rows] @ weight.t()  # (c, V)
@@ -115,11 +123,11 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 
 def head_loss(top: nn.Module, h: torch.Tensor, labels: torch.Tensor,
-              rows: Optional[int] = None) -> torch.Tensor:
+              rows: Optional[int] = None, grad_scale: float = 1.0) -> torch.Tensor:
     """The loss of a top (or full) segment from its last block's output ``h`` (B, T, d):
     ``ln_f`` then :func:`chunked_lm_loss` on ``lm_head``'s weight (GPT-2's head has no bias).
     A LoRA :class:`~splitlearn.lora.AdaptedSegment`'s head is its base's (adapters never target it)."""
     top = getattr(top, "base", top)
     if getattr(top.lm_head, "bias", None) is not None:
         raise ValueError("the chunked head loss needs an LM head without bias (GPT-2's has none)")
-    return chunked_lm_loss(top.ln_f(h), top.lm_head.weight, labels, rows)
+    return chunked_lm_loss(top.ln_f(h), top.lm_head.weight, labels, rows, grad_scale)

@@ -104,10 +104,11 @@ def _runtime(state_dir):
 @pytest.mark.slow
 def test_two_replicas_sharing_a_state_dir_hand_a_client_over_exactly(tmp_path):
     """Steps applied on A, then B, then A again give the answers of one server; a replica never
-    overwrites a newer generation with its stale copy, and reloads it instead."""
+    overwrites a newer generation with its stale copy, reloads it instead, and a sweep drops
+    the copies of clients another replica has saved past."""
     ref, a, b = _runtime(None), _runtime(tmp_path), _runtime(tmp_path)
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(2, 6, 32, generator=g), torch.randint(0, 256, (2, 6), generator=g)) for _ in range(7)]
+    batches = [(torch.randn(2, 6, 32, generator=g), torch.randint(0, 256, (2, 6), generator=g)) for _ in range(8)]
     key = "t-x:alice"
     assert ref.config.n_embd == 32
 
@@ -119,7 +120,7 @@ def test_two_replicas_sharing_a_state_dir_hand_a_client_over_exactly(tmp_path):
     def same(x, y):
         return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
-    want = [step(ref, s)[0] for s in range(1, 8)]
+    want = [step(ref, s)[0] for s in range(1, 9)]
     assert step(a, 1)[1] == "0" and step(a, 2)[1] == "2"  # durable every 2 of this client's steps
     assert same(step(a, 3)[0], want[2])
     assert b.client_step(key) == 2  # B loads A's generation: step 2, not A's step 3 in memory
@@ -131,6 +132,10 @@ def test_two_replicas_sharing_a_state_dir_hand_a_client_over_exactly(tmp_path):
     for s in (5, 6, 7):
         assert same(step(a, s)[0], want[s - 1])
     assert b.client_step(key) == 6 and a.states.loads == 1 and b.states.loads == 2
+    for s in (7, 8):  # B goes on and saves generation 4; A, not asked since, holds a stale copy...
+        assert same(step(b, s)[0], want[s - 1])
+    assert a.ledger.known(key) and a.compute.run(a.states.sweep) == 1  # ...which a sweep drops
+    assert not a.ledger.known(key) and key not in a.adapters.replicas and a.client_step(key) == 8
     for rt in (ref, a, b):
         rt.compute.close()
 

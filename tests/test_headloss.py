@@ -51,17 +51,21 @@ def test_one_chunk_gives_the_same_loss_bit_for_bit():
     loss = chunked_lm_loss(xc, w, y, rows=10_000)  # every position in one chunk
     loss.backward()
     assert torch.equal(loss, ref_loss)
-    # the gradient is divided by the target count after the product, not before: rounding only
-    torch.testing.assert_close(xc.grad, ref_gx, rtol=2e-6, atol=1e-8)
+    assert torch.equal(xc.grad, ref_gx)  # scaled before the product, as autograd scales it
 
 
-def test_a_scaled_loss_scales_the_gradients_and_no_grad_gives_the_same_loss():
+@pytest.mark.parametrize("announced", [0.25, 1.0], ids=["announced", "not-announced"])
+def test_a_scaled_loss_scales_the_gradients_and_no_grad_gives_the_same_loss(announced):
     x, w, y = _inputs(seed=1)
     _, ref_gx, ref_gw = _reference(x, w, y, scale=0.25)  # a micro-batch's loss_scale
     xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
-    (chunked_lm_loss(xc, wc, y, rows=4) * 0.25).backward()
+    (chunked_lm_loss(xc, wc, y, rows=4, grad_scale=announced) * 0.25).backward()
     torch.testing.assert_close(xc.grad, ref_gx, rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(wc.grad, ref_gw, rtol=1e-5, atol=1e-8)
+    if announced == 0.25:  # one chunk, announced: autograd's own numbers
+        xc = x.clone().requires_grad_()
+        (chunked_lm_loss(xc, w, y, rows=10_000, grad_scale=0.25) * 0.25).backward()
+        assert torch.equal(xc.grad, ref_gx)
     with torch.no_grad():
         torch.testing.assert_close(chunked_lm_loss(x, w, y, rows=5), loss_from_logits(x @ w.t(), y),
                                    rtol=1e-6, atol=1e-6)

@@ -122,13 +122,13 @@ def test_kv_cache_and_session_steps():
 
 def test_check_names_the_limit_and_the_flag():
     top = partition(load_model("tiny"), (2,)).top
-    budget = bm.Budget(GiB, bm.Dims.of(top, torch.float32), "set by --max-request-memory-gb")
+    budget = bm.Budget(GiB, bm.Dims.of(top, torch.float32), "--max-request-memory-gb")
     budget.check("a thing", GiB)  # at the limit: allowed
     with pytest.raises(PayloadTooLarge) as e:
         budget.check("a thing", 3 * GiB)
     assert e.value.status == 413
-    assert "3.00 GiB" in e.value.message and "1.00 GiB" in e.value.message
-    assert "--max-request-memory-gb" in e.value.message
+    assert "a thing needs about 3.00 GiB" in e.value.message
+    assert "allows 1.00 GiB per request (--max-request-memory-gb)" in e.value.message
 
 
 def test_derived_limit_is_half_of_what_the_training_state_leaves():
@@ -180,7 +180,7 @@ def test_an_over_budget_training_step_is_413_and_changes_nothing():
     assert bm.train_cost(m, 64, 64, False) > 4 * MiB > bm.train_cost(m, 2, 6, False)
     before = snapshot(segment_of(app))
     r = post_tensors(client, P.TRAIN_STEP, *_step(64, 64))
-    err = assert_error(r, 413, "this server allows 0.00 GiB per request (--max-request-memory-gb")
+    err = assert_error(r, 413, "this server allows 0.00 GiB per request (--max-request-memory-gb)")
     assert err["error"] == "payload_too_large" and "64 x 64 positions" in err["message"]
     assert same_weights(before, snapshot(segment_of(app)))
     assert _client_step(client) == 0  # the ledger never saw it: no record, nothing pending
@@ -259,10 +259,11 @@ def test_sessions_are_priced_at_open_and_at_every_step():
 def test_info_reports_the_limit_and_where_it_comes_from():
     info = _app((2,), 3 * GiB).test_client().get(P.INFO, headers=auth()).get_json()["limits"]
     assert info["max_request_memory_bytes"] == 3 * GiB
-    assert "--max-request-memory-gb" in info["max_request_memory_source"]
+    assert info["max_request_memory_source"] == "--max-request-memory-gb"
     derived = _app((2,), None).test_client().get(P.INFO, headers=auth()).get_json()["limits"]
     assert derived["max_request_memory_bytes"] >= bm.MIN_DERIVED
-    assert derived["max_request_memory_source"].startswith("derived at start")
+    assert derived["max_request_memory_source"].startswith("derived at start: half of ")
+    assert derived["max_request_memory_source"].endswith("--max-request-memory-gb sets it")
 
 
 def test_the_flag_and_the_config_field():
@@ -318,7 +319,8 @@ def test_a_real_server_under_an_address_space_limit_refuses_or_serves_and_keeps_
         assert r.status_code == 413, r.text[:500]
         err = r.json()
         assert err["error"] == "payload_too_large"
-        assert "0.75 GiB per request (--max-request-memory-gb" in err["message"]
+        assert "a training step of 64 x 1024 positions needs about" in err["message"]
+        assert "allows 0.75 GiB per request (--max-request-memory-gb)" in err["message"]
 
         r = srv.post(P.FORWARD, _gpt2_vocab_step(64, 1024, 1, labels=False)[0], {})
         assert r.status_code == 200, r.text[:500]

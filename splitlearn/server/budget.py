@@ -69,6 +69,11 @@ log = logging.getLogger(__name__)
 FLAG = "--max-request-memory-gb"
 GiB = 1 << 30
 MIN_DERIVED = 64 << 20  # the derived limit never goes below this (a warning says why it is low)
+# A route's price is the tensor bytes counted below times this: the allocator's slack. glibc
+# serves allocations under its mmap threshold (up to 32 MiB) from heaps that fragment as
+# (B, T, d) tensors come and go; GPT-2 small's prefill of 8 x 512 peaked at up to 1.14x
+# the tensors counted (docs/INTERNALS.md, "What a request costs in memory").
+ALLOCATOR_SLACK = 1.25
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,11 @@ def train_cost(m: Dims, B: int, T: int, padded: bool, graphs: int = 1) -> int:
     b = graphs * m.blocks * kept_per_block(m, B, T, T, padded) + block_workspace(m, B, T, T, padded, m.scores)
     if m.head:  # ln_f's input and output, the shifted copy, grad of x; grad of W; one chunk
         b += 4 * e * N * m.d + 4 * m.vocab * m.d + _chunk(m, N, grads=True)
-    return b + update_bytes(m) + io_bytes(m, B, T)
+    return _slack(b + update_bytes(m) + io_bytes(m, B, T))
+
+
+def _slack(tensor_bytes: int) -> int:
+    return int(tensor_bytes * ALLOCATOR_SLACK)
 
 
 def _chunk(m: Dims, N: int, grads: bool) -> int:
@@ -183,7 +192,7 @@ def forward_cost(m: Dims, B: int, T: int, padded: bool, labels: bool) -> int:
         b += B * m.vocab * (e + 4)  # the last position's logits, and packed
         if labels:
             b += 2 * e * N * m.d + _chunk(m, N, grads=False)
-    return b + io_bytes(m, B, T)
+    return _slack(b + io_bytes(m, B, T))
 
 
 def session_step_cost(m: Dims, rows: int, past: int, T: int, padded: bool = True) -> int:
@@ -195,7 +204,7 @@ def session_step_cost(m: Dims, rows: int, past: int, T: int, padded: bool = True
     b = kv_bytes(m, rows * K) + 2 * rows * K * m.d * m.elem + block_workspace(m, rows, T, K, masked, m.eager)
     if m.head:
         b += rows * m.vocab * (m.elem + 4)
-    return b + io_bytes(m, rows, T)
+    return _slack(b + io_bytes(m, rows, T))
 
 
 # -- the limit -----------------------------------------------------------------------------
@@ -206,15 +215,15 @@ class Budget:
 
     limit: int  # bytes of working memory one request may take
     dims: Dims
-    source: str = FLAG  # where the limit comes from (the flag, or how it was derived)
+    source: str = FLAG  # where the limit comes from: the flag, or how it was derived
 
     def check(self, what: str, need: int) -> None:
         """413 if ``need`` bytes exceed the limit; the message names the limit and the flag."""
         if need > self.limit:
             raise PayloadTooLarge(
                 f"{what} needs about {need / GiB:.2f} GiB of server memory; this server allows "
-                f"{self.limit / GiB:.2f} GiB per request ({FLAG}; {self.source}): send fewer rows "
-                f"or positions (micro-batches, or a prompt in pieces)")
+                f"{self.limit / GiB:.2f} GiB per request ({self.source}): send fewer rows or "
+                f"positions (micro-batches, or a prompt in pieces)")
 
     # one method per route, each (what, bytes) checked
 
@@ -315,12 +324,12 @@ def make_budget(segment: nn.Module, dtype: torch.dtype, device: torch.device,
     """The server's budget: ``limit_bytes`` if configured, else derived (module docstring)."""
     dims = Dims.of(segment, dtype)
     if limit_bytes is not None:
-        return Budget(limit_bytes, dims, f"set by {FLAG}")
+        return Budget(limit_bytes, dims, FLAG)
     avail, what = available_memory(device)
     state = state_bytes(segment, optimizer, packed)
     limit = derived_limit(avail, state)
     source = (f"derived at start: half of {what} ({avail / GiB:.2f} GiB) less the training state "
-              f"({state / GiB:.2f} GiB)")
+              f"({state / GiB:.2f} GiB); {FLAG} sets it")
     if limit == MIN_DERIVED:
         log.warning("little memory left for requests (%s): each may use %.2f GiB", source, limit / GiB)
     log.info("each request may use %.2f GiB of memory (%s)", limit / GiB, source)

@@ -30,7 +30,9 @@ the generation number), so a replica that comes back with a stale copy never ove
 another replica wrote meanwhile. A replica that keeps non-durable steps of a client that has
 moved away loses them at its next look (the disk is newer) or serves them if the client comes
 back before anyone saved: either way the client's journal brings both sides to the same step,
-because every step is a deterministic function of the state before it and its batch.
+because every step is a deterministic function of the state before it and its batch. Every
+``SWEEP_EVERY`` requests a replica also drops the copies that another replica has saved past
+(:meth:`ClientStates.sweep`), so owners that moved away do not stay in its memory for ever.
 Replicas must see one file system (NFS, a shared volume); the pointer's atomic rename is what
 makes a generation visible.
 """
@@ -48,6 +50,7 @@ from .ledger import StepLedger
 log = logging.getLogger(__name__)
 
 NAME = "client"  # the generation store's name inside each client's directory
+SWEEP_EVERY = 1024  # claims between two sweeps of the copies other replicas made stale
 
 
 def generation_of(path: Path) -> int:
@@ -67,6 +70,7 @@ class ClientStates:
         self.gens: dict[str, int] = {}  # scoped key -> generation this replica loaded or wrote
         self.loads = 0  # states loaded from the shared directory (a client arriving from elsewhere)
         self.saves = 0
+        self.claims = 0  # requests checked; every SWEEP_EVERY-th also sweeps (:meth:`sweep`)
 
     def _path(self, key: str) -> Path:
         # one path component: a key is "<tenant>:<client_id>", both of [A-Za-z0-9_.-]
@@ -84,6 +88,9 @@ class ClientStates:
     def claim(self, key: str) -> None:
         """Before serving ``key``: load its newest state if this replica's copy is older."""
         with self.rt.lock:
+            self.claims += 1
+            if self.claims % SWEEP_EVERY == 0:
+                self.sweep()
             disk, held = self.disk_gen(key), self.gens.get(key, 0)
             if disk == held:
                 return
@@ -96,6 +103,17 @@ class ClientStates:
                          key, disk, self.dir, held)
             self._drop(key)
             self._load(key)
+
+    def sweep(self) -> int:
+        """Drop every copy another replica has saved past (its owners moved away and have
+        not come back); one pointer read per client held. Returns how many were dropped."""
+        with self.rt.lock:
+            stale = [k for k, g in self.gens.items() if self.disk_gen(k) > g]
+            for k in stale:
+                self._drop(k)
+            if stale:
+                log.info("dropped %d clients whose state another replica has saved since", len(stale))
+            return len(stale)
 
     def _drop(self, key: str) -> None:
         rt = self.rt

@@ -273,7 +273,7 @@ class Federation:
                                "server_clipped": sum(server.clipped)}
             if self.external:
                 self.last_close = self._sign(tickets.Close("splitfed", r.number, self.version + 1, len(keys)))
-            else:
+            elif any(r.weights[k] for k in keys):  # (in-process callers may sync none)
                 client = self._aggregate_client([(r.weights[k], n) for k, n in zip(keys, samples)])
                 self.client_weights = client.weights
                 self.last_round["client_clipped"] = sum(client.clipped)

@@ -29,7 +29,8 @@ What this module changes, all on waitress's event loop (no WSGI thread, no body 
   ``request_timeout_s + its size / min_rate`` from when it was written; a client that does
   not read is disconnected, which frees its buffers and wakes a WSGI thread blocked on it.
 - **Limits stated.** :class:`DoorLimits` (``/v1/info`` "limits"): connections, header bytes,
-  timeouts, the minimum rate.
+  timeouts, the minimum rate. Deadlines are checked once a second, from waitress's own
+  maintenance hook (``cleanup_interval=1``), so they cost nothing per request.
 
 Cost on the per-request path: none added. The token's SHA-256 moves from the app to the event
 loop, and the app reads the tenant from ``environ[TENANT_KEY]`` (it still checks the token
@@ -83,9 +84,13 @@ class DoorLimits:
         if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):
             raise ConfigError("--request-timeout, --min-rate-kib and --idle-timeout must be > 0")
 
+    def at_min_rate_s(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` take at the minimum rate."""
+        return nbytes / (self.min_rate_kib_s * 1024)
+
     def allowance_s(self, nbytes: int) -> float:
         """Seconds a transfer of ``nbytes`` may take: the grace plus the bytes at the minimum rate."""
-        return self.request_timeout_s + nbytes / (self.min_rate_kib_s * 1024)
+        return self.request_timeout_s + self.at_min_rate_s(nbytes)
 
     def as_info(self) -> dict:
         return {**asdict(self), "max_header_bytes": MAX_HEADER_BYTES, "linger_s": LINGER_S}
@@ -153,8 +158,8 @@ class DoorParser(HTTPRequestParser):
     def __init__(self, adj, channel: "DoorChannel"):
         super().__init__(adj)
         self.channel = channel
-        # made on the request's first bytes, just read (waitress's wall clock, no extra call)
-        self.deadline = channel.last_activity + channel.limits.request_timeout_s  # for the headers
+        self.started = channel.last_activity  # made on the request's first bytes, just read: no clock call
+        self.deadline = self.started + channel.limits.allowance_s(0)  # for the headers
 
     def received(self, data: bytes) -> int:
         in_headers = not self.headers_finished and not self.completed
@@ -165,7 +170,7 @@ class DoorParser(HTTPRequestParser):
             self.error = _Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
         if self.error is None:
             size = self.adj.max_request_body_size if self.chunked else self.content_length
-            self.deadline += size / (self.channel.limits.min_rate_kib_s * 1024)
+            self.deadline = self.started + self.channel.limits.allowance_s(size)
             return consumed
         self.completed, self.expect_continue = True, False  # never "100 Continue" a refused body
         self.channel.refuse(self)
@@ -273,9 +278,9 @@ class DoorChannel(HTTPChannel):
             self.out_deadline, self.out_seen = None, 0
         else:  # the send timeout: grace plus each new byte at the minimum rate
             if self.out_deadline is None:
-                self.out_deadline = now + self.limits.request_timeout_s
-            if pending > self.out_seen:
-                self.out_deadline += (pending - self.out_seen) / (self.limits.min_rate_kib_s * 1024)
+                self.out_deadline = now + self.limits.allowance_s(0)
+            if pending > self.out_seen:  # more written since: its bytes at the minimum rate
+                self.out_deadline += self.limits.at_min_rate_s(pending - self.out_seen)
             self.out_seen = pending
             if now > self.out_deadline:
                 log.info("%s did not read its answer (%d bytes left): disconnected", self.addr, pending)

@@ -142,7 +142,8 @@ class Training:
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
             # the logits (B, T, V) never exist whole: chunks of positions (splitlearn/headloss.py)
-            loss = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels)
+            loss = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels,
+                             grad_scale=meta.loss_scale)  # backpropagated with it just below
             guard.finite("loss", loss)
             (loss * meta.loss_scale).backward()
             guard.finite("the gradient sent back to the client", h.grad)
