@@ -33,7 +33,7 @@ IGNORE = -100
 # Bytes of one chunk's float32 logits; the chunk's working set is 4x this (logits, log-softmax,
 # the gradients of both). Above glibc's largest mmap threshold (32 MiB) on purpose: every chunk
 # is then mapped and unmapped whole; 32 MiB chunks came from the heap, which grew by a
-# fragment per chunk (409 MiB for 49 chunks against 127 MiB for one; docs/INTERNALS.md).
+# fragment per chunk (409 MiB for 50 chunks against 127 MiB for one; docs/INTERNALS.md).
 CHUNK_LOGITS_BYTES = 64 << 20
 
 

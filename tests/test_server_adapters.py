@@ -14,7 +14,7 @@ from splitlearn.server.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import decode
 
-from serverproc import TENANTS, OTHER, TOKEN, assert_error, auth, post_tensors, same_weights, snapshot, tensors_of
+from serverproc import TENANTS, OTHER, assert_error, auth, post_tensors, same_weights, snapshot, tensors_of
 
 SPEC = LoraSpec(r=2, alpha=4.0, targets=("c_attn", "c_fc"))
 

@@ -4,7 +4,6 @@ another's clients (issue: tenants who do not trust each other; docs/SECURITY.md)
 One U-shape server with two tenants from a token file (alice, the operator, and mallory),
 small per-tenant caps so the caps are reachable, shared by every test here.
 """
-import json
 import threading
 import time
 

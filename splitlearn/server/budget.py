@@ -6,42 +6,52 @@ logits alone. Every route that allocates by request size asks :meth:`Budget.chec
 right after its shapes are validated; a request over the limit gets 413 naming the limit and
 the flag that raises it, and nothing is allocated or changed.
 
-The model (bytes; B rows, T new positions, K = past + T keys, d = n_embd, I = n_inner (4d),
-a = n_head, V = vocab, L = the segment's blocks, e = bytes per element of the compute dtype)::
+The model (bytes; B rows, T new positions, K = past + T keys, N = B·T, d = n_embd, I = n_inner
+(4d), a = n_head, V = vocab, L = the segment's blocks, e = bytes per element of the compute
+dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
 
-    kept per block (training)   e·B·T·(5I + 7d + a + 4)              flash sdpa, no dropout
-                                + e·B·T·K                            padded batch: the float mask
-                                + B·T·d·(2e + 2)                     residual dropout (p > 0)
-                                + B·a·T·K·(3e + 1)                   scores materialised
-    block workspace             e·B·T·(4I + 6d) + 2·e·B·T·K [+ 3·e·B·a·T·K if scores]
-    head, training              3·e·B·T·d + 4·V·d + 4·rows·V·4       ln_f, grad of x, grad of W, one chunk
-    head, evaluation            2·e·B·T·d + 3·rows·V·4 | B·V·(e + 4) with labels | last logits only
-    KV cache                    2·L·tokens·d·e
-    in and out                  4·4·B·T·d                            body, decoded, answer, encoded answer
+    kept per block (training)  e·N·(5I + 7d + a + 4)                     sdpa (flash), no dropout
+                               + e·B·T·K                                 padded: sdpa's float mask
+                               + N·d·(2e + 2)                            residual dropout
+                               + B·a·T·K·(3e + 1)                        scores materialised
+    block workspace            e·N·(4I + 6d) [+ (1 + e)·B·T·K masked] [+ 3e·B·a·T·K scores]
+    head, training             4·e·N·d + 4·V·d + c·V·16                  x, grad of x; grad of W; a chunk
+    head, evaluation           B·V·(e + 4) [+ 2·e·N·d + c·V·8 with labels]
+    update (training)          grads + 2·largest parameter               AdamW's temporaries
+    KV cache                   2·L·tokens·d·e
+    in and out                 16·N·d                                    body, decoded, answer, encoded
 
-This is the per-layer activation count of Korthikanti et al. 2022 ("Reducing Activation
+    training step    (L·kept·graphs + workspace + head + update + in/out) x 1.25
+    forward          (e·N·d + workspace + head + in/out) x 1.25
+    session step     (KV(rows·K) + one block's K, V copy + workspace + last logits + in/out) x 1.25
+    session open     KV(min(rows·n_positions, --max-tokens-per-client))
+
+(16-bit compute adds the float32 copies of the logits and gradients it makes.) The kept
+activations are the per-layer count of Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", arXiv:2205.05198, eq. 2: s·b·h·(34 + 5·a·s/h)
-bytes at 16 bits) redone for what this code actually runs, by counting the tensors autograd
-saves in a GPT-2 block of transformers 5 (``saved_tensors_hooks``):
+bytes at 16 bits) redone for what this code runs, by counting the tensors autograd saves in a
+GPT-2 block of transformers 5 (``saved_tensors_hooks``; equal for every shape tried):
 
 - GPT-2's ``gelu_new`` is written in Python (``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``),
-  so the MLP keeps five (B, T, I) tensors, not Korthikanti's one fused GeLU input: 5I + 7d
-  per position (27d at I = 4d) in float32, against 34h/2 = 17 elements in the paper;
+  so the MLP keeps five (B, T, I) tensors, not a fused GeLU's one: 5I + 7d values per
+  position (27d at I = 4d), against the paper's 34 bytes per h at 16 bits;
 - the attention is ``scaled_dot_product_attention`` (sdpa); on CPU its flash kernel keeps no
-  (B, a, T, K) scores, only a log-sum-exp (a per position), but a padding mask is turned
-  into a float (B, 1, T, K) tensor in every call and kept for the backward (e·B·T·K per
-  block). With attention dropout in training (GPT-2's configs: 0.1) the CPU kernel falls
-  back to the math path, which keeps the scores, the softmax and the dropped-out softmax
-  (3e + 1 bytes per score with the dropout mask): Korthikanti's 5as/h term;
-- the head is computed in chunks (:mod:`splitlearn.headloss`): one chunk of ``rows``
-  positions' logits and their gradients at a time, plus the gradients of x and W.
+  (B, a, T, K) scores, only a log-sum-exp (a per position), but a padding mask reaches it as
+  a boolean that sdpa turns into a float (B, 1, T, K) tensor in every call, kept for the
+  backward. With attention dropout in training (GPT-2's configs: 0.1) the CPU kernel falls
+  back to the math path, which keeps the scores, the softmax and the dropped-out softmax with
+  its mask: the paper's 5·a·s/h term, at 3e + 1 bytes a score;
+- the head's loss is computed in chunks of c positions (:mod:`splitlearn.headloss`): one
+  chunk's logits, log-softmax and their gradients at a time, plus the gradients of x and W;
+  a forward computes the last position's logits only.
 
-Training (``/v1/train/step``; ``/v1/train/forward``, whose graph stays until its backward and
-which is charged for that backward too) adds every trainable parameter's gradient. The
-totals are checked against peaks measured on CPU (peak RSS of the route through Flask's test
-client, in a fresh process): see docs/INTERNALS.md ("What a request costs in memory") and
-``benchmarks/request_memory.py``. The model assumes the worst order (every term at once), so
-it over-estimates by up to ~2x; it never under-estimated a measured peak.
+The 1.25 is the allocator's slack (``ALLOCATOR_SLACK``): glibc serves the (B, T, d) tensors of
+moderate batches from heaps that fragment. The totals are checked against peaks measured on
+CPU (peak RSS of the route through Flask's test client, in a fresh process:
+``benchmarks/request_memory.py``, docs/INTERNALS.md "What a request costs in memory"): 1.04 to
+1.8 times the measured peak, never below it. Training with ``/v1/train/forward`` is charged at
+the forward for its backward too, and for its step's other micro-batches' graphs, which wait
+with it (``micros``).
 
 The default limit (no ``--max-request-memory-gb``) is derived at start from the memory this
 process can still get (:func:`available_memory`) minus what the segment's training state
@@ -71,7 +81,7 @@ GiB = 1 << 30
 MIN_DERIVED = 64 << 20  # the derived limit never goes below this (a warning says why it is low)
 # A route's price is the tensor bytes counted below times this: the allocator's slack. glibc
 # serves allocations under its mmap threshold (up to 32 MiB) from heaps that fragment as
-# (B, T, d) tensors come and go; GPT-2 small's prefill of 8 x 512 peaked at up to 1.14x
+# (B, T, d) tensors come and go; GPT-2 small's prefill of 8 x 512 peaked at up to 1.2x
 # the tensors counted (docs/INTERNALS.md, "What a request costs in memory").
 ALLOCATOR_SLACK = 1.25
 
@@ -238,6 +248,7 @@ class Budget:
         self.check(f"a forward of {B} x {T} positions", forward_cost(self.dims, B, T, padded(mask), labels))
 
     def session(self, rows: int, tokens: int) -> None:
+        """Opening a session of ``rows`` whose KV cache may grow to ``tokens`` positions."""
         self.check(f"a session of {rows} rows (its KV cache of up to {tokens} positions)",
                    kv_bytes(self.dims, tokens))
 
@@ -313,10 +324,11 @@ def derived_limit(available: int, state_bytes: int) -> int:
 
 
 def state_bytes(segment: nn.Module, optimizer: str, packed: bool) -> int:
-    """What the segment's training state will still allocate: a gradient per parameter, AdamW's
-    two moments, and generation's prepacked copy of the weights (``--no-packed-weights``: none)."""
-    params = trainable_bytes(segment)
-    return params * (1 + (2 if optimizer == "adamw" else 0) + (1 if packed else 0))
+    """What the segment's training state will still allocate: a gradient per trainable
+    parameter and AdamW's two moments, and generation's prepacked copy of the weights
+    (``--no-packed-weights``: none)."""
+    weights = sum(p.numel() * p.element_size() for p in segment.parameters())
+    return trainable_bytes(segment) * (3 if optimizer == "adamw" else 1) + (weights if packed else 0)
 
 
 def make_budget(segment: nn.Module, dtype: torch.dtype, device: torch.device,

@@ -66,19 +66,3 @@ def labels(tensors: dict, name: str, rows: int, length: int, vocab: int) -> torc
     if not bool(ok.all()):
         raise BadRequest(f"tensor {name!r} holds ids outside [0, {vocab}) other than -100")
     return y.long()
-
-
-def weights(tensors: dict, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Client-side weights: exactly the expected names and shapes, floating point, finite."""
-    missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing or extra:
-        raise BadRequest(f"the weights must be exactly the client-side parameters: missing "
-                         f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
-                         f"{extra[:5]}{'...' if len(extra) > 5 else ''}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != shapes[name]:
-            raise BadRequest(f"weight {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}")
-        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise BadRequest(f"weight {name!r} has dtype {t.dtype}; send float32, bfloat16 or float16")
-        if not bool(torch.isfinite(t).all()):
-            raise BadRequest(f"weight {name!r} contains NaN or inf")
