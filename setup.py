@@ -11,7 +11,7 @@ setup(
     # Only `splitlearn` is importable; the top-level models/ directory ships inside it as
     # splitlearn/_models so that no top-level `models` package lands in site-packages.
     packages=["splitlearn", "splitlearn.client", "splitlearn.server", "splitlearn.analysis",
-              "splitlearn.privacy", "splitlearn.cluster", "splitlearn._models"],
+              "splitlearn.privacy", "splitlearn.cluster", "splitlearn.offload", "splitlearn._models"],
     package_dir={"splitlearn._models": "models"},
     package_data={"splitlearn": ["corpus/*.txt"], "splitlearn._models": ["*.json"]},
     install_requires=[
