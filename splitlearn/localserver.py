@@ -60,15 +60,19 @@ class ChildServer:
     def start(self):
         """Start the child and wait until :meth:`ready`; stop it and raise TransportError if it
         exits first or is not ready within ``startup_timeout_s``."""
-        self._stderr = tempfile.TemporaryFile() if self.capture_stderr else None
-        stderr = self._stderr or (subprocess.DEVNULL if self.quiet else None)
-        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=self.stdout, stderr=stderr)
+        self._spawn()
         try:
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _spawn(self) -> None:
+        """Start the child process (a subclass may start it otherwise)."""
+        self._stderr = tempfile.TemporaryFile() if self.capture_stderr else None
+        stderr = self._stderr or (subprocess.DEVNULL if self.quiet else None)
+        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=self.stdout, stderr=stderr)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

@@ -83,14 +83,7 @@ class ReplicaProcess(ChildServer):
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=_child_setup(self.cores))
 
-    def start(self) -> "ReplicaProcess":
-        self.spawn()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    _spawn = spawn  # ChildServer.start(): spawn, then wait until ready
 
     def _close_pipes(self) -> None:
         super()._close_pipes()

@@ -33,6 +33,7 @@ from ..wire import pack
 from . import guard
 from .federation import Replica
 from .ledger import Answer, Pending
+from .tenants import SEP, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ class Training:
         for cid, since in rt.ledger.pending_since().items():
             if now - since > cfg.lease_timeout_s:
                 rt.drop_pending(cid)
-        tenant = key.split(":", 1)[0] + ":" if ":" in key else ""
-        ids, pending = rt.ledger.count(tenant)
+        ids, pending = rt.ledger.count(tenant_of(key) + SEP if SEP in key else "")
         if not rt.ledger.known(key) and ids >= cfg.max_clients_per_tenant:
             raise TooManyRequests(f"this tenant already trains {ids} client ids, the server's limit "
                                   f"(--max-clients-per-tenant {cfg.max_clients_per_tenant}): reuse one",
