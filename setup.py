@@ -11,7 +11,7 @@ setup(
     # Only `splitlearn` is importable; the top-level models/ directory ships inside it as
     # splitlearn/_models so that no top-level `models` package lands in site-packages.
     packages=["splitlearn", "splitlearn.client", "splitlearn.server", "splitlearn.analysis",
-              "splitlearn.privacy", "splitlearn.cluster", "splitlearn.offload", "splitlearn._models"],
+              "splitlearn.privacy", "splitlearn.cluster", "splitlearn.offload", "splitlearn.hf", "splitlearn._models"],
     package_dir={"splitlearn._models": "models"},
     package_data={"splitlearn": ["corpus/*.txt"], "splitlearn._models": ["*.json"]},
     install_requires=[
@@ -28,7 +28,8 @@ setup(
         "numpy",
         "dp-accounting>=0.4",  # epsilon of the Gaussian defense (splitlearn.privacy)
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8", "datasets>=2.14", "accelerate>=1.0"],
+                    "train": ["datasets>=2.14", "accelerate>=1.0"]},
     entry_points={
         "console_scripts": [
             "splitlearn-server=splitlearn.server.__main__:main",

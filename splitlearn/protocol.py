@@ -13,10 +13,11 @@ route                          method   what
 /v1/train/step                 POST     2-way: hidden + labels -> loss + grad; optimizer step
 /v1/train/forward              POST     U-shape: hidden -> trunk output (graph kept)
 /v1/train/backward             POST     U-shape: grad of output -> grad of input; optimizer step
+/v1/train/apply                POST     JSON: apply an open-ended step (micros=0) at the client's lr
 /v1/forward                    POST     no-grad forward (evaluation); changes nothing
 /v1/checkpoint                 POST     save segment + optimizer + step counters now
 /v1/sessions                   POST     open a generation session (KV cache on the server)
-/v1/sessions/<sid>/step        POST     new positions' hidden + mask -> output (hidden or logits)
+/v1/sessions/<sid>/step        POST     [reorder rows, crop] + new positions' hidden + mask -> output
 /v1/sessions/<sid>             DELETE   close a session
 /v1/echo                       POST     the body back, no tensor work (transport diagnostics)
 /v1/federation                 GET      mode, version, round, members, who synced, whose turn
@@ -31,6 +32,7 @@ route                          method   what
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -49,6 +51,7 @@ CLIENT_STATE = "/v1/clients/{client_id}"
 TRAIN_STEP = "/v1/train/step"
 TRAIN_FORWARD = "/v1/train/forward"
 TRAIN_BACKWARD = "/v1/train/backward"
+TRAIN_APPLY = "/v1/train/apply"  # JSON {client_id, step, pieces, lr[, clip][, discard]}: see ApplyRequest
 FORWARD = "/v1/forward"
 CHECKPOINT = "/v1/checkpoint"
 SESSIONS = "/v1/sessions"
@@ -66,8 +69,11 @@ OFFLOAD_LINEAR = "/v1/offload/linear"  # masked offload (splitlearn/offload/laye
 
 # tensor names in bodies
 MAX_MICROS = 64  # micro-batches per training step
+MAX_PIECES = 4096  # pieces of one open-ended step (micros=0: gradient accumulation, applied by TRAIN_APPLY)
+MAX_LR = 10.0  # the largest learning rate an apply may carry
 
 HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"
+REORDER = "reorder"  # session step: I64 (R,) rows of the session's cache to keep, in order (index_select)
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: `$` would accept a trailing "\n"
 
@@ -94,7 +100,8 @@ class StepMeta:
     wire_dtype: str = "float32"  # dtype of the tensors in the answer
     fed_version: Optional[int] = None  # version of the shared client-side weights the client holds
     micro: int = 0  # which micro-batch of the step this request carries (0-based)
-    micros: int = 1  # micro-batches in the step; the server steps its optimizer after the last
+    micros: int = 1  # micro-batches in the step; the server steps its optimizer after the last;
+    # 0: open-ended (gradients accumulate piece by piece; POST TRAIN_APPLY steps the optimizer)
     loss_scale: float = 1.0  # 2-way: this micro-batch's share of the step's loss (its target tokens / all)
 
     def to_meta(self) -> dict[str, str]:
@@ -107,16 +114,24 @@ class StepMeta:
             meta.update(micro=str(self.micro), micros=str(self.micros), loss_scale=repr(self.loss_scale))
         return meta
 
+    @property
+    def open_ended(self) -> bool:
+        return self.micros == 0
+
     @classmethod
     def from_meta(cls, meta: dict) -> "StepMeta":
         client_id = meta.get("client_id", "")
         if not _CLIENT_ID.fullmatch(client_id):
             raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
         version = _int_field(meta, "fed_version", 0) if "fed_version" in meta else None
-        micros = _int_field(meta, "micros", 1) if "micros" in meta else 1
+        micros = _int_field(meta, "micros", 0) if "micros" in meta else 1
         micro = _int_field(meta, "micro", 0) if "micro" in meta else 0
-        if micros > MAX_MICROS or micro >= micros:
-            raise BadRequest(f"micro-batch {micro} of {micros}: need 0 <= micro < micros <= {MAX_MICROS}")
+        if micros == 0:  # open-ended: pieces until TRAIN_APPLY
+            if micro >= MAX_PIECES:
+                raise BadRequest(f"piece {micro} of an open-ended step: need 0 <= micro < {MAX_PIECES}")
+        elif micros > MAX_MICROS or micro >= micros:
+            raise BadRequest(f"micro-batch {micro} of {micros}: need 0 <= micro < micros <= {MAX_MICROS} "
+                             f"(or micros = 0: an open-ended step)")
         try:
             scale = float(meta.get("loss_scale", "1"))
         except ValueError:
@@ -127,19 +142,107 @@ class StepMeta:
                    version, micro, micros, scale)
 
 
+MAX_META_INT_CHARS = 20  # digits of an integer metadata field of a session step (int() of 10^4000 is slow)
+
+
+def _number(payload: dict, key: str) -> float:
+    v = payload.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"{key!r} must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise BadRequest(f"{key!r} must be finite, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class ApplyRequest:
+    """``POST /v1/train/apply``: step the optimizer over an open-ended step's accumulated
+    gradients (JSON ``{"client_id", "step", "pieces", "lr", "clip", "discard"}``).
+
+    ``pieces``: how many backward pieces of the step the client got answers for (the server
+    checks it has exactly those); ``lr``: the learning rate of this step (the client's current
+    one, 0 <= lr <= MAX_LR); ``clip``: a factor in (0, 1] the gradients are multiplied by first
+    (a global-norm clip computed by the client); ``discard``: drop the step's gradients instead
+    (``zero_grad`` before a step), nothing is applied and the step number stays free.
+    """
+
+    client_id: str
+    step: int
+    pieces: int = 0
+    lr: Optional[float] = None
+    clip: float = 1.0
+    discard: bool = False
+
+    FIELDS = ("client_id", "step", "pieces", "lr", "clip", "discard")
+
+    def to_json(self) -> dict:
+        out = {"client_id": self.client_id, "step": self.step, "pieces": self.pieces}
+        if self.lr is not None:
+            out["lr"] = self.lr
+        if self.clip != 1.0:
+            out["clip"] = self.clip
+        if self.discard:
+            out["discard"] = True
+        return out
+
+    @classmethod
+    def from_json(cls, payload: dict) -> "ApplyRequest":
+        extra = set(payload) - set(cls.FIELDS)
+        if extra:
+            raise BadRequest(f"unknown fields {sorted(extra)}; an apply has {list(cls.FIELDS)}")
+        cid = payload.get("client_id")
+        if not isinstance(cid, str) or not _CLIENT_ID.fullmatch(cid):
+            raise BadRequest("'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+        ints = {}
+        for key, lo, hi in (("step", 1, 1 << 62), ("pieces", 0, MAX_PIECES)):
+            v = payload.get(key, 0 if key == "pieces" else None)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise BadRequest(f"{key!r} must be an integer in {lo}..{hi}, got {v!r}")
+            ints[key] = v
+        discard = payload.get("discard", False)
+        if not isinstance(discard, bool):
+            raise BadRequest(f"'discard' must be true or false, got {discard!r}")
+        lr = None
+        if not discard:
+            lr = _number(payload, "lr")
+            if not 0.0 <= lr <= MAX_LR:
+                raise BadRequest(f"'lr' must be in [0, {MAX_LR:g}], got {lr}")
+            if ints["pieces"] < 1:
+                raise BadRequest("'pieces' must be >= 1: an apply needs the gradient of at least one piece")
+        clip = _number(payload, "clip") if "clip" in payload else 1.0
+        if not 0.0 < clip <= 1.0:
+            raise BadRequest(f"'clip' must be in (0, 1], got {clip}")
+        return cls(cid, ints["step"], ints["pieces"], lr, clip, discard)
+
+
 @dataclass(frozen=True)
 class SessionStepMeta:
-    """Fields of a generation step: where the new positions start, the answer's dtype."""
+    """Fields of a generation step: where the new positions start, the answer's dtype, and
+    (optional) the step's number in its session, a crop of the cache before the new positions
+    and how many positions' logits a top answers (docs/PROTOCOL.md, "Cache operations")."""
 
-    position: int  # tokens the session has already seen; must equal the server's count
+    position: int  # tokens the session has already seen (after ``crop``); must equal the server's count
     wire_dtype: str = "float32"
+    step: Optional[int] = None  # 1, 2, 3... per session: a retry of the last step gets its stored answer
+    crop: Optional[int] = None  # keep the first ``crop`` cached positions, drop the rest (then position == crop)
+    logits: Optional[int] = None  # top: logits of the last ``logits`` new positions, (B, k, V); 0: all
 
     def to_meta(self) -> dict[str, str]:
-        return {"position": str(self.position), "wire_dtype": self.wire_dtype}
+        meta = {"position": str(self.position), "wire_dtype": self.wire_dtype}
+        for key in ("step", "crop", "logits"):
+            if getattr(self, key) is not None:
+                meta[key] = str(getattr(self, key))
+        return meta
 
     @classmethod
     def from_meta(cls, meta: dict) -> "SessionStepMeta":
-        return cls(_int_field(meta, "position", 0), check_wire_dtype(meta.get("wire_dtype", "float32")))
+        for key in ("position", "step", "crop", "logits"):
+            if len(str(meta.get(key, ""))) > MAX_META_INT_CHARS:
+                raise BadRequest(f"metadata field {key!r} is too long ({MAX_META_INT_CHARS} digits at most)")
+        opt = lambda key, minimum: _int_field(meta, key, minimum) if key in meta else None  # noqa: E731
+        return cls(_int_field(meta, "position", 0), check_wire_dtype(meta.get("wire_dtype", "float32")),
+                   opt("step", 1), opt("crop", 0), opt("logits", 0))
 
 
 @dataclass(frozen=True)

@@ -74,10 +74,18 @@ def test_the_cluster_config_sets_host_port_and_state_dir_and_refuses_what_would_
     assert plain.state_dir is None and "--state-dir" not in plain.replica_args(9001)
     bad = [dict(replicas=0), dict(port=0), dict(server_args=(*SERVER, "--port", "1")),
            dict(server_args=(*SERVER, "--checkpoint-dir", "x")), dict(server_args=()),
-           dict(server_args=(*SERVER, "--federation", "splitfed"))]
+           dict(server_args=(*SERVER, "--federation", "sequential")), dict(server_args=(*SERVER, "--fed-rank", "1"))]
     for change in bad:
         with pytest.raises(ConfigError):
             ClusterConfig(**{**dict(replicas=2, port=9000, run_dir=str(tmp_path), server_args=tuple(SERVER)), **change})
+    fed = ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path),
+                        server_args=("--model", "tiny", "--cut", "2", "--federation", "splitfed"))
+    assert fed.splitfed and fed.state_dir is None  # splitfed spans replicas: each gets its place in the group
+    assert fed.replica_args(9001, 1, "127.0.0.1:29500")[-6:] == ["--fed-store", "127.0.0.1:29500", "--fed-rank", "1",
+                                                               "--fed-world-size", "2"]
+    with pytest.raises(ConfigError, match="turn is one lock"):
+        ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path),
+                      server_args=("--model", "tiny", "--cut", "2", "--federation", "sequential"))
     monkeypatch.delenv("SPLITLEARN_TOKEN")
     with pytest.raises(ConfigError, match="same tokens"):
         ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=tuple(SERVER))

@@ -170,7 +170,12 @@ def test_a_batch_waits_for_the_rest_of_the_previous_batch(model, wait_ms, batche
     assert batcher.batches == 1
     first = batcher.enqueue(DecodeItem(caches[0], x(), key="a"))  # a drain starts: b, c still away
     time.sleep(0.2)
+    if not wait_ms:
+        first.result(10)  # nobody waits for b and c: a's step is answered alone
+    busy = threading.Event()  # b and c arrive together (a loaded machine must not split them)
+    compute.submit(busy.wait, 10)
     rest = [batcher.enqueue(DecodeItem(c, x(), key=k)) for c, k in zip(caches[1:], "bc")]
+    busy.set()
     for f in [first, *rest]:
         f.result(10)
     compute.close()

@@ -21,7 +21,13 @@ def parse_args(argv=None) -> ClusterConfig:
     ours, server = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(prog="python -m splitlearn.cluster", allow_abbrev=False,
                                 description="R splitlearn server replicas behind HAProxy "
-                                            "(server arguments after --; docs/CLUSTER.md)")
+                                            "(server arguments after --; docs/CLUSTER.md)",
+                                epilog="Per-client LoRA (--lora-r) replicas share --state-dir RUN_DIR/state and fail "
+                                       "over. --federation splitfed spans the replicas: one round over every "
+                                       "replica's members, closed with a torch.distributed (gloo) collective on "
+                                       "the replicas' group (its store hosted here; --fed-timeout S after -- bounds "
+                                       "how long a close waits for a dead replica). --federation sequential is "
+                                       "refused with more than one replica (the turn is one global lock).")
     p.add_argument("--replicas", type=int, required=True, help="servers to start")
     p.add_argument("--port", type=int, required=True, help="HAProxy's port: where clients connect")
     p.add_argument("--run-dir", required=True,
@@ -38,6 +44,9 @@ def parse_args(argv=None) -> ClusterConfig:
     p.add_argument("--rise", type=int, default=2, help="good checks before it is back")
     p.add_argument("--server-timeout", type=int, default=600, help="seconds a request may take on a replica")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a replica may take to start")
+    p.add_argument("--fed-store-port", type=int, default=None,
+                   help="--federation splitfed: port of the TCPStore (torch.distributed) where the replicas "
+                        "meet to close rounds, on 127.0.0.1 (default: a free one)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(ours)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -45,7 +54,8 @@ def parse_args(argv=None) -> ClusterConfig:
                          host=a.host, replica_port=a.replica_port, haproxy=a.haproxy,
                          cores_per_replica=a.cores_per_replica, restart=not a.no_restart,
                          check_interval_ms=a.check_interval_ms, fall=a.fall, rise=a.rise,
-                         server_timeout_s=a.server_timeout, startup_timeout_s=a.startup_timeout)
+                         server_timeout_s=a.server_timeout, startup_timeout_s=a.startup_timeout,
+                         fed_store_port=a.fed_store_port)
 
 
 def main(argv=None) -> int:

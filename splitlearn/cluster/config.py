@@ -7,7 +7,10 @@ directory where each owner's adapter, optimizer and step record live; default
 ``RUN_DIR/state``). It refuses what would make replicas disagree silently: ``--checkpoint-dir``
 (each replica would train and keep its own copy of a shared segment), ``--host``/``--port``
 (the cluster picks them), no token for the replicas to share, and ``--federation sequential``
-or ``splitfed`` over several replicas (rounds and turns across replicas: not implemented).
+over several replicas (a turn is one global lock). ``--federation splitfed`` over several
+replicas gets ``--fed-store <the supervisor's TCPStore> --fed-rank i --fed-world-size R``: one
+round over every replica's members, closed with torch.distributed
+(:mod:`splitlearn.server.collective`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Optional
 from ..errors import ConfigError
 
 RESERVED = ("--host", "--port", "--checkpoint-dir")  # server flags the cluster sets or refuses
+GROUP_FLAGS = ("--fed-store", "--fed-rank", "--fed-world-size")  # set by the cluster for splitfed
 
 
 def _value(args: tuple[str, ...], flag: str) -> Optional[str]:
@@ -51,6 +55,7 @@ class ClusterConfig:
     rise: int = 2  # good checks before it is back
     server_timeout_s: int = 600  # the longest request a replica may take, seconds
     startup_timeout_s: float = 300.0  # seconds a replica may take to load its model
+    fed_store_port: Optional[int] = None  # splitfed: the TCPStore's port on 127.0.0.1 (None: a free one)
     state_dir: Optional[str] = field(default=None, init=False)  # derived: the shared per-client state
 
     def __post_init__(self):
@@ -74,28 +79,46 @@ class ClusterConfig:
             if _has(self.server_args, flag):
                 raise ConfigError(f"{flag} is not a replica argument: the cluster sets the replicas' "
                                   f"host and port, and per-client state goes to --state-dir (docs/CLUSTER.md)")
+        for flag in GROUP_FLAGS:
+            if _has(self.server_args, flag):
+                raise ConfigError(f"{flag} is not a replica argument: the cluster sets each replica's place in "
+                                  f"the SplitFed group (--fed-timeout may be given)")
+        if self.fed_store_port is not None and not 0 < self.fed_store_port < 65536:
+            raise ConfigError(f"--fed-store-port must be in 1..65535, got {self.fed_store_port}")
         if not (_has(self.server_args, "--token-file") or os.environ.get("SPLITLEARN_TOKEN")):
             raise ConfigError("the replicas must accept the same tokens: set SPLITLEARN_TOKEN or give "
                               "--token-file after --")
         fed = _value(self.server_args, "--federation")
-        if fed not in (None, "shared") and self.replicas > 1:
-            raise ConfigError(f"--federation {fed} across replicas is not supported yet: each replica would "
-                              f"close its own rounds or turns and their models would diverge (docs/CLUSTER.md); "
-                              f"run it on one server (--replicas 1)")
+        if fed == "sequential" and self.replicas > 1:
+            raise ConfigError("--federation sequential cannot span replicas: the turn is one lock over every "
+                              "client (one holder at a time, the next downloads what it uploaded), so replicas "
+                              "would only pass it around and add a hop to each step; run it on one server "
+                              "(--replicas 1), or use --federation splitfed, whose rounds do span replicas "
+                              "(docs/CLUSTER.md)")
         run = Path(self.run_dir)
         if self.lora_per_client:
             self.state_dir = _value(self.server_args, "--state-dir") or str(run / "state")
+
+    @property
+    def splitfed(self) -> bool:
+        """SplitFed over several replicas: they meet in a torch.distributed group to close rounds."""
+        return _value(self.server_args, "--federation") == "splitfed" and self.replicas > 1
 
     @property
     def lora_per_client(self) -> bool:
         """Per-client LoRA on a frozen base: the mode whose owners fail over with their state."""
         return _has(self.server_args, "--lora-r") and _value(self.server_args, "--federation") in (None, "shared")
 
-    def replica_args(self, port: int) -> list[str]:
-        """The server arguments of the replica on ``port``."""
+    def replica_args(self, port: int, index: int = 0, store: Optional[str] = None) -> list[str]:
+        """The server arguments of replica ``index`` on ``port`` (splitfed: ``store``, the
+        TCPStore's HOST:PORT, where the replicas meet)."""
         extra = ["--host", "127.0.0.1", "--port", str(port)]
         if self.state_dir is not None and not _has(self.server_args, "--state-dir"):
             extra += ["--state-dir", self.state_dir]
+        if self.splitfed:
+            if store is None:
+                raise ConfigError("a SplitFed replica needs the group's store address")
+            extra += ["--fed-store", store, "--fed-rank", str(index), "--fed-world-size", str(self.replicas)]
         return [*self.server_args, *extra]
 
     def cores(self, index: int) -> Optional[list[int]]:

@@ -6,6 +6,9 @@
             /v1/health answers; HAProxy's configuration written and checked (``haproxy -c``);
             HAProxy started; ready when a request through it answers; RUN_DIR/replicas.json
             written (atomically: temporary file + rename)
+    splitfed with R > 1: a torch.distributed TCPStore hosted here, on 127.0.0.1 (free port or
+            --fed-store-port), where the replicas meet (splitlearn/server/collective.py); it
+            lives as long as the supervisor, so a restarted replica finds the others there
     watch   every 0.2 s: a replica that exited is started again on its port (``restart``;
             5 s between failed tries) and replicas.json rewritten with its new pid once it
             answers; HAProxy meanwhile routes its owners to the next replica on the ring, and
@@ -65,8 +68,8 @@ def _child_setup(cores: Optional[list[int]]):
 class ReplicaProcess(ChildServer):
     """One ``python -m splitlearn.server`` replica, its output appended to a log file."""
 
-    def __init__(self, index: int, cfg: ClusterConfig, port: int, log_path: Path):
-        cmd = [sys.executable, "-m", "splitlearn.server", *cfg.replica_args(port)]
+    def __init__(self, index: int, cfg: ClusterConfig, port: int, log_path: Path, store: Optional[str] = None):
+        cmd = [sys.executable, "-m", "splitlearn.server", *cfg.replica_args(port, index, store)]
         super().__init__(cmd, port, startup_timeout_s=cfg.startup_timeout_s, quiet=False)
         self.index, self.name, self.log_path = index, f"r{index}", log_path
         self.cores = cfg.cores(index)
@@ -80,7 +83,10 @@ class ReplicaProcess(ChildServer):
         if self.proc is not None:
             self._close_pipes()
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+        env = None
+        if "--fed-store" in self.cmd:  # the SplitFed group's gloo traffic stays on loopback (one machine)
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_child_setup(self.cores))
 
     _spawn = spawn  # ChildServer.start(): spawn, then wait until ready
@@ -112,6 +118,8 @@ class Supervisor:
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # replicas.json and restarts
         self._down: set[int] = set()  # replicas that died and stay down (restart=False)
+        self.store = None  # splitfed: the TCPStore where the replicas meet (torch.distributed)
+        self.store_addr: Optional[str] = None
 
     @property
     def manifest(self) -> Path:
@@ -127,7 +135,13 @@ class Supervisor:
     def start(self) -> "Supervisor":
         cfg = self.cfg
         ports = [cfg.replica_port + i if cfg.replica_port else free_port() for i in range(cfg.replicas)]
-        self.replicas = [ReplicaProcess(i, cfg, p, self.run_dir / f"replica-{i}.log") for i, p in enumerate(ports)]
+        if cfg.splitfed:
+            from .store import host_store
+
+            self.store = host_store("127.0.0.1", cfg.fed_store_port or 0)
+            self.store_addr = f"127.0.0.1:{self.store.port}"
+        self.replicas = [ReplicaProcess(i, cfg, p, self.run_dir / f"replica-{i}.log", self.store_addr)
+                         for i, p in enumerate(ports)]
         if cfg.state_dir is not None:
             private_dir(cfg.state_dir)
         try:
@@ -183,6 +197,7 @@ class Supervisor:
                                 "config": str(self.run_dir / "haproxy.cfg"),
                                 "log": str(self.run_dir / "haproxy.log")},
                     "state_dir": self.cfg.state_dir, "server_args": list(self.cfg.server_args),
+                    "fed_store": self.store_addr,
                     "replicas": [r.describe() for r in self.replicas]}
             tmp = self.manifest.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(data, indent=1) + "\n")

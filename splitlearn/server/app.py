@@ -42,6 +42,7 @@ from .config import ServerConfig
 from .frontdoor import TENANT_KEY
 from .ledger import Answer
 from .runtime import SegmentRuntime
+from .sessions import step_budget, step_ops
 from .priority import timed
 from .tenants import Tenant
 
@@ -258,41 +259,82 @@ def create_app(config: Optional[ServerConfig] = None,
     @tensor_route(P.TRAIN_FORWARD, owner=True, cls="training")
     def train_forward(t: dict, meta: dict, owner: Tenant) -> Answer:
         m = scoped(P.StepMeta.from_meta(meta), owner)
-        h, mask = hidden_and_mask(t)
+        if m.open_ended:  # any 0/1 padding (a Trainer's collator pads on the right)
+            h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos)
+            mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], npos, left_padded=False)
+        else:
+            h, mask = hidden_and_mask(t)
+        y = None
+        if P.LABELS in t:  # 2-way open-ended pieces: the server computes the loss
+            if not m.open_ended:
+                raise BadRequest(f"labels go to {P.TRAIN_FORWARD} only in open-ended pieces (micros=0)")
+            y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
         # its graph waits for the backward, with its step's other micro-batches' (GPipe)
-        rt.budget.train(h.shape[0], h.shape[1], mask, graphs=m.micros)
-        return rt.train_forward(m, h, mask)
+        rt.budget.train(h.shape[0], h.shape[1], mask, graphs=max(m.micros, 1))
+        return rt.train_forward(m, h, mask, y)
 
     @tensor_route(P.TRAIN_BACKWARD, owner=True, cls="training")
     def train_backward(t: dict, meta: dict, owner: Tenant) -> Answer:
         m = scoped(P.StepMeta.from_meta(meta), owner)
-        grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
+        if not rt.u_shape and m.open_ended:  # 2-way: the scalar gradient of the piece's loss
+            grad = validate.scalar(t, P.GRAD)
+        else:
+            grad = validate.hidden(t, P.GRAD, d, cfg.max_batch, npos)
         return rt.train_backward(m, grad)
+
+    @app.post(P.TRAIN_APPLY)
+    def train_apply():
+        """JSON in, JSON out: the optimizer step of an open-ended step (``P.ApplyRequest``)."""
+        req = P.ApplyRequest.from_json(json_object(request.get_data(cache=False),
+                                                   '{"client_id", "step", "pieces", "lr", "clip", "discard"}'))
+        key = client_key(req.client_id)
+        answer = rt.compute.run(timed(rt.waits, "training", rt.train_apply), key, req)
+        out = {"client_id": req.client_id, "step": req.step}
+        for k, v in answer.meta.items():
+            if k in ("pieces", "durable"):
+                out[k] = int(v)
+            elif k in ("lr", "grad_norm"):
+                out[k] = float(v)
+            elif k in ("applied", "discarded"):
+                out[k] = v == "1"
+        return jsonify(out)
 
     @tensor_route(P.FORWARD, owner=True)
     def forward(t: dict, meta: dict, owner: Tenant) -> Answer:
-        h, mask = hidden_and_mask(t)
+        if meta.get("padding") == "any":  # no cache here: padding on either side (splitlearn.hf)
+            h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos)
+            mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], npos, left_padded=False)
+        else:
+            h, mask = hidden_and_mask(t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
         rt.budget.forward(h.shape[0], h.shape[1], mask, labels=y is not None)
         adapter = None
         if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter
             key = scoped(P.StepMeta.from_meta({**meta, "step": "1"}), owner).client_id
             adapter = rt.adapters.adapter_for(key, cfg.federation)
+        all_logits = meta.get("logits") == "all"  # a top: every position's logits (B, T, V)
+        if all_logits and not rt.u_shape:
+            rt.budget.check(f"the logits of {h.shape[0]} x {h.shape[1]} positions",
+                            3 * h.shape[0] * h.shape[1] * vocab * 4)
         with lora_scope(rt.segment, adapter):
-            return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")))
+            return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")), all_logits)
 
     @tensor_route(P.SESSION_STEP.replace("{session_id}", "<session_id>"), owner=True, inline=True, cls="prefill")
     def session_step(t: dict, meta: dict, session_id: str, owner: Tenant) -> Future:
         sess = rt.sessions.get(owner.digest, session_id)
         m = P.SessionStepMeta.from_meta(meta)
-        h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=sess.rows)
+        ops = step_ops(t, m, sess, cfg.max_batch)  # reorder rows / crop first (sessions.py); 400 if bad
+        rows = sess.rows if ops.index is None else int(ops.index.numel())
+        h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=rows)
         if m.position + h.shape[1] > npos:
             raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
-        mask = validate.attention_mask(t, P.MASK, sess.rows, h.shape[1], npos)  # new positions only
-        rt.budget.session_step(sess.rows, m.position, h.shape[1], mask)
+        mask = validate.attention_mask(t, P.MASK, rows, h.shape[1], npos)  # new positions only
+        step_budget(rt.budget, rows, m.position, h.shape[1], mask, m.logits, rt.segment.has_head,
+                    grows=rows > sess.rows, max_tokens=min(rows * npos, cfg.max_tokens_per_client))
+        args = (sess, m.position, h, mask, m.wire_dtype, ops, m.step, m.logits)
         if h.shape[1] == 1:  # a decode step: queued for the batcher, from whichever thread
-            return rt.session_step(sess, m.position, h, mask, m.wire_dtype)
-        return rt.compute.run(timed(rt.waits, "prefill", rt.session_step), sess, m.position, h, mask, m.wire_dtype)
+            return rt.session_step(*args)
+        return rt.compute.run(timed(rt.waits, "prefill", rt.session_step), *args)
 
     @app.get(P.FEDERATION)
     def federation():

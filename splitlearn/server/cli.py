@@ -115,6 +115,13 @@ def parse_args(argv=None) -> ServerConfig:
                    help="--aggregation trimmed-mean: fraction of the members dropped at each end, per coordinate")
     p.add_argument("--fed-secret-file", help="--client-weights external: file with the secret shared with the fed "
                                              "server (>= 32 bytes), which signs each member's ticket")
+    p.add_argument("--fed-store", default=None, metavar="HOST:PORT",
+                   help="splitfed across replicas: the TCPStore where they meet (python -m splitlearn.cluster "
+                        "sets it; docs/CLUSTER.md); rounds close with a torch.distributed gloo collective")
+    p.add_argument("--fed-rank", type=int, default=0, help="--fed-store: this replica's index, 0..R-1")
+    p.add_argument("--fed-world-size", type=int, default=1, help="--fed-store: the number of replicas R")
+    p.add_argument("--fed-timeout", type=float, default=60.0,
+                   help="--fed-store: seconds a round's collective close (or the group's forming) waits for a replica")
     p.add_argument("--lora-r", type=int, default=None,
                    help="train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha/r (default: 2r)")
@@ -152,6 +159,7 @@ def parse_args(argv=None) -> ServerConfig:
         lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a),
         aggregation=a.aggregation, max_update_norm=a.max_update_norm, trim_beta=a.trim_beta,
         fed_secret=read_secret_file(a.fed_secret_file) if a.fed_secret_file else None,
+        fed_store=a.fed_store, fed_rank=a.fed_rank, fed_world_size=a.fed_world_size, fed_timeout_s=a.fed_timeout,
         offload=a.offload, offload_plain=a.offload_plain, offload_record=a.offload_record,
         offload_tamper=a.offload_tamper)
 

@@ -64,6 +64,10 @@ class ServerConfig:
     max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM  # L2 bound of one member's update per round/turn, weight units (None: off)
     trim_beta: float = 0.2  # trimmed-mean: fraction of a round's members dropped at each end, per coordinate
     fed_secret: Optional[bytes] = field(default=None, repr=False)  # shared with the fed server: signs tickets (>= 32 bytes)
+    fed_store: Optional[str] = None  # splitfed across replicas: HOST:PORT of their TCPStore (splitlearn/server/collective.py)
+    fed_rank: int = 0  # this replica's index among --fed-world-size
+    fed_world_size: int = 1  # replicas whose members form one round
+    fed_timeout_s: float = 60.0  # longest wait of a collective close, or of a group's forming, seconds
     lora: Optional[LoraSpec] = None  # per-client LoRA adapters on a frozen segment (splitlearn/server/adapters.py)
     offload: bool = False  # serve the model's linear layers on masked inputs instead of a segment (docs/OFFLOAD.md)
     offload_plain: bool = False  # --offload: also answer unmasked float32 products (benchmark baseline)
@@ -112,6 +116,12 @@ class ServerConfig:
                               "fed server, which signs each member's ticket: docs/FEDERATION.md)")
         if self.fed_secret is not None:
             check_secret(self.fed_secret)
+        if self.fed_store is not None:
+            if self.federation != "splitfed":
+                raise ConfigError("--fed-store spans SplitFed rounds over replicas: it needs --federation splitfed "
+                                  "(a sequential turn is one global lock; shared mode needs no group)")
+            from .collective import GroupSpec
+            GroupSpec(self.fed_store, self.fed_rank, self.fed_world_size, self.fed_timeout_s)  # ConfigError if invalid
         if self.priority not in ("decode-first", "fifo"):
             raise ConfigError(f"--priority must be decode-first or fifo, got {self.priority!r}")
         if not 0 <= self.batch_wait_ms <= 1000:

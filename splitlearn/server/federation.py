@@ -29,6 +29,11 @@ close record in the status, for the fed server (:mod:`.fedavg`, :mod:`.tickets`)
 opaque: the app passes ``"<tenant>:<client_id>"`` (:mod:`.tenants`), and :meth:`Federation.status`
 shows a viewer its own tenant's ids only.
 
+Across replicas (``--fed-store``, set by ``python -m splitlearn.cluster``): a splitfed round
+spans every replica's members; admission, sync counts and the close are global (a
+torch.distributed TCPStore), and the close combines the replicas' bounded uploads with a gloo
+collective, so every replica continues from the same weights (:mod:`.collective`).
+
 Server memory per client: ``shared`` and ``sequential`` none beyond the ledger; ``splitfed``
 one copy of the segment and its optimizer state per member of the current round (created at
 the client's first step of the round, freed when the round closes): for GPT-2 small's trunk
@@ -49,6 +54,7 @@ from ..errors import BadRequest, ConfigError, Conflict, NotFound, NotYourTurn, S
 from ..segments import Segment
 from . import tickets
 from .clientside import ClientSide
+from .collective import Combined, Contribution, GroupSpec, ReplicaGroup, bounded_flat, flatten, floating_keys, size_of, unflatten, weights_sha256
 from .strategy import Aggregate, Strategy, make_strategy, coordinate_median
 from .tenants import client_of, tenant_of
 
@@ -117,6 +123,20 @@ class Federation:
         self.last_round: dict = {}  # what the last close did (members, clipped updates, norms)
         self.lock = threading.RLock()
         self.on_change: Callable[[], object] = lambda: None  # shared weights changed (the runtime checkpoints)
+        self.group: Optional[ReplicaGroup] = None  # splitfed across replicas (:mod:`.collective`)
+        self.closing = False  # group: this replica froze its round for the collective close
+
+    def join_group(self, spec: GroupSpec, run: Callable) -> ReplicaGroup:
+        """SplitFed across replicas: rounds over every replica's members, closed with
+        torch.distributed (:mod:`.collective`); ``run`` executes on the compute thread."""
+        if self.mode != "splitfed":
+            raise ConfigError(f"--fed-store joins replicas' SplitFed rounds; federation mode {self.mode!r} "
+                              f"cannot span replicas (a sequential turn is one global lock: run it on one server)")
+        if not self.external and (self.clientside is None or self._client_reference() is None):
+            raise ConfigError("SplitFed across replicas needs the initial client-side weights (every replica "
+                              "bounds uploads around the same ones): serve --model, or use --client-weights external")
+        self.group = ReplicaGroup(spec, self, run).start()
+        return self.group
 
     @property
     def external(self) -> bool:
@@ -129,6 +149,8 @@ class Federation:
         with self.lock:
             if self.mode == "shared":
                 return self.base
+            if self.group is not None:
+                self.group.check_ready()  # (a replica joining has not agreed on the version yet)
             self._check_version(key, version)
             if self.mode == "sequential":
                 if self.turn != key:
@@ -162,14 +184,30 @@ class Federation:
             raise ServiceUnavailable(f"client {client_of(key)!r} has synced in round {r.number}; it "
                                      f"waits for the round to close", retry_after=1.0)
         if key not in r.members:
+            if self.group is not None:  # one round over every replica's members
+                self._group_open()
+                self.group.admit(r.number, self.k)
+                self._add_member(key)
+                return r.members[key]
             if len(r.members) >= self.k:
                 raise ServiceUnavailable(f"round {r.number} is full ({self.k} clients); wait for the next "
                                          f"round (at most {self._time_left():.0f}s)",
                                          retry_after=min(1.0, max(self._time_left(), 0.05)))
-            seg = copy.deepcopy(self.base.segment)
-            r.members[key] = Replica(seg, self.make_optimizer(seg.parameters()))
-            r.started = r.started or time.monotonic()
+            self._add_member(key)
         return r.members[key]
+
+    def _add_member(self, key: str) -> None:
+        r = self.round
+        seg = copy.deepcopy(self.base.segment)
+        r.members[key] = Replica(seg, self.make_optimizer(seg.parameters()))
+        r.started = r.started or time.monotonic()
+
+    def _group_open(self) -> None:
+        """Across replicas: 503 while this replica joins the group or closes its round."""
+        self.group.check_ready()
+        if self.closing:
+            raise ServiceUnavailable(f"round {self.round.number} is closing over the replicas; retry",
+                                     retry_after=0.5)
 
     # -- turns (sequential) -------------------------------------------------------------
 
@@ -203,6 +241,8 @@ class Federation:
             if self.mode == "sequential":
                 return self._end_turn(key, weights)
             self._close_if_timed_out()
+            if self.group is not None:
+                self._group_open()
             r = self.round
             if key not in r.members:
                 raise Conflict(f"client {client_of(key)!r} is not a member of round {r.number}: it has "
@@ -213,12 +253,14 @@ class Federation:
                 if n <= 0:
                     raise Conflict(f"client {client_of(key)!r} has no training step applied in round "
                                    f"{r.number}: train before syncing")
+                if self.group is not None:  # counted over every replica; the K-th closes the round
+                    self.group.synced(r.number, self.k)
                 r.synced[key], r.weights[key] = n, weights
                 if self.external:
                     r.tickets[key] = self._sign(tickets.Ticket("splitfed", r.number, self.version, viewer,
                                                                client_of(key), n))
             ticket = r.tickets.get(key)
-            if len(r.synced) >= self.k:
+            if len(r.synced) >= self.k and self.group is None:
                 self._close()
             return {**self.status(viewer), **({"ticket": ticket} if ticket else {})}
 
@@ -255,6 +297,8 @@ class Federation:
 
     def _close_if_timed_out(self) -> None:
         r = self.round
+        if self.group is not None:  # across replicas the group's thread closes rounds (.collective)
+            return
         if r.started is not None and self._time_left() < 0:
             log.warning("round %d timed out %gs after its first member: closing with %d of %d members "
                         "synced (%d leave)", r.number, self.round_timeout_s, len(r.synced), len(r.members),
@@ -282,6 +326,101 @@ class Federation:
                      [round(x, 4) for x in server.norms])
         self.round = Round(r.number + 1)
         self.on_change()
+
+    # -- rounds across replicas (called by the group's thread through the compute thread) -----
+
+    def _client_reference(self) -> Optional[dict[str, torch.Tensor]]:
+        if self.external:
+            return None
+        return self.client_weights if self.client_weights is not None else self.clientside.initial()
+
+    def _freeze_round(self, number: int) -> Optional[Contribution]:
+        """Freeze round ``number`` for its collective close: this replica's synced members'
+        uploads, bounded around the shared weights as one server bounds them. None if this
+        replica is past that round already."""
+        with self.lock:
+            r = self.round
+            if r.number != number:
+                return None
+            self.closing = True  # no new member, no sync until the round is closed
+            keys = list(r.synced)
+            ref, cref = self.base.segment.state_dict(), self._client_reference()
+            c = Contribution(number, [r.synced[k] for k in keys], [], [], [], size_of(ref), size_of(cref))
+            clipped = [0, 0]
+            for k in keys:
+                flat, norm, cut = bounded_flat(self.strategy, ref, r.members[k].segment.state_dict())
+                c.server.append(flat)
+                c.norms.append(norm)
+                clipped[0] += cut
+                if cref is not None and r.weights[k]:
+                    flat, _, cut = bounded_flat(self.strategy, cref, r.weights[k])
+                    c.client.append(flat)
+                    c.client_samples.append(r.synced[k])
+                    clipped[1] += cut
+            c.clipped = (clipped[0], clipped[1])
+            return c
+
+    def _apply_close(self, number: int, result: Combined) -> dict:
+        """Load the round's result (the same on every replica) and open the next round."""
+        with self.lock:
+            r = self.round
+            if r.number != number:  # (cannot happen: only the group's thread closes rounds)
+                raise Conflict(f"round {number} is not open here (round {r.number} is)")
+            if result.server is not None:
+                self._load_server(unflatten(result.server, self.base.segment.state_dict()))
+                self.last_round = {"round": r.number, "members": result.members, "samples": result.samples,
+                                   "server_clipped": result.clipped[0]}
+                if self.external:
+                    self.last_close = self._sign(tickets.Close("splitfed", r.number, self.version + 1,
+                                                               result.members))
+                elif result.client is not None:
+                    self.client_weights = unflatten(result.client, self._client_reference())
+                    self.clientside.forget_initial()
+                    self.last_round["client_clipped"] = result.clipped[1]
+                self.version += 1
+            else:
+                log.warning("round %d closed over the replicas with no member synced: it starts over", r.number)
+            self.round, self.closing = Round(r.number + 1), False
+            self.on_change()
+            return self._shas()
+
+    def _shas(self) -> dict:
+        return {"server": weights_sha256(self.base.segment.state_dict()),
+                "client": None if self.client_weights is None else weights_sha256(self.client_weights)}
+
+    def _position(self) -> tuple[int, int]:
+        with self.lock:
+            return self.version, self.round.number
+
+    def _flat_size(self, with_client: bool) -> int:
+        return size_of(self.base.segment.state_dict()) + (size_of(self._client_reference()) if with_client else 0)
+
+    def _state_flat(self) -> tuple[torch.Tensor, bool]:
+        """The shared weights as one flat float32 buffer (server side, then client side if any)."""
+        with self.lock:
+            ref = self.base.segment.state_dict()
+            server = flatten(ref, floating_keys(ref))
+            if self.client_weights is None:
+                return server, False
+            return torch.cat([server, flatten(self.client_weights, floating_keys(self.client_weights))]), True
+
+    def _adopt_state(self, version: int, number: int, flat: torch.Tensor, with_client: bool) -> dict:
+        """A replica behind the group takes the most advanced one's shared weights; its own
+        round (if any) is dropped: its members' syncs were in the round that replica closed."""
+        with self.lock:
+            ref = self.base.segment.state_dict()
+            n = size_of(ref)
+            self._load_server(unflatten(flat[:n], ref))
+            if with_client:
+                self.client_weights = unflatten(flat[n:], self._client_reference())
+                if self.clientside is not None:
+                    self.clientside.forget_initial()
+            if self.round.members:
+                log.warning("round %d's %d members here are dropped: the group is at round %d",
+                            self.round.number, len(self.round.members), number)
+            self.version, self.round, self.closing = version, Round(number), False
+            self.on_change()
+            return self._shas()
 
     def _aggregate_client(self, uploads: list[tuple[dict[str, torch.Tensor], int]]) -> Aggregate:
         """The strategy around the current shared client-side weights (first: the initial ones)."""
@@ -323,6 +462,8 @@ class Federation:
     def latest(self) -> tuple[int, dict[str, torch.Tensor]]:
         """The shared client-side weights and their version; 404 before the first sync."""
         with self.lock:
+            if self.group is not None:
+                self.group.check_ready()
             if self.client_weights is None:
                 raise NotFound("no client-side weights here: none synced yet, or a fed server holds them")
             return self.version, self.client_weights
@@ -351,4 +492,12 @@ class Federation:
                    **self.strategy.describe(), "last_round": self.last_round}
             if self.external and self.last_close is not None:
                 out["last_close"] = self.last_close
+            if self.group is not None:  # the round over every replica: global counts
+                out["replicas"] = self.group.describe()
+                try:
+                    out["members_count"], out["synced_count"] = self.group.counts(r.number)
+                    left = self.group.closes_in(r.number, self.round_timeout_s)
+                    out["round_closes_in_s"] = None if left is None else round(left, 3)
+                except Exception as e:  # noqa: BLE001 - the store unreachable: this replica's view
+                    log.warning("the SplitFed store did not answer: %s", e)
             return out

@@ -10,6 +10,10 @@ applied and the answer it got. For a request carrying step ``s`` of client ``c``
 anything else                           409 (:class:`~splitlearn.errors.Conflict`)
 =====================================  ====================================================
 
+An open-ended step (``micros=0``: gradient accumulation) is applied by ``POST
+/v1/train/apply``; its answer (metadata ``applied=1``, no tensors) is the step's stored answer,
+replayed to a retried apply (:meth:`replay_apply`), and every piece's answer is kept beside it.
+
 A U-shape step has two requests: the forward leaves a :class:`Pending` entry (the graph
 waiting for its backward), which a retried forward replays and the backward consumes.
 
@@ -29,6 +33,9 @@ import torch
 
 from ..errors import Conflict
 from ..wire import decode, encode
+
+
+APPLIED = "applied"  # metadata of an apply's answer (open-ended steps): "1"
 
 
 @dataclass
@@ -101,7 +108,17 @@ class StepLedger:
         rec = self.clients.get(client_id)
         if rec is None or step != rec.step or rec.answer is None:
             return None
+        if rec.answer.meta.get(APPLIED) == "1":  # an open-ended step: its pieces' own answers
+            return rec.pieces.get(micro)
         return rec.pieces.get(micro, rec.answer) if rec.pieces else rec.answer
+
+    def replay_apply(self, client_id: str, step: int) -> Optional[Answer]:
+        """The stored answer of ``POST /v1/train/apply`` if ``step`` was the client's last
+        applied step and an open-ended one (a retried apply), else None."""
+        rec = self.clients.get(client_id)
+        if rec is None or step != rec.step or rec.answer is None or rec.answer.meta.get(APPLIED) != "1":
+            return None
+        return rec.answer
 
     def replay_forward(self, client_id: str, step: int, micro: int = 0) -> Optional[Answer]:
         """U-shape: the forward answer of the client's last applied step, if ``step`` is it
@@ -143,12 +160,13 @@ class StepLedger:
 
     def applied(self, client_id: str, step: int, answer: Answer, pieces: Optional[dict[int, Answer]] = None,
                 forwards: Optional[dict[int, Answer]] = None) -> int:
-        """Record ``step`` of ``client_id`` as applied with ``answer`` (its last piece's), the
-        answers of all its pieces if it had several, and (U-shape) its forwards' answers;
-        returns the total of steps applied."""
+        """Record ``step`` of ``client_id`` as applied with ``answer`` (its last piece's, or the
+        apply's for an open-ended step), the answers of all its pieces if it had several (an
+        open-ended step: always), and its forwards' answers; returns the total of steps applied."""
         rec = self.record(client_id)
         rec.step, rec.answer, rec.pending = step, answer, None
-        rec.pieces = dict(pieces) if pieces and len(pieces) > 1 else {}
+        keep = pieces and (len(pieces) > 1 or answer.meta.get(APPLIED) == "1")
+        rec.pieces = dict(pieces) if keep else {}
         rec.forwards = dict(forwards or {})
         self.steps_applied += 1
         return self.steps_applied

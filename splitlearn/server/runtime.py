@@ -44,7 +44,7 @@ from .federation import Federation, Replica, federation_options
 from .lease import StepLease
 from .ledger import Answer, StepLedger
 from .training import Training
-from .sessions import Session, SessionStore
+from .sessions import CacheOps, Replay, Session, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,27 @@ def _extend_mask(past: Optional[torch.Tensor], new: Optional[torch.Tensor], rows
     if new is None:
         new = torch.ones(rows, new_len, dtype=torch.long)
     return torch.cat([past, new.long()], dim=1)
+
+
+def _answered(future: Future, sess: Session, began: list) -> Future:
+    """The answer of a queued decode step: a retry of the session's last numbered step
+    (:class:`~.sessions.Replay`) gets the stored answer; a step whose forward failed after it
+    began (``began``) leaves the session not busy (a retry of its number is refused: 409)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        err = f.exception()
+        if err is None:
+            out.set_result(f.result())
+        elif isinstance(err, Replay):
+            out.set_result(err.answer)
+        else:
+            if began:  # this step began, then its forward failed
+                sess.end(None, numbered=False)
+            out.set_exception(err)
+
+    future.add_done_callback(done)
+    return out
 
 
 class SegmentRuntime:
@@ -119,6 +140,10 @@ class SegmentRuntime:
             self.federation.restore(counters.get("federation", {}),
                                     read_extra(cfg.checkpoint_dir, "server", "federation"))
             log.info("resumed from %s: %d steps applied", cfg.checkpoint_dir, self.steps_applied)
+        if cfg.fed_store is not None:  # SplitFed rounds over replicas (splitlearn/server/collective.py)
+            from .collective import GroupSpec
+            self.federation.join_group(GroupSpec(cfg.fed_store, cfg.fed_rank, cfg.fed_world_size,
+                                                 cfg.fed_timeout_s), self.compute.run)
 
     def inference(self):
         """Context of a generation step's forward: the segment's linear layers on prepacked
@@ -198,14 +223,24 @@ class SegmentRuntime:
             self.claim(meta.client_id)
             return self.training.step(meta, hidden, labels, mask)
 
-    def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> Answer:
-        """U-shape: trunk output for ``hidden``; the graph waits for the backward (see :mod:`.lease`)."""
-        if not self.u_shape:
+    def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
+                      labels: Optional[torch.Tensor] = None) -> Answer:
+        """U-shape: trunk output for ``hidden``; the graph waits for the backward (see :mod:`.lease`).
+        2-way: only open-ended pieces (``micros=0``) with ``labels``: the loss (see :mod:`.training`)."""
+        if not self.u_shape and not (meta.open_ended and labels is not None):
             raise BadRequest(f"{P.TRAIN_FORWARD} is for U-shape servers; this one holds the top "
-                             f"(use {P.TRAIN_STEP})")
+                             f"(use {P.TRAIN_STEP}, or open-ended pieces (micros=0) with labels)")
+        if self.u_shape and labels is not None:
+            raise BadRequest(f"this server holds the trunk: the labels never leave the client")
         with self.lock, self._preemptible():
             self.claim(meta.client_id)
-            return self.training.forward(meta, hidden, mask)
+            return self.training.forward(meta, hidden, mask, labels)
+
+    def train_apply(self, key: str, req: P.ApplyRequest) -> Answer:
+        """Apply an open-ended step at the client's learning rate (see :meth:`.Training.apply`)."""
+        with self.lock:
+            self.claim(key)
+            return self.training.apply(key, req)
 
     def train_backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
         """U-shape: backpropagate ``grad`` of the trunk output; grad of input. Applied or
@@ -263,17 +298,18 @@ class SegmentRuntime:
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
-                labels: Optional[torch.Tensor], wire_dtype: str) -> Answer:
+                labels: Optional[torch.Tensor], wire_dtype: str, all_logits: bool = False) -> Answer:
         """No-grad forward for evaluation: trunk output, or (top) the last position's logits and,
         if labels are given, the loss, computed in chunks of positions (:mod:`splitlearn.headloss`):
-        the (B, T, V) logits never exist."""
+        the (B, T, V) logits never exist, unless ``all_logits`` asks for every position's (B, T, V)."""
         with self.lock:
             self.segment.eval()
             out = self.segment(self.to_model(hidden), mask, head=False)  # (B, T, d)
             if self.u_shape:
                 return Answer(pack(P.HIDDEN, out, wire_dtype))
             seg = self.segment
-            tensors = pack(P.LOGITS, seg.lm_head(seg.ln_f(out[:, -1, :])), wire_dtype)  # (B, V)
+            last = out if all_logits else out[:, -1, :]  # (B, T, d) or (B, d)
+            tensors = pack(P.LOGITS, seg.lm_head(seg.ln_f(last)), wire_dtype)  # (B, T, V) or (B, V)
             if labels is not None:
                 tensors[P.LOSS] = head_loss(seg, out, labels).float().reshape(1).cpu()
         return Answer(tensors)
@@ -284,11 +320,15 @@ class SegmentRuntime:
         return self.sessions.open(owner, rows)
 
     def session_step(self, sess: Session, position: int, hidden: torch.Tensor,
-                     mask: Optional[torch.Tensor], wire_dtype: str) -> Future:
+                     mask: Optional[torch.Tensor], wire_dtype: str, ops: CacheOps = CacheOps(),
+                     step: Optional[int] = None, logits: Optional[int] = None) -> Future:
         """Run the new positions through the segment with the session's cache.
 
         ``mask`` (rows, T) covers the new positions only; the session keeps the mask of the
-        earlier ones, so a decode step's request does not grow with the sequence. Decode
+        earlier ones, so a decode step's request does not grow with the sequence. ``ops``: the
+        cache operations to apply first (reorder rows, crop; :mod:`.sessions`), ``step``: the
+        step's number in its session (exactly once), ``logits``: a top answers the logits of the
+        last ``logits`` new positions (B, k, V) (0: all; None: the last, as (B, V)). Decode
         steps (T = 1) go through the :class:`DecodeBatcher`, batched with concurrent ones;
         queueing one is safe from any thread (everything that reads or changes the session
         or the model runs in the item's ``prepare``, on the compute thread). A prefill
@@ -296,19 +336,22 @@ class SegmentRuntime:
         :class:`Answer`: wait for it off the compute thread.
         """
         T = hidden.shape[1]
+        began = []  # [True] once this step has begun (its failure then ends the session's step)
 
         def prepare() -> Optional[torch.Tensor]:  # under the lock, right before computing
-            if position != sess.cache.length:
-                raise Conflict(f"session {sess.id!r} has seen {sess.cache.length} positions; "
-                               f"this step starts at {position}")
-            self.sessions.reserve(sess, T)
+            sess.begin(step, position, ops, T, self.sessions)  # Replay/409/400/429, or ops applied
+            began.append(True)
             sess.mask = _extend_mask(sess.mask, mask, sess.rows, position, T)  # (B, past + T)
             return None if sess.mask is None else sess.mask.to(self.device)
 
         def finish(out: torch.Tensor) -> Answer:  # (B, T, d|V) -> the answer
             if self.segment.has_head:
-                return Answer(pack(P.LOGITS, out[:, -1, :], wire_dtype))  # (B, V)
-            return Answer(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)
+                last = out[:, -1, :] if logits is None else (out[:, -logits:] if logits else out)
+                answer = Answer(pack(P.LOGITS, last, wire_dtype))  # (B, V) or (B, k, V)
+            else:
+                answer = Answer(pack(P.HIDDEN, out, wire_dtype))  # (B, T, d)
+            sess.end(answer, numbered=step is not None)
+            return answer
 
         def adapter():  # the session's LoRA adapter, None: the base model
             return self.adapters.adapter_for(sess.client_id, self.cfg.federation) if self.adapters else None
@@ -322,13 +365,21 @@ class SegmentRuntime:
                 return full
 
             item.prepare = prepare_decode
-            return self.batcher.enqueue(item)
-        with self.lock, torch.no_grad(), lora_scope(self.segment, adapter()), self.inference():
-            full = prepare()
-            self.segment.eval()
-            out = self.segment(self.to_model(hidden), full, sess.cache, logits_to_keep=1)  # (B, T, d) or (B, 1, V)
+            return _answered(self.batcher.enqueue(item), sess, began)
         done: Future = Future()
-        done.set_result(finish(out))
+        try:
+            with self.lock, torch.no_grad(), lora_scope(self.segment, adapter()), self.inference():
+                full = prepare()
+                self.segment.eval()
+                keep = 1 if logits is None else logits
+                out = self.segment(self.to_model(hidden), full, sess.cache, logits_to_keep=keep)  # (B, T, d) or (B, k, V)
+            done.set_result(finish(out))
+        except Replay as r:
+            done.set_result(r.answer)
+        except Exception:
+            if began:  # begun, then failed: the step's number is spent, its answer lost
+                sess.end(None, numbered=False)
+            raise
         return done
 
     def close_session(self, owner: str, session_id: str) -> None:

@@ -10,6 +10,20 @@ the pieces and applies one optimizer step when the last backward arrives::
              POST /v1/train/backward (micro i)  gradient of the trunk's input
              ... after the M-th backward: guards, optimizer step, the ledger records the step
 
+An **open-ended** step (``micros = 0``; gradient accumulation under a client's own optimizer,
+:mod:`splitlearn.hf`) has no count fixed in advance: each backward piece adds to the
+accumulated gradients and answers, in its metadata, ``grad_norm`` (the L2 norm of the
+server's accumulated parameter gradients so far), and nothing is applied until ``POST
+/v1/train/apply`` (:meth:`Training.apply`) names the step, how many backward pieces the client
+got answers for, the learning rate to step with (the client's current one) and an optional
+clip factor. On a 2-way server an open-ended forward carries the labels and answers the
+loss (the graph waits); its backward carries the scalar gradient of that loss (``grad`` F32
+``[1]``: what the client's autograd backpropagates into it) and answers ``dL/dhidden``::
+
+    U-shape: forward (piece k) -> hidden;  backward (piece k) -> grad + grad_norm
+    2-way:   forward (piece k, labels) -> loss;  backward (piece k, scalar) -> grad + grad_norm
+    POST /v1/train/apply {client_id, step, pieces, lr, clip} -> x clip, guards, lr, optimizer step
+
 Pieces may come in any order and be retried: each piece's answer is kept until the step is
 applied (and in the ledger after), so a retry gets the same bytes. On the shared segment a
 multi-request step holds the :class:`~.lease.StepLease` from its first piece to its last, so no
@@ -32,7 +46,7 @@ from ..headloss import head_loss
 from ..wire import pack
 from . import guard
 from .federation import Replica
-from .ledger import Answer, Pending
+from .ledger import APPLIED, Answer, Pending
 from .tenants import SEP, tenant_of
 
 log = logging.getLogger(__name__)
@@ -67,6 +81,8 @@ class Training:
             if st.micros != meta.micros:
                 raise BadRequest(f"step {meta.step} was started in {st.micros} micro-batches, "
                                  f"this piece says {meta.micros}")
+            if st.micros == 0:  # open-ended: alive while its pieces keep coming
+                pend.since = time.monotonic()
             return st
         rt.ledger.expect_next(meta.client_id, meta.step)
         self._admit(meta.client_id)
@@ -105,6 +121,15 @@ class Training:
             self.rt.lease.release(meta.client_id)
 
     def _piece_done(self, meta: P.StepMeta, st: StepInFlight, answer: Answer) -> Answer:
+        if st.micros == 0:  # open-ended: accumulate; the client learns the norm so far (global clip)
+            try:
+                norm = guard.grad_norm(p for p in st.rep.segment.parameters() if p.grad is not None)
+            except Exception:
+                self.abort(meta, st)
+                raise
+            answer.meta["grad_norm"] = repr(norm)
+            st.answers[meta.micro] = answer
+            return answer
         st.answers[meta.micro] = answer
         if len(st.answers) < st.micros:
             return answer
@@ -155,8 +180,10 @@ class Training:
         st.rows[meta.micro] = h.shape[0]
         return self._piece_done(meta, st, answer)
 
-    def forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor]) -> Answer:
-        """U-shape: trunk output for ``hidden``; the graph waits for the backward."""
+    def forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
+                labels: Optional[torch.Tensor] = None) -> Answer:
+        """U-shape: trunk output for ``hidden``; the graph waits for the backward. 2-way,
+        open-ended (``labels`` given): the top's loss; the graph waits for its scalar gradient."""
         rt = self.rt
         pend = rt.ledger.pending(meta.client_id, meta.step)
         if pend is not None and meta.micro in pend.state.forwards:
@@ -166,16 +193,28 @@ class Training:
             if replay is not None:  # the step is applied; its backward will be replayed too
                 return replay
         st = self._in_flight(meta)
+        waiting = sum(1 for f in st.forwards.values() if f[0] is not None)
+        if waiting >= P.MAX_MICROS:  # graphs kept at once: a bound on the step's memory
+            raise TooManyRequests(f"step {meta.step} already has {waiting} forwards waiting for their "
+                                  f"backward (at most {P.MAX_MICROS}): send their backwards first",
+                                  retry_after=1.0)
         try:
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
-            out = st.rep.segment(h, mask)  # (B, T, d)
-            guard.finite("the trunk's output for these activations", out)
+            if labels is not None:  # 2-way, open-ended: the loss (chunked head), graph kept
+                out = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels)  # ()
+                guard.finite("loss", out)
+            else:
+                out = st.rep.segment(h, mask)  # (B, T, d)
+                guard.finite("the trunk's output for these activations", out)
         except Exception:
             if not st.forwards:  # nothing else of this step exists yet
                 self.abort(meta, st)
             raise
-        answer = Answer(pack(P.HIDDEN, out, meta.wire_dtype), meta.to_meta())
+        if labels is not None:
+            answer = Answer({P.LOSS: out.detach().float().reshape(1).cpu()}, meta.to_meta())
+        else:
+            answer = Answer(pack(P.HIDDEN, out, meta.wire_dtype), meta.to_meta())
         st.forwards[meta.micro] = (h, out, answer)
         st.rows[meta.micro] = h.shape[0]
         return answer
@@ -194,10 +233,14 @@ class Training:
         st = pend.state
         if meta.micro in st.answers:
             return st.answers[meta.micro]
-        inputs, outputs, fwd = st.forwards[meta.micro]  # (B, T, d) each
+        inputs, outputs, fwd = st.forwards[meta.micro]  # (B, T, d) each; 2-way open-ended: outputs = loss ()
+        if outputs is None:  # an open-ended piece whose backward was answered, then the answer lost
+            raise Conflict(f"piece {meta.micro} of step {meta.step} has had its backward")
+        if outputs.ndim == 0 and grad.numel() == 1:
+            grad = grad.reshape(())  # the scalar gradient of a 2-way loss
         if grad.shape != outputs.shape:
             raise BadRequest(f"grad has shape {list(grad.shape)}, the forward of step "
-                             f"{meta.step} produced {list(outputs.shape)}")
+                             f"{meta.step} produced {list(outputs.shape) or [1]}")
         try:
             outputs.backward(rt.to_model(grad))
             guard.finite("the gradient sent back to the client", inputs.grad)
@@ -207,3 +250,60 @@ class Training:
         answer = Answer(pack(P.GRAD, inputs.grad, meta.wire_dtype), meta.to_meta())
         st.forwards[meta.micro] = (None, None, fwd)  # the graph is spent; keep the answer
         return self._piece_done(meta, st, answer)
+
+    def apply(self, key: str, req: P.ApplyRequest) -> Answer:
+        """``POST /v1/train/apply``: the optimizer step of open-ended step ``req.step`` of client
+        ``key``, at ``req.lr``, on its accumulated gradients times ``req.clip``; exactly once (a
+        retry gets the stored answer). ``req.discard``: drop the step (gradients, graphs, lease)
+        and apply nothing; the step number stays free. 409 when no such step is pending or the
+        server holds another number of backward pieces than the client counted (nothing changes)."""
+        rt = self.rt
+        done = rt.ledger.replay_apply(key, req.step)
+        if done is not None:
+            return done
+        pend = rt.ledger.pending(key, req.step)
+        meta = P.StepMeta(key, req.step, micros=0)
+        if pend is not None and pend.state.micros != 0:
+            raise Conflict(f"step {req.step} was started in {pend.state.micros} micro-batches: it is "
+                           f"applied by its last backward, not by {P.TRAIN_APPLY}")
+        if req.discard:
+            if pend is not None:
+                self.abort(meta, pend.state)
+            return Answer({}, {"client_id": req.client_id, "step": str(req.step), "discarded": "1"})
+        if pend is None:
+            raise Conflict(f"no open-ended step {req.step} is pending for client {req.client_id!r} "
+                           f"(the server has applied step {rt.ledger.last_step(key)}; a step is opened "
+                           f"by its first forward with micros=0, and dropped after "
+                           f"{rt.cfg.lease_timeout_s:g}s without a piece)")
+        st = pend.state
+        if len(st.answers) != req.pieces:
+            raise Conflict(f"step {req.step} has {len(st.answers)} backward pieces on the server, the "
+                           f"apply counts {req.pieces}: nothing was applied")
+        opt = st.rep.optimizer
+        try:
+            params = [p for p in st.rep.segment.parameters() if p.grad is not None]
+            if req.clip < 1.0 and params:
+                torch._foreach_mul_([p.grad for p in params], req.clip)
+            norm = guard.grad_norm(params)
+            if rt.cfg.max_grad_norm is not None and norm > rt.cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, rt.cfg.max_grad_norm)
+            saved = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = req.lr
+            try:
+                opt.step()
+            finally:
+                for g, lr in zip(opt.param_groups, saved):
+                    g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+        except Exception:
+            self.abort(meta, st)
+            raise
+        if st.leased:
+            rt.lease.release(key)
+        answer = Answer({}, {"client_id": req.client_id, "step": str(req.step), APPLIED: "1",
+                             "pieces": str(req.pieces), "lr": repr(req.lr), "grad_norm": repr(norm)})
+        forwards = {i: f[2] for i, f in st.forwards.items()}
+        rt.federation.trained(key, sum(st.rows.values()))
+        rt.applied(meta, answer, st.answers, forwards)
+        return answer

@@ -34,8 +34,9 @@ def hidden(tensors: dict, name: str, d: int, max_batch: int, max_len: int,
 
 
 def attention_mask(tensors: dict, name: str, rows: int, length: int,
-                   max_len: int) -> Optional[torch.Tensor]:
-    """Optional 0/1 mask (rows, length) of integer or bool dtype."""
+                   max_len: int, left_padded: bool = True) -> Optional[torch.Tensor]:
+    """Optional 0/1 mask (rows, length) of integer or bool dtype; padded on the left only
+    unless ``left_padded`` is False (open-ended training pieces: any padding)."""
     m = tensors.get(name)
     if m is None:
         return None
@@ -47,10 +48,22 @@ def attention_mask(tensors: dict, name: str, rows: int, length: int,
         raise BadRequest(f"sequence of {length} positions is longer than n_positions={max_len}")
     if not bool(((m == 0) | (m == 1)).all()):
         raise BadRequest(f"tensor {name!r} must hold only 0 and 1")
-    if not bool(m[:, -1].bool().all()):
+    if left_padded and not bool(m[:, -1].bool().all()):
         raise BadRequest(f"tensor {name!r}: the last position of every row must be a real token "
                          f"(pad on the left)")
     return m.long()
+
+
+def scalar(tensors: dict, name: str) -> torch.Tensor:
+    """One finite float32 value, shape [1] (the gradient of a 2-way piece's loss)."""
+    x = tensors.get(name)
+    if x is None:
+        raise BadRequest(f"the body has no tensor {name!r}")
+    if x.dtype != torch.float32 or list(x.shape) != [1]:
+        raise BadRequest(f"tensor {name!r} must be F32 of shape [1], got {x.dtype} {list(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        raise BadRequest(f"tensor {name!r} contains NaN or inf")
+    return x
 
 
 def labels(tensors: dict, name: str, rows: int, length: int, vocab: int) -> torch.Tensor:

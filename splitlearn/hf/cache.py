@@ -1,0 +1,345 @@
+"""``RemoteCache``: a ``transformers.Cache`` whose server-side layers live in a generation session.
+
+``transformers``' ``generate()`` drives a model's KV cache through the :class:`~transformers.Cache`
+API: it reads lengths (``get_seq_length``, ``get_mask_sizes``), reorders rows for beam search
+(``reorder_cache``), repeats or selects rows (``batch_repeat_interleave``,
+``batch_select_indices``) and drops rejected draft positions in assisted decoding (``crop``).
+A split model's cache has two halves::
+
+    RemoteCache
+    +-- local: DynamicCache, one slot per model layer; the client's blocks (bottom, and the
+    |          top in the U-shape) fill theirs under their global layer_idx, as in Hugging Face
+    +-- one server session (POST /v1/sessions, opened by the first remote() with its rows):
+               the server's blocks [start, end) keep their keys and values there
+
+Every operation applies to ``local`` at once and is recorded for the server; the recorded
+operations travel with the next :meth:`RemoteCache.remote` step (docs/PROTOCOL.md, "Cache
+operations") and cost no round trip of their own::
+
+    POST /v1/sessions/<sid>/step    safetensors:
+        hidden          (B, T, d)  new positions' activations (the bottom's output), wire dtype
+        attention_mask  I64 (B, T) their mask columns (absent: no padding)
+        reorder         I64 (B,)   rows of the server's cache to keep, in order (absent: as they are)
+    metadata: position (= the length after the crop), step (1, 2, 3... per session), crop (absent:
+              nothing dropped), wire_dtype, logits (2-way: how many positions' logits)
+    answer: hidden (B, T, d) (U-shape) or logits (B, k, V) of the last k new positions (2-way)
+
+Any sequence of reorders, selections, repeats and crops between two steps folds into one
+index (the composition of the row maps) and one length (crops only shorten; rows and positions
+commute). Steps are numbered, so a transport retry of a step the server applied gets its stored
+answer and never applies a reorder twice. If the server loses the session (expiry, restart, a
+replica that died), the next step opens a new one and replays the activations sent so far (kept
+on the client, reordered and cropped with the cache) once, as :mod:`splitlearn.client.generation`
+does; ``replay=False`` keeps no history and raises instead.
+
+Lengths. ``get_seq_length(i)`` and ``get_mask_sizes(q, i)`` answer, for a client layer ``i``,
+what its own ``DynamicLayer`` holds (Hugging Face's semantics: a layer not yet filled in this
+forward holds the past), and for a server layer the session's length, which grows when
+:meth:`RemoteCache.remote` returns. So a model builds its masks at the start of a forward (as
+``GPT2Model`` does, at layer 0) or per segment at the segment's first layer, and either is right.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Optional
+
+import torch
+from transformers import Cache, DynamicCache, PretrainedConfig
+
+from .. import protocol as P
+from ..errors import NotFound
+from ..wire import check_wire_dtype, pack, unpack
+
+log = logging.getLogger(__name__)
+
+
+def _delete_session(transport, session_id: str) -> None:
+    """Close a server session (a finalizer: holds no reference to the cache)."""
+    try:
+        transport.delete(P.SESSION.format(session_id=session_id))
+    except Exception:  # gone already (expired, restarted): nothing to free
+        pass
+
+
+class RemoteCache(Cache):
+    """The KV cache of a split GPT-2: client layers here, server layers in one server session.
+
+    config: the whole model's config (``n_layer`` slots). transport: a
+    :class:`splitlearn.client.transport.Transport` to the server. server_blocks: the blocks the
+    server holds, ``[start, end)`` (``/v1/info``'s ``segment.blocks``); server_kind: ``"trunk"``
+    (U-shape: the server answers hidden states) or ``"top"`` (2-way: logits). wire_dtype: of the
+    activations sent and the answers. client_id: LoRA servers use this client's adapter. lane: the
+    transport lane of the steps. replay: keep the activations sent so a lost session is rebuilt.
+    """
+
+    def __init__(self, config: PretrainedConfig, transport, *, server_blocks: tuple[int, int],
+                 server_kind: str = "trunk", wire_dtype: str = "float32",
+                 client_id: Optional[str] = None, lane: int = 0, replay: bool = True):
+        if server_kind not in ("trunk", "top"):
+            raise ValueError(f"server_kind must be 'trunk' or 'top', got {server_kind!r}")
+        start, end = server_blocks
+        if not 0 <= start <= end <= config.n_layer:
+            raise ValueError(f"server_blocks {server_blocks} do not fit a model of {config.n_layer} layers")
+        self.local = DynamicCache(config=config)
+        super().__init__(layers=self.local.layers)  # one list: the client's blocks update it through either
+        self.config = config
+        self.transport = transport
+        self.server_blocks = (start, end)
+        self.u_shape = server_kind == "trunk"
+        self.wire_dtype = check_wire_dtype(wire_dtype)
+        self.client_id = client_id
+        self.lane = lane
+        self.replay = replay
+        self.session_id: Optional[str] = None
+        self._finalizer: Optional[weakref.finalize] = None
+        self._length = 0  # positions of the server's layers, after the operations pending
+        self._rows: Optional[int] = None  # rows after the operations pending (None: none seen yet)
+        self._server_rows = 0  # what the server's session holds now
+        self._server_length = 0
+        self._step = 0  # steps the session took
+        self._index: Optional[torch.Tensor] = None  # pending row map, indices into the server's rows
+        self._history: list[torch.Tensor] = []  # what was sent, (server rows, server length, d) in pieces
+
+    @classmethod
+    def from_info(cls, config: PretrainedConfig, transport, info: dict, **kwargs) -> "RemoteCache":
+        """A cache for the server whose ``GET /v1/info`` answered ``info`` (its segment's blocks
+        and kind); ``kwargs`` as for the constructor."""
+        seg = info["segment"]
+        return cls(config, transport, server_blocks=tuple(seg["blocks"]), server_kind=seg["kind"], **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"RemoteCache(length={self._length}, rows={self._rows}, session={self.session_id!r}, "
+                f"server_blocks={self.server_blocks})")
+
+    # -- lengths ------------------------------------------------------------------------
+
+    def _server_layer(self, layer_idx: int) -> bool:
+        return self.server_blocks[0] <= layer_idx < self.server_blocks[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions cached for ``layer_idx``: the client layer's own, or the session's."""
+        if self._server_layer(layer_idx) or layer_idx >= len(self.layers):
+            return self._length
+        return self.layers[layer_idx].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if self._server_layer(layer_idx) or layer_idx >= len(self.layers):
+            return self._length + query_length, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1  # grows up to the model's n_positions
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # a network call sits in the middle of the forward
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def rows(self) -> Optional[int]:
+        """Rows of the cache (after pending operations); None before the first step."""
+        return self._rows
+
+    # -- the server's layers --------------------------------------------------------------
+
+    def remote(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+               logits_to_keep: int = 1) -> torch.Tensor:
+        """Run the server's blocks on the new positions ``hidden`` (B, T, d), with the pending
+        cache operations applied first, in one round trip.
+
+        attention_mask: (B, past + T) 0/1 of the whole sequence so far (None: no padding); only
+        its last T columns travel (the server keeps the rest). logits_to_keep (2-way): the server
+        answers the logits of the last k new positions, (B, k, V) (0: all T), as Hugging Face's
+        ``logits_to_keep`` (pass the forward's own: ``generate`` sets 1, assisted decoding the
+        draft length + 1); a trunk answers every position, so a U-shape ignores it (the client's
+        top applies it). Returns the server's answer in ``hidden``'s dtype and device: U-shape
+        the trunk's output (B, T, d), 2-way logits (B, k, V).
+        """
+        if hidden.ndim != 3:
+            raise ValueError(f"hidden must be (B, T, d), got {list(hidden.shape)}")
+        B, T, _ = hidden.shape
+        past = self._length
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
+            raise ValueError(f"attention_mask must be (B, past + T) = {(B, past + T)}, got "
+                             f"{list(attention_mask.shape)} (the cache holds {past} positions)")
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0: all positions), got {logits_to_keep!r}")
+        keep = None if self.u_shape else logits_to_keep
+        if self.session_id is None:
+            self._open(B)
+        index = self._pending_index(B)
+        crop = past if past < self._server_length else None
+        meta = P.SessionStepMeta(past, self.wire_dtype, step=self._step + 1, crop=crop, logits=keep).to_meta()
+        tensors = pack(P.HIDDEN, hidden, self.wire_dtype)
+        if attention_mask is not None:
+            tensors[P.MASK] = attention_mask[:, past:].long().cpu()  # (B, T)
+        if index is not None:
+            tensors[P.REORDER] = index
+        path = P.SESSION_STEP.format(session_id=self.session_id)
+        try:
+            out = self.transport.finish_call(self.transport.start_call(path, tensors, meta, self.lane))
+        except NotFound:
+            if not self.replay:
+                raise
+            out = self._replay(hidden, attention_mask, index, past, keep)
+        else:
+            self._record(hidden, index, past)
+        self._step += 1
+        self._server_rows, self._server_length = B, past + T
+        self._index, self._rows, self._length = None, B, past + T
+        name = P.HIDDEN if self.u_shape else P.LOGITS
+        return unpack(out, name).to(device=hidden.device, dtype=hidden.dtype)
+
+    def _open(self, rows: int) -> None:
+        body = {"rows": rows, **({"client_id": self.client_id} if self.client_id else {})}
+        self.session_id = self.transport.post_json(P.SESSIONS, body)["session_id"]
+        self._finalizer = weakref.finalize(self, _delete_session, self.transport, self.session_id)
+        self._finalizer.atexit = False  # at exit the server's TTL frees it; no network then
+        self._server_rows, self._server_length, self._step = rows, 0, 0
+        if self._length == 0:  # a new cache (or a lost one, replayed): no row map applies
+            self._index = None
+
+    def _pending_index(self, B: int) -> Optional[torch.Tensor]:
+        """The row map to send with a step of ``B`` rows (None: the rows as they are)."""
+        index = self._index
+        if index is None and B != self._server_rows:
+            if self._length > 0:
+                raise ValueError(f"the cache holds {self._rows} rows; this step has {B}")
+            index = torch.zeros(B, dtype=torch.long)  # nothing kept: any rows will do
+        if index is not None:
+            if index.numel() != B:
+                raise ValueError(f"the cache holds {index.numel()} rows; this step has {B}")
+            if index.numel() == self._server_rows and torch.equal(index, torch.arange(B)):
+                return None  # the identity: nothing to send
+        return index
+
+    def _record(self, hidden: torch.Tensor, index: Optional[torch.Tensor], past: int) -> None:
+        """Keep what was sent, aligned with the server's cache (for a replay)."""
+        if not self.replay:
+            return
+        if self._history and (index is not None or past < self._server_length):
+            kept = torch.cat(self._history, dim=1)  # (server rows, server length, d)
+            if index is not None:
+                kept = kept.index_select(0, index.to(kept.device))
+            kept = kept[:, :past]  # (B, past, d)
+            self._history = [kept] if past else []
+        self._history.append(hidden.detach())
+
+    def _replay(self, hidden: torch.Tensor, mask: Optional[torch.Tensor], index: Optional[torch.Tensor],
+                past: int, logits_to_keep: Optional[int]) -> dict:
+        """The session is gone: open a new one and send everything kept, then the new positions."""
+        self._record(hidden, index, past)
+        whole = torch.cat(self._history, dim=1)  # (B, past + T, d)
+        T = hidden.shape[1]
+        log.warning("generation session %s lost; replaying %d positions", self.session_id, whole.shape[1])
+        self.session_id, self._length = None, 0
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        try:
+            self._open(whole.shape[0])
+            self._history = [whole]
+            keep = None if logits_to_keep is None else min(logits_to_keep or T, T)
+            meta = P.SessionStepMeta(0, self.wire_dtype, step=1, logits=keep).to_meta()
+            tensors = pack(P.HIDDEN, whole, self.wire_dtype)
+            if mask is not None:
+                tensors[P.MASK] = mask.long().cpu()
+            out = self.transport.call(P.SESSION_STEP.format(session_id=self.session_id), tensors, meta)
+        finally:
+            self._length = past
+        if self.u_shape:
+            out = dict(out)
+            out[P.HIDDEN] = unpack(out, P.HIDDEN)[:, -T:]  # the new positions' only
+            out.pop(P.HIDDEN + ".scale", None)
+        return out
+
+    # -- cache operations (transformers' API) ---------------------------------------------
+
+    def _map_rows(self, index: torch.Tensor) -> None:
+        """Record the row map ``index`` (into the current rows) for the server."""
+        if self._rows is None:  # nothing sent yet: the first step opens the session with its rows
+            return
+        if self._server_length == 0 and self._length == 0:
+            self._rows = int(index.numel())
+            self._index = None
+            return
+        base = self._index if self._index is not None else torch.arange(self._server_rows)
+        self._index = base.index_select(0, index)
+        self._rows = int(index.numel())
+
+    def _check_index(self, index: torch.Tensor, what: str) -> torch.Tensor:
+        index = torch.as_tensor(index)
+        if index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        index = index.detach().to("cpu", torch.long).flatten()
+        if index.numel() == 0:
+            raise ValueError(f"{what}: at least one row must stay")
+        if self._rows is not None and bool(((index < 0) | (index >= self._rows)).any()):
+            raise ValueError(f"{what}: indices must be in [0, {self._rows}), got {index.tolist()}")
+        return index
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` of the cache becomes row ``beam_idx[i]`` of the old one."""
+        index = self._check_index(beam_idx, "reorder_cache")
+        super().reorder_cache(index)  # the client's layers (index_select of the filled ones)
+        self._map_rows(index)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices`` (int64, or a bool mask), in that order."""
+        index = self._check_index(indices, "batch_select_indices")
+        super().batch_select_indices(index)
+        self._map_rows(index)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in a row (``num_return_sequences``, beams from one prompt)."""
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"batch_repeat_interleave: repeats must be a positive int, got {repeats!r}")
+        super().batch_repeat_interleave(repeats)
+        if self._rows is not None:
+            self._map_rows(torch.arange(self._rows).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop positions: ``crop(-k)`` removes the last k (transformers 5), ``crop(0)`` none;
+        ``crop(n)`` with n > 0 keeps the first n (transformers 4's ``max_length``; none if the
+        cache holds n or fewer). The server drops them with the next step."""
+        n = int(tokens_to_remove)
+        length = self._length
+        remove = -n if n <= 0 else max(length - n, 0)
+        if remove > length:
+            raise ValueError(f"crop({n}): the cache holds {length} positions")
+        if remove == 0:
+            return
+        super().crop(-remove)  # the client's layers
+        self._length = length - remove
+
+    def reset(self) -> None:
+        """Empty the cache: the server's session is closed, the client's layers dropped."""
+        self.close()
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Delete the server's session (also done when the cache is garbage-collected) and empty
+        the cache; a later :meth:`remote` opens a new session."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs once
+            self._finalizer = None
+        self.session_id = None
+        self._server_rows = self._server_length = self._step = 0
+        self._history = []
+        self._index = None
+        self._length = 0
+        self._rows = None
+        super().reset()
+
+    def __enter__(self) -> "RemoteCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

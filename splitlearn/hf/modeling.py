@@ -1,0 +1,426 @@
+"""A split GPT-2 that is a ``transformers`` model: ``SplitGPT2LMHeadModel``,
+``SplitGPT2ForSequenceClassification``, ``SplitGPT2Model`` and :func:`split_model`.
+
+The client keeps Hugging Face's own modules for what it holds (``wte``, ``wpe``, its
+``GPT2Block``\\ s with their global ``layer_idx``, ``ln_f``, the heads); the blocks the server
+holds are replaced by one :class:`~splitlearn.hf.remote.RemoteSegment` (``transformer.remote``)
+and parameterless :class:`ServerBlock` placeholders in ``transformer.h`` (so every client
+parameter keeps its Hugging Face name: ``transformer.h.3.attn.c_attn.weight``; peft's
+``target_modules`` and ``state_dict`` loading work unchanged)::
+
+    U-shape (cuts c1 < c2):  wte + wpe -> h[0:c1] -> remote.trunk (server h[c1:c2]) -> h[c2:n] -> ln_f -> head
+    2-way (cut c):           wte + wpe -> h[0:c]  -> remote.loss (server h[c:n] + ln_f + lm_head + loss)
+
+A U-shape server holds only the trunk, so any head works (the labels never leave the
+client); a 2-way server holds ``ln_f`` and the LM head, so only :class:`SplitGPT2LMHeadModel`
+works there: training needs ``labels`` (the server computes the loss and answers only it:
+``logits`` is None), evaluation under ``torch.no_grad()`` answers every position's logits. In
+2-way the server's LM head is its own copy of ``wte`` (untied), as with ``SplitClient``.
+
+Positions, masks and losses are computed by the same code as ``GPT2Model`` (``position_ids``
+default to ``arange`` past the cache, ``create_causal_mask``, ``self.loss_function``), so a
+split forward equals the unsplit one (float32 wire).
+
+**Generation hook** (``splitlearn/hf/cache.py``): when ``past_key_values`` has a
+``remote(hidden, attention_mask_2d)`` method and a ``local`` attribute (a ``DynamicCache`` with
+a slot for every model layer), the client blocks read and extend ``local`` under their global
+``layer_idx`` and the server's part is ``past_key_values.remote(hidden, mask)`` instead of the
+training ``Function``: U-shape, ``hidden`` (B, T_new, d) -> trunk output (B, T_new, d); 2-way,
+the bottom's output -> the logits the server answers (B, k, V). ``mask`` is the 2-D mask of
+the whole sequence so far (B, past + T_new), or None. ``past_key_values.get_seq_length()``
+gives the positions already seen.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedModel
+
+from ..errors import ConfigError
+from ..loading import _LOAD_LOCK, is_spec_source, load_model
+from ..partition import validate_cuts
+from .remote import RemoteConfig, RemoteSegment
+
+CUTS_KEY = "splitlearn_cuts"  # the config attribute naming the server's cuts
+
+
+class ServerBlock(nn.Module):
+    """Where block ``layer_idx`` would be: it is on the server (no parameters)."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}: on the server"
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"block {self.layer_idx} is on the server: it runs through transformer.remote")
+
+
+def _cuts(config: GPT2Config) -> tuple[int, ...]:
+    cuts = getattr(config, CUTS_KEY, None)
+    if cuts is None:
+        raise ConfigError(f"a split model's config needs {CUTS_KEY!r} (the server's cuts): build it with "
+                          f"from_pretrained(..., server=URL) or splitlearn.split_model(model, server=URL)")
+    return validate_cuts(tuple(int(c) for c in cuts), config.n_layer)
+
+
+class SplitGPT2Model(GPT2PreTrainedModel):
+    """``GPT2Model`` with the server's blocks behind ``self.remote`` (see the module docstring).
+
+    In the U-shape its output is ``ln_f`` of the last block, as ``GPT2Model``'s; in 2-way it is
+    the bottom's output (what crosses the cut), for :class:`SplitGPT2LMHeadModel`.
+    """
+
+    def __init__(self, config: GPT2Config, remote: Optional[RemoteSegment] = None):
+        super().__init__(config)
+        self.cuts = _cuts(config)
+        self.u_shape = len(self.cuts) == 2
+        n = config.n_layer
+        server = range(self.cuts[0], self.cuts[1] if self.u_shape else n)
+        self.embed_dim = config.hidden_size
+        self.wte = nn.Embedding(config.vocab_size, self.embed_dim)
+        self.wpe = nn.Embedding(config.max_position_embeddings, self.embed_dim)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([ServerBlock(i) if i in server else GPT2Block(config, layer_idx=i)
+                                for i in range(n)])
+        self.ln_f = nn.LayerNorm(self.embed_dim, eps=config.layer_norm_epsilon) if self.u_shape else None
+        self.gradient_checkpointing = False
+        self.post_init()
+        self.remote = remote
+
+    @classmethod
+    def from_pretrained(cls, source, *model_args, server: Optional[str] = None, token: Optional[str] = None,
+                        client_id: Optional[str] = None, wire_dtype: str = "float32", seed: int = 0,
+                        timeout_s: float = 300.0, retries: int = 6, **kwargs):
+        """The trunk alone (``GPT2Model``'s output, U-shape servers): see :meth:`SplitMixin.from_pretrained`."""
+        return _from_pretrained(GPT2Model, source, server, token, client_id, wire_dtype, seed,
+                                timeout_s, retries, **kwargs)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.remote.attach_optimizer(optimizer)
+        return optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if self.remote is not None:
+            self.remote.discard_pending()
+
+    @property
+    def client_blocks(self) -> list[tuple[int, int]]:
+        """The client's block ranges: ``[(0, c1), (c2, n)]`` (U-shape) or ``[(0, c)]``."""
+        n = self.config.n_layer
+        return [(0, self.cuts[0]), (self.cuts[1], n)] if self.u_shape else [(0, self.cuts[0])]
+
+    def get_input_embeddings(self):
+        return self.wte
+
+    def set_input_embeddings(self, new_embeddings):
+        self.wte = new_embeddings
+
+    def _run_blocks(self, start: int, end: int, hidden, attention_mask, cache, position_ids, embeds):
+        if start == end:
+            return hidden
+        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                                  past_key_values=cache, position_ids=position_ids, layer_idx=start)
+        for i in range(start, end):
+            hidden = self.h[i](hidden, cache, mask, None, use_cache=cache is not None, position_ids=position_ids)
+        return hidden
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+                attention_mask: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.LongTensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                use_cache: Optional[bool] = None, return_dict: Optional[bool] = None,
+                **kwargs) -> BaseModelOutputWithPastAndCrossAttentions:
+        """As ``GPT2Model.forward``; the server's blocks run remotely (see the module docstring).
+        ``past_key_values``: None, or a remote cache (``.remote``, ``.local``; the generation hook)."""
+        if self.remote is None:
+            raise ConfigError("this split model is not connected to a server (from_pretrained(..., server=URL))")
+        if input_ids is not None and inputs_embeds is not None:
+            raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
+        if input_ids is not None:
+            self.warn_if_padding_and_no_attention_mask(input_ids, attention_mask)
+            input_shape = input_ids.size()
+            input_ids = input_ids.view(-1, input_shape[-1])
+            batch_size = input_ids.shape[0]
+        elif inputs_embeds is not None:
+            input_shape = inputs_embeds.size()[:-1]
+            batch_size = inputs_embeds.shape[0]
+        else:
+            raise ValueError("You have to specify either input_ids or inputs_embeds")
+        remote_cache = past_key_values if hasattr(past_key_values, "remote") else None
+        if past_key_values is not None and remote_cache is None:
+            raise ConfigError("a split model's past_key_values must be its remote cache (with .remote and "
+                              ".local), not a plain transformers Cache: the server keeps its blocks' KV")
+        local = remote_cache.local if remote_cache is not None else None
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids.view(-1, input_shape[-1])
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        if position_ids is None:
+            past_seen = remote_cache.get_seq_length() if remote_cache is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
+            position_ids = position_ids.unsqueeze(0)
+        hidden = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
+        if attention_mask is not None:
+            if attention_mask.ndim == 4:
+                raise ConfigError("a split model takes a 2-D attention_mask (the server builds its own causal mask)")
+            attention_mask = attention_mask.view(batch_size, -1)
+        if token_type_ids is not None:
+            hidden = hidden + self.wte(token_type_ids)
+        hidden = self.drop(hidden)
+        output_shape = (-1,) + tuple(input_shape[1:]) + (hidden.size(-1),)
+        (a, b) = self.client_blocks[0]
+        hidden = self._run_blocks(a, b, hidden, attention_mask, local, position_ids, inputs_embeds)
+        if self.u_shape:
+            if remote_cache is not None:
+                hidden = remote_cache.remote(hidden, attention_mask)  # generation: the server's KV cache
+            else:
+                hidden = self.remote.trunk(hidden, attention_mask)  # autograd over the wire
+            (a, b) = self.client_blocks[1]
+            hidden = self._run_blocks(a, b, hidden, attention_mask, local, position_ids, inputs_embeds)
+            hidden = self.ln_f(hidden)
+            hidden = hidden.view(output_shape)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden,
+                                                         past_key_values=remote_cache if use_cache or
+                                                         remote_cache is not None else None)
+
+
+class SplitMixin:
+    """What every split head model has: the remote segment, the optimizer hook, ``zero_grad``."""
+
+    @property
+    def remote(self) -> RemoteSegment:
+        return self.transformer.remote
+
+    @property
+    def client_id(self) -> str:
+        return self.remote.client_id
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Let only ``optimizer`` apply the server's steps (by default any optimizer over this
+        model's parameters does); returns it."""
+        self.remote.attach_optimizer(optimizer)
+        return optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Both sides: this model's gradients, and the server's pending ones (discarded there)."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self.transformer.remote is not None:
+            self.transformer.remote.discard_pending()
+
+    # -- construction --------------------------------------------------------------------
+
+    HF_CLASS: type = GPT2Model
+
+    @classmethod
+    def from_pretrained(cls, source, *model_args, server: Optional[str] = None, token: Optional[str] = None,
+                        client_id: Optional[str] = None, wire_dtype: str = "float32", seed: int = 0,
+                        timeout_s: float = 300.0, retries: int = 6, **kwargs):
+        """Build the split model for ``source`` (the sources of :func:`splitlearn.load_model`: a
+        spec name, a directory, a config JSON, a hub id, a model) against the server at ``server``,
+        whose cuts are read from its ``/v1/info``. Other keyword arguments go to the head's config
+        (``num_labels=3``, ``pad_token_id=...``). Only the client's weights are kept; eval mode,
+        as ``from_pretrained`` leaves any model."""
+        return _from_pretrained(cls.HF_CLASS, source, server, token, client_id, wire_dtype, seed,
+                                timeout_s, retries, **kwargs)
+
+
+class SplitGPT2LMHeadModel(SplitMixin, GPT2LMHeadModel):
+    """``GPT2LMHeadModel`` split across this process and a splitlearn server (either shape)."""
+
+    HF_CLASS = GPT2LMHeadModel
+
+    def __init__(self, config: GPT2Config):
+        GPT2PreTrainedModel.__init__(self, config)
+        self.transformer = SplitGPT2Model(config)
+        if self.transformer.u_shape:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        else:  # the server holds ln_f and the LM head (its own copy of wte: untied)
+            self.lm_head = None
+            self._tied_weights_keys = {}
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+                position_ids=None, inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                labels=None, use_cache=None, logits_to_keep: Union[int, torch.Tensor] = 0, **kwargs):
+        if self.transformer.u_shape:
+            return super().forward(input_ids=input_ids, past_key_values=past_key_values,
+                                   attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
+                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        out = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                               token_type_ids=token_type_ids, position_ids=position_ids,
+                               inputs_embeds=inputs_embeds, use_cache=use_cache)
+        h = out.last_hidden_state  # (B, T, d): the bottom's output, what crosses the cut
+        mask = attention_mask.view(h.shape[0], -1) if attention_mask is not None else None
+        remote = self.transformer.remote
+        loss = logits = None
+        if out.past_key_values is not None and hasattr(out.past_key_values, "remote"):
+            logits = out.past_key_values.remote(h, mask)  # generation hook: the server's logits
+        elif torch.is_grad_enabled():
+            if labels is None:
+                raise ConfigError("a 2-way server holds the LM head and computes the loss: training (gradients "
+                                  "enabled) needs labels; its logits never reach the client (under "
+                                  "torch.no_grad() the forward answers them)")
+            loss = remote.loss(h, labels.to(h.device), mask)
+        else:
+            logits, loss = remote.evaluate(h, mask, labels)
+            if isinstance(logits_to_keep, int) and logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+        if loss is not None and kwargs.get("num_items_in_batch") is not None:
+            # the server's loss is the mean over this batch's targets; HF's is the sum over the
+            # accumulated batches' targets (Trainer's num_items_in_batch): rescale
+            n = (labels[..., 1:] != -100).sum()
+            loss = loss * (n.to(loss.dtype) / torch.as_tensor(kwargs["num_items_in_batch"]).to(loss))
+        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+
+class SplitGPT2ForSequenceClassification(SplitMixin, GPT2ForSequenceClassification):
+    """``GPT2ForSequenceClassification`` split across this process and a U-shape server."""
+
+    HF_CLASS = GPT2ForSequenceClassification
+
+    def __init__(self, config: GPT2Config):
+        GPT2PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.transformer = SplitGPT2Model(config)
+        _need_u_shape(self.transformer, type(self).__name__)
+        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
+        self.post_init()
+
+
+def _need_u_shape(trunk: SplitGPT2Model, what: str) -> None:
+    if not trunk.u_shape:
+        raise ConfigError(f"{what} needs a U-shape server (two cuts: it holds only the trunk); this one "
+                          f"holds the top with the LM head (cut {trunk.cuts[0]}), which serves "
+                          f"SplitGPT2LMHeadModel only")
+
+
+_SPLIT_CLASSES = {GPT2LMHeadModel: SplitGPT2LMHeadModel,
+                  GPT2ForSequenceClassification: SplitGPT2ForSequenceClassification}
+
+
+def _split_class(hf_cls: type) -> type:
+    """The split class of a GPT-2 head class: ours, or ``Split<Name>`` made on the fly (any head
+    whose forward calls ``self.transformer(...)``: token classification, QA, double heads...)."""
+    if hf_cls in _SPLIT_CLASSES:
+        return _SPLIT_CLASSES[hf_cls]
+    if issubclass(hf_cls, SplitMixin):
+        return hf_cls
+    made = type(f"Split{hf_cls.__name__}", (SplitMixin, hf_cls), {"HF_CLASS": hf_cls, "__module__": __name__})
+    _SPLIT_CLASSES[hf_cls] = made
+    return made
+
+
+def _check_config(cfg: GPT2Config, info: dict) -> None:
+    server = info["model_config"]
+    for key in ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"):
+        if server.get(key) != getattr(cfg, key):
+            raise ConfigError(f"the local model's {key}={getattr(cfg, key)} differs from the server's "
+                              f"{server.get(key)}: load the same model on both sides")
+
+
+def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optional[RemoteSegment] = None,
+                token: Optional[str] = None, client_id: Optional[str] = None, wire_dtype: str = "float32",
+                timeout_s: float = 300.0, retries: int = 6):
+    """Split a Hugging Face GPT-2 (``GPT2Model``, ``GPT2LMHeadModel``, ``GPT2ForSequenceClassification``
+    or any GPT-2 head class) against the splitlearn server at ``server``: **in place**, like
+    peft's ``get_peft_model``. Its server-side blocks (and, 2-way, ``ln_f`` and the LM head)
+    are dropped, its own modules are kept as they are (no copy), and it becomes the split
+    class (``SplitGPT2LMHeadModel``, ...). Returns the model.
+    """
+    if remote is None:
+        if server is None:
+            raise ConfigError("split_model needs server=URL (or remote=RemoteSegment)")
+        remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries))
+    if isinstance(model, SplitGPT2Model) or isinstance(model, SplitMixin):
+        raise ConfigError("this model is split already")
+    trunk_hf = model if isinstance(model, GPT2Model) else getattr(model, "transformer", None)
+    if not isinstance(trunk_hf, GPT2Model) or getattr(model.config, "add_cross_attention", False):
+        raise ConfigError(f"split_model splits Hugging Face GPT-2 models (a GPT2Model under .transformer, "
+                          f"no cross-attention); got {type(model).__name__}")
+    _check_config(model.config, remote.info)
+    config = copy.deepcopy(model.config)
+    setattr(config, CUTS_KEY, list(remote.cuts))
+    with torch.device("meta"):
+        trunk = SplitGPT2Model(config)
+    trunk.wte, trunk.wpe, trunk.drop = trunk_hf.wte, trunk_hf.wpe, trunk_hf.drop
+    for a, b in trunk.client_blocks:
+        for i in range(a, b):
+            trunk.h[i] = trunk_hf.h[i]
+    if trunk.u_shape:
+        trunk.ln_f = trunk_hf.ln_f
+    trunk.remote = remote
+    if isinstance(model, GPT2Model):
+        _need_u_shape(trunk, "SplitGPT2Model")
+        remote.bind(trunk)
+        return trunk
+    cls = _split_class(type(model))
+    if not trunk.u_shape and not issubclass(cls, GPT2LMHeadModel):
+        _need_u_shape(trunk, cls.__name__)
+    model.transformer = trunk
+    model.config = config
+    if not trunk.u_shape:  # the server holds ln_f and the LM head
+        model.lm_head = None
+        model._tied_weights_keys = {}
+    model.__class__ = cls
+    remote.bind(model)
+    return model
+
+
+def _load_hf(hf_cls: type, source, seed: int = 0, **config_kwargs):
+    """A Hugging Face ``hf_cls`` for a :func:`splitlearn.load_model` source: checkpoints (a
+    directory, a hub id) through ``hf_cls.from_pretrained``; spec names and configs as the seeded
+    GPT-2 that ``load_model`` builds (the server's weights for the same spec and seed), with a
+    seeded head."""
+    if isinstance(source, nn.Module):
+        if not isinstance(source, hf_cls):
+            raise ConfigError(f"expected a {hf_cls.__name__}, got {type(source).__name__}")
+        return source
+    s = None if isinstance(source, GPT2Config) else str(source)
+    if hf_cls is not GPT2LMHeadModel and s is not None and not is_spec_source(s):
+        local = Path(s).is_dir()
+        with _LOAD_LOCK:
+            try:
+                return hf_cls.from_pretrained(s, local_files_only=local, **config_kwargs)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"cannot load a {hf_cls.__name__} from {s}: {e}") from None
+    lm = load_model(source, seed=seed)
+    if hf_cls is GPT2LMHeadModel and not config_kwargs:
+        return lm
+    config = copy.deepcopy(lm.config)
+    for k, v in config_kwargs.items():
+        setattr(config, k, v)
+    with _LOAD_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = hf_cls(config)
+    base = model if hf_cls is GPT2Model else model.transformer
+    base.load_state_dict(lm.transformer.state_dict())
+    if hasattr(model, "lm_head") and getattr(model, "lm_head", None) is not None:
+        model.lm_head.weight.data.copy_(lm.lm_head.weight.data)
+    return model
+
+
+def _from_pretrained(hf_cls: type, source, server, token, client_id, wire_dtype, seed, timeout_s, retries,
+                     **kwargs):
+    if server is None:
+        raise ConfigError(f"from_pretrained of a split model needs server=URL (the splitlearn server)")
+    remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries))
+    try:
+        hf = _load_hf(hf_cls, source, seed, **kwargs)
+        return split_model(hf, remote=remote).eval()
+    except BaseException:
+        remote.close()
+        raise

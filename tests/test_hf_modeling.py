@@ -1,0 +1,344 @@
+"""Split GPT-2 as a transformers model (issue 20, items 1-3) against real server processes.
+
+One server per shape (U-shape cuts (1, 3), 2-way cut 2), shared by the module's tests. Every
+test that trains compares with the unsplit model started from the server's state *now*
+(weights and AdamW state read back from its checkpoint), so the tests do not depend on their
+order: the client side starts from the ``tiny`` spec, the server side from wherever the
+earlier tests left it. 2-way: the server's LM head is its own copy of ``wte``, so the
+reference unties it.
+"""
+import copy
+import json
+
+import pytest
+import requests
+import torch
+from torch import nn
+
+from splitlearn import load_model
+from splitlearn import protocol as P
+from splitlearn.checkpoint import load_state
+from splitlearn.errors import BadRequest, ConfigError
+from splitlearn.hf import (SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel, SplitGPT2Model,
+                           split_model)
+from splitlearn.partition import partition
+from transformers import GPT2ForSequenceClassification
+
+from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth
+
+pytestmark = pytest.mark.slow
+
+LR = 1e-2
+ATOL, RTOL = 2e-5, 1e-4
+
+
+@pytest.fixture(scope="module", params=[(1, 3), (2,)], ids=["u", "2way"])
+def server(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf-modeling")
+    (d / "tokens").write_text("\n".join(TENANTS) + "\n")
+    with ServerProcess(request.param, lr=LR, checkpoint_dir=d / "ckpt",
+                       extra=["--token-file", str(d / "tokens")]) as srv:
+        srv.cuts, srv.u_shape = request.param, len(request.param) == 2
+        yield srv
+
+
+def batches(n: int, seed: int = 0, rows: int = 2, T: int = 12):
+    """(input_ids, attention_mask, labels): left-padded, right-padded and unpadded rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, 256, (rows, T), generator=g)
+        mask = torch.ones(rows, T, dtype=torch.long)
+        if i % 3 == 1:
+            mask[0, :3] = 0  # left padding
+        elif i % 3 == 2:
+            mask[-1, -4:] = 0  # right padding (a Trainer collator's)
+        ids = ids.masked_fill(mask == 0, 256)
+        out.append((ids, mask, ids.masked_fill(mask == 0, -100)))
+    return out
+
+
+def reference(srv):
+    """The unsplit model as the split one is now: client side from the spec, the server's
+    segment and its AdamW state from the server's checkpoint. Returns (model, {name: state})."""
+    r = requests.post(srv.url + P.CHECKPOINT, json={}, headers=auth(), timeout=60)
+    assert r.status_code == 200, r.text
+    ref = load_model("tiny")
+    if not srv.u_shape:  # 2-way: the server's LM head is its own copy of wte
+        ref.config.tie_word_embeddings = False
+        ref.lm_head.weight = nn.Parameter(ref.transformer.wte.weight.detach().clone())
+    parts = partition(ref, srv.cuts)
+    seg = parts.trunk if srv.u_shape else parts.top
+    opt = torch.optim.AdamW(seg.parameters(), lr=LR, weight_decay=0.0)
+    load_state(srv.checkpoint_dir, "server", [seg], opt)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    return ref, {names[id(p)]: s for p, s in opt.state.items()}
+
+
+def adamw_with(model, state: dict) -> torch.optim.AdamW:
+    """AdamW over ``model`` carrying the server's state for the server's parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for name, p in model.named_parameters():
+        if name in state:
+            opt.state[p] = copy.deepcopy(state[name])
+    assert len(opt.state) == len(state)
+    return opt
+
+
+def split_lm(srv, **kw) -> SplitGPT2LMHeadModel:
+    return SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, **kw).train()
+
+
+def assert_weights_equal(split, ref, srv, prefix: str = "", atol: float = ATOL):
+    """Every client weight of ``split`` and every server weight equals ``ref``'s."""
+    expected = {k.removeprefix(prefix): v for k, v in ref.state_dict().items()}
+    client = {k: v for k, v in split.state_dict().items() if "remote." not in k}
+    assert client, "no client weights"
+    for name, w in client.items():
+        assert torch.allclose(w, expected[name], atol=atol, rtol=RTOL), \
+            f"client {name}: {float((w - expected[name]).abs().max())}"
+    server = srv.weights()
+    for name, w in server.items():
+        key = name if name in expected else name.removeprefix("transformer.")
+        if prefix and key.startswith("lm_head"):
+            continue
+        assert torch.allclose(w, expected[key], atol=atol, rtol=RTOL), \
+            f"server {name}: {float((w - expected[key]).abs().max())}"
+
+
+# -- (a) forward == unsplit -----------------------------------------------------------------
+
+def test_forward_equals_unsplit(server):
+    model = split_lm(server).eval()
+    ref, _ = reference(server)
+    assert isinstance(model, SplitGPT2LMHeadModel) and model.remote.cuts == server.cuts
+    assert not any(n.startswith(f"transformer.h.{server.cuts[0]}.") for n in model.state_dict())  # no server weights
+    for ids, mask, labels in batches(3):
+        with torch.no_grad():
+            a = model(input_ids=ids, attention_mask=mask, labels=labels)
+            b = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        assert torch.allclose(a.logits, b.logits, atol=1e-5), float((a.logits - b.logits).abs().max())
+        assert abs(a.loss.item() - b.loss.item()) < 1e-5
+    # with gradients: the loss (and, U-shape, the logits) through the autograd Function
+    ids, mask, labels = batches(1, seed=5)[0]
+    a = model(input_ids=ids, attention_mask=mask, labels=labels)
+    b = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(a.loss.item() - b.loss.item()) < 1e-5 and a.loss.requires_grad
+    if server.u_shape:
+        assert model.lm_head.weight is model.transformer.wte.weight  # tied, as in GPT2LMHeadModel
+        assert torch.allclose(a.logits, b.logits, atol=1e-5)
+    else:
+        assert a.logits is None  # the server computes the loss and answers only it
+        with pytest.raises(ConfigError, match="needs labels"):
+            model(input_ids=ids, attention_mask=mask)
+    model.remote.close()  # the forward's piece is dropped on the server (nothing was backpropagated)
+
+
+# -- (b) a plain loop: AdamW, gradient accumulation, LambdaLR, global clipping ----------------
+
+def test_plain_loop_equals_unsplit(server):
+    model = split_lm(server)
+    ref, state = reference(server)
+    ref.train()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), adamw_with(ref, state)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    data = batches(6, seed=1)
+    thrown = batches(1, seed=9)[0]
+    accum, clip, clipped = 2, 0.6, []
+    for step in range(3):
+        if step == 0:  # a backward thrown away by zero_grad: discarded on the server too
+            for m, o in ((model, opt), (ref, ref_opt)):
+                ids, mask, labels = thrown
+                m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+                o.zero_grad()
+        calls, applies = model.remote.stats.calls, model.remote.applies
+        for k in range(accum):
+            ids, mask, labels = data[step * accum + k]
+            for m in (model, ref):
+                (m(input_ids=ids, attention_mask=mask, labels=labels).loss / accum).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        assert abs(float(norm) - float(ref_norm)) < 1e-4 * float(ref_norm)  # the global norm, both sides
+        clipped.append(model.remote.clip_factor() < 1.0)
+        for o, s in ((opt, sched), (ref_opt, ref_sched)):
+            o.step()
+            s.step()
+            o.zero_grad()
+        # 2 tensor requests per piece (forward, backward) + 1 JSON apply per optimizer step
+        assert model.remote.stats.calls - calls == 2 * accum and model.remote.applies == applies + 1
+        assert model.remote.last_apply["applied"] and model.remote.last_apply["pieces"] == accum
+        assert model.remote.last_apply["lr"] == pytest.approx(LR / (1 + step), rel=1e-12)
+    assert any(clipped), "the clip never acted: the test proves nothing about it"
+    assert model.remote.step == model.remote.applies + 1
+    assert_weights_equal(model, ref, server)
+
+
+# -- (c) transformers.Trainer + datasets ------------------------------------------------------
+
+def test_trainer_equals_unsplit(server, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from transformers import Trainer, TrainingArguments
+
+    rows = [b for ids, mask, labels in batches(4, seed=3) for b in zip(ids, mask, labels)]
+    ds = datasets.Dataset.from_dict({"input_ids": [r[0].tolist() for r in rows],
+                                     "attention_mask": [r[1].tolist() for r in rows],
+                                     "labels": [r[2].tolist() for r in rows]})
+
+    def run(model, opt, out):
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=2, learning_rate=LR, lr_scheduler_type="linear", logging_steps=1,
+                                 report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                                 dataloader_num_workers=0, max_grad_norm=0.5)
+        trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, None))
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], \
+            [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+    model = split_lm(server)
+    ref, state = reference(server)
+    losses, norms = run(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), tmp_path / "split")
+    ref_losses, ref_norms = run(ref, adamw_with(ref, state), tmp_path / "ref")
+    assert len(losses) == 2
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert norms == pytest.approx(ref_norms, rel=1e-4)  # Trainer's logged norm is the global one
+    assert model.remote.applies == 2
+    # 2-way under Trainer: the server's mean loss x (targets / num_items_in_batch) is HF's
+    # sum / num_items_in_batch up to rounding, which AdamW's m / sqrt(v) magnifies for the
+    # weights whose gradients are near zero (~1e-4 after two steps at lr 1e-2)
+    assert_weights_equal(model, ref, server, atol=ATOL if server.u_shape else 3e-4)
+
+
+# -- (d) sequence classification --------------------------------------------------------------
+
+def test_sequence_classification_equals_unsplit(server):
+    if not server.u_shape:
+        with pytest.raises(ConfigError, match="U-shape"):
+            SplitGPT2ForSequenceClassification.from_pretrained("tiny", server=server.url, token=TOKEN, num_labels=3)
+        return
+    ref_lm, state = reference(server)
+    cfg = copy.deepcopy(ref_lm.config)
+    cfg.num_labels, cfg.pad_token_id = 3, 256
+    torch.manual_seed(0)
+    ref = GPT2ForSequenceClassification(cfg)
+    ref.transformer.load_state_dict(ref_lm.transformer.state_dict())
+    model = split_model(copy.deepcopy(ref), server=server.url, token=TOKEN).train()
+    ref.train()
+    assert type(model) is SplitGPT2ForSequenceClassification
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), adamw_with(ref, state)
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        for ids, mask, _ in batches(2, seed=10 + step):
+            y = torch.randint(0, 3, (ids.shape[0],), generator=g)
+            a = model(input_ids=ids, attention_mask=mask, labels=y)
+            b = ref(input_ids=ids, attention_mask=mask, labels=y)
+            assert torch.allclose(a.logits, b.logits, atol=1e-5)
+            (a.loss / 2).backward()
+            (b.loss / 2).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_weights_equal(model, ref, server)
+    with torch.no_grad():  # evaluation: /v1/forward, nothing changes
+        ids, mask, _ = batches(1, seed=20)[0]
+        assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits,
+                              ref(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
+
+
+# -- (e) refused applies change nothing; tenants ------------------------------------------------
+
+def post_apply(srv, payload, token=TOKEN):
+    return requests.post(srv.url + P.TRAIN_APPLY, data=json.dumps(payload),
+                         headers={**auth(token), "Content-Type": "application/json"}, timeout=30)
+
+
+def test_bad_applies_change_nothing(server):
+    model = split_lm(server)
+    ids, mask, labels = batches(1, seed=7)[0]
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    before = server.weights()
+    cid, step = model.client_id, model.remote.step
+    good = {"client_id": cid, "step": step, "pieces": 1, "lr": 1e-3}
+    for bad, status, words in [
+            ({**good, "lr": 11.0}, 400, "'lr' must be in"), ({**good, "lr": -1e-3}, 400, "'lr' must be in"),
+            ({**good, "lr": "0.1"}, 400, "must be a number"), ({**good, "lr": True}, 400, "must be a number"),
+            ({k: v for k, v in good.items() if k != "lr"}, 400, "must be a number"),
+            ({**good, "clip": 1.5}, 400, "'clip'"), ({**good, "clip": 0}, 400, "'clip'"),
+            ({**good, "pieces": 0}, 400, "pieces"), ({**good, "step": 0}, 400, "'step'"),
+            ({**good, "surprise": 1}, 400, "unknown fields"), ({**good, "client_id": "a:b"}, 400, "client_id"),
+            ({**good, "step": step + 1}, 409, "no open-ended step"), ({**good, "pieces": 2}, 409, "backward pieces")]:
+        r = post_apply(server, bad)
+        assert r.status_code == status, (bad, r.text)
+        assert set(r.json()) == {"error", "message"} and words.lower() in r.json()["message"].lower(), r.json()
+    r = requests.post(server.url + P.TRAIN_APPLY, data=b'{"lr": NaN, "client_id": "x"}',
+                      headers={**auth(), "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"] == "bad_request"
+    # another tenant cannot apply (or discard) this step: its "cid" is a client of its own
+    r = post_apply(server, good, token=OTHER)
+    assert r.status_code == 409 and "no open-ended step" in r.json()["message"]
+    r = post_apply(server, {"client_id": cid, "step": step, "discard": True}, token=OTHER)
+    assert r.status_code == 200 and r.json()["discarded"]
+    after = server.weights()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed
+    # the step is still pending, whole: the owner applies it, exactly once
+    first = post_apply(server, good)
+    assert first.status_code == 200 and first.json()["applied"], first.text
+    applied = server.weights()
+    assert any(not torch.equal(before[k], applied[k]) for k in before)
+    again = post_apply(server, good)  # a retry: the stored answer, nothing applied twice
+    assert again.json() == first.json()
+    assert all(torch.equal(applied[k], v) for k, v in server.weights().items())
+    model.zero_grad()
+
+
+def test_apply_request_validation():
+    ok = P.ApplyRequest.from_json({"client_id": "a", "step": 3, "pieces": 2, "lr": 0.5, "clip": 0.25})
+    assert ok == P.ApplyRequest("a", 3, 2, 0.5, 0.25) and P.ApplyRequest.from_json(ok.to_json()) == ok
+    assert P.ApplyRequest.from_json({"client_id": "a", "step": 1, "discard": True}).discard
+    for bad in [{"client_id": "a", "step": 1, "pieces": 1, "lr": float("inf")},
+                {"client_id": "a", "step": 1, "pieces": P.MAX_PIECES + 1, "lr": 0.1},
+                {"client_id": "a", "step": 1.0, "pieces": 1, "lr": 0.1}]:
+        with pytest.raises(BadRequest):
+            P.ApplyRequest.from_json(bad)
+    m = P.StepMeta.from_meta({"client_id": "a", "step": "1", "micro": "100", "micros": "0"})
+    assert m.open_ended and m.micro == 100
+    with pytest.raises(BadRequest):
+        P.StepMeta.from_meta({"client_id": "a", "step": "1", "micro": str(P.MAX_PIECES), "micros": "0"})
+
+
+# -- peft on the client's modules ---------------------------------------------------------------
+
+def test_peft_on_client_modules(server):
+    peft = pytest.importorskip("peft")
+    if not server.u_shape:
+        pytest.skip("one shape is enough")
+    base = split_lm(server)
+    frozen = {k: v.clone() for k, v in base.state_dict().items() if "remote." not in k}
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                                      fan_in_fan_out=True))
+    assert not any("h.1." in n or "h.2." in n for n, _ in model.named_parameters() if "lora" in n)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    before = server.weights()
+    for ids, mask, labels in batches(2, seed=12):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert base.remote.applies == 2  # the optimizer over the adapters drives the server's steps
+    after = server.weights()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    state = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+             for k, v in model.state_dict().items() if "lora_" not in k and "remote." not in k}
+    assert all(torch.equal(state[k], v) for k, v in frozen.items())  # the base stays frozen
+    assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_trunk_model_alone(server):
+    if not server.u_shape:
+        with pytest.raises(ConfigError, match="U-shape"):
+            SplitGPT2Model.from_pretrained("tiny", server=server.url, token=TOKEN)
+        return
+    trunk = SplitGPT2Model.from_pretrained("tiny", server=server.url, token=TOKEN)
+    ref, _ = reference(server)
+    ids, mask, _ = batches(1, seed=30)[0]
+    with torch.no_grad():
+        assert torch.allclose(trunk(input_ids=ids, attention_mask=mask).last_hidden_state,
+                              ref.transformer(input_ids=ids, attention_mask=mask).last_hidden_state, atol=1e-5)
