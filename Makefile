@@ -20,8 +20,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m splitlearn.demo
 
+# Two phases: most tests on $(TEST_WORKERS) pytest-xdist workers (a test file stays on one worker,
+# so its module-scoped servers are shared), then the tests that measure time or fairness alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m serial $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

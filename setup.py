@@ -1,5 +1,20 @@
 """splitlearn: split learning for Hugging Face GPT-2 (see README.md)."""
-from setuptools import setup
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    # python -m splitlearn.server (and its per-client LoRA adapters)
+    "server": ["flask>=3.0", "waitress>=3.0", "peft>=0.13"],
+    # analyze_model_performance and the privacy meter: FLOP counts, plots, the Gaussian defense's epsilon
+    "analysis": ["fvcore>=0.1.5", "matplotlib>=3.8", "dp-accounting>=0.4"],
+    # transformers.Trainer and datasets (client/finetune_trainer.py)
+    "train": ["datasets>=2.14", "accelerate>=1.0"],
+    # client-side LoRA (SplitClient(lora=...)) and peft over the split model
+    "lora": ["peft>=0.13"],
+    # the Gaussian defense's (epsilon, delta) accounting alone
+    "privacy": ["dp-accounting>=0.4"],
+}
+EXTRAS["all"] = sorted({r for reqs in EXTRAS.values() for r in reqs})
+EXTRAS["test"] = EXTRAS["all"] + ["pytest>=8", "pytest-xdist>=3"]  # make test runs on xdist workers
 
 setup(
     name="splitlearn",
@@ -10,26 +25,20 @@ setup(
     python_requires=">=3.10",
     # Only `splitlearn` is importable; the top-level models/ directory ships inside it as
     # splitlearn/_models so that no top-level `models` package lands in site-packages.
-    packages=["splitlearn", "splitlearn.client", "splitlearn.server", "splitlearn.analysis",
-              "splitlearn.privacy", "splitlearn.cluster", "splitlearn.offload", "splitlearn.hf", "splitlearn._models"],
+    packages=find_packages(include=["splitlearn", "splitlearn.*"]) + ["splitlearn._models"],
     package_dir={"splitlearn._models": "models"},
     package_data={"splitlearn": ["corpus/*.txt"], "splitlearn._models": ["*.json"]},
+    # `pip install splitlearn`: the client (the model classes, SplitClient, generate), partitioning
+    # and export. The server, the analyzer and training helpers are extras (README.md, "Install").
     install_requires=[
         "torch>=2.4",
         "transformers>=5.0,<6",
         "safetensors>=0.4",
-        "fvcore>=0.1.5",
-        "flask>=3.0",
         "requests>=2.31",
-        "waitress>=3.0",
-        "peft>=0.13",
         "tqdm>=4.66",
-        "matplotlib>=3.8",
         "numpy",
-        "dp-accounting>=0.4",  # epsilon of the Gaussian defense (splitlearn.privacy)
     ],
-    extras_require={"test": ["pytest>=8", "datasets>=2.14", "accelerate>=1.0"],
-                    "train": ["datasets>=2.14", "accelerate>=1.0"]},
+    extras_require=EXTRAS,
     entry_points={
         "console_scripts": [
             "splitlearn-server=splitlearn.server.__main__:main",

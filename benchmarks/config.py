@@ -27,6 +27,9 @@ class BenchConfig:
     warmup: int = 1  # untimed runs before them
     workloads: tuple[str, ...] = WORKLOADS
     wire_dtypes: tuple[str, ...] = WIRE_DTYPES
+    # stop every server and baseline between workloads, so one workload's memory does not weigh
+    # on the next; the quick smoke test keeps them (process start-up is most of its time)
+    restart_between_workloads: bool = True
     # generation
     prompt_len: int = 32
     new_tokens: int = 64
@@ -92,5 +95,6 @@ class BenchConfig:
                     overhead_calls=5, drift_model="tiny", drift_cuts=(1, 3), drift_steps=4,
                     drift_batch=2, drift_seq=16, concurrency=(1, 2), concurrency_new_tokens=4,
                     concurrency_prompt_len=4, threads=1, pinned_repeats=1, server_batching_clients=(1, 2),
-                    server_batching_new_tokens=4, server_batching_prompt_len=4)
+                    server_batching_new_tokens=4, server_batching_prompt_len=4,
+                    restart_between_workloads=False)
         return replace(cls(**base), **overrides)

@@ -72,7 +72,8 @@ def run(cfg: BenchConfig, log=print) -> dict:
             log(f"[{name}]")
             w0 = time.perf_counter()
             rows += RUNNERS[name](cfg, ctx)
-            ctx.close()  # servers and baselines start afresh for the next workload: their memory goes
+            if cfg.restart_between_workloads:  # afresh for the next workload: their memory goes
+                ctx.close()
             log(f"[{name}] {time.perf_counter() - w0:.0f} s")
     return {"device": cfg.device, "command": command_line(), "started": started,
             "seconds": time.perf_counter() - t0, "machine": machine_info(cfg.threads),

@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--server", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="tiny-demo")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=60)
     a = p.parse_args()
     tok = ByteTokenizer()
     batches = lm_batches(tok.encode(load_corpus()), batch_size=16, seq_len=64)
@@ -27,7 +28,7 @@ def main() -> None:
             if step % 20 == 0:
                 print(f"step {step}: loss {loss:.3f}")
         prompt = torch.tensor([tok.encode("Once upon a time")])
-        out = client.generate(prompt, max_new_tokens=60, do_sample=True, temperature=0.8, top_k=20, seed=0)
+        out = client.generate(prompt, max_new_tokens=a.max_new_tokens, do_sample=True, temperature=0.8, top_k=20, seed=0)
         print(tok.decode(out[0].tolist()))
         print(client.stats.as_dict())
 

@@ -17,7 +17,7 @@ __all__ = [
     "SplitClient", "SplitLearnError", "export_segments", "get_tokenizer", "load_config",
     "load_corpus", "load_model", "load_segment", "load_segments", "partition", "validate_cuts",
     "OffloadGPT2LMHeadModel",
-    "SplitGPT2LMHeadModel", "SplitGPT2ForSequenceClassification", "SplitGPT2Model", "split_model",
+    "RemoteCache", "SplitGPT2LMHeadModel", "SplitGPT2ForSequenceClassification", "SplitGPT2Model", "split_model",
     "__version__",
 ]
 
@@ -32,7 +32,8 @@ def __getattr__(name: str):
         from .offload import OffloadGPT2LMHeadModel
 
         return OffloadGPT2LMHeadModel
-    if name in ("SplitGPT2LMHeadModel", "SplitGPT2ForSequenceClassification", "SplitGPT2Model", "split_model"):
+    if name in ("RemoteCache", "SplitGPT2LMHeadModel", "SplitGPT2ForSequenceClassification", "SplitGPT2Model",
+                "split_model"):
         from . import hf  # split models as transformers models (issue 20), imported on first use
 
         return getattr(hf, name)

@@ -10,6 +10,9 @@ from splitlearn import load_model
 from splitlearn.analysis.core import AnalysisConfig, analyze
 from splitlearn.analysis.timing import Latency, percentile, sum_check, time_runs
 
+# measures time or fairness: `make test` runs it after the parallel phase, alone (pytest.ini)
+pytestmark = pytest.mark.serial
+
 
 def test_percentile_and_latency():
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from splitlearn import partition
 from splitlearn import protocol as P
 from splitlearn.client.transport import Transport, TransportConfig
-from splitlearn.errors import BadRequest, Conflict, NotFound
+from splitlearn.errors import BadRequest, NotFound
 from splitlearn.hf.cache import RemoteCache
 from splitlearn.segments import positions_from_mask
 from splitlearn.server.batching import DecodeItem, batched_decode
@@ -451,49 +451,8 @@ def test_client_side_checks(server, transport, tiny_model, parts):
         assert cache.get_seq_length() == 2 and not cache.is_compileable and cache.is_croppable
 
 
-# -- transformers' own generate() through RemoteCache --------------------------------------------
-
-@pytest.fixture(scope="module")
-def split_lm(server):
-    modeling = pytest.importorskip("splitlearn.hf.modeling")
-    model = modeling.SplitGPT2LMHeadModel.from_pretrained("tiny", server=server.url, token=TOKEN)
-    yield model
-    model.transformer.remote.close()
-
-
-def split_cache(model, server, tiny_model) -> RemoteCache:
-    remote = model.transformer.remote
-    return RemoteCache.from_info(model.config, remote.transport, remote.info)
-
-
-@pytest.mark.parametrize("kw", [dict(), dict(num_beams=2), dict(num_beams=2, num_return_sequences=2),
-                                dict(do_sample=True, top_k=20, num_return_sequences=2),
-                                dict(repetition_penalty=1.3)],
-                         ids=["greedy", "beam", "beam-nrs", "sample-nrs", "repetition"])
-def test_generate_equals_the_unsplit_model(split_lm, server, tiny_model, padded_batch, kw):
-    ids, mask = padded_batch
-    kw = {"do_sample": False, "max_new_tokens": 8, "pad_token_id": 256, **kw}
-    torch.manual_seed(0)
-    want = tiny_model.generate(input_ids=ids, attention_mask=mask, **kw)
-    torch.manual_seed(0)
-    with split_cache(split_lm, server, tiny_model) as cache:
-        got = split_lm.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("kw", [dict(prompt_lookup_num_tokens=3), dict(assistant="tiny")], ids=["lookup", "assistant"])
-def test_assisted_generate_crops_the_server_cache(split_lm, server, tiny_model, padded_batch, kw):
-    if not server.u_shape:
-        pytest.skip("2-way: SplitGPT2LMHeadModel must pass its logits_to_keep to RemoteCache.remote")
-    ids, mask = padded_batch[0][2:], padded_batch[1][2:]  # one row (transformers' assisted decoding)
-    kw = {"assistant_model": tiny_model} if kw.get("assistant") else kw
-    want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=256)
-    with split_cache(split_lm, server, tiny_model) as cache:
-        got = split_lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                                pad_token_id=256, past_key_values=cache, **kw)
-        assert cache._step < 12  # several tokens per round trip
-    assert torch.equal(got, want)
-
+# transformers' own generate() through RemoteCache (made by generate itself, every strategy,
+# assisted decoding in both shapes): tests/test_hf_generation.py
 
 # -- in process: the metadata, and cached-token accounting after the operations ------------------
 

@@ -10,6 +10,9 @@ from splitlearn.errors import Conflict
 from splitlearn.server.batching import DecodeBatcher, DecodeItem, batched_decode
 from splitlearn.server.compute import ComputeThread
 
+# measures time or fairness: `make test` runs it after the parallel phase, alone (pytest.ini)
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -22,7 +22,7 @@ from splitlearn.server.frontdoor import LINGER_S
 
 from serverproc import TOKEN
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # deadlines: run alone (pytest.ini)
 
 TIMEOUT_S = 1.5  # the door server's --request-timeout
 RATE_KIB = 16384  # its --min-rate-kib: an 18 MiB answer must be read within 1.5 + 1.1 s

@@ -10,6 +10,9 @@ from splitlearn.server.batching import DecodeBatcher, DecodeItem
 from splitlearn.server.compute import ComputeThread
 from splitlearn.server.priority import Preemptor, QueueWaits, heavy_modules
 
+# measures time or fairness: `make test` runs it after the parallel phase, alone (pytest.ini)
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def model():

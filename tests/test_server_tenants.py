@@ -17,6 +17,9 @@ from splitlearn.wire import decode, encode
 
 from serverproc import OTHER, TOKEN, ServerProcess, auth
 
+# measures time or fairness: `make test` runs it after the parallel phase, alone (pytest.ini)
+pytestmark = pytest.mark.serial
+
 ALICE, MALLORY = TOKEN, OTHER
 
 

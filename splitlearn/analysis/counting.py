@@ -83,6 +83,9 @@ def _zero(inputs, outputs) -> int:
 
 def fvcore_macs(seg: Segment, args: tuple) -> dict[str, int]:
     """MACs per submodule name ("" is the whole segment, "h.0.attn" ...), traced by fvcore."""
+    from .._extras import require
+
+    require("analysis", "fvcore", what="counting FLOPs (the analyzer)")
     from fvcore.nn import FlopCountAnalysis
 
     runner = SegmentRunner(seg).eval()

@@ -11,6 +11,9 @@ from pathlib import Path
 
 
 def _pyplot():
+    from .._extras import require
+
+    require("analysis", "matplotlib", what="plotting")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -93,6 +93,8 @@ class SplitClient:
                  defense=None, micro_batches: int = 1, fed_url: Optional[str] = None,
                  fed_token: Optional[str] = None,
                  lora=None, packed_weights: bool = True, poll_idle: bool = False):
+        if not isinstance(micro_batches, int) or not 1 <= micro_batches <= P.MAX_MICROS:  # before any call
+            raise ConfigError(f"micro_batches must be an integer in 1..{P.MAX_MICROS}, got {micro_batches!r}")
         self.poller: Optional[IdlePoller] = None
         self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=timeout_s, retries=retries))
@@ -120,8 +122,6 @@ class SplitClient:
         self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
         self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
         self.defense = defense  # splitlearn.privacy.Defense: applied to every activation sent
-        if not isinstance(micro_batches, int) or not 1 <= micro_batches <= P.MAX_MICROS:
-            raise ConfigError(f"micro_batches must be an integer in 1..{P.MAX_MICROS}, got {micro_batches!r}")
         self.micro_batches = micro_batches  # pipelined training (see .pipeline)
         self.journal = Journal(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
         self.journal_dir = Path(journal_dir) if journal_dir is not None else None  # survives a client crash

@@ -69,6 +69,9 @@ def apply_lora(segments: Sequence[Segment], spec: LoraSpec, seed: int, init_id: 
     Every other parameter is frozen. A segment without a target module (a bottom of the
     embeddings alone) is left as it is.
     """
+    from .._extras import require
+
+    require("lora", "peft", what="LoRA")
     from peft import inject_adapter_in_model
 
     params = []

@@ -47,6 +47,9 @@ def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float,
     check_accounting(noise_multiplier, releases, delta, accountant)
     if noise_multiplier == 0:
         return math.inf
+    from .._extras import require
+
+    require("privacy", "dp_accounting", what="the Gaussian defense's epsilon")
     import dp_accounting
 
     event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier),

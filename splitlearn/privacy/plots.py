@@ -8,6 +8,9 @@ def plot_privacy(rows: list[dict], path: str | Path, title: str = "") -> Path:
     """PNG of :meth:`~.meter.LeakageReport.as_dict` rows: x = perplexity with the defense,
     y = token recovery of the best attack; points of one cut joined in order of sigma and
     labelled with it; the unsplit perplexity as a dotted line."""
+    from .._extras import require
+
+    require("analysis", "matplotlib", what="plotting")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,5 +1,9 @@
 """The splitlearn server: one segment of a GPT-2 behind a Flask app (``create_app``)."""
-from .app import create_app
+from .._extras import require
+
+require("server", "flask", "waitress", what="the splitlearn server")
+
+from .app import create_app  # noqa: E402
 from .config import ServerConfig
 from .runtime import SegmentRuntime
 

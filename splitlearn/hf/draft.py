@@ -1,0 +1,265 @@
+"""Speculative decoding across the split: the U-shape's free draft, a draft length that
+follows the link, and the count of positions the server sees.
+
+Every plain decoding step of a split model costs one round trip to the server, so over a WAN
+the link, not the hardware, bounds tokens/s (50 ms RTT: at most 20 tokens/s). ``transformers``'
+assisted generation (``generate(assistant_model=...)``, ``prompt_lookup_num_tokens=``) drafts k
+tokens locally and verifies them in **one** forward of the target, i.e. one round trip; the
+:class:`~splitlearn.hf.cache.RemoteCache` drops the rejected positions on the server with the
+next step (its ``crop``), so greedy output is exactly the plain greedy output.
+
+**The free draft** (:func:`free_draft`). A U-shape client already holds the bottom blocks, the
+top blocks, ``ln_f`` and the head. Skipping the server's trunk (LayerSkip-style: the bottom's
+output feeds the top directly) gives a language model that costs no round trip and no extra
+weights: a ``GPT2LMHeadModel`` of ``c1 + (n - c2)`` blocks whose parameters *are* the split
+model's (shared tensors, so training the split model trains the draft). Usable as
+``split_lm.generate(ids, assistant_model=free_draft(split_lm))``. How often it agrees with the
+whole model depends on how much the trunk changes the next-token argmax: measure it
+(``benchmarks/wan.py`` reports it; docs/WAN.md has the figures).
+
+**The draft length** (:class:`LinkAwarePolicy`, installed by :func:`link_aware`).
+``transformers``' heuristic (+2 after a fully accepted draft, -1 otherwise) ignores what a
+round costs. With per-token acceptance ``a`` (the probability that the target agrees with the
+next drafted token), a draft of ``k`` tokens yields on average
+
+    E(k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)        (k + 1 when a = 1)
+
+tokens per round (the accepted prefix plus the target's own next token), and a round costs
+
+    T(k) = L + k * c
+
+where ``L`` is the verification round (round trip + server compute + the client's own
+forward: measured, the time the target's forward takes) and ``c`` the cost of drafting one
+token locally (measured; about 0 for prompt lookup). The policy picks
+``k = argmax_{0 <= k <= k_max} E(k) / T(k)``: with a long link (``L >> c``) long drafts pay
+even at modest acceptance; on loopback (``L ~ c``) it drafts little, or not at all (k = 0: a
+plain step, with a one-token probe every ``probe_every`` rounds to keep measuring). ``a`` is estimated from
+the rounds so far (accepted drafted tokens / (accepted + rejections), the maximum-likelihood
+estimate for a geometric prefix, started from a prior of ``prior_acceptance`` worth
+``prior_weight`` tokens); ``L`` and ``c`` are exponential moving averages (the first round's
+``L`` comes from ``rtt_ms`` if given). Greedy output does not depend on ``k``: the policy
+changes speed only.
+
+**Positions the server sees** (:class:`CountingRemoteCache`). Docs/PRIVACY.md counts one
+release per position sent (prompt + one per decoding step). Speculative decoding sends every
+drafted position, accepted or not: a round of ``k`` drafted tokens sends ``k + 1`` positions
+(the last accepted token and the drafts), and a rejected position is later sent again with
+another token. ``positions_sent`` counts rows x positions of every step sent (the releases to
+account: ``P + sum over rounds (k_r + 1) - 1`` for one row), never fewer than the tokens kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..errors import ConfigError
+from .cache import RemoteCache
+
+
+# -- the free draft -----------------------------------------------------------------------
+
+def free_draft(model) -> GPT2LMHeadModel:
+    """The U-shape split model's own blocks with the server's trunk skipped, as a
+    ``GPT2LMHeadModel`` (see the module docstring). ``model``: a U-shape
+    ``SplitGPT2LMHeadModel`` (or anything with ``.transformer.cuts``/``.client_blocks`` and a
+    U-shape ``lm_head``). The draft's parameters are the model's own tensors (no copy); it is
+    in eval mode, with ``num_assistant_tokens_schedule="constant"`` (pair it with
+    :func:`link_aware` to choose the length)."""
+    trunk = getattr(model, "transformer", None)
+    if trunk is None or not getattr(trunk, "u_shape", False) or getattr(model, "lm_head", None) is None:
+        raise ConfigError("the free draft needs a U-shape split LM (the client holds the bottom, the top "
+                          "and the head); a 2-way client has no head: use prompt lookup or an assistant model")
+    keep = [i for a, b in trunk.client_blocks for i in range(a, b)]
+    cfg = GPT2Config(**{k: v for k, v in model.config.to_dict().items()
+                        if k not in ("splitlearn_cuts", "architectures", "transformers_version")})
+    cfg.n_layer = len(keep)
+    with torch.device("meta"):
+        draft = GPT2LMHeadModel(cfg)
+    state = {}
+    for name, t in model.state_dict().items():
+        if name.startswith("transformer.h."):
+            i = int(name.split(".")[2])
+            if i in keep:
+                state[name.replace(f"transformer.h.{i}.", f"transformer.h.{keep.index(i)}.", 1)] = t
+        elif name.startswith(("transformer.wte.", "transformer.wpe.", "transformer.ln_f.", "lm_head.")):
+            state[name] = t
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["transformer.wte.weight"]
+    missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not m.endswith(".attn.bias") and not m.endswith("masked_bias")]
+    if missing or unexpected:
+        raise ConfigError(f"free draft: missing {missing}, unexpected {unexpected}")
+    for name, buf in list(draft.named_buffers()):  # non-persistent buffers (if any) are still on meta
+        if buf.is_meta:
+            raise ConfigError(f"free draft: buffer {name} was not set")
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.free_draft_of = tuple(trunk.cuts)
+    return draft.eval()
+
+
+# -- the draft length -------------------------------------------------------------------
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round of ``k`` drafted tokens yields on average at per-token ``acceptance``."""
+    a = min(max(float(acceptance), 0.0), 1.0)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def best_draft_length(acceptance: float, round_s: float, token_s: float, k_max: int = 16, k_min: int = 0) -> int:
+    """``argmax_{k_min<=k<=k_max} expected_tokens(acceptance, k) / (round_s + k * token_s)``
+    (k = 0: no draft, a plain step; the shortest k wins ties)."""
+    if not 0 <= k_min <= k_max:
+        raise ValueError("need 0 <= k_min <= k_max")
+    round_s, token_s = max(float(round_s), 1e-6), max(float(token_s), 0.0)
+    best, best_rate = k_min, -1.0
+    for k in range(k_min, k_max + 1):
+        rate = expected_tokens(acceptance, k) / (round_s + k * token_s)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
+@dataclass
+class LinkAwarePolicy:
+    """Chooses the draft length from the measured round, draft cost and acceptance (see the
+    module docstring). ``rtt_ms``: the link's round trip if known (the first round's estimate
+    of ``L``); later rounds measure it. Counters over its lifetime: ``rounds``, ``drafted``,
+    ``accepted``, ``lengths`` (the k chosen per round)."""
+
+    k_max: int = 16
+    rtt_ms: Optional[float] = None
+    probe_every: int = 8  # when drafting does not pay (k = 0), draft one token every this many rounds
+    prior_acceptance: float = 0.6
+    prior_weight: float = 4.0
+    smoothing: float = 0.3  # EMA weight of the newest measurement of L and c
+    round_s: Optional[float] = None  # L
+    token_s: Optional[float] = None  # c
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    lengths: list = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated per-token acceptance (the prior blended with the rounds so far)."""
+        hits = self.accepted + self.prior_acceptance * self.prior_weight
+        return hits / (self.accepted + self.rejections + self.prior_weight)
+
+    @property
+    def measured_acceptance(self) -> float:
+        """Accepted / drafted over the rounds so far (nan before any draft)."""
+        return self.accepted / self.drafted if self.drafted else math.nan
+
+    def next_length(self) -> int:
+        L = self.round_s if self.round_s is not None else (self.rtt_ms or 1.0) / 1000.0
+        c = self.token_s if self.token_s is not None else 0.0
+        k = best_draft_length(self.acceptance, L, c, self.k_max)
+        if k == 0 and (self.rounds % self.probe_every == 0 or self.token_s is None):
+            k = 1  # keep measuring the draft's cost and acceptance
+        self.lengths.append(k)
+        return k
+
+    def _ema(self, old: Optional[float], new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """One round: ``drafted`` tokens proposed in ``draft_s``, ``accepted`` of them kept, the
+        target's forward took ``verify_s``."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rejections += int(accepted < drafted)
+        if drafted:
+            self.token_s = self._ema(self.token_s, draft_s / drafted)
+        self.round_s = self._ema(self.round_s, verify_s)
+
+
+class LinkAwareDraft(CandidateGenerator):
+    """Wraps transformers' candidate generator (assistant model or prompt lookup): with
+    ``control``, sets its draft length from ``policy`` before every round (otherwise leaves
+    transformers' schedule alone); always records draft time, verification time and
+    acceptance in ``policy``."""
+
+    def __init__(self, inner: CandidateGenerator, policy: LinkAwarePolicy, control: bool = True):
+        self.inner, self.policy, self.control = inner, policy, control
+        self.requires_model_outputs = getattr(inner, "requires_model_outputs", False)
+        if control and hasattr(inner, "num_assistant_tokens"):
+            # stop only at k: the assistant's confidence stop ignores the link
+            inner.generation_config.assistant_confidence_threshold = 0.0
+            inner.assistant_confidence_threshold = 0.0
+        self._t0 = self._drafted = self._draft_s = None
+
+    def __getattr__(self, name):  # model_kwargs_overrides and the like
+        return getattr(self.__dict__["inner"], name)
+
+    def _set_length(self, k: int) -> None:
+        if hasattr(self.inner, "num_assistant_tokens"):
+            self.inner.num_assistant_tokens = k
+        elif hasattr(self.inner, "num_output_tokens"):
+            self.inner.num_output_tokens = k
+
+    def get_candidates(self, input_ids, **kwargs):
+        if self.control:
+            self._set_length(self.policy.next_length())
+        t = time.perf_counter()
+        ids, logits = self.inner.get_candidates(input_ids, **kwargs)
+        now = time.perf_counter()
+        self._draft_s, self._t0 = now - t, now
+        self._drafted = ids.shape[1] - input_ids.shape[1]
+        return ids, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        verify_s = time.perf_counter() - self._t0
+        self.policy.update(self._drafted, int(num_matches), self._draft_s, verify_s)
+        if not self.control:
+            self.inner.update_candidate_strategy(input_ids, scores, num_matches)
+
+
+@contextlib.contextmanager
+def link_aware(model, policy: Optional[LinkAwarePolicy] = None, *, control: bool = True):
+    """Within the block, ``model.generate(assistant_model=... | prompt_lookup_num_tokens=...)``
+    drafts through :class:`LinkAwareDraft`: ``policy`` (default: a new
+    :class:`LinkAwarePolicy`) chooses each round's length, or with ``control=False`` only
+    records the rounds (transformers' own schedule). Yields the policy, whose counters say
+    what happened (``rounds``, ``drafted``, ``accepted``, ``lengths``, ``measured_acceptance``).
+    The model's ``_get_candidate_generator`` is wrapped on the instance for the block only."""
+    policy = policy if policy is not None else LinkAwarePolicy()
+    original = model._get_candidate_generator
+
+    def wrapped(*args, **kwargs):
+        return LinkAwareDraft(original(*args, **kwargs), policy, control)
+
+    model._get_candidate_generator = wrapped
+    try:
+        yield policy
+    finally:
+        del model._get_candidate_generator
+
+
+# -- positions the server sees ----------------------------------------------------------
+
+class CountingRemoteCache(RemoteCache):
+    """A :class:`RemoteCache` that counts what it sends: ``positions_sent`` (rows x positions
+    of every step, accepted or later cropped: the releases docs/PRIVACY.md accounts) and
+    ``steps_sent`` (round trips)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.positions_sent = 0
+        self.steps_sent = 0
+
+    def remote(self, hidden, attention_mask=None, logits_to_keep: int = 1):
+        out = super().remote(hidden, attention_mask, logits_to_keep)
+        self.positions_sent += int(hidden.shape[0]) * int(hidden.shape[1])
+        self.steps_sent += 1
+        return out

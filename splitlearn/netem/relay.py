@@ -1,0 +1,281 @@
+"""A TCP relay that delays each direction by a fixed one-way time: an emulated WAN link.
+
+Why a relay. The usual tool, ``tc qdisc ... netem delay 25ms``, needs the ``sch_netem``
+kernel module, and the kernels these benchmarks run on do not have it (``tc`` answers
+"Specified qdisc kind is unknown"). ``tc`` does have ``tbf`` and ``htb``, which shape
+**rate** (a token bucket) but add no fixed delay. So:
+
+- **delay**: this relay. It sits between the client and the server (the client connects to the
+  relay's port, the relay to the server) and releases every chunk it reads at
+  ``arrival + delay`` on the other side, in order, per direction: a round trip through it
+  costs ``2 * delay`` more than without it (the RTT), as a link of that length would. It
+  runs in userspace, so it needs no privilege and works on any kernel.
+- **bandwidth**: where you are root, shape the rate in the kernel: a network namespace and a
+  veth pair with ``tc qdisc add dev veth0 root tbf rate 100mbit burst 32kbit latency 400ms``
+  on each end (``docs/WAN.md`` has the commands). Where ``tc`` is not usable, ``rate_mbps``
+  here is a token bucket per direction (``burst_bytes`` deep) applied after the delay: the
+  bytes leave no faster than the rate, as through a link's serialiser.
+
+What it is not: no loss, no reordering, no jitter (a WAN's TCP hides loss as extra delay;
+add it with your own numbers if you need it). The delay is the time between the relay
+*reading* a chunk and *writing* it: the loop's timer resolution (about 1 ms on Linux, more on
+a loaded machine) is added, never subtracted, so measured RTTs are ``>= 2 * delay``.
+
+Use::
+
+    python -m splitlearn.netem.relay --listen 127.0.0.1:9000 --upstream 127.0.0.1:8000 --rtt-ms 50
+
+    with DelayRelay(("127.0.0.1", 8000), rtt_ms=50) as relay:   # a thread of this process
+        client = SplitClient(relay.url, ...)
+
+:class:`RelayProcess` is the same relay as a child process (what the benchmarks use: the
+relay then competes with neither side for the interpreter lock). Closing propagates: when one
+side half-closes (EOF), the other side's write half is closed after the same delay; a reset
+closes both.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+CHUNK = 1 << 16  # bytes read at once
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+class TokenBucket:
+    """``rate_bps`` bytes per second, ``burst`` bytes deep: :meth:`wait` says how long to wait
+    before ``n`` bytes may leave (and takes them)."""
+
+    def __init__(self, rate_bps: float, burst: int):
+        if rate_bps <= 0 or burst <= 0:
+            raise ValueError("rate and burst must be > 0")
+        self.rate, self.burst = float(rate_bps), float(burst)
+        self.tokens, self.t = float(burst), time.monotonic()
+
+    def wait(self, n: int) -> float:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        self.tokens -= n  # may go negative: the debt is the wait
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+
+class LinkStats:
+    """Bytes and connections through the relay (for reports and tests)."""
+
+    def __init__(self):
+        self.connections = 0
+        self.bytes_up = 0  # client -> server
+        self.bytes_down = 0  # server -> client
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+class DelayRelay:
+    """The relay (see the module docstring) on ``listen`` (default: a free loopback port) to
+    ``upstream``, delaying each direction by ``rtt_ms / 2`` (or ``up_ms``/``down_ms``: one-way
+    delays client->server and server->client), optionally rate-limited per direction to
+    ``rate_mbps`` megabits per second. ``start()`` runs it in a daemon thread; ``serve()`` is
+    the coroutine (for :func:`main`)."""
+
+    def __init__(self, upstream: tuple[str, int], *, rtt_ms: float = 0.0, up_ms: Optional[float] = None,
+                 down_ms: Optional[float] = None, rate_mbps: Optional[float] = None,
+                 burst_bytes: int = 64 * 1024, listen: tuple[str, int] = ("127.0.0.1", 0)):
+        if rtt_ms < 0 or (up_ms is not None and up_ms < 0) or (down_ms is not None and down_ms < 0):
+            raise ValueError("delays must be >= 0")
+        self.upstream = upstream
+        self.up_s = (rtt_ms / 2 if up_ms is None else up_ms) / 1000.0
+        self.down_s = (rtt_ms / 2 if down_ms is None else down_ms) / 1000.0
+        self.rate_bps = rate_mbps * 1e6 / 8 if rate_mbps else None
+        self.burst = int(burst_bytes)
+        self.listen = listen
+        self.stats = LinkStats()
+        self.port: Optional[int] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._server: Optional[asyncio.base_events.Server] = None
+        self._thread: Optional[threading.Thread] = None
+        self._ready = threading.Event()
+        self._tasks: set = set()
+
+    @property
+    def rtt_ms(self) -> float:
+        return (self.up_s + self.down_s) * 1000.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.listen[0]}:{self.port}"
+
+    # -- the pump --------------------------------------------------------------------------
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float,
+                    up: bool) -> None:
+        """Read from ``reader``; write each chunk to ``writer`` at its arrival + ``delay_s``."""
+        loop = asyncio.get_running_loop()
+        queue: collections.deque = collections.deque()
+        arrived = asyncio.Event()
+        bucket = TokenBucket(self.rate_bps, self.burst) if self.rate_bps else None
+
+        async def read():
+            try:
+                while True:
+                    data = await reader.read(CHUNK)
+                    queue.append((loop.time() + delay_s, data))  # b"": EOF, released after the delay too
+                    arrived.set()
+                    if not data:
+                        return
+            except (ConnectionError, OSError):
+                queue.append((loop.time() + delay_s, None))  # a reset: close at once after the delay
+                arrived.set()
+
+        reading = asyncio.ensure_future(read())
+        try:
+            while True:
+                while not queue:
+                    arrived.clear()
+                    await arrived.wait()
+                due, data = queue.popleft()
+                wait = due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if data is None:
+                    break
+                if not data:  # EOF: half-close the other side's write direction
+                    if writer.can_write_eof():
+                        writer.write_eof()
+                    return
+                if bucket is not None:
+                    pause = bucket.wait(len(data))
+                    if pause > 0:
+                        await asyncio.sleep(pause)
+                writer.write(data)
+                if up:
+                    self.stats.bytes_up += len(data)
+                else:
+                    self.stats.bytes_down += len(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            reading.cancel()
+        writer.close()  # a reset or a failed write: both ends go
+
+    async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        self.stats.connections += 1
+        try:
+            s_reader, s_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            c_writer.close()
+            return
+        _nodelay(c_writer)
+        _nodelay(s_writer)
+        try:
+            await asyncio.gather(self._pump(c_reader, s_writer, self.up_s, True),
+                                 self._pump(s_reader, c_writer, self.down_s, False))
+        finally:
+            for w in (c_writer, s_writer):
+                w.close()
+
+    def _spawn(self, reader, writer):
+        task = asyncio.ensure_future(self._handle(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def serve(self) -> None:
+        """Listen and relay until cancelled (or :meth:`stop`)."""
+        self._loop = asyncio.get_running_loop()
+        self._server = await asyncio.start_server(self._spawn, *self.listen, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        async with self._server:
+            try:
+                await self._server.serve_forever()
+            except asyncio.CancelledError:
+                pass
+            finally:
+                for t in list(self._tasks):
+                    t.cancel()
+
+    # -- in a thread -----------------------------------------------------------------------
+
+    def start(self) -> "DelayRelay":
+        """Run the relay in a daemon thread; returns once it listens (``self.port``)."""
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.serve()), name="delay-relay", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the relay did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._server is not None:
+            self._loop.call_soon_threadsafe(self._server.close)
+            for t in list(self._tasks):
+                self._loop.call_soon_threadsafe(t.cancel)
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+
+    def __enter__(self) -> "DelayRelay":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def relay_process(upstream_url: str, rtt_ms: float, rate_mbps: Optional[float] = None, **kwargs):
+    """A :class:`splitlearn.localserver.ChildServer` running ``python -m splitlearn.netem.relay``
+    to the HTTP server at ``upstream_url`` on a free port; ready when ``/v1/health`` answers
+    through it. Its ``url`` is what the client connects to."""
+    from ..localserver import ChildServer, free_port
+
+    host, port = parse_hostport(upstream_url.split("://", 1)[-1].rstrip("/"))
+    listen = free_port()
+    cmd = [sys.executable, "-m", "splitlearn.netem.relay", "--listen", f"127.0.0.1:{listen}",
+           "--upstream", f"{host}:{port}", "--rtt-ms", str(rtt_ms)]
+    if rate_mbps:
+        cmd += ["--rate-mbps", str(rate_mbps)]
+    return ChildServer(cmd, listen, **kwargs)
+
+
+RelayProcess = relay_process
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m splitlearn.netem.relay", description=__doc__.splitlines()[0])
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to accept clients on")
+    p.add_argument("--upstream", required=True, help="HOST:PORT of the server")
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="added round trip (half each way)")
+    p.add_argument("--up-ms", type=float, help="one-way delay client -> server (overrides half the RTT)")
+    p.add_argument("--down-ms", type=float, help="one-way delay server -> client")
+    p.add_argument("--rate-mbps", type=float, help="token-bucket rate per direction (default: none)")
+    p.add_argument("--burst-bytes", type=int, default=64 * 1024)
+    a = p.parse_args(argv)
+    relay = DelayRelay(parse_hostport(a.upstream), rtt_ms=a.rtt_ms, up_ms=a.up_ms, down_ms=a.down_ms,
+                       rate_mbps=a.rate_mbps, burst_bytes=a.burst_bytes, listen=parse_hostport(a.listen))
+    try:
+        asyncio.run(relay.serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Speculative decoding across the split (splitlearn/hf/draft.py) against real server processes.
+
+Every draft kind (prompt lookup, an assistant model, the U-shape's free draft), with
+transformers' own draft length and with the link-aware one, must give exactly the unsplit
+model's greedy tokens (float32 wire); rejected drafted positions must leave the server's
+cache (the next step at those positions equals the unsplit model); and every position sent,
+accepted or not, is counted. transformers' assisted decoding is batch-size-1 only
+(``_assisted_decoding`` raises for batch_size > 1), so the batch cases are one left-padded row
+and a check that two rows are refused as transformers refuses them.
+"""
+import pytest
+import torch
+
+from splitlearn import load_model
+from splitlearn.errors import ConfigError
+from splitlearn.hf.draft import (CountingRemoteCache, LinkAwarePolicy, best_draft_length, expected_tokens,
+                                 free_draft, link_aware)
+
+from serverproc import TOKEN, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+NEW = 16
+ATOL = 2e-5
+GREEDY = dict(do_sample=False, pad_token_id=256, max_new_tokens=NEW)
+
+
+@pytest.fixture(scope="module", params=[(1, 3), (2,)], ids=["u", "2way"])
+def split_lm(request):
+    from splitlearn.hf.modeling import SplitGPT2LMHeadModel
+
+    with ServerProcess(request.param) as srv:
+        model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN)
+        yield model
+        model.transformer.remote.close()
+
+
+@pytest.fixture(scope="module")
+def other_draft():
+    """A tiny model with other weights: it disagrees with the target most of the time."""
+    return load_model("tiny", seed=1)
+
+
+@pytest.fixture(scope="module")
+def same_draft():
+    """The target's own weights (a copy: transformers' heuristic writes the assistant's config)."""
+    return load_model("tiny")
+
+
+def counting_cache(model) -> CountingRemoteCache:
+    remote = model.transformer.remote
+    return CountingRemoteCache.from_info(model.config, remote.transport, remote.info)
+
+
+def one_row(padded_batch, row=2):
+    ids, mask = padded_batch
+    return ids[row:row + 1], mask[row:row + 1]
+
+
+def draft_kwargs(kind, split_lm, same_draft, other_draft):
+    if kind == "lookup":
+        return dict(prompt_lookup_num_tokens=4)
+    if kind == "assistant":
+        return dict(assistant_model=same_draft)
+    if kind == "other":
+        return dict(assistant_model=other_draft)
+    if not split_lm.transformer.u_shape:
+        pytest.skip("the free draft is the U-shape client's own blocks (2-way: no head on the client)")
+    return dict(assistant_model=free_draft(split_lm))
+
+
+@pytest.mark.parametrize("kind", ["lookup", "assistant", "other", "free"])
+@pytest.mark.parametrize("row,policy", [(0, True), (2, False)], ids=["padded-link-aware", "full-hf-length"])
+def test_speculative_greedy_equals_greedy(split_lm, tiny_model, same_draft, other_draft, padded_batch, kind, policy,
+                                          row):
+    ids, mask = one_row(padded_batch, row)
+    if row == 0:
+        assert mask[0, 0] == 0  # left-padded
+    kw = draft_kwargs(kind, split_lm, same_draft, other_draft)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    with counting_cache(split_lm) as cache, \
+            link_aware(split_lm, LinkAwarePolicy(k_max=6, rtt_ms=50), control=policy) as p:
+        got = split_lm.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **GREEDY, **kw)
+    assert torch.equal(got, want), (got, want)
+    assert p.rounds == cache.steps_sent
+    # every position the server saw: the prompt, then each round's drafts and the last token
+    assert cache.positions_sent == ids.shape[1] + p.drafted + p.rounds - 1
+    assert cache.positions_sent >= got.shape[1] - 1
+    if kind == "assistant":  # the target's weights: every draft accepted
+        assert p.accepted == p.drafted
+        if policy:  # before any measurement the 50 ms prior asks for the longest draft; later
+            # lengths follow the measured (here loopback, maybe loaded) times: not asserted
+            assert p.lengths[0] == p.k_max
+
+
+def test_two_rows_are_refused_as_transformers_refuses_them(split_lm, tiny_model, same_draft, padded_batch):
+    ids, mask = padded_batch
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        tiny_model.generate(input_ids=ids[:2], attention_mask=mask[:2], assistant_model=same_draft, **GREEDY)
+    with pytest.raises(ValueError, match="batch_size = 1"):
+        split_lm.generate(input_ids=ids[:2], attention_mask=mask[:2], assistant_model=same_draft, **GREEDY)
+
+
+def test_rejected_positions_leave_the_server_cache(split_lm, tiny_model, other_draft, padded_batch):
+    """A draft that mostly disagrees: many positions are cropped. After generate, the session
+    holds exactly the kept tokens: the next step (at a position that held rejected drafts)
+    gives the unsplit model's logits of the whole sequence."""
+    ids, mask = one_row(padded_batch, 0)
+    with counting_cache(split_lm) as cache, link_aware(split_lm, LinkAwarePolicy(k_max=5, rtt_ms=100)) as p:
+        seq = split_lm.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                                assistant_model=other_draft, **GREEDY)
+        assert p.rejections > 0 and p.accepted < p.drafted
+        assert cache.get_seq_length() == seq.shape[1] - 1  # the last token is not fed yet
+        assert cache.positions_sent > seq.shape[1] - 1  # rejected positions were sent too
+        full_mask = torch.cat([mask, torch.ones(1, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+        pos = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+        with torch.no_grad():
+            got = split_lm(seq[:, -1:], past_key_values=cache, attention_mask=full_mask, position_ids=pos).logits
+            want = tiny_model(seq, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+        assert torch.allclose(got[:, -1], want[:, -1], atol=ATOL), float((got[:, -1] - want[:, -1]).abs().max())
+        assert cache._server_length == seq.shape[1]  # the server's session: kept tokens only
+
+
+def test_free_draft_is_the_clients_own_blocks(split_lm, tiny_model, padded_batch):
+    if not split_lm.transformer.u_shape:
+        with pytest.raises(ConfigError, match="U-shape"):
+            free_draft(split_lm)
+        return
+    draft = free_draft(split_lm)
+    c1, c2 = split_lm.transformer.cuts
+    n = split_lm.config.n_layer
+    assert draft.config.n_layer == c1 + n - c2
+    # shared tensors, not copies: training the split model trains the draft
+    assert draft.transformer.h[0].attn.c_attn.weight.data_ptr() == \
+        split_lm.transformer.h[0].attn.c_attn.weight.data_ptr()
+    assert draft.transformer.h[c1].mlp.c_fc.weight.data_ptr() == split_lm.transformer.h[c2].mlp.c_fc.weight.data_ptr()
+    assert draft.lm_head.weight.data_ptr() == split_lm.lm_head.weight.data_ptr()
+    # its forward: the unsplit model's blocks minus the trunk
+    ids, _ = one_row(padded_batch)
+    with torch.no_grad():
+        h = tiny_model.transformer.wte(ids) + tiny_model.transformer.wpe(torch.arange(ids.shape[1]))
+        for i in list(range(c1)) + list(range(c2, n)):
+            h = tiny_model.transformer.h[i](h)
+            h = h[0] if isinstance(h, tuple) else h
+        want = tiny_model.lm_head(tiny_model.transformer.ln_f(h))
+        assert torch.allclose(draft(ids).logits, want, atol=1e-5)
+
+
+def test_draft_length_formula():
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # a long link drafts longer than loopback at the same acceptance and draft cost
+    assert best_draft_length(0.8, 0.100, 0.002) > best_draft_length(0.8, 0.003, 0.002) >= 1
+    assert best_draft_length(0.0, 0.1, 0.001) == 0  # nothing is ever accepted: no draft
+    assert best_draft_length(0.0, 0.1, 0.001, k_min=1) == 1
+    assert best_draft_length(0.3, 0.002, 0.002) == 0  # loopback, a draft as dear as the round: plain steps
+    assert best_draft_length(1.0, 0.1, 0.0, k_max=9) == 9  # free and always right: the most allowed
+    p = LinkAwarePolicy(k_max=8, rtt_ms=50, prior_weight=0)
+    p.update(drafted=4, accepted=4, draft_s=0.004, verify_s=0.05)
+    p.update(drafted=4, accepted=2, draft_s=0.004, verify_s=0.05)
+    assert p.measured_acceptance == 0.75 and p.acceptance == pytest.approx(6 / 7)
+    assert p.next_length() == best_draft_length(6 / 7, 0.05, 0.001, 8) > 0
