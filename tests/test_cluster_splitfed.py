@@ -189,7 +189,8 @@ def test_rounds_over_two_replica_processes_equal_one_server_bit_for_bit(tmp_path
             assert s["version"] == n and st["round"] == n + 1 and st["members"] == [] and st["aggregation"] == rounds[n - 1]
             assert st["last_round"] == {"round": n, "members": 3, "samples": 8, "server_clipped": 0, "client_clipped": 1}
             assert st["replicas"]["ready"] and st["replicas"]["group"] == [0, 1]
-        assert s0["status"]["replicas"]["weights_sha256"] == s1["status"]["replicas"]["weights_sha256"]
+        # (the tensors above are compared bit for bit; the sha256 each replica reports in its
+        # status is read while the next round may already be under way, so it is not compared)
         assert s0["status"]["replicas"]["last_close"]["local"] == 2 and s1["status"]["replicas"]["last_close"]["local"] == 1
 
 
