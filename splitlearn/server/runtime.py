@@ -24,7 +24,7 @@ import torch
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, read_extra, save_state
 from ..devices import dtype_name, resolve_device, resolve_dtype
-from ..errors import BadRequest, Conflict
+from ..errors import BadRequest
 from ..export import load_segment, read_segment_spec
 from ..headloss import head_loss
 from ..loading import load_model
