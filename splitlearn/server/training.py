@@ -199,6 +199,8 @@ class Training:
                                   f"backward (at most {P.MAX_MICROS}): send their backwards first",
                                   retry_after=1.0)
         try:
+            if waiting:  # an open-ended step's graphs waiting for their backward are priced too
+                rt.budget.train(hidden.shape[0], hidden.shape[1], mask, graphs=waiting + 1)
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
             if labels is not None:  # 2-way, open-ended: the loss (chunked head), graph kept
