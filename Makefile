@@ -27,8 +27,10 @@ test: $(STAMP)
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
 	$(PY) -m pytest tests -m serial $(PYTEST_ARGS)
 
+# the workloads side by side (benchmarks/run.py), then across an emulated WAN (benchmarks/wan.py)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/wan.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -104,3 +104,40 @@ def test_two_way_decode_answers_logits_and_config_is_checked():
         DiagnoseConfig(sizes=(1024,))
     with pytest.raises(ConfigError):
         DiagnoseConfig(repeats=0)
+
+
+def test_a_wan_link_is_measured_advised_on_and_feeds_the_analyzer(server, monkeypatch, capsys, tmp_path):
+    """diagnose through a 20 ms relay: the link entry carries the measured round trip, the
+    advice names speculative decoding and micro-batches, and analyze_model_performance
+    --link-from takes that link for its cut and wire-dtype recommendation."""
+    from splitlearn.analysis.cli import main as analyze
+    from splitlearn.client.diagnose import wan_advice
+    from splitlearn.netem import relay_process
+
+    monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)
+    with relay_process(server.url, rtt_ms=20) as relay:
+        assert main(["diagnose", "--server", relay.url, "--json", "--sizes-kib", "1,64,256",
+                     "--repeats", "2", "--batch-size", "2", "--seq-len", "8"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["link"]["rtt_ms"] == r["per_call_overhead_ms"] >= 20 and r["link"]["link_mbps"] > 0
+    wan = r["advice"][2:]
+    assert len(wan) == 2 and "speculative decoding" in wan[0] and "micro_batches" in wan[1]
+    assert wan_advice(0.3, 1.0) == []  # loopback: no WAN advice
+    report = tmp_path / "link.json"
+    report.write_text(json.dumps(r))
+    out = tmp_path / "sweep.json"
+    assert analyze(["--model", "tiny", "--sweep", "--mode", "train", "--seq-len", "8", "--repeats", "2",
+                    "--warmup", "1", "--no-roofline", "--quiet", "--link-from", str(report),
+                    "--json", str(out)]) == 0
+    sweep = json.loads(out.read_text())["sweep"]
+    assert sweep["link"]["rtt_ms"] == r["link"]["rtt_ms"] and sweep["link"]["measured_from"] == relay.url
+    rec = sweep["recommendation"]
+    assert set(rec["wire_dtype_step_ms"]) == {"float32", "bfloat16", "float16", "int8"}
+    assert rec["wire_dtype_step_ms"]["int8"] <= rec["wire_dtype_step_ms"]["float32"]
+    assert all(p["transfer_ms"] >= r["link"]["rtt_ms"] for p in sweep["points"])
+    # bad input: exit 2 with one line
+    assert analyze(["--model", "tiny", "--sweep", "--link-from", str(tmp_path / "none.json")]) == 2
+    assert analyze(["--model", "tiny", "--cut", "1", "--link-from", str(report)]) == 2
+    assert analyze(["--model", "tiny", "--sweep", "--link-from", str(out)]) == 2  # not a diagnose report
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "needs --sweep" in err and "not a diagnose report" in err

@@ -13,8 +13,9 @@ import torch
 
 from splitlearn import load_model
 from splitlearn.errors import ConfigError
-from splitlearn.hf.draft import (CountingRemoteCache, LinkAwarePolicy, best_draft_length, expected_tokens,
-                                 free_draft, link_aware)
+from splitlearn.data import lm_batches
+from splitlearn.hf.draft import (CountingRemoteCache, LinkAwarePolicy, best_draft_length, distill_draft,
+                                 expected_tokens, free_draft, link_aware)
 
 from serverproc import TOKEN, ServerProcess
 
@@ -144,6 +145,44 @@ def test_free_draft_is_the_clients_own_blocks(split_lm, tiny_model, padded_batch
             h = h[0] if isinstance(h, tuple) else h
         want = tiny_model.lm_head(tiny_model.transformer.ln_f(h))
         assert torch.allclose(draft(ids).logits, want, atol=1e-5)
+
+
+def _kl_to(teacher, draft, ids) -> float:
+    with torch.no_grad():
+        want = torch.log_softmax(teacher(ids).logits, -1)
+        got = torch.log_softmax(draft(ids).logits, -1)
+        return float(torch.nn.functional.kl_div(got, want, log_target=True, reduction="none").sum(-1).mean())
+
+
+def test_distill_draft_learns_the_split_model_and_leaves_it_alone(split_lm, tiny_model, padded_batch):
+    """The free draft's copy, trained against the split model over the wire: closer to the whole
+    model's distribution afterwards, the split model's own (client and server) weights unchanged,
+    and speculative greedy with it still the plain greedy."""
+    if not split_lm.transformer.u_shape:
+        with pytest.raises(ConfigError, match="U-shape"):
+            distill_draft(split_lm, [], steps=1)
+        return
+    before = {k: v.clone() for k, v in split_lm.state_dict().items()}
+    ids = torch.tensor([list(range(5, 37)), list(range(40, 72))])  # (2, 32)
+    start = _kl_to(tiny_model, free_draft(split_lm), ids)
+    draft = distill_draft(split_lm, lm_batches(list(range(1, 250)) * 4, 4, 32, seed=0), steps=40, lr=3e-3,
+                          progress=False)
+    assert not draft.training and draft.generation_config.num_assistant_tokens_schedule == "constant"
+    assert _kl_to(tiny_model, draft, ids) < 0.7 * start
+    after = split_lm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the client's blocks: a copy was trained
+    with torch.no_grad():  # the server's trunk too: the split forward still equals the unsplit model
+        assert torch.allclose(split_lm(ids).logits, tiny_model(ids).logits, atol=ATOL)
+    row, mask = one_row(padded_batch, 2)
+    want = tiny_model.generate(input_ids=row, attention_mask=mask, **GREEDY)
+    with counting_cache(split_lm) as cache:
+        got = split_lm.generate(input_ids=row, attention_mask=mask, past_key_values=cache, assistant_model=draft,
+                                **GREEDY)
+    assert torch.equal(got, want)
+    with pytest.raises(ConfigError, match="steps"):
+        distill_draft(split_lm, iter([ids]), progress=False)  # no length, no steps
+    with pytest.raises(ConfigError, match="ran out"):
+        distill_draft(split_lm, [ids], steps=2, progress=False)
 
 
 def test_draft_length_formula():

@@ -176,3 +176,26 @@ def test_speculative_generation_through_the_relay_process(tiny_model):
                 assert policy.rounds < 12
         finally:
             model.transformer.remote.close()
+
+
+def test_the_benchmarks_cells_and_tables():
+    """benchmarks/wan.py's grid: loopback always, the lowest rate at 50 ms for generation, every
+    rate at 1 and 50 ms for training; --grid crosses everything; the tables come from the rows."""
+    from benchmarks.wan import cells, parse_args, tables
+
+    gen, train = cells(parse_args([]))
+    assert gen == [(0, 0), (1, 0), (20, 0), (50, 0), (100, 0), (50, 10)]
+    assert train == [(0, 0)] + [(r, m) for r in (1, 50) for m in (1000, 100, 10)]
+    gen, train = cells(parse_args(["--grid", "--rtt", "20,100", "--mbps", "10"]))
+    assert gen == train == [(0, 0), (20, 10), (100, 10)]
+    with pytest.raises(SystemExit):
+        parse_args(["--mbps", "0"])
+    rows = [{"link": "loopback", "system": "split", "tokens_per_s": 50.0, "speedup_vs_split": 1.0, "exact": True},
+            {"link": "50 ms", "system": "split", "tokens_per_s": 10.0, "speedup_vs_split": 1.0, "exact": True},
+            {"link": "50 ms", "system": "split + d", "tokens_per_s": 31.0, "speedup_vs_split": 3.1, "exact": False,
+             "acceptance": 0.5, "agreement": 0.9}]
+    training = [{"link": "loopback", "wire_dtype": "int8", "step_s_micro1": 1.0, "vs_loopback_micro1": 1.0},
+                {"link": "50 ms / 100 Mbit/s", "wire_dtype": "int8", "step_s_micro1": 1.5, "vs_loopback_micro1": 1.5}]
+    text = tables({"rows": rows, "unsplit_tokens_per_s": 80.0, "training": training, "micro_batches": [1]})
+    assert "| split + d | - | 31.0 (x3.10) NOT EXACT | 0.90 | 0.50 |" in text
+    assert "| 50 ms / 100 Mbit/s | int8 | 1.500 | 1.50x |" in text

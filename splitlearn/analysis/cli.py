@@ -5,6 +5,8 @@ Examples::
     analyze_model_performance --model random:gpt2 --cut 2 --cut 10 --batch-size 1 --seq-len 6
     analyze_model_performance --model random:gpt2 --sweep --seq-len 128 \\
         --link-mbps 100 --rtt-ms 20 --plot sweep.png
+    python -m splitlearn.client diagnose --server URL --json > link.json
+    analyze_model_performance --model gpt2 --sweep --mode train --link-from link.json   # the measured link
 
 Bad input (a cut out of range, a sequence longer than n_positions, ``--device cuda`` without
 a GPU, ...) prints one line on stderr and exits with status 2.
@@ -57,6 +59,28 @@ def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
     return out
 
 
+def measured_link(source: str) -> dict:
+    """A diagnose report: read from a JSON file, or measured now against a server URL."""
+    import json
+
+    if source.startswith(("http://", "https://")):
+        import os
+
+        from ..client.diagnose import DiagnoseConfig, diagnose
+        from ..client.transport import Transport, TransportConfig
+
+        log.info("measuring the link to %s", source)
+        t = Transport(TransportConfig(source, os.environ.get("SPLITLEARN_TOKEN"), retries=1, connect_timeout_s=5.0))
+        try:
+            return diagnose(t, DiagnoseConfig(sizes=(1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20), repeats=3))
+        finally:
+            t.close()
+    try:
+        return json.loads(Path(source).read_text())
+    except (OSError, ValueError) as e:
+        raise SplitLearnError(f"--link-from {source}: cannot read a diagnose report ({e})") from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description="What each segment of a split GPT-2 costs "
                                 "(params, MACs/FLOPs, latency, memory, bytes per cut), and where to cut.")
@@ -83,6 +107,10 @@ def parser() -> argparse.ArgumentParser:
                    "per side against bytes crossing")
     p.add_argument("--link-mbps", type=float, help="link bandwidth in Mbit/s (sweep step estimate)")
     p.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time in ms (default 0)")
+    p.add_argument("--link-from", metavar="FILE|URL",
+                   help="with --sweep: the link measured by `python -m splitlearn.client diagnose --json` "
+                        "(its JSON file), or measure it now against this server URL ($SPLITLEARN_TOKEN); "
+                        "replaces --link-mbps and --rtt-ms")
     p.add_argument("--server-speedup", type=float, default=1.0,
                    help="how many times faster the server computes than this machine")
     p.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES)
@@ -126,9 +154,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             repeats=args.repeats, warmup=args.warmup, max_seconds=args.max_seconds,
             peak_tflops=args.peak_tflops,
             mem_bw_gbs=args.mem_bw_gbs, roofline=not args.no_roofline, seed=args.seed)
-        link = LinkConfig(link_mbps=args.link_mbps, rtt_ms=args.rtt_ms,
-                          server_speedup=args.server_speedup, wire_dtype=args.wire_dtype,
-                          min_client_blocks=args.min_client_blocks)
+        common = dict(server_speedup=args.server_speedup, wire_dtype=args.wire_dtype,
+                      min_client_blocks=args.min_client_blocks)
+        if args.link_from:
+            if not args.sweep:
+                raise SplitLearnError("--link-from needs --sweep (the sweep is what uses the link)")
+            if args.link_mbps is not None or args.rtt_ms:
+                raise SplitLearnError("--link-from replaces --link-mbps and --rtt-ms: give one or the other")
+            link = LinkConfig.from_diagnose(measured_link(args.link_from), **common)
+        else:
+            link = LinkConfig(link_mbps=args.link_mbps, rtt_ms=args.rtt_ms, **common)
         privacy = None
         if args.max_leakage is not None and not (args.privacy and args.sweep):
             raise SplitLearnError("--max-leakage needs --sweep and --privacy")

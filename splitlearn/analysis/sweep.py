@@ -43,6 +43,18 @@ class LinkConfig:
     server_speedup: float = 1.0        # server compute is this many times faster than here
     wire_dtype: str = "float32"        # float32 | bfloat16 | float16 | int8
     min_client_blocks: int = 1         # blocks the client keeps at least (privacy)
+    measured_from: Optional[str] = None  # the server diagnose measured rtt_ms and link_mbps against
+
+    @classmethod
+    def from_diagnose(cls, report: dict, **kw) -> "LinkConfig":
+        """The link ``python -m splitlearn.client diagnose --json`` measured: its per-call
+        overhead as the round trip, its fitted bandwidth as the rate (``report["link"]``)."""
+        link = report.get("link") if isinstance(report, dict) else None
+        if not isinstance(link, dict) or not {"rtt_ms", "link_mbps"} <= set(link):
+            raise ConfigError("not a diagnose report: no link entry with rtt_ms and link_mbps "
+                              "(make one with: python -m splitlearn.client diagnose --server URL --json)")
+        return cls(link_mbps=float(link["link_mbps"]), rtt_ms=float(link["rtt_ms"]),
+                   measured_from=report.get("server"), **kw)
 
     def __post_init__(self):
         if self.link_mbps is not None and self.link_mbps <= 0:
@@ -163,4 +175,13 @@ def recommend(points: list[dict], link: LinkConfig, n_layer: int) -> dict:
               f"transfer {best['transfer_ms']:.2f} ms of {best['bytes'][link.wire_dtype]} bytes "
               f"in {link.wire_dtype}); the allowed cuts span {100 * spread:.1f}% "
               f"(worst: cut {worst['cut']}, {worst['step_ms']:.2f} ms); {driver}")
-    return {"cut": best["cut"], "step_ms": best["step_ms"], "reason": reason}
+    # every cut sends the same bytes, so the wire dtype is chosen apart from the cut: the best
+    # cut's step in each dtype (bfloat16, float16 and int8 trade exactness for bytes)
+    fixed = best["step_ms"] - 8 * best["bytes"][link.wire_dtype] / (link.link_mbps * 1e3)
+    by_dtype = {dt: fixed + 8 * b / (link.link_mbps * 1e3) for dt, b in best["bytes"].items()}
+    fastest = min(by_dtype, key=lambda dt: (round(by_dtype[dt], 6), dt != link.wire_dtype))
+    if by_dtype[fastest] < 0.95 * best["step_ms"]:
+        reason += (f"; in {fastest} the same cut would take {by_dtype[fastest]:.2f} ms "
+                   f"({best['step_ms'] / by_dtype[fastest]:.2f}x faster, lossy: check the drift)")
+    return {"cut": best["cut"], "step_ms": best["step_ms"], "reason": reason,
+            "wire_dtype_step_ms": by_dtype, "fastest_wire_dtype": fastest}

@@ -17,6 +17,14 @@ server:
 and says in words which bound applies: "latency-bound: fewer round trips or larger batches"
 when the per-call overhead is most of a step's link time, "bandwidth-bound: bfloat16 halves
 the bytes, int8 quarters them" when the bytes are.
+
+On a link whose calls cost milliseconds (a WAN, docs/WAN.md) it adds what the measured link
+means for the two knobs that hide it (:func:`wan_advice`): generation is capped at one token
+per call, which speculative decoding lifts (the expected tokens per round trip of a draft that
+agrees 90% at the draft length :func:`splitlearn.hf.draft.best_draft_length` picks for this
+link); a training step's link time is hidden behind compute by ``micro_batches``. The
+report's ``link`` entry (``rtt_ms``, ``link_mbps``) is what ``analyze_model_performance
+--link-from`` reads, so the analyzer's cut and wire-dtype recommendation use the measured link.
 """
 from __future__ import annotations
 
@@ -168,6 +176,28 @@ def estimate(step: dict, overhead_ms: float, mbps: float, codec: dict, kind: str
             "advice": BANDWIDTH_ADVICE if bound == "bandwidth" else LATENCY_ADVICE}
 
 
+WAN_CALL_MS = 5.0  # calls dearer than this: a link worth drafting and pipelining over
+DRAFT_AGREEMENT = 0.9  # the agreement assumed for a good draft (docs/WAN.md measures one)
+
+
+def wan_advice(overhead_ms: float, train_link_ms: float) -> list[str]:
+    """What a link whose calls cost ``overhead_ms`` means for generation and training (no
+    advice below :data:`WAN_CALL_MS`: on a LAN the knobs are the ones above)."""
+    from ..hf.draft import best_draft_length, expected_tokens
+
+    if overhead_ms < WAN_CALL_MS:
+        return []
+    k = best_draft_length(DRAFT_AGREEMENT, overhead_ms / 1e3, 0.0, k_max=12)
+    per_round = expected_tokens(DRAFT_AGREEMENT, k)
+    return [f"generation: each plain token costs a call, so this link caps it near {1e3 / overhead_ms:.0f} "
+            f"tokens/s; speculative decoding verifies k drafted tokens per call: a draft agreeing "
+            f"{DRAFT_AGREEMENT:.0%} (an assistant model, or distill_draft of the U-shape's free draft) at "
+            f"k={k} yields {per_round:.1f} tokens per call (splitlearn.hf.draft.link_aware picks k as "
+            f"it measures; docs/WAN.md)",
+            f"training: a step spends about {train_link_ms:.0f} ms on this link; micro_batches=4 keeps "
+            f"pieces in flight so the link overlaps compute (docs/WAN.md)"]
+
+
 def diagnose(transport: Transport, cfg: Optional[DiagnoseConfig] = None) -> dict:
     """Measure the link to ``transport``'s server; the report as a JSON-ready dict."""
     cfg = cfg or DiagnoseConfig()
@@ -194,8 +224,10 @@ def diagnose(transport: Transport, cfg: Optional[DiagnoseConfig] = None) -> dict
                       "vocab_size": info["model_config"]["vocab_size"]},
             "round_trips": trips, "skipped_sizes": skipped,
             "per_call_overhead_ms": overhead_ms, "bandwidth_MBps": mbps,
+            "link": {"rtt_ms": overhead_ms, "link_mbps": 8 * mbps},  # analyze_model_performance --link-from
             "codec": codec_rows, "steps": {"training": train, "decode": dec},
-            "advice": [f"training step: {train['advice']}", f"decode step: {dec['advice']}"]}
+            "advice": [f"training step: {train['advice']}", f"decode step: {dec['advice']}",
+                       *wan_advice(overhead_ms, train["per_wire_dtype"]["float32"]["estimated_ms"])]}
 
 
 def _size(n: int) -> str:
@@ -231,4 +263,8 @@ def render(report: dict) -> str:
             lines.append(f"  {dt:>9}  {e['bytes_sent'] + e['bytes_received']:15d}  {e['calls_ms']:9.3f}  "
                          f"{e['transfer_ms']:9.3f}  {e['codec_ms']:9.3f}  {e['estimated_ms']:9.3f}")
         lines.append(f"  -> {s['advice']}")
+    wan = report["advice"][2:]  # wan_advice: only on a link whose calls cost milliseconds
+    if wan:
+        lines += ["", f"across this link ({report['per_call_overhead_ms']:.0f} ms per call):"]
+        lines += [f"  -> {a}" for a in wan]
     return "\n".join(lines) + "\n"
