@@ -35,12 +35,13 @@ from ..generation import GenerationConfig
 from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, loss_from_logits
-from ..wire import check_wire_dtype, pack, unpack
+from ..wire import pack, unpack
 from . import lora as client_lora
 from .federation import FederationState, untied_weights, wait_while_busy
 from ..idlepoll import IdlePoller
 from ..packed import PackedLinears
 from .pipeline import pipelined_attempt, token_shares
+from .config import ClientConfig
 from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
                        write_entry)
 from .generation import RemoteDecoder
@@ -55,6 +56,12 @@ class SplitClient:
     url: the server, e.g. ``http://127.0.0.1:8000``.
     model: the same model source the server was started with (spec name, directory, JSON,
         hub id, a ``GPT2LMHeadModel``), or a directory of exported segments.
+    config: a :class:`~splitlearn.client.config.ClientConfig` holding the options below; each
+        option may also be given as a keyword (it overrides the config's field). Bad options
+        raise ``ConfigError`` before the client contacts the server.
+
+    The options (``ClientConfig``'s fields):
+
     token: bearer token (default ``$SPLITLEARN_TOKEN``).
     optimizer, lr, weight_decay: the client's optimizer (``adamw`` or ``sgd``).
     device: ``auto``, ``cpu`` or ``cuda``. wire_dtype: ``float32``, ``bfloat16``,
@@ -83,55 +90,48 @@ class SplitClient:
     poll_idle: keep this process's cores polling instead of sleeping while the server works
     (:class:`splitlearn.idlepoll.IdlePoller`, Linux): less latency per step, for the cores'
     idle time; stopped by :meth:`close`.
+    seed: seeds a spec model's weights (use the server's). timeout_s, retries: one call's read
+    timeout and its retries on a broken connection. journal_dir: where the crash journal is
+    kept so a crashed client can resume (:meth:`load`; docs/RECOVERY.md).
     """
 
-    def __init__(self, url: str, model, *, token: Optional[str] = None, optimizer: str = "adamw",
-                 lr: float = 1e-3, weight_decay: float = 0.0, device: str = "auto",
-                 wire_dtype: str = "float32", client_id: Optional[str] = None, seed: int = 0,
-                 timeout_s: float = 300.0, retries: int = 6, wait_timeout_s: float = 600.0,
-                 reconnect_timeout_s: float = 120.0, journal_dir: Optional[Union[str, Path]] = None,
-                 defense=None, micro_batches: int = 1, fed_url: Optional[str] = None,
-                 fed_token: Optional[str] = None,
-                 lora=None, packed_weights: bool = True, poll_idle: bool = False):
-        if not isinstance(micro_batches, int) or not 1 <= micro_batches <= P.MAX_MICROS:  # before any call
-            raise ConfigError(f"micro_batches must be an integer in 1..{P.MAX_MICROS}, got {micro_batches!r}")
+    def __init__(self, url: str, model, config: Optional[ClientConfig] = None, **options):
+        c = self.config = ClientConfig.of(config, **options)  # validated before any call
         self.poller: Optional[IdlePoller] = None
-        self.transport = Transport(TransportConfig(url, token or os.environ.get("SPLITLEARN_TOKEN"),
-                                                   read_timeout_s=timeout_s, retries=retries))
+        self.transport = Transport(TransportConfig(url, c.token or os.environ.get("SPLITLEARN_TOKEN"),
+                                                   read_timeout_s=c.timeout_s, retries=c.retries))
         self.info = self.transport.get_json(P.INFO)
         if self.info.get("protocol_version") != P.PROTOCOL_VERSION:
             raise ConfigError(f"server speaks protocol {self.info.get('protocol_version')}, "
                               f"this client {P.PROTOCOL_VERSION}")
         self.cuts = tuple(self.info["cuts"])
         self.u_shape = len(self.cuts) == 2
-        self.device = resolve_device(device)
-        self.wire_dtype = check_wire_dtype(wire_dtype)
-        self.segments = self._own_segments(model, seed)
+        self.device = resolve_device(c.device)
+        self.wire_dtype = c.wire_dtype
+        self.segments = self._own_segments(model, c.seed)
         self.bottom = self.segments[0]
         self.top: Optional[Segment] = self.segments[1] if self.u_shape else None
-        self.optimizer = make_optimizer(unique_parameters(self.segments), optimizer, lr, weight_decay)
-        self.client_id = client_id or uuid.uuid4().hex[:16]
-        if not P.valid_client_id(self.client_id):
-            raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
+        self.optimizer = make_optimizer(unique_parameters(self.segments), c.optimizer, c.lr, c.weight_decay)
+        self.client_id = c.client_id or uuid.uuid4().hex[:16]  # ClientConfig checked a given one
         self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))  # replicas: docs/CLUSTER.md
         self.step = 0  # last training step applied on both sides
-        self.wait_timeout_s = wait_timeout_s  # longest wait for a busy segment, a turn or a round
-        fed = None if fed_url is None else Transport(TransportConfig(
-            fed_url, self._fed_token(fed_token), read_timeout_s=timeout_s, retries=retries))
-        self.federation = FederationState(self.transport, self.client_id, self.segments, wait_timeout_s, fed)
-        self.reconnect_timeout_s = reconnect_timeout_s  # longest wait for a restarting server
-        self.lora = client_lora.setup(self, lora, seed)  # peft adapters; the optimizer trains them alone
-        self.defense = defense  # splitlearn.privacy.Defense: applied to every activation sent
-        self.micro_batches = micro_batches  # pipelined training (see .pipeline)
+        self.wait_timeout_s = c.wait_timeout_s  # longest wait for a busy segment, a turn or a round
+        fed = None if c.fed_url is None else Transport(TransportConfig(
+            c.fed_url, self._fed_token(c.fed_token), read_timeout_s=c.timeout_s, retries=c.retries))
+        self.federation = FederationState(self.transport, self.client_id, self.segments, c.wait_timeout_s, fed)
+        self.reconnect_timeout_s = c.reconnect_timeout_s  # longest wait for a restarting server
+        self.lora = client_lora.setup(self, c.lora, c.seed)  # peft adapters; the optimizer trains them alone
+        self.defense = c.defense  # splitlearn.privacy.Defense: applied to every activation sent
+        self.micro_batches = c.micro_batches  # pipelined training (see .pipeline)
         self.journal = Journal(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
-        self.journal_dir = Path(journal_dir) if journal_dir is not None else None  # survives a client crash
+        self.journal_dir = Path(c.journal_dir) if c.journal_dir is not None else None  # survives a client crash
         self.journal.start(self._snapshot)
         if self.journal_dir is not None and not has_state(self.journal_dir, "client"):
             self._persist()  # step 0: a resume without a later snapshot starts here
         self.recoveries: list[dict] = []  # one entry per recovery: the server's step, steps replayed
         # generation's linear layers on prepacked weights (packed on their first product)
-        self._packed = PackedLinears(torch.nn.ModuleList(self.segments)) if packed_weights else None
-        if poll_idle:  # last: a failed set-up leaves no pollers behind
+        self._packed = PackedLinears(torch.nn.ModuleList(self.segments)) if c.packed_weights else None
+        if c.poll_idle:  # last: a failed set-up leaves no pollers behind
             self.poller = IdlePoller().start()
 
     # -- set-up ------------------------------------------------------------------------
