@@ -1,4 +1,4 @@
-"""transformers' own ``generate()`` on a split model against the hand-written decode loop.
+"""transformers' own ``generate()`` on a split model against ``SplitClient.generate`` (and the unsplit model).
 
     python benchmarks/hf_generate.py            # GPT-2 small shape, both modes (5 rounds: about 17 minutes on 2 cores)
     python benchmarks/hf_generate.py --quick    # the tiny model, a few tokens: the smoke test
@@ -7,9 +7,13 @@
 Greedy decoding of ``new_tokens`` tokens after a ``prompt_len`` prompt, batch 1 and 8, by
 
 - **(a) unsplit**: ``GPT2LMHeadModel.generate`` in the client's process (the limit);
-- **(b) hand loop**: :meth:`splitlearn.client.SplitClient.generate` (``splitlearn/generation.py``
-  + ``splitlearn/client/generation.py``: prepacked weights, two row groups in flight where the
-  server has cores of its own);
+- **(b) SplitClient**: :meth:`splitlearn.client.SplitClient.generate`. Since issue 20 this is
+  transformers' ``generate`` on ``SplitClient.model`` (its own prepacked weights) except greedy
+  batches of two rows or more where the server has cores of its own (the ``pinned`` mode),
+  which take the decode fast path: two row groups in flight
+  (``splitlearn/client/generation.py`` over ``splitlearn/generation.py``'s greedy loop). Before,
+  every cell ran the hand-written loop; the figures in benchmarks/README.md from before that
+  change are its "hand loop" column;
 - **(c) hf generate**: ``splitlearn.SplitGPT2LMHeadModel.from_pretrained(source, server=url,
   token=...).generate(...)`` (transformers' ``GenerationMixin`` over a ``RemoteCache``), on
   prepacked weights as (b) (``SplitGenerationMixin.packed_weights``, the default);

@@ -1,15 +1,20 @@
-"""Token-by-token generation over segments, local or remote.
+"""Greedy decoding over segments: the decode fast path, local or remote.
 
-The decode loop is written once (:func:`decode`) against a ``step`` function that maps the
-new token ids (B, T) and the attention mask of the whole sequence so far (B, past + T) to the
-logits of the last position (B, V). :func:`local_step` builds that function for a
-:class:`~splitlearn.partition.Partition` in one process, each segment with its own KV cache;
-the HTTP client builds one whose middle segment lives on a server.
+Generation is transformers' ``generate()`` on the split model classes (:mod:`splitlearn.hf`):
+every strategy, sampler, logits processor and stopping rule is theirs. This module keeps only
+what that cannot do: greedy decoding driven **one step at a time by the caller**, which the
+client's pipelined decode needs (two row groups of one batch in flight on two server
+sessions, :mod:`splitlearn.client.generation`) and which the export checks use to run
+segments in one process.
 
-Greedy decoding reproduces ``model.generate(do_sample=False)``: positions come from the mask
-as ``generate`` derives them, and finished rows are filled with ``pad_token_id`` after
-``eos_token_id``. Sampling applies temperature, then top-k, then top-p (Hugging Face's order)
-and draws with a ``torch.Generator`` seeded by ``seed``, so a seed reproduces a sample.
+The loop (:func:`decode`) is written against a ``step`` function that maps the new token ids
+(B, T) and the attention mask of the whole sequence so far (B, past + T) to the logits of the
+last position (B, V). :func:`local_step` builds that function for a
+:class:`~splitlearn.partition.Partition` in one process, each segment with its own KV cache.
+It reproduces ``model.generate(do_sample=False)`` token for token (tests/test_generation.py):
+positions come from the mask as ``generate`` derives them, and finished rows are filled with
+``pad_token_id`` after ``eos_token_id``. Greedy tokens of a row do not depend on the other
+rows, which is what lets the pipelined decode split a batch into groups.
 """
 from __future__ import annotations
 
@@ -25,70 +30,34 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
-class GenerationConfig:
+class GreedyConfig:
+    """What greedy decoding needs (sampling, beams and the rest: transformers' ``generate``)."""
+
     max_new_tokens: int = 32  # tokens to add to each prompt
-    do_sample: bool = False  # False: greedy (argmax)
-    temperature: float = 1.0  # > 0; divides the logits before sampling
-    top_k: Optional[int] = None  # keep the k most likely tokens (sampling only)
-    top_p: Optional[float] = None  # keep the smallest set with this much probability, (0, 1]
     eos_token_id: Optional[int] = None  # stop a row at this token; None: never stop early
     pad_token_id: Optional[int] = None  # fill finished rows; defaults to eos_token_id
-    seed: Optional[int] = None  # seeds the sampler for reproducible samples
 
     def __post_init__(self):
-        if self.max_new_tokens < 0:
-            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p}")
-
-
-def next_tokens(logits: torch.Tensor, cfg: GenerationConfig,
-                generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Choose one token per row from last-position logits (B, V) -> (B,)."""
-    if not cfg.do_sample:
-        return logits.argmax(-1)
-    scores = logits.float() / cfg.temperature  # (B, V)
-    if cfg.top_k is not None:
-        kth = torch.topk(scores, min(cfg.top_k, scores.shape[-1])).values[:, -1:]  # (B, 1)
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if cfg.top_p is not None and cfg.top_p < 1:
-        # Nucleus sampling (Holtzman et al. 2020), as transformers' TopPLogitsWarper does it.
-        sorted_scores, idx = torch.sort(scores, descending=False)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        remove_sorted = cum <= (1 - cfg.top_p)
-        remove_sorted[:, -1] = False  # always keep the most likely token
-        remove = remove_sorted.scatter(1, idx, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
-    probs = scores.softmax(-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
 
 
 class DecodeState:
-    """The decode loop's state for a batch of rows: mask so far, finished rows, sampler.
+    """The decode loop's state for a batch of rows: mask so far, finished rows.
 
     :func:`decode` drives one; a caller that runs groups of rows on their own schedule (the
-    client's pipelined decoder) drives one per group. Per row, greedy decoding does not
-    depend on the other rows, so groups give the tokens one batch gives; sampling draws
-    from one generator for the whole batch, so it must stay in one group.
+    client's pipelined decoder) drives one per group.
     """
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                 cfg: GenerationConfig):
+    def __init__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cfg: GreedyConfig):
         self.cfg = cfg
         self.mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)  # (B, L)
-        self.generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-        if cfg.do_sample and self.generator is None:
-            self.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
         self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
         self.unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token of every row (B,) from last-position logits (B, V); pad for finished rows."""
-        tok = next_tokens(logits, self.cfg, self.generator)  # (B,)
+        tok = logits.argmax(-1)  # (B,)
         if self.cfg.eos_token_id is not None:
             tok = torch.where(self.unfinished, tok, torch.full_like(tok, self.pad))
             self.unfinished &= tok != self.cfg.eos_token_id
@@ -110,7 +79,7 @@ class DecodeState:
 
 
 def decode(step: Step, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-           cfg: GenerationConfig) -> Iterator[torch.Tensor]:
+           cfg: GreedyConfig) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), ``cfg.max_new_tokens`` times at most.
 
     The prompt goes through ``step`` once (prefill); every later call sends one position.
@@ -142,10 +111,10 @@ def local_step(parts: Partition) -> Step:
 
 def generate(parts: Partition, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
              **kwargs) -> torch.Tensor:
-    """Generate with the segments in one process: prompt + new tokens, (B, T + new).
+    """Greedy generation with the segments in one process: prompt + new tokens, (B, T + new).
 
-    kwargs are :class:`GenerationConfig` fields (max_new_tokens, do_sample, ...).
+    kwargs are :class:`GreedyConfig` fields (max_new_tokens, eos_token_id, pad_token_id).
     """
-    cfg = GenerationConfig(**kwargs)
+    cfg = GreedyConfig(**kwargs)
     out = [input_ids] + [t[:, None] for t in decode(local_step(parts), input_ids, attention_mask, cfg)]
     return torch.cat(out, dim=1)

@@ -1,5 +1,9 @@
 """SplitClient generation against a real server process: equal to ``model.generate``.
 
+``SplitClient.generate`` is transformers' ``generate`` on the client's split model
+(``client.model``); greedy decoding of two rows or more where the server has cores of its own
+runs the pipelined decode (two row groups in flight), tested here with ``pipeline=True``.
+
 The servers here are never trained, so they hold the seeded random init of models/tiny.json,
 the same weights as the ``tiny_model`` fixture (tied or untied makes no difference before
 training).
@@ -9,9 +13,9 @@ import logging
 import pytest
 import torch
 
-from splitlearn import partition
 from splitlearn.client import SplitClient
-from splitlearn.generation import generate as local_generate
+from splitlearn.errors import ConfigError
+from splitlearn.generation import GreedyConfig
 
 from serverproc import TOKEN, ServerProcess
 
@@ -42,14 +46,34 @@ def test_greedy_equals_hf_generate(client, tiny_model, padded_batch, eos):
     assert torch.equal(got, want)
 
 
-def test_sampling_with_a_seed_is_reproducible(client, server, tiny_model, padded_batch):
+def test_sampling_with_a_seed_is_reproducible(client, tiny_model, padded_batch):
     ids, mask = padded_batch
     kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=40, top_p=0.95)
+    torch.manual_seed(0)
+    before = torch.rand(3)
+    torch.manual_seed(0)
     a = client.generate(ids, mask, seed=11, **kw)
+    assert torch.equal(torch.rand(3), before)  # the global RNG is left alone
     assert torch.equal(a, client.generate(ids, mask, seed=11, **kw))
-    # the same draw as the segments run in one process with that seed
-    assert torch.equal(a, local_generate(partition(tiny_model, server.cuts), ids, mask, seed=11, **kw))
+    # the unsplit model's own draw with that seed: transformers' sampler on both
+    torch.manual_seed(11)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, pad_token_id=0, **kw)
+    assert torch.equal(a, want)
     assert not torch.equal(a, client.generate(ids, mask, seed=12, **kw))
+
+
+def test_any_generate_option_reaches_transformers(client, tiny_model, padded_batch):
+    """Beam search, repetition penalty and num_return_sequences: options the hand-written loop
+    never had, through the same method."""
+    ids, mask = padded_batch
+    kw = dict(max_new_tokens=6, num_beams=3, num_return_sequences=2, repetition_penalty=1.3)
+    got = client.generate(ids, mask, pad_token_id=256, **kw)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=256, **kw)
+    assert got.shape[0] == 2 * ids.shape[0] and torch.equal(got, want)
+    for bad in (dict(temperature=0.0, do_sample=True), dict(top_k=0, do_sample=True), dict(top_p=1.5, do_sample=True),
+                dict(max_new_tokens=-1), dict(max_new_tokens=10_000)):
+        with pytest.raises(ConfigError):
+            client.generate(ids, mask, **bad)
 
 
 def test_stream_yields_the_generated_tokens(client, padded_batch):
@@ -81,9 +105,9 @@ def test_server_restart_mid_generation_changes_nothing(client, server, padded_ba
     stream = client.generate_stream(ids, mask, max_new_tokens=NEW)
     got = [next(stream) for _ in range(4)]
     server.restart()  # SIGTERM and a new process on the same port: the session is gone
-    with caplog.at_level(logging.WARNING, logger="splitlearn.client.core"):
+    with caplog.at_level(logging.WARNING):
         got += list(stream)
-    assert "generation session lost" in caplog.text  # the client really had to replay
+    assert "session" in caplog.text and "replay" in caplog.text  # the client really had to replay
     assert torch.equal(torch.stack(got, dim=1), want)
 
 
@@ -91,13 +115,10 @@ def test_server_restart_mid_generation_changes_nothing(client, server, padded_ba
 
 def _pipelined(client, ids, mask, **kw):
     from splitlearn.client.generation import RemoteDecoder
-    from splitlearn.generation import GenerationConfig
 
-    remote = RemoteDecoder(client.transport, client.segments, ids.shape[0], client.wire_dtype, client._local,
-                           pipeline=True)
+    remote = RemoteDecoder(client.transport, client.segments, ids.shape[0], client.wire_dtype, client._local)
     try:
-        assert remote.pipelined(GenerationConfig(**kw))
-        new = list(remote.decode(ids, mask, GenerationConfig(**kw)))
+        new = list(remote.decode(ids, mask, GreedyConfig(**kw)))
         assert len(remote.groups) == 2 and [g.rows for g in remote.groups] == [(ids.shape[0] + 1) // 2,
                                                                                  ids.shape[0] // 2]
     finally:
@@ -128,12 +149,11 @@ def test_pipelined_group_that_finishes_first_pads_until_the_other_does(client, t
 
 def test_pipelined_survives_a_server_restart(client, server, tiny_model, padded_batch, caplog):
     from splitlearn.client.generation import RemoteDecoder
-    from splitlearn.generation import GenerationConfig
 
     ids, mask = padded_batch
     want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-    remote = RemoteDecoder(client.transport, client.segments, 3, "float32", client._local, pipeline=True)
-    stream = remote.decode(ids, mask, GenerationConfig(max_new_tokens=NEW))
+    remote = RemoteDecoder(client.transport, client.segments, 3, "float32", client._local)
+    stream = remote.decode(ids, mask, GreedyConfig(max_new_tokens=NEW))
     got = [next(stream) for _ in range(4)]  # both groups' next steps are in flight now
     server.restart()
     with caplog.at_level(logging.WARNING):
@@ -146,19 +166,25 @@ def test_pipelined_survives_a_server_restart(client, server, tiny_model, padded_
 def test_pipelining_is_on_only_where_the_server_has_cores_of_its_own(client, padded_batch, monkeypatch):
     import os
 
-    from splitlearn.client.generation import RemoteDecoder, shares_cores_with_server
-    from splitlearn.generation import GenerationConfig
+    from splitlearn.client.generation import shares_cores_with_server, use_pipeline
 
-    greedy, sampling = GenerationConfig(max_new_tokens=2), GenerationConfig(max_new_tokens=2, do_sample=True)
-    make = lambda rows, **kw: RemoteDecoder(client.transport, client.segments, rows, "float32", client._local, **kw)
+    t = client.transport
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(os.cpu_count() or 1)))
-    assert shares_cores_with_server(client.transport.cfg.url)  # loopback, every core: shared
-    assert not make(3).pipelined(greedy)
+    assert shares_cores_with_server(t.cfg.url)  # loopback, every core: shared
+    assert not use_pipeline(t, 3)
     if (os.cpu_count() or 1) >= 2:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned: the server has the others
-        assert make(3).pipelined(greedy)
-    assert not make(3, pipeline=True).pipelined(sampling)  # one generator for the batch: one group
-    assert not make(1, pipeline=True).pipelined(greedy)
+        assert use_pipeline(t, 3)
+    assert not use_pipeline(t, 1, pipeline=True)  # one row: nothing to split
+    # the client takes the fast path for greedy rows only: sampling and options go to transformers
+    ids, mask = padded_batch
+    calls = []
+    monkeypatch.setattr(type(client), "_hf_generate", lambda self, *a: calls.append(a) or a[0])
+    client.generate(ids, mask, max_new_tokens=2, pipeline=True, do_sample=True)
+    client.generate(ids, mask, max_new_tokens=2, pipeline=True, num_beams=2)
+    assert len(calls) == 2
+    out = client.generate(ids, mask, max_new_tokens=2, pipeline=True)  # greedy: the two row groups
+    assert len(calls) == 2 and out.shape == (3, ids.shape[1] + 2)
 
 
 def test_clients_generating_at_once_each_get_generates_tokens(server, tiny_model, padded_batch):

@@ -43,7 +43,14 @@ def test_the_server_receives_clipped_noised_activations_never_the_clean_ones(ser
             clean = c.bottom(ids)  # (B, T, d): what an undefended client would send
         c.train_step(ids)
         c.evaluate(ids)
-        c.generate(ids[:1, :8], max_new_tokens=3)
+        c.generate(ids[:1, :8], max_new_tokens=3)  # transformers' generate on c.model: defended too
+        with torch.no_grad():
+            clean_prompt = c.bottom(ids[:1, :8])  # (1, 8, d) after the step
+    prefill = next(h for p, h in seen if "/sessions/" in p)
+    assert prefill.shape == clean_prompt.shape
+    assert ((prefill - clean_prompt).norm(dim=-1) > 0.05).all()
+    assert (prefill - GaussianNoise(sigma=sigma, clip=clip).clip_tokens(clean_prompt)).std().item() == \
+        pytest.approx(sigma * clip, rel=0.3)
     paths = [p for p, _ in seen]
     assert P.TRAIN_FORWARD in paths and P.FORWARD in paths and any("/sessions/" in p for p in paths)
     for path, h in seen[:2]:  # training and evaluation carry the whole batch

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from conftest import all_cuts, hf_forward
 from splitlearn import SegmentFileError, export_segments, load_segment, load_segments, partition
 from splitlearn.export import _sha256
-from splitlearn.generation import decode, GenerationConfig
+from splitlearn.generation import GreedyConfig, decode
 from splitlearn.segments import labels_from_batch, loss_from_logits
 
 ATOL = 1e-5
@@ -134,7 +134,7 @@ def test_cached_generation_through_loaded_segments(tiny_model, padded_batch, tmp
     def step(new, m):
         return chain(segs, new, m, caches)[:, -1]
 
-    cfg = GenerationConfig(max_new_tokens=8, eos_token_id=eos, pad_token_id=eos)
+    cfg = GreedyConfig(max_new_tokens=8, eos_token_id=eos, pad_token_id=eos)
     out = torch.cat([ids] + [t[:, None] for t in decode(step, ids, mask, cfg)], dim=1)
     ref = tiny_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                               eos_token_id=eos, pad_token_id=eos)

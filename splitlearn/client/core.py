@@ -15,6 +15,7 @@ model with untied embeddings; the U-shape keeps them tied.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import torch
+from transformers import StoppingCriteriaList
 
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
@@ -31,7 +33,7 @@ from ..devices import resolve_device
 from ..errors import (ConfigError, Conflict, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights,
                       TransportError)
 from ..export import load_segments
-from ..generation import GenerationConfig
+from ..generation import GreedyConfig
 from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, loss_from_logits
@@ -44,7 +46,7 @@ from .pipeline import pipelined_attempt, token_shares
 from .config import ClientConfig
 from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
                        write_entry)
-from .generation import RemoteDecoder
+from .generation import RemoteDecoder, stream_tokens, use_pipeline
 from .transport import Transport, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ class SplitClient:
         self.recoveries: list[dict] = []  # one entry per recovery: the server's step, steps replayed
         # generation's linear layers on prepacked weights (packed on their first product)
         self._packed = PackedLinears(torch.nn.ModuleList(self.segments)) if c.packed_weights else None
+        self._model = None  # self.model: these segments as a SplitGPT2LMHeadModel, made on first use
         if c.poll_idle:  # last: a failed set-up leaves no pollers behind
             self.poller = IdlePoller().start()
 
@@ -509,36 +512,124 @@ class SplitClient:
 
     # -- generation --------------------------------------------------------------------
 
+    @property
+    def model(self):
+        """This client as a :class:`splitlearn.SplitGPT2LMHeadModel`: the same modules (the
+        segments' embeddings, blocks, ``ln_f`` and head; no copy), this client's connection,
+        ``client_id``, wire dtype and defense. Made on first use. :meth:`generate` runs on it;
+        use it for anything transformers does with a model (``generate``'s every option,
+        ``assistant_model=``, a ``TextStreamer``). Training through it (``loss.backward()``) is
+        the model classes' own step protocol: do not mix it with :meth:`train_step` on one
+        client."""
+        if self._model is None:
+            from transformers import GPT2LMHeadModel
+
+            from ..hf.modeling import split_model
+            from ..hf.remote import RemoteConfig, RemoteSegment
+
+            config = copy.deepcopy(self.bottom.config)
+            with torch.device("meta"):
+                hf = GPT2LMHeadModel(config)
+            t = hf.transformer
+            t.wte, t.wpe, t.drop = self.bottom.wte, self.bottom.wpe, self.bottom.drop
+            for seg in self.segments:
+                for j, block in enumerate(seg.h):
+                    t.h[seg.start + j] = block
+            if self.u_shape:
+                t.ln_f, hf.lm_head = self.top.ln_f, self.top.lm_head
+            c = self.config
+            remote = RemoteSegment(RemoteConfig(self.transport.cfg.url, self.transport.cfg.token, self.client_id,
+                                                self.wire_dtype, c.timeout_s, c.retries, c.wait_timeout_s),
+                                   transport=self.transport, info=self.info)
+            remote.defense = self.defense
+            model = split_model(hf, remote=remote)
+            model.packed_weights = False  # this client's own prepacked weights (self._packed) serve it
+            self._model = model
+        return self._model
+
+    def _generate_kwargs(self, ids: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float,
+                         top_k: Optional[int], top_p: Optional[float], eos_token_id: Optional[int],
+                         pad_token_id: Optional[int], kwargs: dict) -> dict:
+        """transformers ``generate`` arguments with this method's historical meaning: no top-k or
+        top-p unless given, ``eos_token_id=None`` never stops early, finished rows padded with
+        ``pad_token_id`` (default: the eos)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        n_pos = self.bottom.config.n_positions
+        if ids.shape[1] + max_new_tokens > n_pos:
+            raise ConfigError(f"prompt of {ids.shape[1]} tokens + max_new_tokens={max_new_tokens} "
+                              f"passes the model's n_positions={n_pos}")
+        if not temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ConfigError(f"top_k must be >= 1, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ConfigError(f"top_p must lie in (0, 1], got {top_p}")
+        pad = pad_token_id if pad_token_id is not None else eos_token_id
+        out = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=eos_token_id,
+                   pad_token_id=pad if pad is not None else 0)
+        if do_sample:
+            out.update(temperature=temperature, top_k=top_k or 0, top_p=top_p if top_p is not None else 1.0)
+        return {**out, **kwargs}
+
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 32, do_sample: bool = False,
                  temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Optional[int] = None, seed: Optional[int] = None,
-                 pad_token_id: Optional[int] = None, pipeline: Optional[bool] = None) -> torch.LongTensor:
+                 pad_token_id: Optional[int] = None, pipeline: Optional[bool] = None,
+                 **generate_kwargs) -> torch.LongTensor:
         """Prompt + new tokens (B, T + new), like ``model.generate``; prompts left-padded.
 
-        ``pipeline``: greedy decoding of two rows or more as two row groups in flight (None:
+        transformers' ``generate`` on :attr:`model` (so ``generate_kwargs`` may be any of its
+        options: ``num_beams``, ``repetition_penalty``, ``assistant_model``, ``streamer``,
+        ``stop_strings`` with ``tokenizer``...). ``seed`` seeds sampling reproducibly without
+        touching the global RNG. ``eos_token_id=None`` never stops early. ``pipeline``: greedy
+        decoding of two rows or more as two row groups in flight (the decode fast path; None:
         when the server does not share this process's cores; see
-        :mod:`splitlearn.client.generation`)."""
+        :mod:`splitlearn.client.generation`), only without ``generate_kwargs``."""
         ids, mask = self._batch(input_ids, attention_mask)
-        new = list(self.generate_stream(ids, mask, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                        temperature=temperature, top_k=top_k, top_p=top_p,
-                                        eos_token_id=eos_token_id, seed=seed, pad_token_id=pad_token_id,
-                                        pipeline=pipeline))
-        return torch.cat([ids] + [t[:, None] for t in new], dim=1)
+        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline):
+            new = list(self.generate_stream(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                            pad_token_id=pad_token_id, pipeline=pipeline))
+            return torch.cat([ids] + [t[:, None] for t in new], dim=1)
+        kw = self._generate_kwargs(ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                                   pad_token_id, generate_kwargs)
+        return self._hf_generate(ids, mask, seed, kw)
 
-    def generate_stream(self, input_ids, attention_mask=None, pipeline: Optional[bool] = None,
-                        **kwargs) -> Iterator[torch.Tensor]:
-        """Yield the next token of every row, (B,), as each arrives (same arguments as generate)."""
+    def _hf_generate(self, ids: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[int], kw: dict):
+        model = self.model
+        model.eval()
+        if mask is None:
+            mask = torch.ones_like(ids)
+        with self._packed.active() if self._packed is not None else nullcontext():
+            if seed is None:
+                return model.generate(input_ids=ids, attention_mask=mask, **kw)
+            with torch.random.fork_rng(devices=[ids.device] if ids.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                return model.generate(input_ids=ids, attention_mask=mask, **kw)
+
+    def generate_stream(self, input_ids, attention_mask=None, max_new_tokens: int = 32, do_sample: bool = False,
+                        temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                        eos_token_id: Optional[int] = None, seed: Optional[int] = None,
+                        pad_token_id: Optional[int] = None, pipeline: Optional[bool] = None,
+                        **generate_kwargs) -> Iterator[torch.Tensor]:
+        """Yield the next token of every row, (B,), as each arrives (same arguments as
+        :meth:`generate`; a streamer of transformers' ``generate`` underneath). Closing the
+        iterator early stops the generation at its next token."""
         ids, mask = self._batch(input_ids, attention_mask)
-        cfg = GenerationConfig(**kwargs)
-        n_pos = self.bottom.config.n_positions
-        if ids.shape[1] + cfg.max_new_tokens > n_pos:
-            raise ConfigError(f"prompt of {ids.shape[1]} tokens + max_new_tokens={cfg.max_new_tokens} "
-                              f"passes the model's n_positions={n_pos}")
-        remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
-                               pipeline=pipeline, client_id=self.client_id if self.lora is not None else None,
-                               defend=self._defend)
-        try:
-            with self._packed.active() if self._packed is not None else nullcontext():
-                yield from remote.decode(ids, mask, cfg)
-        finally:
-            remote.close()
+        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline):
+            cfg = GreedyConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+            self._generate_kwargs(ids, max_new_tokens, False, 1.0, None, None, eos_token_id, pad_token_id, {})
+            remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
+                                   client_id=self.client_id if self.lora is not None else None,
+                                   defend=self._defend)
+            try:
+                with self._packed.active() if self._packed is not None else nullcontext():
+                    yield from remote.decode(ids, mask, cfg)
+            finally:
+                remote.close()
+            return
+        kw = self._generate_kwargs(ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                                   pad_token_id, generate_kwargs)
+        criteria = StoppingCriteriaList(kw.pop("stopping_criteria", None) or [])
+        yield from stream_tokens(lambda streamer, stop: self._hf_generate(
+            ids, mask, seed, {**kw, "streamer": streamer, "stopping_criteria": StoppingCriteriaList([*criteria, stop])}))

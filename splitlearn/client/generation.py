@@ -1,48 +1,50 @@
-"""``RemoteDecoder``: token-by-token generation with the server's segment in the middle.
+"""The pipelined decode: greedy generation of two row groups in flight (the decode fast path).
 
-One generation session on the server holds the KV cache of its segment; the client keeps the
-KV caches of its own segments and the bottom's outputs so far. A decode step::
-
-    new ids -> bottom (cache 0) -> h (B, T, d) --POST /v1/sessions/<sid>/step (h, new mask)-->
-        2-way:   logits of the last position (B, V)
-        U-shape: trunk output (B, T, d) -> top (cache 1) -> logits of the last position (B, V)
-
-Each step sends only the new positions and their mask columns (the server keeps the rest),
-so a decode step's request does not grow with the sequence. If the server loses the session
-(restart, expiry), a new session is opened and the bottom outputs so far are replayed once.
-
-Pipelining (greedy decoding of two rows or more). Run as one batch, the client and the server
-take turns: each waits while the other computes. :meth:`RemoteDecoder.decode` splits the
-rows into two groups, each with its own server session and its own connection (a transport
-*lane*), and keeps both in flight::
+``SplitClient.generate`` is transformers' ``generate()`` on the client's split model
+(:mod:`splitlearn.hf`). One case runs here instead: greedy decoding of two rows or more when
+the server does not share this process's cores. Run as one batch, the client and the server
+take turns: each waits while the other computes. :class:`RemoteDecoder` splits the rows into
+two groups, each with its own server session and its own connection (a transport *lane*),
+and keeps both in flight::
 
     client: bottom A | bottom B | top A, bottom A' | top B, bottom B' | top A', ...
     server:          | trunk A  | trunk B          | trunk A'         | trunk B', ...
 
 so the server computes one group while the client computes the other. Greedy tokens do not
 depend on the other rows, so the groups give the tokens one batch gives (each group is a
-batch of its own through the same segments). Sampling draws from one generator for the whole
-batch, so it runs as one group.
+batch of its own through the same segments; :mod:`splitlearn.generation`'s loop, which
+tests/test_generation.py proves equal to ``model.generate``). A decode step of a group::
+
+    new ids -> bottom (cache 0) -> h (B, T, d) --POST /v1/sessions/<sid>/step (h, new mask)-->
+        2-way:   logits of the last position (B, V)
+        U-shape: trunk output (B, T, d) -> top (cache 1) -> logits of the last position (B, V)
+
+Each step sends only the new positions and their mask columns (the server keeps the rest).
+If the server loses a session (restart, expiry), a new one is opened and the group's bottom
+outputs so far are replayed once.
 
 Two groups of B/2 rows cost each side more than one group of B (a decode step reads every
 weight once per group, and on a CPU that is most of its time up to batch 8 or so: measured,
 batch 4 costs about 0.7x batch 8), so the overlap pays only where the server's cores would
-otherwise sit idle while the client computes. By default it is on when the server does not
-share this process's cores: a server on another host, or a loopback one while this process
-is pinned to a subset of the machine's cores (as the benchmarks' two-device emulation does).
-A loopback server on shared cores runs the batch as one group: there, both sides computing
-at once only compete for the same cores.
+otherwise sit idle while the client computes: by default (:func:`use_pipeline`) when the
+server does not share this process's cores: a server on another host, or a loopback one
+while this process is pinned to a subset of the machine's cores (as the benchmarks'
+two-device emulation does).
 """
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
+from transformers import StoppingCriteria
+from transformers.generation.streamers import BaseStreamer
 
 from .. import protocol as P
 from ..errors import NotFound, TransportError
-from ..generation import DecodeState, GenerationConfig, decode as decode_loop
+from ..generation import DecodeState, GreedyConfig
 from ..segments import Segment
 from ..wire import pack, unpack
 from .transport import PendingCall, Transport, shares_cores_with_server
@@ -117,18 +119,22 @@ class _Group:
             self.sid = None
 
 
+def use_pipeline(transport: Transport, rows: int, pipeline: Optional[bool] = None) -> bool:
+    """Whether greedy decoding of ``rows`` rows runs as two groups in flight: ``pipeline`` if
+    given (and two rows or more), else when the server does not share this process's cores."""
+    want = (not shares_cores_with_server(transport.cfg.url)) if pipeline is None else pipeline
+    return bool(want) and rows >= 2
+
+
 class RemoteDecoder:
-    """Client side of generation over ``transport``.
+    """The pipelined greedy decode over ``transport`` (two row groups in flight).
 
     segments: the client's own segments, ``[bottom]`` (2-way) or ``[bottom, top]`` (U-shape).
     to_local: moves a received tensor to the client's device and compute dtype.
-    pipeline: split greedy decoding of two rows or more into two groups in flight
-        (None: when the server does not share this process's cores); see the module docstring.
     """
 
     def __init__(self, transport: Transport, segments: Sequence[Segment], rows: int, wire_dtype: str,
-                 to_local: Callable[[torch.Tensor], torch.Tensor], pipeline: Optional[bool] = None,
-                 client_id: Optional[str] = None,
+                 to_local: Callable[[torch.Tensor], torch.Tensor], client_id: Optional[str] = None,
                  defend: Callable[[torch.Tensor], torch.Tensor] = lambda h: h):
         self.transport = transport
         self.defend = defend  # the client's defense on what leaves it (splitlearn.privacy)
@@ -139,31 +145,14 @@ class RemoteDecoder:
         self.rows = rows
         self.wire_dtype = wire_dtype
         self.to_local = to_local
-        self.pipeline = pipeline
         self.client_id = client_id  # LoRA: sessions use this client's server-side adapter
         self.groups: list[_Group] = []
 
-    def _whole(self) -> _Group:
-        if not self.groups:
-            self.groups = [_Group(self, self.rows, lane=0)]
-        return self.groups[0]
-
-    def step(self, new_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits (B, V) of the last position after feeding ``new_ids`` (B, T); ``mask`` (B, L)."""
-        group = self._whole()
-        group.begin(new_ids, mask)
-        return group.finish()
-
-    def pipelined(self, cfg: GenerationConfig) -> bool:
-        want = (not shares_cores_with_server(self.transport.cfg.url)) if self.pipeline is None else self.pipeline
-        return want and self.rows >= 2 and not cfg.do_sample and not self.groups
-
     def decode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-               cfg: GenerationConfig) -> Iterator[torch.Tensor]:
+               cfg: GreedyConfig) -> Iterator[torch.Tensor]:
         """Yield the next token of every row, (B,), as :func:`splitlearn.generation.decode` does."""
-        if not self.pipelined(cfg):
-            yield from decode_loop(self.step, input_ids, attention_mask, cfg)
-            return
+        if self.rows < 2:
+            raise ValueError("the pipelined decode needs two rows or more")
         half = (self.rows + 1) // 2
         spans = [slice(0, half), slice(half, self.rows)]
         self.groups = [_Group(self, sl.stop - sl.start, lane=i) for i, sl in enumerate(spans)]
@@ -194,3 +183,65 @@ class RemoteDecoder:
                     pass
             g.close()
         self.groups = []
+
+
+# -- streaming transformers' generate -------------------------------------------------------
+
+_END = object()
+
+
+class _TokenQueue(BaseStreamer):
+    """A ``generate`` streamer that queues every new token of every row, (B,), prompt excluded."""
+
+    def __init__(self):
+        self.queue: "queue.Queue" = queue.Queue()
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate puts the prompt first
+            self._prompt_seen = True
+            return
+        self.queue.put(value.reshape(-1))
+
+    def end(self) -> None:
+        self.queue.put(_END)
+
+
+class _StopFlag(StoppingCriteria):
+    """Stops ``generate`` at its next token once :attr:`stop` is set (the reader went away)."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.stop.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def stream_tokens(run: Callable[[BaseStreamer, StoppingCriteria], object]) -> Iterator[torch.Tensor]:
+    """Yield each new token of every row, (B,), while ``run(streamer, stopping_criterion)``
+    (a transformers ``generate`` given both) runs in a thread; its exception is re-raised
+    here. Closing the iterator early stops the generation at its next token and waits for it
+    (so its server session is closed when this returns)."""
+    streamer, flag, error = _TokenQueue(), _StopFlag(), []
+
+    def target():
+        try:
+            run(streamer, flag)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the reader's thread
+            error.append(e)
+        finally:
+            streamer.queue.put(_END)  # generate does not call end() when it raises
+
+    thread = threading.Thread(target=target, name="splitlearn-generate", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = streamer.queue.get()
+            if item is _END:
+                break
+            yield item
+    finally:
+        flag.stop.set()
+        thread.join()
+    if error:
+        raise error[0]

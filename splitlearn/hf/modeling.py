@@ -277,6 +277,8 @@ class SplitGenerationMixin:
             raise ConfigError("this split model is not connected to a server (from_pretrained(..., server=URL))")
         kwargs.setdefault("wire_dtype", remote.cfg.wire_dtype)
         kwargs.setdefault("client_id", remote.client_id)
+        if getattr(remote, "defense", None) is not None:  # generation sends what the defense makes
+            kwargs.setdefault("defend", remote.defense.apply)
         return RemoteCache.from_info(self.config, remote.transport, remote.info, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
