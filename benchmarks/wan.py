@@ -280,6 +280,21 @@ def run(a, log=print) -> dict:
                 remote.close()
         # training after every generation cell (it moves the weights the generation checks against)
         x = next(lm_batches(ids, a.train_batch, a.train_seq, seed=2, steps=1)) if a.train_batch else None
+        unsplit_step_s = None
+        if x is not None:  # the same step unsplit, in this process (no link): the limit
+            ref = load_model(str(work / "target")).train()
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.0)
+
+            def ref_step():
+                loss = ref(x, labels=x).loss
+                ref_opt.zero_grad()
+                loss.backward()
+                ref_opt.step()
+
+            _, ts = timed(ref_step, a.train_repeats)
+            unsplit_step_s = statistics.median(ts)
+            log(f"{'unsplit':>22}  train b{a.train_batch}x{a.train_seq}: {unsplit_step_s:.3f} s")
+            del ref, ref_opt
         for rtt, mbps in train_cells if a.train_batch else ():
             with link_to(srv, rtt, mbps) as url:
                 for wire in a.train_wire:
@@ -307,6 +322,7 @@ def run(a, log=print) -> dict:
             "draft_layers": a.draft_layers, "train_steps": a.train_steps, "losses": losses,
             "distill": distill, "train_s": train_s, "prompt_len": P, "new_tokens": N, "repeats": a.repeats,
             "unsplit_tokens_per_s": unsplit_tps, "rows": rows, "training": training,
+            "unsplit_train_step_s": unsplit_step_s,
             "micro_batches": list(a.micro)}
 
 
@@ -342,6 +358,9 @@ def tables(result: dict) -> str:
         out.append("| link | wire | " + " | ".join(f"micro_batches={m} (s)" for m in micro)
                    + " | " + " | ".join(f"vs loopback, m={m}" for m in micro) + " |")
         out.append("|---|---|" + "---|" * (2 * len(micro)))
+        if result.get("unsplit_train_step_s"):
+            out.append(f"| unsplit (no link) | - | {result['unsplit_train_step_s']:.3f} |"
+                       + " |" * (2 * len(micro) - 1))
         for t in tr:
             out.append(f"| {t['link']} | {t['wire_dtype']} | "
                        + " | ".join(f"{t[f'step_s_micro{m}']:.3f}" for m in micro) + " | "

@@ -98,3 +98,79 @@ def test_nopeek_adds_its_loss_to_the_bottom_and_sends_the_activation_unchanged(s
             if k == "wte.weight":  # tied to the top's lm_head: its gradient has a top part too
                 continue
             assert torch.allclose(actual[k], v, atol=1e-6), k
+
+
+# -- the same defenses on the model classes (splitlearn.hf) ----------------------------------
+
+@pytest.mark.parametrize("shape", ["u", "2way"])
+def test_model_classes_send_only_defended_activations(server, shape, tmp_path):
+    """GaussianNoise on SplitGPT2LMHeadModel: training, evaluation and generate() send the
+    clipped, noised activation; the gradient reaches the client's blocks through the clip."""
+    from splitlearn.hf import SplitGPT2LMHeadModel
+
+    if shape == "2way":
+        srv = ServerProcess((2,), optimizer="sgd", lr=0.1).start()
+    else:
+        srv = server
+    try:
+        sigma, clip = 0.5, 0.1
+        model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN,
+                                                     defense=GaussianNoise(sigma=sigma, clip=clip))
+        seen = sent_hidden(model.remote)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            h = model.transformer.wte(ids) + model.transformer.wpe(torch.arange(16))
+            for i in range(model.transformer.client_blocks[0][1]):
+                h = model.transformer.h[i](h)
+                h = h[0] if isinstance(h, tuple) else h
+        clean = h  # (2, 16, d): the bottom's output, what an undefended model sends
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert model.transformer.h[0].mlp.c_fc.weight.grad.abs().sum() > 0
+        model.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, labels=ids)
+        model.generate(input_ids=ids[:1, :8], max_new_tokens=2, do_sample=False, pad_token_id=256)
+        assert len(seen) >= 4  # training, evaluation, prefill, a decode step
+        for path, sent in seen[:2]:
+            assert sent.shape == clean.shape and ((sent - clean).norm(dim=-1) > 0.05).all(), path
+            noise = sent - GaussianNoise(sigma=sigma, clip=clip).clip_tokens(clean)
+            assert noise.std().item() == pytest.approx(sigma * clip, rel=0.15)
+        prefill = seen[2][1]
+        assert ((prefill - clean[:1, :8]).norm(dim=-1) > 0.05).all()
+        with pytest.raises(Exception, match="Defense"):
+            model.defense = "noise"
+        model.remote.close()
+    finally:
+        if srv is not server:
+            srv.stop()
+
+
+def test_model_classes_add_the_nopeek_loss(server):
+    """NoPeek on the model classes: the loss is the task loss + weight x dCor(embeddings, sent)."""
+    from splitlearn.hf import SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel
+    from splitlearn.privacy.defenses import distance_correlation
+
+    ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
+    plain = SplitGPT2LMHeadModel.from_pretrained("tiny", server=server.url, token=TOKEN).train()
+    base = plain(input_ids=ids, labels=ids).loss
+    plain.remote.close()
+    model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=server.url, token=TOKEN,
+                                                 defense=NoPeek(weight=0.5)).train()
+    seen = sent_hidden(model.remote)
+    out = model(input_ids=ids, labels=ids)
+    extra = model.transformer.defense_loss
+    emb = model.transformer.wte(ids).detach()
+    want = 0.5 * distance_correlation(emb.reshape(4, -1), seen[0][1].reshape(4, -1))
+    assert extra is not None and abs(extra.item() - want.item()) < 1e-4
+    assert abs(out.loss.item() - (base.item() + extra.item())) < 1e-4
+    model.zero_grad()
+    model.remote.close()
+    clf = SplitGPT2ForSequenceClassification.from_pretrained("tiny", server=server.url, token=TOKEN, num_labels=3,
+                                                             pad_token_id=256, defense=NoPeek(weight=0.5)).train()
+    out = clf(input_ids=ids, labels=torch.tensor([0, 1, 2, 1]))
+    assert clf.transformer.defense_loss is not None and out.loss.requires_grad
+    clf.zero_grad()
+    clf.remote.close()

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
@@ -71,14 +71,11 @@ class RemoteCache(Cache):
     (U-shape: the server answers hidden states) or ``"top"`` (2-way: logits). wire_dtype: of the
     activations sent and the answers. client_id: LoRA servers use this client's adapter. lane: the
     transport lane of the steps. replay: keep the activations sent so a lost session is rebuilt.
-    defend: applied to every activation before it is sent (a :class:`splitlearn.privacy.Defense`'s
-    ``apply``; what is sent is what a replay resends).
     """
 
     def __init__(self, config: PretrainedConfig, transport, *, server_blocks: tuple[int, int],
                  server_kind: str = "trunk", wire_dtype: str = "float32",
-                 client_id: Optional[str] = None, lane: int = 0, replay: bool = True,
-                 defend: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+                 client_id: Optional[str] = None, lane: int = 0, replay: bool = True):
         if server_kind not in ("trunk", "top"):
             raise ValueError(f"server_kind must be 'trunk' or 'top', got {server_kind!r}")
         start, end = server_blocks
@@ -94,7 +91,6 @@ class RemoteCache(Cache):
         self.client_id = client_id
         self.lane = lane
         self.replay = replay
-        self.defend = defend
         self.session_id: Optional[str] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._length = 0  # positions of the server's layers, after the operations pending
@@ -176,9 +172,6 @@ class RemoteCache(Cache):
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0 (0: all positions), got {logits_to_keep!r}")
         keep = None if self.u_shape else logits_to_keep
-        like = hidden
-        if self.defend is not None:
-            hidden = self.defend(hidden)  # what leaves the client
         if self.session_id is None:
             self._open(B)
         index = self._pending_index(B)
@@ -202,7 +195,7 @@ class RemoteCache(Cache):
         self._server_rows, self._server_length = B, past + T
         self._index, self._rows, self._length = None, B, past + T
         name = P.HIDDEN if self.u_shape else P.LOGITS
-        return unpack(out, name).to(device=like.device, dtype=like.dtype)
+        return unpack(out, name).to(device=hidden.device, dtype=hidden.dtype)
 
     def _open(self, rows: int) -> None:
         body = {"rows": rows, **({"client_id": self.client_id} if self.client_id else {})}

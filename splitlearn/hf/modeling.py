@@ -140,6 +140,22 @@ class SplitGPT2Model(GPT2PreTrainedModel):
             hidden = self.h[i](hidden, cache, mask, None, use_cache=cache is not None, position_ids=position_ids)
         return hidden
 
+    #: the NoPeek-style loss of the last forward with gradients (None: no defense, or one without
+    #: a loss); the head models add it to the loss they compute
+    defense_loss: Optional[torch.Tensor] = None
+
+    def _defended(self, hidden: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """The remote segment's defense (``remote.defense``, a :class:`splitlearn.privacy.Defense`)
+        applied to the bottom's output ``hidden`` (B, T, d) — differentiable, so the client's
+        gradients see it — and its extra loss kept in :attr:`defense_loss`."""
+        self.defense_loss = None
+        defense = getattr(self.remote, "defense", None)
+        if defense is None:
+            return hidden
+        if torch.is_grad_enabled():
+            self.defense_loss = defense.loss(inputs_embeds, hidden)  # token embeddings, as SplitClient
+        return defense.apply(hidden)
+
     def forward(self, input_ids: Optional[torch.LongTensor] = None, past_key_values=None,
                 attention_mask: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.LongTensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
@@ -185,6 +201,7 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         output_shape = (-1,) + tuple(input_shape[1:]) + (hidden.size(-1),)
         (a, b) = self.client_blocks[0]
         hidden = self._run_blocks(a, b, hidden, attention_mask, local, position_ids, inputs_embeds)
+        hidden = self._defended(hidden, inputs_embeds)  # what crosses the cut
         if self.u_shape:
             if remote_cache is not None:
                 hidden = remote_cache.remote(hidden, attention_mask)  # generation: the server's KV cache
@@ -222,6 +239,29 @@ class SplitMixin:
         if self.transformer.remote is not None:
             self.transformer.remote.discard_pending()
 
+    @property
+    def defense(self):
+        """A :class:`splitlearn.privacy.Defense` (``GaussianNoise``, ``NoPeek``) on every
+        activation this model sends, in training, evaluation and generation; its extra loss is
+        added to the loss the model computes from ``labels`` (and is ``transformer.defense_loss``
+        for a loss of your own). None: none."""
+        return getattr(self.remote, "defense", None)
+
+    @defense.setter
+    def defense(self, defense) -> None:
+        from ..privacy.defenses import Defense
+
+        if defense is not None and not isinstance(defense, Defense):
+            raise ConfigError(f"defense must be a splitlearn.privacy Defense (GaussianNoise, NoPeek), "
+                              f"got {type(defense).__name__}")
+        self.remote.defense = defense
+
+    def _add_defense_loss(self, out):
+        extra = self.transformer.defense_loss
+        if extra is not None and getattr(out, "loss", None) is not None:
+            out.loss = out.loss + extra
+        return out
+
     # -- construction --------------------------------------------------------------------
 
     HF_CLASS: type = GPT2Model
@@ -229,14 +269,17 @@ class SplitMixin:
     @classmethod
     def from_pretrained(cls, source, *model_args, server: Optional[str] = None, token: Optional[str] = None,
                         client_id: Optional[str] = None, wire_dtype: str = "float32", seed: int = 0,
-                        timeout_s: float = 300.0, retries: int = 6, **kwargs):
+                        timeout_s: float = 300.0, retries: int = 6, defense=None, **kwargs):
         """Build the split model for ``source`` (the sources of :func:`splitlearn.load_model`: a
         spec name, a directory, a config JSON, a hub id, a model) against the server at ``server``,
-        whose cuts are read from its ``/v1/info``. Other keyword arguments go to the head's config
-        (``num_labels=3``, ``pad_token_id=...``). Only the client's weights are kept; eval mode,
-        as ``from_pretrained`` leaves any model."""
-        return _from_pretrained(cls.HF_CLASS, source, server, token, client_id, wire_dtype, seed,
-                                timeout_s, retries, **kwargs)
+        whose cuts are read from its ``/v1/info``. ``defense``: see :attr:`defense`. Other keyword
+        arguments go to the head's config (``num_labels=3``, ``pad_token_id=...``). Only the
+        client's weights are kept; eval mode, as ``from_pretrained`` leaves any model."""
+        model = _from_pretrained(cls.HF_CLASS, source, server, token, client_id, wire_dtype, seed,
+                                 timeout_s, retries, **kwargs)
+        if defense is not None:
+            model.defense = defense
+        return model
 
 
 class _GenerationScope(threading.local):
@@ -277,8 +320,6 @@ class SplitGenerationMixin:
             raise ConfigError("this split model is not connected to a server (from_pretrained(..., server=URL))")
         kwargs.setdefault("wire_dtype", remote.cfg.wire_dtype)
         kwargs.setdefault("client_id", remote.client_id)
-        if getattr(remote, "defense", None) is not None:  # generation sends what the defense makes
-            kwargs.setdefault("defend", remote.defense.apply)
         return RemoteCache.from_info(self.config, remote.transport, remote.info, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
@@ -345,10 +386,10 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
                 position_ids=None, inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 labels=None, use_cache=None, logits_to_keep: Union[int, torch.Tensor] = 0, **kwargs):
         if self.transformer.u_shape:
-            return super().forward(input_ids=input_ids, past_key_values=past_key_values,
-                                   attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                   position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
-                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+            return self._add_defense_loss(super().forward(
+                input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
+                labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs))
         out = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
                                token_type_ids=token_type_ids, position_ids=position_ids,
                                inputs_embeds=inputs_embeds, use_cache=use_cache)
@@ -378,7 +419,8 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
             # accumulated batches' targets (Trainer's num_items_in_batch): rescale
             n = (labels[..., 1:] != -100).sum()
             loss = loss * (n.to(loss.dtype) / torch.as_tensor(kwargs["num_items_in_batch"]).to(loss))
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return self._add_defense_loss(CausalLMOutputWithCrossAttentions(loss=loss, logits=logits,
+                                                                        past_key_values=out.past_key_values))
 
 
 class SplitGPT2ForSequenceClassification(SplitMixin, GPT2ForSequenceClassification):
@@ -393,6 +435,9 @@ class SplitGPT2ForSequenceClassification(SplitMixin, GPT2ForSequenceClassificati
         _need_u_shape(self.transformer, type(self).__name__)
         self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
         self.post_init()
+
+    def forward(self, *args, **kwargs):
+        return self._add_defense_loss(super().forward(*args, **kwargs))
 
 
 def _need_u_shape(trunk: SplitGPT2Model, what: str) -> None:

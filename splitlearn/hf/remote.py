@@ -180,7 +180,7 @@ class RemoteSegment(nn.Module):
         self.applies = 0
         self._optimizer_ref = None  # attach_optimizer: only this one triggers the apply
         self._owner_ref = None  # the model whose parameters identify its optimizers
-        self.defense = None  # a splitlearn.privacy.Defense applied to what generation sends (SplitClient sets it)
+        self.defense = None  # a splitlearn.privacy.Defense on what crosses the cut (the model's .defense)
         _LIVE.add(self)
         _ensure_hook()
 
