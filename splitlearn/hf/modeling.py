@@ -269,16 +269,26 @@ class SplitMixin:
     @classmethod
     def from_pretrained(cls, source, *model_args, server: Optional[str] = None, token: Optional[str] = None,
                         client_id: Optional[str] = None, wire_dtype: str = "float32", seed: int = 0,
-                        timeout_s: float = 300.0, retries: int = 6, defense=None, **kwargs):
+                        timeout_s: float = 300.0, retries: int = 6, defense=None, lora=None, **kwargs):
         """Build the split model for ``source`` (the sources of :func:`splitlearn.load_model`: a
         spec name, a directory, a config JSON, a hub id, a model) against the server at ``server``,
-        whose cuts are read from its ``/v1/info``. ``defense``: see :attr:`defense`. Other keyword
-        arguments go to the head's config (``num_labels=3``, ``pad_token_id=...``). Only the
-        client's weights are kept; eval mode, as ``from_pretrained`` leaves any model."""
+        whose cuts are read from its ``/v1/info``. ``defense``: see :attr:`defense`. ``lora``: a
+        ``peft.LoraConfig`` (or ``"server"``) for a server started with ``--lora-r``: adapters on
+        both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). Other keyword arguments go
+        to the head's config (``num_labels=3``, ``pad_token_id=...``). Only the client's weights
+        are kept; eval mode, as ``from_pretrained`` leaves any model."""
+        from .lora import apply_lora, resolve_spec
+
         model = _from_pretrained(cls.HF_CLASS, source, server, token, client_id, wire_dtype, seed,
                                  timeout_s, retries, **kwargs)
-        if defense is not None:
-            model.defense = defense
+        try:
+            if defense is not None:
+                model.defense = defense
+            if resolve_spec(model.remote.info, lora) is not None:
+                apply_lora(model, lora, seed=seed)
+        except BaseException:
+            model.remote.close()
+            raise
         return model
 
 
