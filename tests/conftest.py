@@ -7,6 +7,10 @@ import itertools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network in tests
+# Test servers (``python -m splitlearn.server ...`` through LocalServer/ChildServer) are forked
+# from a fork server that has imported torch and transformers once per xdist worker, instead of
+# each spending ~9 CPU-seconds importing them (splitlearn/localserver.py); 0 starts them fresh.
+os.environ.setdefault("SPLITLEARN_FORK_SERVERS", "1")
 
 import pytest
 import torch

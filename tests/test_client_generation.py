@@ -174,7 +174,9 @@ def test_pipelining_is_on_only_where_the_server_has_cores_of_its_own(client, pad
     assert not use_pipeline(t, 3)
     if (os.cpu_count() or 1) >= 2:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned: the server has the others
-        assert use_pipeline(t, 3)
+        assert use_pipeline(t, 3) and use_pipeline(t, 3, u_shape=True)
+        assert not use_pipeline(t, 3, u_shape=False)  # 2-way: the client's bottom alone hides nothing
+        assert use_pipeline(t, 3, pipeline=True, u_shape=False)  # asked for: done
     assert not use_pipeline(t, 1, pipeline=True)  # one row: nothing to split
     # the client takes the fast path for greedy rows only: sampling and options go to transformers
     ids, mask = padded_batch

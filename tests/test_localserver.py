@@ -1,14 +1,19 @@
 """ChildServer starts a real child command, waits until it is ready, and stops it; a child that
-exits or never gets ready fails ``start()`` with a TransportError that says why."""
+exits or never gets ready fails ``start()`` with a TransportError that says why. A ``python -m``
+child can be forked from the fork server instead (``fork=True``, or $SPLITLEARN_FORK_SERVERS=1
+as conftest sets it): it behaves as the exec'd one."""
+import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
 
+from splitlearn import protocol as P
 from splitlearn.errors import TransportError
-from splitlearn.localserver import ChildServer, free_port
+from splitlearn.localserver import ChildServer, ForkedProcess, LocalServer, can_fork, fork_wanted, free_port
 
 
 def http_server(port: int, **kw) -> ChildServer:
@@ -60,4 +65,99 @@ def test_ready_can_be_overridden():
     cmd = [sys.executable, "-u", "-c", "import time; print('starting'); print('READY'); time.sleep(60)"]
     with LineReady(cmd, free_port(), startup_timeout_s=20, stdout=subprocess.PIPE) as srv:
         assert srv.proc.poll() is None
+    assert srv.proc.returncode == -signal.SIGTERM
+
+
+# -- the fork server (splitlearn/localserver.py): python -m children forked, not exec'd ------
+
+TINY = ["--model", "tiny", "--cut", "1", "--cut", "3", "--threads", "2"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def get(url: str, token=None) -> int:
+    """The status of GET ``url`` (with a bearer ``token``)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_forked_server_serves_its_token_and_checkpoints_on_sigterm(tmp_path):
+    srv = LocalServer([*TINY, "--checkpoint-dir", str(tmp_path)], env=ONE_THREAD, fork=True).start()
+    try:
+        assert isinstance(srv.proc, ForkedProcess) and srv.proc.stdout is None
+        assert srv.proc.poll() is None and srv.proc.returncode is None
+        assert get(srv.url + P.HEALTH) == 200
+        assert get(srv.url + P.INFO, srv.token) == 200  # the token came through env
+        assert get(srv.url + P.INFO, "not-" + srv.token) == 401
+        assert get(srv.url + P.INFO) == 401
+    finally:
+        code = srv.stop()
+    assert code == 0, "SIGTERM: checkpoint, then exit 0"
+    assert sorted(tmp_path.glob("server-*")), "no checkpoint written on SIGTERM"
+    assert srv.stop() == 0 and srv.proc.wait(0) == 0
+
+
+def test_a_forked_server_killed_says_minus_sigkill():
+    srv = LocalServer(TINY, env=ONE_THREAD, fork=True).start()
+    assert srv.kill() == -signal.SIGKILL
+    assert srv.proc.poll() == -signal.SIGKILL
+
+
+def test_a_forked_server_that_fails_at_start_quotes_its_stderr():
+    port = free_port()
+    cmd = [sys.executable, "-m", "splitlearn.server", *TINY, "--port", str(port), "--no-such-flag"]
+    srv = ChildServer(cmd, port, startup_timeout_s=60, capture_stderr=True, fork=True)
+    with pytest.raises(TransportError, match="exited with code 2(.|\n)*unrecognized arguments: --no-such-flag"):
+        srv.start()
+    assert isinstance(srv.proc, ForkedProcess)
+
+
+PROBE = """\
+import atexit, json, os, sys
+atexit.register(lambda: print("atexit", flush=True))
+print(json.dumps({"argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
+                  "probe": os.environ.get("PROBE"), "stdout_tty": sys.stdout.isatty()}))
+if "torch" in sys.modules:  # forked: torch came preloaded
+    print("threads", sys.modules["torch"].get_num_threads())
+sys.exit(7)
+"""
+
+
+def test_a_forked_child_starts_as_python_dash_m_would(tmp_path, monkeypatch):
+    """Same argv, sys.path, working directory, environment, atexit and exit code as exec'd;
+    torch (preloaded) takes the child's OMP_NUM_THREADS."""
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    cmd = [sys.executable, "-m", "probe_mod", "a", "b"]
+    env = {**os.environ, "PROBE": "p", **ONE_THREAD}
+    with open(tmp_path / "forked.out", "wb") as out:
+        assert ForkedProcess(cmd, env, stdout=out, stderr=out).wait(60) == 7
+    exec_ = subprocess.run(cmd, env=env, capture_output=True, timeout=60)
+    assert exec_.returncode == 7, exec_.stderr
+    forked = (tmp_path / "forked.out").read_text().splitlines()
+    assert forked[0] == exec_.stdout.decode().splitlines()[0]
+    assert forked[1:] == ["threads 1", "atexit"]
+
+
+def test_fork_only_where_it_can_and_is_asked_to(monkeypatch):
+    monkeypatch.setenv("SPLITLEARN_FORK_SERVERS", "1")
+    assert fork_wanted() and fork_wanted(True) and not fork_wanted(False)
+    monkeypatch.setenv("SPLITLEARN_FORK_SERVERS", "0")
+    assert not fork_wanted() and fork_wanted(True)
+    m = [sys.executable, "-m", "http.server"]
+    assert can_fork(m) and can_fork(m, {"OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
+    assert not can_fork(m, stdout=subprocess.PIPE)  # a pipe to read: a subprocess
+    assert not can_fork(m, {"PYTHONPATH": "/x"})  # changes how the interpreter starts
+    assert not can_fork([sys.executable, "-c", "pass"]) and not can_fork(["python3", "-m", "http.server"])
+    port = free_port()
+    with http_server(port, fork=False) as srv:  # fork=False: exec'd, whatever the environment says
+        assert isinstance(srv.proc, subprocess.Popen)
+    monkeypatch.setenv("SPLITLEARN_FORK_SERVERS", "1")
+    with http_server(free_port()) as srv:  # fork=None: $SPLITLEARN_FORK_SERVERS
+        assert isinstance(srv.proc, ForkedProcess)
+        with pytest.raises(subprocess.TimeoutExpired):
+            srv.proc.wait(0.1)
     assert srv.proc.returncode == -signal.SIGTERM

@@ -584,10 +584,10 @@ class SplitClient:
         ``stop_strings`` with ``tokenizer``...). ``seed`` seeds sampling reproducibly without
         touching the global RNG. ``eos_token_id=None`` never stops early. ``pipeline``: greedy
         decoding of two rows or more as two row groups in flight (the decode fast path; None:
-        when the server does not share this process's cores; see
+        in the U-shape when the server does not share this process's cores; see
         :mod:`splitlearn.client.generation`), only without ``generate_kwargs``."""
         ids, mask = self._batch(input_ids, attention_mask)
-        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline):
+        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline, self.u_shape):
             new = list(self.generate_stream(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                             pad_token_id=pad_token_id, pipeline=pipeline))
             return torch.cat([ids] + [t[:, None] for t in new], dim=1)
@@ -616,7 +616,7 @@ class SplitClient:
         :meth:`generate`; a streamer of transformers' ``generate`` underneath). Closing the
         iterator early stops the generation at its next token."""
         ids, mask = self._batch(input_ids, attention_mask)
-        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline):
+        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline, self.u_shape):
             cfg = GreedyConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
             self._generate_kwargs(ids, max_new_tokens, False, 1.0, None, None, eos_token_id, pad_token_id, {})
             remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,

@@ -26,8 +26,9 @@ outputs so far are replayed once.
 Two groups of B/2 rows cost each side more than one group of B (a decode step reads every
 weight once per group, and on a CPU that is most of its time up to batch 8 or so: measured,
 batch 4 costs about 0.7x batch 8), so the overlap pays only where the server's cores would
-otherwise sit idle while the client computes: by default (:func:`use_pipeline`) when the
-server does not share this process's cores: a server on another host, or a loopback one
+otherwise sit idle while the client computes: by default (:func:`use_pipeline`) in the
+U-shape (the client holds the top and the LM head: work worth overlapping) when the server
+does not share this process's cores: a server on another host, or a loopback one
 while this process is pinned to a subset of the machine's cores (as the benchmarks'
 two-device emulation does).
 """
@@ -119,10 +120,13 @@ class _Group:
             self.sid = None
 
 
-def use_pipeline(transport: Transport, rows: int, pipeline: Optional[bool] = None) -> bool:
+def use_pipeline(transport: Transport, rows: int, pipeline: Optional[bool] = None, u_shape: bool = True) -> bool:
     """Whether greedy decoding of ``rows`` rows runs as two groups in flight: ``pipeline`` if
-    given (and two rows or more), else when the server does not share this process's cores."""
-    want = (not shares_cores_with_server(transport.cfg.url)) if pipeline is None else pipeline
+    given (and two rows or more), else in the U-shape when the server does not share this
+    process's cores. A 2-way client holds only the bottom: too little work to hide the
+    server's behind, so two groups only double the server's weight reads (measured, pinned
+    batch 8: 68 tokens/s in two groups against 87 in one; benchmarks/README.md)."""
+    want = (u_shape and not shares_cores_with_server(transport.cfg.url)) if pipeline is None else pipeline
     return bool(want) and rows >= 2
 
 
