@@ -147,6 +147,28 @@ def test_rate_limit_token_bucket(echo):
         assert time.perf_counter() - t >= (n - 64 * 1024) / 1e6
 
 
+def test_the_rate_is_the_links_not_each_connections(echo):
+    """Four connections at once share the link's rate: 4 x 200 kB at 8 Mbit/s (1 MB/s) each
+    way take at least ~0.7 s in all (one bucket per connection would let them through in ~0.15 s)."""
+    n, k = 200_000, 4
+    with DelayRelay(echo.addr, rtt_ms=0, rate_mbps=8, burst_bytes=64 * 1024) as relay:
+        socks = [connect(relay.port).__enter__() for _ in range(k)]
+        t = time.perf_counter()
+        for s in socks:
+            threading.Thread(target=lambda s=s: s.sendall(b"q" * n), daemon=True).start()
+        got = []
+        readers = [threading.Thread(target=lambda s=s: got.append(recv_exactly(s, n))) for s in socks]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(30)
+        elapsed = time.perf_counter() - t
+        for s in socks:
+            s.close()
+    assert len(got) == k and all(g == b"q" * n for g in got)
+    assert elapsed >= (k * n - 2 * 64 * 1024) / 1e6
+
+
 @pytest.mark.slow
 def test_speculative_generation_through_the_relay_process(tiny_model):
     """The split model behind the relay as a child process (what benchmarks/wan.py runs):

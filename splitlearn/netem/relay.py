@@ -14,7 +14,9 @@ kernel module, and the kernels these benchmarks run on do not have it (``tc`` an
   veth pair with ``tc qdisc add dev veth0 root tbf rate 100mbit burst 32kbit latency 400ms``
   on each end (``docs/WAN.md`` has the commands). Where ``tc`` is not usable, ``rate_mbps``
   here is a token bucket per direction (``burst_bytes`` deep) applied after the delay: the
-  bytes leave no faster than the rate, as through a link's serialiser.
+  bytes leave no faster than the rate, as through a link's serialiser. The bucket is the
+  link's, shared by every connection through the relay (a client's lanes, several clients),
+  not one per connection: four connections get the rate between them, not four times it.
 
 What it is not: no loss, no reordering, no jitter (a WAN's TCP hides loss as extra delay;
 add it with your own numbers if you need it). The delay is the time between the relay
@@ -107,6 +109,9 @@ class DelayRelay:
         self.down_s = (rtt_ms / 2 if down_ms is None else down_ms) / 1000.0
         self.rate_bps = rate_mbps * 1e6 / 8 if rate_mbps else None
         self.burst = int(burst_bytes)
+        # one bucket per direction for the whole link (every pump runs on the relay's one loop)
+        self._buckets = {up: TokenBucket(self.rate_bps, self.burst) for up in (True, False)} \
+            if self.rate_bps else {}
         self.listen = listen
         self.stats = LinkStats()
         self.port: Optional[int] = None
@@ -132,7 +137,7 @@ class DelayRelay:
         loop = asyncio.get_running_loop()
         queue: collections.deque = collections.deque()
         arrived = asyncio.Event()
-        bucket = TokenBucket(self.rate_bps, self.burst) if self.rate_bps else None
+        bucket = self._buckets.get(up)  # the link's, shared with the other connections
 
         async def read():
             try:
