@@ -387,7 +387,7 @@ def parse_args(argv=None):
     p.add_argument("--no-generate", dest="generate", action="store_false", help="training cells only")
     p.add_argument("--train-steps", type=int, default=400, help="unsplit training of target and draft (0: none)")
     p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--distill-steps", type=int, default=800,
+    p.add_argument("--distill-steps", type=int, default=1200,
                    help="batches to distil the free draft against the split model (0: no distilled draft)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int)
