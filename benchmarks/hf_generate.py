@@ -42,7 +42,6 @@ import argparse
 import cProfile
 import io
 import json
-import multiprocessing as mp
 import os
 import pstats
 import statistics
@@ -53,6 +52,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.timing import ONE_THREAD_ENV, run_in_child  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu" / "hf_generate.json"
 SYSTEMS = ("unsplit", "hand loop", "hf generate", "hf generate, unpacked")
@@ -80,10 +81,6 @@ class Config:
     def quick(cls, **kw) -> "Config":
         return replace(cls(model="tiny", u_cuts=(1, 3), two_way_cut=1, prompt_len=8, new_tokens=8,
                            batches=(1, 2), repeats=1), **kw)
-
-
-def _one_thread_env() -> dict:
-    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _profile(fn, top: int) -> dict:
@@ -120,7 +117,7 @@ def _child(conn, cfg: Config, mode: str) -> None:
     servers = []
     try:
         if mode == "pinned":
-            os.environ.update(_one_thread_env())
+            os.environ.update(ONE_THREAD_ENV)
         import torch
 
         import splitlearn
@@ -138,7 +135,7 @@ def _child(conn, cfg: Config, mode: str) -> None:
                     str(threads), "--seed", str(cfg.seed), "--threads", "16"]
             for c in cuts:
                 args += ["--cut", str(c)]
-            env = _one_thread_env() if mode == "pinned" else {"OMP_NUM_THREADS": str(threads),
+            env = ONE_THREAD_ENV if mode == "pinned" else {"OMP_NUM_THREADS": str(threads),
                                                                "MKL_NUM_THREADS": str(threads)}
             if mode == "pinned":
                 os.sched_setaffinity(0, {cfg.pinned_cores[1]})  # the server inherits it
@@ -202,32 +199,7 @@ def run_mode(cfg: Config, mode: str) -> dict:
         if not set(cfg.pinned_cores) <= set(cores) or len(set(cfg.pinned_cores)) < 2:
             print(f"pinned: needs cores {cfg.pinned_cores}, have {cores}: skipped")
             return {"rows": [], "profiles": {}, "skipped": True}
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    saved = {k: os.environ.get(k) for k in _one_thread_env()}
-    if mode == "pinned":
-        os.environ.update(_one_thread_env())  # the child reads them when it starts
-    proc = ctx.Process(target=_child, args=(child, cfg, mode))
-    try:
-        proc.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
-        if not parent.poll(3600):
-            raise RuntimeError(f"{mode}: no answer in an hour")
-        status, value = parent.recv()
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-    if status != "ok":
-        raise RuntimeError(f"{mode} failed: {value}")
-    return value
-
+    return run_in_child(_child, (cfg, mode), mode, ONE_THREAD_ENV if mode == "pinned" else None)
 
 def table(rows: list[dict]) -> str:
     """Markdown: one line per mode, shape and batch; tokens/s of every system and the ratios."""

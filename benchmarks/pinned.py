@@ -28,22 +28,18 @@ those systems only and paused (SIGSTOP) for all the others, the unsplit referenc
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import time
 
 from .config import BenchConfig
-
-
-def _env_one_thread() -> dict:
-    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+from .timing import ONE_THREAD_ENV, run_in_child
 
 
 def _child(conn, cfg: BenchConfig) -> None:
     srv = None
     try:
-        os.environ.update(_env_one_thread())
+        os.environ.update(ONE_THREAD_ENV)
         import torch
 
         from splitlearn import load_model
@@ -60,7 +56,7 @@ def _child(conn, cfg: BenchConfig) -> None:
                 "--seed", str(cfg.seed), "--threads", "16"]
         for c in cfg.u_cuts:
             args += ["--cut", str(c)]
-        srv = LocalServer(args, env=_env_one_thread()).start()
+        srv = LocalServer(args, env=ONE_THREAD_ENV).start()
         os.sched_setaffinity(0, {cfg.pinned_cores[0]})
         torch.set_num_threads(1)
         model = load_model(cfg.model, dtype=cfg.dtype, device="cpu", seed=cfg.seed)
@@ -137,27 +133,4 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
         return []
     ctx.log(f"  pinned: client on core {cfg.pinned_cores[0]}, server on core {cfg.pinned_cores[1]}, "
             f"one torch thread each")
-    mpc = mp.get_context("spawn")
-    parent, child = mpc.Pipe()
-    proc = mpc.Process(target=_child, args=(child, cfg))
-    saved = {k: os.environ.get(k) for k in _env_one_thread()}
-    os.environ.update(_env_one_thread())  # the child reads them when it starts
-    try:
-        proc.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    try:
-        if not parent.poll(3600):
-            raise RuntimeError("the pinned measurement did not finish in an hour")
-        status, value = parent.recv()
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-    if status != "ok":
-        raise RuntimeError(f"the pinned measurement failed: {value}")
-    return value
+    return run_in_child(_child, (cfg,), "the pinned measurement", ONE_THREAD_ENV)

@@ -7,7 +7,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -74,3 +74,40 @@ def machine_info(threads: int) -> dict:
 
 def command_line() -> str:
     return " ".join(["python", *([os.path.relpath(sys.argv[0])] if sys.argv else []), *sys.argv[1:]])
+
+
+ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # read by a process when it starts
+
+
+def run_in_child(target: Callable, args: Sequence, what: str, env: Optional[dict] = None,
+                 timeout_s: float = 3600.0):
+    """Run ``target(conn, *args)`` in a fresh ("spawn") process started with ``env`` added to
+    this process's environment (restored right after the start); ``target`` sends one
+    ``("ok", value)`` or ``("error", message)`` on ``conn``. Returns the value, raises
+    ``RuntimeError`` naming ``what`` on an error or after ``timeout_s`` without an answer."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args))
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})  # the child reads them when it starts
+    try:
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        if not parent.poll(timeout_s):
+            raise RuntimeError(f"{what}: no answer in {timeout_s:g} s")
+        status, value = parent.recv()
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    if status != "ok":
+        raise RuntimeError(f"{what} failed: {value}")
+    return value

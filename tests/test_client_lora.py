@@ -45,16 +45,20 @@ def lora_client(srv, name, optimizer="sgd", token=TOKEN) -> SplitClient:
                        client_id=name, lora=peft_config())
 
 
-def peft_reference(client_id: str, optimizer: str, batches, init_id=None):
-    """Single-process peft on the whole tiny GPT-2, adapters initialised as the split run's."""
+def peft_model(init_id: str):
+    """Single-process peft on the whole tiny GPT-2, adapters initialised as a split run's."""
     model = get_peft_model(load_model("tiny"), SPEC.to_peft())
-    init_id = client_id if init_id is None else init_id
     for name, m in model.base_model.model.named_modules():
         if hasattr(m, "lora_A") and "default" in m.lora_A:
             a, b = init_adapter_pair(0, init_id, name, m.in_features, m.out_features, SPEC.r)
             with torch.no_grad():
                 m.lora_A["default"].weight.copy_(a)
                 m.lora_B["default"].weight.copy_(b)
+    return model
+
+
+def peft_reference(client_id: str, optimizer: str, batches, init_id=None):
+    model = peft_model(client_id if init_id is None else init_id)
     return model, train_whole(model, [p for p in model.parameters() if p.requires_grad], optimizer, batches)
 
 

@@ -5,26 +5,19 @@ server's base weights never change; a model without LoRA is refused by a LoRA se
 import pytest
 import requests
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import get_peft_model_state_dict
 
-from splitlearn import load_model
 from splitlearn import protocol as P
 from splitlearn.errors import ConfigError
 from splitlearn.hf import SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel
-from splitlearn.lora import LoraSpec, init_adapter_pair
 from splitlearn.wire import decode
 
 from serverproc import TOKEN, ServerProcess, auth, same_weights
+from test_client_lora import LORA_ARGS, peft_config, peft_model
 
 pytestmark = pytest.mark.slow
 
-SPEC = LoraSpec(r=4, alpha=8.0, targets=("c_attn", "c_proj"))
-LORA_ARGS = ["--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "c_attn,c_proj"]
 LR = 0.05
-
-
-def peft_config() -> LoraConfig:
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
 
 
 def batches(n=3, rows=2, T=10):
@@ -32,14 +25,8 @@ def batches(n=3, rows=2, T=10):
     return [torch.randint(0, 256, (rows, T), generator=g) for _ in range(n)]
 
 
-def peft_reference(client_id: str, data):
-    model = get_peft_model(load_model("tiny"), SPEC.to_peft())
-    for name, m in model.base_model.model.named_modules():
-        if hasattr(m, "lora_A") and "default" in m.lora_A:
-            a, b = init_adapter_pair(0, client_id, name, m.in_features, m.out_features, SPEC.r)
-            with torch.no_grad():
-                m.lora_A["default"].weight.copy_(a)
-                m.lora_B["default"].weight.copy_(b)
+def sgd_losses(model, data) -> list[float]:
+    """A plain loop: one SGD step per batch on the trainable parameters; the losses."""
     model.train()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
@@ -49,7 +36,7 @@ def peft_reference(client_id: str, data):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return model, losses
+    return losses
 
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
@@ -62,16 +49,10 @@ def test_lora_plain_loop_equals_peft(cuts, tmp_path):
                                                      lora=peft_config()).train()
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         assert trainable and all("lora_" in n or n.endswith("grad_proxy") for n in trainable)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
         data = batches()
-        losses = []
-        for ids in data:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        ref, ref_losses = peft_reference("alice", data)
+        losses = sgd_losses(model, data)
+        ref = peft_model("alice")
+        ref_losses = sgd_losses(ref, data)
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         want = get_peft_model_state_dict(ref)
         r = requests.get(srv.url + P.CLIENT_ADAPTER.format(client_id="alice"), headers=auth(), timeout=30)

@@ -72,8 +72,6 @@ def apply_lora(segments: Sequence[Segment], spec: LoraSpec, seed: int, init_id: 
     from .._extras import require
 
     require("lora", "peft", what="LoRA")
-    from peft import inject_adapter_in_model
-
     params = []
     for seg in segments:
         mods = target_modules(seg, spec)
@@ -81,16 +79,27 @@ def apply_lora(segments: Sequence[Segment], spec: LoraSpec, seed: int, init_id: 
             p.requires_grad_(False)
         if not mods:
             continue
-        inject_adapter_in_model(spec.to_peft(), seg, adapter_name=ADAPTER)
-        for local in mods:
-            layer = seg.get_submodule(local)
-            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
-            init_a, init_b = init_adapter_pair(seed, init_id, hf_module_name(seg, local),
-                                               a.shape[1], b.shape[0], spec.r)
-            with torch.no_grad():
-                a.copy_(init_a)
-                b.copy_(init_b)
-            params += [a, b]
+        params += inject_adapters(seg, spec, mods, seed, init_id, lambda local: hf_module_name(seg, local))
+    return params
+
+
+def inject_adapters(module: torch.nn.Module, spec: LoraSpec, mods, seed: int, init_id: str,
+                    hf_name) -> list[torch.nn.Parameter]:
+    """peft's LoRA layers on ``module``'s target submodules ``mods`` (local names), each adapter
+    initialised by :func:`init_adapter_pair` under its Hugging Face name ``hf_name(local)``, as
+    the server initialises its own; returns the adapter parameters (A, B per module)."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(spec.to_peft(), module, adapter_name=ADAPTER)
+    params = []
+    for local in mods:
+        layer = module.get_submodule(local)
+        a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
+        init_a, init_b = init_adapter_pair(seed, init_id, hf_name(local), a.shape[1], b.shape[0], spec.r)
+        with torch.no_grad():
+            a.copy_(init_a)
+            b.copy_(init_b)
+        params += [a, b]
     return params
 
 

@@ -26,9 +26,9 @@ import logging
 import torch
 
 from .._extras import require
-from ..client.lora import ADAPTER, as_spec, check_server
+from ..client.lora import as_spec, check_server, inject_adapters
 from ..errors import ConfigError
-from ..lora import LoraSpec, init_adapter_pair, target_modules
+from ..lora import LoraSpec, target_modules
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,6 @@ def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
     if getattr(model, "lora_spec", None) is not None:
         raise ConfigError("this split model has LoRA adapters already")
     require("lora", "peft", what="LoRA")
-    from peft import inject_adapter_in_model
-
     if remote.info.get("federation", "shared") != "shared":
         raise ConfigError(f"the model classes train in the shared federation mode; this server runs "
                           f"{remote.info.get('federation')!r}: use SplitClient(..., lora=...) there")
@@ -74,16 +72,8 @@ def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
             mods = target_modules(block, spec)
             if not mods:
                 continue
-            inject_adapter_in_model(spec.to_peft(), block, adapter_name=ADAPTER)
-            for local in mods:
-                layer = block.get_submodule(local)
-                A, B = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
-                init_a, init_b = init_adapter_pair(seed, remote.client_id, f"transformer.h.{i}.{local}",
-                                                   A.shape[1], B.shape[0], spec.r)
-                with torch.no_grad():
-                    A.copy_(init_a)
-                    B.copy_(init_b)
-                params += [A, B]
+            params += inject_adapters(block, spec, mods, seed, remote.client_id,
+                                      lambda local, i=i: f"transformer.h.{i}.{local}")
     model.lora_spec = spec
     log.info("client %s: LoRA %s, %d adapter parameters", remote.client_id, spec.to_dict(),
              sum(p.numel() for p in params))

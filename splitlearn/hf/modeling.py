@@ -277,15 +277,14 @@ class SplitMixin:
         both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). Other keyword arguments go
         to the head's config (``num_labels=3``, ``pad_token_id=...``). Only the client's weights
         are kept; eval mode, as ``from_pretrained`` leaves any model."""
-        from .lora import apply_lora, resolve_spec
+        from .lora import apply_lora
 
         model = _from_pretrained(cls.HF_CLASS, source, server, token, client_id, wire_dtype, seed,
                                  timeout_s, retries, **kwargs)
         try:
             if defense is not None:
                 model.defense = defense
-            if resolve_spec(model.remote.info, lora) is not None:
-                apply_lora(model, lora, seed=seed)
+            apply_lora(model, lora, seed=seed)  # also refuses a model without LoRA on a LoRA server
         except BaseException:
             model.remote.close()
             raise
@@ -566,7 +565,7 @@ def _load_hf(hf_cls: type, source, seed: int = 0, **config_kwargs):
 def _from_pretrained(hf_cls: type, source, server, token, client_id, wire_dtype, seed, timeout_s, retries,
                      **kwargs):
     if server is None:
-        raise ConfigError(f"from_pretrained of a split model needs server=URL (the splitlearn server)")
+        raise ConfigError("from_pretrained of a split model needs server=URL (the splitlearn server)")
     remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries))
     try:
         hf = _load_hf(hf_cls, source, seed, **kwargs)
