@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import protocol as P
-from ..errors import ConfigError
+from ..errors import ConfigError, Conflict, TransportError
 from ..wire import check_wire_dtype, pack, unpack
+from .journal import RequestLog, Sent, digest
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class RemoteConfig:
     timeout_s: float = 300.0  # seconds to wait for one answer
     retries: int = 6  # reconnects after a dropped connection (numbered requests: exactly once)
     wait_timeout_s: float = 600.0  # the longest wait for a segment busy with another client's step
+    reconnect_timeout_s: float = 120.0  # the longest wait for a crashed server to come back (then replay)
 
     def __post_init__(self):
         self.wire_dtype = check_wire_dtype(self.wire_dtype)
@@ -181,6 +184,9 @@ class RemoteSegment(nn.Module):
         self._optimizer_ref = None  # attach_optimizer: only this one triggers the apply
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self.defense = None  # a splitlearn.privacy.Defense on what crosses the cut (the model's .defense)
+        # the requests since the server's last durable step, replayed if it restarts (.journal)
+        self.log = RequestLog(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
+        self.log.durable(int(state.get("durable", 0)))
         _LIVE.add(self)
         _ensure_hook()
 
@@ -225,8 +231,6 @@ class RemoteSegment(nn.Module):
 
     def send_forward(self, hidden, mask, labels):
         """One forward piece of the current step -> (hidden or loss, (step, piece))."""
-        from ..client.federation import wait_while_busy
-
         piece = (self.step, self.pieces)
         self.pieces += 1
         tensors = pack(P.HIDDEN, hidden.detach(), self.cfg.wire_dtype)
@@ -234,9 +238,7 @@ class RemoteSegment(nn.Module):
             tensors[P.MASK] = mask.detach().long().cpu()
         if labels is not None:
             tensors[P.LABELS] = labels.detach().long().cpu()
-        meta = self._meta(*piece)
-        out = wait_while_busy(lambda: self.transport.call(P.TRAIN_FORWARD, tensors, meta),
-                              "the segment", self.cfg.wait_timeout_s)
+        out, _ = self._train_call(piece[0], Sent(P.TRAIN_FORWARD, tensors, self._meta(*piece)))
         if labels is not None:
             return out[P.LOSS].to(hidden.device).reshape(()), piece
         return unpack(out, P.HIDDEN).to(device=hidden.device, dtype=hidden.dtype), piece
@@ -248,7 +250,7 @@ class RemoteSegment(nn.Module):
             tensors = {P.GRAD: grad.detach().float().reshape(1).cpu()}
         else:
             tensors = pack(P.GRAD, grad.detach(), self.cfg.wire_dtype)
-        out, info = self.transport.call_meta(P.TRAIN_BACKWARD, tensors, self._meta(*piece))
+        out, info = self._train_call(piece[0], Sent(P.TRAIN_BACKWARD, tensors, self._meta(*piece)))
         if piece[0] == self.step:
             self.answered += 1
             self.server_norm = float(info["grad_norm"])
@@ -278,6 +280,75 @@ class RemoteSegment(nn.Module):
         logits = unpack(out, P.LOGITS).to(device=hidden.device, dtype=hidden.dtype)
         loss = out[P.LOSS].to(hidden.device).reshape(()) if P.LOSS in out else None
         return logits, loss
+
+    # -- sending, and recovering from a server crash (see .journal) -----------------------
+
+    @property
+    def recoveries(self) -> list[dict]:
+        """One entry per recovery from a server restart: ``{"server_step", "replayed"}``."""
+        return self.log.replays
+
+    def _send_once(self, sent: Sent) -> tuple[dict, dict]:
+        """One request (waiting out a segment busy with another client's step) -> (tensors, info)."""
+        from ..client.federation import wait_while_busy
+
+        if sent.tensors is None:  # an apply: JSON both ways
+            return {}, self.transport.post_json(sent.path, sent.meta)
+        return wait_while_busy(lambda: self.transport.call_meta(sent.path, sent.tensors, sent.meta),
+                               "the segment", self.cfg.wait_timeout_s)
+
+    def _train_call(self, step: int, sent: Sent) -> tuple[dict, dict]:
+        """Send one training request; log it for a replay; if the server crashed and restarted
+        behind this client (a dropped connection past the transport's retries, or a 409 from
+        a server that lost steps), wait for it, replay what it lost, and send it again."""
+        deadline = time.monotonic() + self.cfg.reconnect_timeout_s
+        conflicts = 0
+        while True:
+            try:
+                out, info = self._send_once(sent)
+                break
+            except TransportError as e:
+                if not self.log.enabled:
+                    raise
+                log.warning("server unreachable (%s); waiting up to %gs", e.message, self.cfg.reconnect_timeout_s)
+                self._wait_for_server(deadline)
+            except Conflict:
+                conflicts += 1
+                if not self.log.enabled or conflicts > 1:
+                    raise
+            try:
+                self._recover()
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+        if sent.tensors is not None:
+            sent.answer = digest(out)
+        self.log.record(step, sent)
+        if "durable" in info:
+            self.log.durable(int(info["durable"]))
+        return out, info
+
+    def _wait_for_server(self, deadline: float) -> None:
+        while True:
+            try:
+                self.transport.get_json(P.HEALTH)
+                return
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"the server at {self.cfg.server} did not come back within "
+                                         f"{self.cfg.reconnect_timeout_s:g}s (reconnect_timeout_s)") from None
+                time.sleep(0.5)
+
+    def _recover(self) -> None:
+        """Bring a restarted server back to this client's step: replay the logged requests of the
+        steps it lost and of the step in progress (a server that lost nothing answers them from
+        its ledger)."""
+        state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
+        server = int(state["step"])
+        if server >= self.step:  # it applied the step in progress: the apply's retry gets its answer
+            return
+        self.log.durable(min(int(state.get("durable", 0)), server))
+        self.log.replay(server, self.step, lambda r: self._send_once(r)[0])
 
     # -- the optimizer step --------------------------------------------------------------
 
@@ -345,7 +416,7 @@ class RemoteSegment(nn.Module):
         """``POST /v1/train/apply`` of the current step at ``lr``; the next pieces belong to
         the next step. Returns the server's answer."""
         req = P.ApplyRequest(self.client_id, self.step, self.answered, float(lr), self.clip_factor())
-        answer = self.transport.post_json(P.TRAIN_APPLY, req.to_json())
+        _, answer = self._train_call(self.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
         self.last_apply, self.applies = answer, self.applies + 1
         self._next_step()
         return answer
@@ -358,6 +429,7 @@ class RemoteSegment(nn.Module):
             return
         req = P.ApplyRequest(self.client_id, self.step, discard=True)
         self.transport.post_json(P.TRAIN_APPLY, req.to_json())
+        self.log.drop(self.step)
         self.pieces = self.answered = 0
         self.server_norm = self._proxy_set = None
 

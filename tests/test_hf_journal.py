@@ -1,0 +1,139 @@
+"""kill -9 of the server while a model class trains: the request log replays what it lost.
+
+Each test trains one run undisturbed and one with the server killed (SIGKILL) and restarted
+from its checkpoint directory 1 s later, with a plain PyTorch loop over
+``SplitGPT2LMHeadModel`` (two pieces per optimizer step: gradient accumulation), and compares
+every loss and every weight on both sides bit for bit (float32 wire).
+"""
+import threading
+
+import pytest
+import torch
+
+from splitlearn import protocol as P
+from splitlearn.errors import Conflict
+from splitlearn.hf import SplitGPT2LMHeadModel
+from splitlearn.hf.journal import RequestLog, Sent, digest
+
+from serverproc import TOKEN, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+STEPS, PIECES, EVERY, LR = 7, 2, 3, 1e-2
+
+
+def pieces():
+    g = torch.Generator().manual_seed(3)
+    return [[torch.randint(0, 256, (2, 10), generator=g) for _ in range(PIECES)] for _ in range(STEPS)]
+
+
+def run(cuts, tmp, kill_at=None, restart_from=None):
+    """Train; ``kill_at`` = (step, what) with what in "before" (before the step's first
+    forward), "backward" (before piece 1's backward), "apply" (before the step's apply): the
+    server is killed there and restarted 1 s later. Returns (losses, client, server weights,
+    the model's recoveries)."""
+    srv = ServerProcess(cuts, lr=LR, checkpoint_dir=tmp, extra=["--checkpoint-every", str(EVERY)])
+    with srv:
+        model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, client_id="c",
+                                                     retries=1).train()
+        remote = model.remote
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        fired = []
+
+        def crash():
+            fired.append(1)
+            srv.kill()
+            if restart_from is not None:
+                restart_from(srv)
+            threading.Timer(1.0, srv.start).start()
+
+        real = remote.transport.call_meta, remote.transport.post_json
+
+        def call_meta(path, tensors, meta=None):
+            if kill_at and not fired and kill_at[1] == "backward" and path == P.TRAIN_BACKWARD \
+                    and remote.step == kill_at[0] and meta["micro"] == "1":
+                crash()
+            return real[0](path, tensors, meta)
+
+        def post_json(path, payload):
+            if kill_at and not fired and kill_at[1] == "apply" and path == P.TRAIN_APPLY \
+                    and payload.get("step") == kill_at[0] and not payload.get("discard"):
+                crash()
+            return real[1](path, payload)
+
+        remote.transport.call_meta, remote.transport.post_json = call_meta, post_json
+        losses = []
+        for step, batch in enumerate(pieces(), start=1):
+            if kill_at == (step, "before"):
+                crash()
+            for ids in batch:
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / PIECES).backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        assert bool(kill_at) == bool(fired)
+        client = {k: v.clone() for k, v in model.state_dict().items() if "remote." not in k}
+        server = srv.weights()
+        model.remote.close()
+    return losses, client, server, remote.recoveries
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return {cuts: run(cuts, tmp_path_factory.mktemp("ref")) for cuts in [(1, 3), (2,)]}
+
+
+def assert_identical(a, b):
+    assert a[0] == b[0]  # every loss, bit for bit
+    for x, y in ((a[1], b[1]), (a[2], b[2])):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), \
+            [k for k in x if not torch.equal(x[k], y[k])]
+
+
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+def test_server_killed_between_steps_replays_the_lost_ones(reference, tmp_path, cuts):
+    out = run(cuts, tmp_path, kill_at=(6, "before"))
+    assert_identical(out, reference[cuts])
+    # steps 4 and 5 were after the checkpoint of step 3: two steps of 2 pieces (fwd + bwd) + apply
+    assert out[3] == [{"server_step": 3, "replayed": 2 * (2 * PIECES + 1)}], out[3]
+
+
+@pytest.mark.parametrize("cuts,what", [((1, 3), "backward"), ((2,), "apply")], ids=["u-backward", "2way-apply"])
+def test_server_killed_inside_a_step(reference, tmp_path, cuts, what):
+    """Mid-step: the step's pieces so far are replayed too, then the request that failed."""
+    out = run(cuts, tmp_path, kill_at=(5, what))
+    assert_identical(out, reference[cuts])
+    done = 2 * PIECES if what == "apply" else PIECES + 1  # step 5's requests before the kill
+    assert out[3] == [{"server_step": 3, "replayed": (2 * PIECES + 1) + done}], out[3]
+
+
+def test_a_server_restarted_from_an_older_state_is_refused(tmp_path):
+    """The server comes back without the checkpoint the log starts from: Conflict, named."""
+    import shutil
+
+    def wipe(srv):
+        shutil.rmtree(srv.checkpoint_dir)
+
+    with pytest.raises(Conflict, match="not in its request log"):
+        run((1, 3), tmp_path / "ck", kill_at=(6, "before"), restart_from=wipe)
+
+
+def test_the_log_keeps_only_what_is_not_durable_and_checks_answers():
+    log = RequestLog(enabled=True)
+    t = {"hidden": torch.ones(2, 3)}
+    for step in (1, 2, 3):
+        log.record(step, Sent(P.TRAIN_FORWARD, t, {"step": str(step)}, digest(t)))
+    assert log.nbytes() == 3 * 6 * 4
+    log.durable(2)
+    assert list(log.steps) == [3] and log.nbytes() == 24
+    sent = []
+    assert log.replay(2, 4, lambda r: sent.append(r) or t) == 1 and sent[0].meta == {"step": "3"}
+    with pytest.raises(Conflict, match="differs"):
+        log.replay(2, 4, lambda r: {"hidden": torch.zeros(2, 3)})
+    with pytest.raises(Conflict, match="steps 2..2 are not in its request log"):
+        log.replay(1, 4, lambda r: t)
+    off = RequestLog(enabled=False)
+    off.record(1, Sent(P.TRAIN_FORWARD, t, {}))
+    assert off.steps == {}
+    assert digest({"a": torch.zeros(2)}) != digest({"a": torch.zeros(2, 1)}) != digest({"b": torch.zeros(2)})
