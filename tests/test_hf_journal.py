@@ -27,7 +27,7 @@ def pieces():
     return [[torch.randint(0, 256, (2, 10), generator=g) for _ in range(PIECES)] for _ in range(STEPS)]
 
 
-def run(cuts, tmp, kill_at=None, restart_from=None):
+def run(cuts, tmp, kill_at=None, restart_from=None, micro_batches=1):
     """Train; ``kill_at`` = (step, what) with what in "before" (before the step's first
     forward), "backward" (before piece 1's backward), "apply" (before the step's apply): the
     server is killed there and restarted 1 s later. Returns (losses, client, server weights,
@@ -35,7 +35,7 @@ def run(cuts, tmp, kill_at=None, restart_from=None):
     srv = ServerProcess(cuts, lr=LR, checkpoint_dir=tmp, extra=["--checkpoint-every", str(EVERY)])
     with srv:
         model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, client_id="c",
-                                                     retries=1).train()
+                                                     retries=1, micro_batches=micro_batches).train()
         remote = model.remote
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
         fired = []
@@ -47,13 +47,20 @@ def run(cuts, tmp, kill_at=None, restart_from=None):
                 restart_from(srv)
             threading.Timer(1.0, srv.start).start()
 
-        real = remote.transport.call_meta, remote.transport.post_json
+        real = remote.transport.call_meta, remote.transport.post_json, remote.transport.start_call
 
-        def call_meta(path, tensors, meta=None):
+        def kill_before(path, meta):
             if kill_at and not fired and kill_at[1] == "backward" and path == P.TRAIN_BACKWARD \
                     and remote.step == kill_at[0] and meta["micro"] == "1":
                 crash()
+
+        def call_meta(path, tensors, meta=None):
+            kill_before(path, meta)
             return real[0](path, tensors, meta)
+
+        def start_call(path, tensors, meta=None, lane=0):  # pipelined pieces
+            kill_before(path, meta)
+            return real[2](path, tensors, meta, lane)
 
         def post_json(path, payload):
             if kill_at and not fired and kill_at[1] == "apply" and path == P.TRAIN_APPLY \
@@ -62,6 +69,7 @@ def run(cuts, tmp, kill_at=None, restart_from=None):
             return real[1](path, payload)
 
         remote.transport.call_meta, remote.transport.post_json = call_meta, post_json
+        remote.transport.start_call = start_call
         losses = []
         for step, batch in enumerate(pieces(), start=1):
             if kill_at == (step, "before"):
@@ -106,6 +114,14 @@ def test_server_killed_inside_a_step(reference, tmp_path, cuts, what):
     assert_identical(out, reference[cuts])
     done = 2 * PIECES if what == "apply" else PIECES + 1  # step 5's requests before the kill
     assert out[3] == [{"server_step": 3, "replayed": (2 * PIECES + 1) + done}], out[3]
+
+
+def test_server_killed_inside_a_pipelined_step(tmp_path):
+    """Micro-batches in flight on several connections when the server dies: the same replay."""
+    undisturbed = run((1, 3), tmp_path / "ref", micro_batches=2)
+    out = run((1, 3), tmp_path / "kill", kill_at=(5, "backward"), micro_batches=2)
+    assert_identical(out, undisturbed)
+    assert out[3] and out[3][0]["server_step"] == 3, out[3]
 
 
 def test_a_server_restarted_from_an_older_state_is_refused(tmp_path):

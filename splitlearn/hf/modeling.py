@@ -49,6 +49,7 @@ from ..errors import ConfigError
 from ..loading import _LOAD_LOCK, is_spec_source, load_model
 from ..packed import PackedLinears
 from ..partition import validate_cuts
+from . import pipeline
 from .remote import RemoteConfig, RemoteSegment
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,28 @@ class SplitGPT2Model(GPT2PreTrainedModel):
                 **kwargs) -> BaseModelOutputWithPastAndCrossAttentions:
         """As ``GPT2Model.forward``; the server's blocks run remotely (see the module docstring).
         ``past_key_values``: None, or a remote cache (``.remote``, ``.local``; the generation hook)."""
+        if self._precomputed is not None:  # a micro-batch's output, computed by .pipeline
+            return self._precomputed
+        hidden, ctx = self.bottom_half(input_ids, past_key_values, attention_mask, token_type_ids, position_ids,
+                                       inputs_embeds)
+        remote_cache = ctx["cache"]
+        if self.u_shape:
+            if remote_cache is not None:
+                hidden = remote_cache.remote(hidden, ctx["mask"])  # generation: the server's KV cache
+            else:
+                hidden = self.remote.trunk(hidden, ctx["mask"])  # autograd over the wire
+            hidden = self.top_half(hidden, ctx)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden,
+                                                         past_key_values=remote_cache if use_cache or
+                                                         remote_cache is not None else None)
+
+    #: set by :mod:`splitlearn.hf.pipeline` while a head runs on one micro-batch's output
+    _precomputed: Optional[BaseModelOutputWithPastAndCrossAttentions] = None
+
+    def bottom_half(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+                    position_ids=None, inputs_embeds=None) -> tuple[torch.Tensor, dict]:
+        """Everything before the cut: embeddings, the client's first blocks, the defense ->
+        (what crosses the cut (B, T, d), what :meth:`top_half` needs)."""
         if self.remote is None:
             raise ConfigError("this split model is not connected to a server (from_pretrained(..., server=URL))")
         if input_ids is not None and inputs_embeds is not None:
@@ -202,18 +225,14 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         (a, b) = self.client_blocks[0]
         hidden = self._run_blocks(a, b, hidden, attention_mask, local, position_ids, inputs_embeds)
         hidden = self._defended(hidden, inputs_embeds)  # what crosses the cut
-        if self.u_shape:
-            if remote_cache is not None:
-                hidden = remote_cache.remote(hidden, attention_mask)  # generation: the server's KV cache
-            else:
-                hidden = self.remote.trunk(hidden, attention_mask)  # autograd over the wire
-            (a, b) = self.client_blocks[1]
-            hidden = self._run_blocks(a, b, hidden, attention_mask, local, position_ids, inputs_embeds)
-            hidden = self.ln_f(hidden)
-            hidden = hidden.view(output_shape)
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden,
-                                                         past_key_values=remote_cache if use_cache or
-                                                         remote_cache is not None else None)
+        return hidden, dict(mask=attention_mask, cache=remote_cache, local=local, position_ids=position_ids,
+                            embeds=inputs_embeds, output_shape=output_shape)
+
+    def top_half(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """U-shape: the trunk's output (B, T, d) through the client's last blocks and ``ln_f``."""
+        (a, b) = self.client_blocks[1]
+        hidden = self._run_blocks(a, b, hidden, ctx["mask"], ctx["local"], ctx["position_ids"], ctx["embeds"])
+        return self.ln_f(hidden).view(ctx["output_shape"])
 
 
 class SplitMixin:
@@ -238,6 +257,22 @@ class SplitMixin:
         super().zero_grad(set_to_none=set_to_none)
         if self.transformer.remote is not None:
             self.transformer.remote.discard_pending()
+
+    @property
+    def micro_batches(self) -> int:
+        """Training forwards with ``labels`` split into this many micro-batches, pipelined with
+        the server (:mod:`splitlearn.hf.pipeline`); 1: whole. ``SplitGPT2LMHeadModel`` only."""
+        return self.__dict__.get("_micro_batches", 1)
+
+    @micro_batches.setter
+    def micro_batches(self, m: int) -> None:
+        from .pipeline import check_micro_batches
+
+        check_micro_batches(m)
+        if m > 1 and not isinstance(self, SplitGPT2LMHeadModel):
+            raise ConfigError(f"micro_batches works with SplitGPT2LMHeadModel (a causal-LM loss); "
+                              f"{type(self).__name__} trains whole batches")
+        self.__dict__["_micro_batches"] = m
 
     @property
     def defense(self):
@@ -269,12 +304,14 @@ class SplitMixin:
     @classmethod
     def from_pretrained(cls, source, *model_args, server: Optional[str] = None, token: Optional[str] = None,
                         client_id: Optional[str] = None, wire_dtype: str = "float32", seed: int = 0,
-                        timeout_s: float = 300.0, retries: int = 6, defense=None, lora=None, **kwargs):
+                        timeout_s: float = 300.0, retries: int = 6, defense=None, lora=None, micro_batches: int = 1,
+                        **kwargs):
         """Build the split model for ``source`` (the sources of :func:`splitlearn.load_model`: a
         spec name, a directory, a config JSON, a hub id, a model) against the server at ``server``,
         whose cuts are read from its ``/v1/info``. ``defense``: see :attr:`defense`. ``lora``: a
         ``peft.LoraConfig`` (or ``"server"``) for a server started with ``--lora-r``: adapters on
-        both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). Other keyword arguments go
+        both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). ``micro_batches``: see
+        :attr:`micro_batches`. Other keyword arguments go
         to the head's config (``num_labels=3``, ``pad_token_id=...``). Only the client's weights
         are kept; eval mode, as ``from_pretrained`` leaves any model."""
         from .lora import apply_lora
@@ -284,6 +321,7 @@ class SplitMixin:
         try:
             if defense is not None:
                 model.defense = defense
+            model.micro_batches = micro_batches
             apply_lora(model, lora, seed=seed)  # also refuses a model without LoRA on a LoRA server
         except BaseException:
             model.remote.close()
@@ -394,6 +432,11 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
     def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
                 position_ids=None, inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 labels=None, use_cache=None, logits_to_keep: Union[int, torch.Tensor] = 0, **kwargs):
+        if pipeline.applies(self, labels, past_key_values, inputs_embeds):
+            out = pipeline.forward(self, super().forward, input_ids, attention_mask, labels, token_type_ids,
+                                   position_ids, **kwargs)
+            if out is not None:
+                return out
         if self.transformer.u_shape:
             return self._add_defense_loss(super().forward(
                 input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,

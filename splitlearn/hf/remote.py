@@ -54,7 +54,7 @@ from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import protocol as P
-from ..errors import ConfigError, Conflict, TransportError
+from ..errors import ConfigError, Conflict, ServiceUnavailable, TransportError
 from ..wire import check_wire_dtype, pack, unpack
 from .journal import RequestLog, Sent, digest
 
@@ -179,6 +179,7 @@ class RemoteSegment(nn.Module):
         self.pieces = 0  # forwards sent in this step
         self.answered = 0  # backwards answered in this step
         self.server_norm: Optional[float] = None  # the server's accumulated gradient norm
+        self._norm_pieces = 0  # how many pieces that norm covers
         self.last_apply: Optional[dict] = None  # the server's answer to the last apply
         self.applies = 0
         self._optimizer_ref = None  # attach_optimizer: only this one triggers the apply
@@ -251,14 +252,57 @@ class RemoteSegment(nn.Module):
         else:
             tensors = pack(P.GRAD, grad.detach(), self.cfg.wire_dtype)
         out, info = self._train_call(piece[0], Sent(P.TRAIN_BACKWARD, tensors, self._meta(*piece)))
-        if piece[0] == self.step:
-            self.answered += 1
-            self.server_norm = float(info["grad_norm"])
-            if self.grad_proxy.requires_grad:
-                value = torch.full_like(self.grad_proxy, self.server_norm)
-                self.grad_proxy.grad = value
-                self._proxy_set = value.clone()
+        self._backward_done(piece, info)
         return unpack(out, P.GRAD).to(device=device, dtype=dtype)  # (B, T, d)
+
+    def _backward_done(self, piece: tuple[int, int], info: dict) -> None:
+        """Count an answered backward; the proxy's gradient becomes the server's norm over the
+        most pieces accumulated (answers of pieces in flight together may come in any order)."""
+        if piece[0] != self.step:
+            return
+        self.answered += 1
+        accumulated = int(info.get("accumulated", self.answered))
+        if accumulated < self._norm_pieces:
+            return
+        self._norm_pieces = accumulated
+        self.server_norm = float(info["grad_norm"])
+        if self.grad_proxy.requires_grad:
+            value = torch.full_like(self.grad_proxy, self.server_norm)
+            self.grad_proxy.grad = value
+            self._proxy_set = value.clone()
+
+    # -- pieces in flight together (micro-batch pipelining, :mod:`.pipeline`) ----------------
+
+    def start_piece(self, kind: str, tensors: dict, lane: int, piece: Optional[tuple[int, int]] = None):
+        """Send a forward (``kind`` "f": a new piece of the current step) or the backward of
+        ``piece`` ("b") on transport ``lane`` without waiting; :meth:`finish_piece` reads it."""
+        if kind == "f":
+            piece = (self.step, self.pieces)
+            self.pieces += 1
+        sent = Sent(P.TRAIN_FORWARD if kind == "f" else P.TRAIN_BACKWARD, tensors, self._meta(*piece))
+        try:
+            pending = self.transport.start_call(sent.path, tensors, sent.meta, lane=lane)
+        except (TransportError, ServiceUnavailable, Conflict):
+            pending = None  # finish_piece sends it again, waiting and recovering as a lone call does
+        return kind, piece, sent, pending
+
+    def finish_piece(self, call) -> tuple[tuple[int, int], dict]:
+        """The answer to :meth:`start_piece`'s call -> (its piece, the answer's tensors). A busy
+        segment, a dropped connection or a restarted server: sent again as :meth:`send_forward`
+        would (waits, replay of what the server lost; the numbers make it exactly once)."""
+        kind, piece, sent, pending = call
+        out = info = None
+        if pending is not None:
+            try:
+                out, info = self.transport.finish_call_meta(pending)
+                self._logged(piece[0], sent, out, info)
+            except (TransportError, ServiceUnavailable, Conflict):
+                out = None
+        if out is None:
+            out, info = self._train_call(piece[0], sent)
+        if kind == "b":
+            self._backward_done(piece, info)
+        return piece, out
 
     def evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  labels: Optional[torch.Tensor] = None):
@@ -321,12 +365,15 @@ class RemoteSegment(nn.Module):
             except TransportError:
                 if time.monotonic() > deadline:
                     raise
-        if sent.tensors is not None:
+        self._logged(step, sent, out, info)
+        return out, info
+
+    def _logged(self, step: int, sent: Sent, out: dict, info: dict) -> None:
+        if sent.tensors is not None and self.log.enabled:
             sent.answer = digest(out)
         self.log.record(step, sent)
         if "durable" in info:
             self.log.durable(int(info["durable"]))
-        return out, info
 
     def _wait_for_server(self, deadline: float) -> None:
         while True:
@@ -430,10 +477,10 @@ class RemoteSegment(nn.Module):
         req = P.ApplyRequest(self.client_id, self.step, discard=True)
         self.transport.post_json(P.TRAIN_APPLY, req.to_json())
         self.log.drop(self.step)
-        self.pieces = self.answered = 0
+        self.pieces = self.answered = self._norm_pieces = 0
         self.server_norm = self._proxy_set = None
 
     def _next_step(self) -> None:
         self.step += 1
-        self.pieces = self.answered = 0
+        self.pieces = self.answered = self._norm_pieces = 0
         self.server_norm = self._proxy_set = None

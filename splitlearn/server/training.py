@@ -127,8 +127,9 @@ class Training:
             except Exception:
                 self.abort(meta, st)
                 raise
-            answer.meta["grad_norm"] = repr(norm)
             st.answers[meta.micro] = answer
+            answer.meta["grad_norm"] = repr(norm)
+            answer.meta["accumulated"] = str(len(st.answers))  # the pieces that norm covers
             return answer
         st.answers[meta.micro] = answer
         if len(st.answers) < st.micros:

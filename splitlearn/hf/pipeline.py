@@ -1,0 +1,221 @@
+"""Micro-batch pipelining for the model classes (GPipe, Huang et al. 2019), under autograd.
+
+``SplitGPT2LMHeadModel.from_pretrained(..., micro_batches=M)`` (or ``model.micro_batches = M``)
+splits a training forward with ``labels`` into M micro-batches along the rows and keeps their
+requests in flight on up to ``MAX_LANES`` connections, so the client and the server compute at
+once. ``model(**batch).loss`` and ``loss.backward()`` keep their meaning; the pieces are pieces
+of the current open-ended step (docs/PROTOCOL.md), applied when the optimizer steps.
+U-shape, M = 3 (f: the trunk's forward, b: its backward, ⁻¹: a backward on the client)::
+
+    forward   client: bottom(0) bottom(1) bottom(2) top(0) ..... top(1) top(2)
+              server:           f(0) .... f(1) ..... f(2)
+    backward  client: top⁻¹(0) top⁻¹(1) . bottom⁻¹(0) top⁻¹(2) . bottom⁻¹(1) .. bottom⁻¹(2)
+              server:          b(0) ....... b(1) ............... b(2)
+
+Every forward is sent as soon as its bottom is done, and top(i) runs as soon as f(i) is back.
+``loss`` is one autograd node (:class:`_Pipelined`) over the micro-batches' graphs: its
+backward runs top⁻¹(i), sends b(i) as soon as b(i-1) is answered (one backward at a time on
+the server, so it sums the pieces' gradients in one order, as a replay after a crash does),
+and runs bottom⁻¹(i-1) while the server runs b(i). 2-way: the server computes each
+micro-batch's loss in the forward; in the backward b(i) overlaps bottom⁻¹(i-1).
+
+The loss is the batch's: each micro-batch's mean loss weighted by its share of the batch's
+target tokens (``labels`` not -100 after the shift), or of ``num_items_in_batch`` when
+``Trainer`` passes it; the backward scales every piece by the gradient the loss receives
+(``loss / accumulation_steps`` is exact). So a pipelined step equals an unpipelined one up to
+float32 summation order. A batch with a micro-batch of no targets is sent whole. A
+defense's extra loss (NoPeek) is computed per micro-batch and weighted by its rows.
+``logits`` (U-shape) are the micro-batches' concatenated, detached.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
+
+from .. import protocol as P
+from ..errors import ConfigError
+from ..wire import pack, unpack
+
+MAX_LANES = 8  # requests in flight at once (one keep-alive connection each)
+
+
+def check_micro_batches(m) -> int:
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= P.MAX_MICROS:
+        raise ConfigError(f"micro_batches must be an integer in [1, {P.MAX_MICROS}], got {m!r}")
+    return m
+
+
+def _rows(x: Optional[torch.Tensor], m: int) -> list[Optional[torch.Tensor]]:
+    return [None] * m if x is None else list(torch.tensor_split(x, m, dim=0))
+
+
+class _Lanes:
+    """Pieces in flight, one per lane; answers kept until asked for."""
+
+    def __init__(self, remote, n: int):
+        self.remote, self.n = remote, n
+        self.calls: dict[int, tuple] = {}  # lane -> (key, call)
+        self.answers: dict[tuple, tuple] = {}  # key -> (piece, tensors)
+
+    def start(self, key: tuple, kind: str, tensors: dict, piece=None):
+        lane = key[1] % self.n
+        if lane in self.calls:  # one request per lane: read the one before
+            self._read(lane)
+        call = self.remote.start_piece(kind, tensors, lane, piece)
+        self.calls[lane] = (key, call)
+        return call[1]  # the piece
+
+    def _read(self, lane: int) -> None:
+        key, call = self.calls.pop(lane)
+        self.answers[key] = self.remote.finish_piece(call)
+
+    def get(self, key: tuple) -> dict:
+        if key not in self.answers:
+            self._read(key[1] % self.n)
+        return self.answers.pop(key)[1]
+
+    def drain(self) -> None:
+        """Read every request still out (after an error: the step is the caller's to discard)."""
+        for lane in list(self.calls):
+            try:
+                self._read(lane)
+            except Exception:  # noqa: BLE001 - the error being raised already says what went wrong
+                self.calls.pop(lane, None)
+
+
+class _Run:
+    """One pipelined forward's state, kept for its backward."""
+
+    def __init__(self, model, n: int):
+        self.model, self.remote = model, model.transformer.remote
+        self.lanes = _Lanes(self.remote, min(n, MAX_LANES))
+        self.sent: list[torch.Tensor] = []  # per micro-batch: what crossed the cut (b, T, d)
+        self.defense: list[Optional[torch.Tensor]] = []  # per micro-batch: the defense's extra loss
+        self.pieces: list[tuple[int, int]] = []  # per micro-batch: its (step, piece)
+        self.leaves: list[torch.Tensor] = []  # U-shape: the trunk's outputs as leaves (b, T, d)
+        self.losses: list[torch.Tensor] = []  # U-shape: mean losses with their graphs; 2-way: values
+        self.weights: list[float] = []  # each micro-batch's share of the batch's loss
+        self.row_weights: list[float] = []  # each micro-batch's share of the rows (the defense's loss)
+
+    def backward(self, g: torch.Tensor) -> None:
+        """top⁻¹(i) (U-shape), then b(i) sent once b(i-1) is answered, then bottom⁻¹(i-1) while
+        the server runs b(i): one backward on the server at a time, so it sums the pieces'
+        gradients in one order (a replay after a crash sums them alike)."""
+        u = self.model.transformer.u_shape
+        wire = self.remote.cfg.wire_dtype
+        try:
+            for i in range(len(self.sent)):
+                if u:
+                    torch.autograd.backward(self.losses[i], g * self.weights[i])  # top⁻¹(i): the leaf's grad
+                    tensors = pack(P.GRAD, self.leaves[i].grad, wire)
+                else:  # the scalar gradient of the server's loss, always float32
+                    tensors = {P.GRAD: (g.detach().float() * self.weights[i]).reshape(1).cpu()}
+                before = self.lanes.get(("b", i - 1)) if i else None
+                self.lanes.start(("b", i), "b", tensors, self.pieces[i])
+                if before is not None:
+                    self._bottom(i - 1, before, g)
+            last = len(self.sent) - 1
+            self._bottom(last, self.lanes.get(("b", last)), g)
+        finally:
+            self.lanes.drain()
+
+    def _bottom(self, j: int, answer: dict, g: torch.Tensor) -> None:
+        """bottom⁻¹(j) with the server's gradient of what micro-batch j sent."""
+        sent = self.sent[j]
+        grad = unpack(answer, P.GRAD).to(device=sent.device, dtype=sent.dtype)
+        if self.defense[j] is None:
+            sent.backward(grad)
+        else:
+            torch.autograd.backward([sent, self.defense[j]], [grad, g * self.row_weights[j]])
+
+
+class _Pipelined(torch.autograd.Function):
+    """The batch's loss over the micro-batches' graphs; its backward is the pipelined one."""
+
+    @staticmethod
+    def forward(ctx, proxy, value: torch.Tensor, run: _Run):
+        ctx.run = run
+        return value.detach().clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        run, ctx.run = ctx.run, None
+        if run is None:
+            raise RuntimeError("a pipelined loss can be backpropagated once")
+        run.backward(g)
+        return None, None, None
+
+
+def applies(model, labels, past_key_values, inputs_embeds) -> bool:
+    """Pipeline this forward? Training (gradients on), ``labels``, no cache, M > 1, rows > 1."""
+    m = check_micro_batches(getattr(model, "micro_batches", 1))
+    return (m > 1 and torch.is_grad_enabled() and labels is not None and past_key_values is None
+            and inputs_embeds is None)
+
+
+def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids=None, position_ids=None,
+            num_items_in_batch=None, **kwargs):
+    """The pipelined training forward of a causal LM -> ``CausalLMOutputWithCrossAttentions``;
+    ``hf_forward(**kw)``: the Hugging Face head's own forward (U-shape), run on each micro-batch's
+    output. None when the batch cannot be split (fewer rows than 2, a micro-batch of no targets)."""
+    t = model.transformer
+    m = min(model.micro_batches, input_ids.shape[0])
+    labels = labels.to(input_ids.device)
+    counts = [int((y[..., 1:] != -100).sum()) for y in _rows(labels, m)]
+    if m < 2 or min(counts) == 0:
+        return None
+    total = float(num_items_in_batch) if num_items_in_batch is not None else float(sum(counts))
+    run = _Run(model, m)
+    run.weights = [n / total for n in counts]
+    rows = [x.shape[0] for x in _rows(input_ids, m)]
+    run.row_weights = [r / sum(rows) for r in rows]
+    parts = list(zip(_rows(input_ids, m), _rows(attention_mask, m), _rows(labels, m), _rows(token_type_ids, m),
+                     _rows(position_ids if position_ids is not None and position_ids.shape[0] > 1 else None, m)))
+    ctxs = []
+    try:
+        for i, (x, mask, y, tt, pos) in enumerate(parts):  # bottom(i + 1) while the server works on i
+            pos = pos if pos is not None else position_ids
+            sent, ctx = t.bottom_half(x, None, mask, tt, pos, None)
+            run.sent.append(sent)
+            run.defense.append(t.defense_loss)
+            ctxs.append(ctx)
+            tensors = pack(P.HIDDEN, sent.detach(), run.remote.cfg.wire_dtype)
+            if ctx["mask"] is not None:
+                tensors[P.MASK] = ctx["mask"].detach().long().cpu()
+            if not t.u_shape:
+                tensors[P.LABELS] = y.detach().long().cpu()
+            run.pieces.append(run.lanes.start(("f", i), "f", tensors))
+        logits = []
+        for i, (x, mask, y, tt, pos) in enumerate(parts):
+            out = run.lanes.get(("f", i))
+            if not t.u_shape:
+                run.losses.append(out[P.LOSS].reshape(()))
+                continue
+            sent = run.sent[i]
+            leaf = unpack(out, P.HIDDEN).to(device=sent.device, dtype=sent.dtype).requires_grad_()
+            run.leaves.append(leaf)
+            t._precomputed = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=t.top_half(leaf, ctxs[i]))
+            try:
+                head = hf_forward(input_ids=x, attention_mask=mask, labels=y, token_type_ids=tt, **kwargs)
+            finally:
+                t._precomputed = None
+            run.losses.append(head.loss)
+            logits.append(head.logits.detach())
+    except BaseException:
+        run.lanes.drain()
+        raise
+    value = sum(w * float(loss.detach()) for w, loss in zip(run.weights, run.losses))
+    extra = [d for d in run.defense if d is not None]
+    t.defense_loss = None
+    if extra:
+        t.defense_loss = sum(r * d.detach() for r, d in zip(run.row_weights, run.defense))
+        value += float(t.defense_loss)
+    ref = run.sent[0]
+    proxy = run.remote.grad_proxy  # an input that needs a gradient, so autograd calls the backward
+    anchor = proxy if proxy.requires_grad else torch.zeros(1, requires_grad=True)
+    loss = _Pipelined.apply(anchor, torch.tensor(value, dtype=torch.float32, device=ref.device), run)
+    return CausalLMOutputWithCrossAttentions(loss=loss, logits=torch.cat(logits, 0) if logits else None)

@@ -1,0 +1,117 @@
+"""Micro-batch pipelining on the model classes (splitlearn/hf/pipeline.py), against real servers.
+
+A pipelined plain loop (gradient accumulation, a clip, an LR schedule) equals the unsplit
+model; the forwards of a step are in flight together; bad settings are refused.
+"""
+import pytest
+import torch
+
+from splitlearn.errors import ConfigError
+from splitlearn.hf import SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel
+
+from serverproc import TOKEN
+from test_hf_modeling import LR, adamw_with, assert_weights_equal, batches, reference, server, split_lm  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+M = 3
+
+
+def test_pipelined_loop_equals_unsplit(server):
+    model = split_lm(server, micro_batches=M)
+    assert model.micro_batches == M
+    ref, state = reference(server)
+    ref.train()
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), adamw_with(ref, state)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    data = batches(4, seed=2, rows=7)  # 7 rows: micro-batches of 3, 2 and 2 rows, padded both ways
+    accum, clip = 2, 0.6
+    for step in range(2):
+        calls = model.remote.stats.calls
+        for k in range(accum):
+            ids, mask, labels = data[step * accum + k]
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+            assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+            (loss / accum).backward()
+            (ref_loss / accum).backward()
+        if step == 0:  # the accumulated gradients, before AdamW amplifies float noise on tiny ones
+            mine = dict(model.named_parameters())
+            for name, p in ref.named_parameters():
+                if name in mine and mine[name].grad is not None:
+                    err = float((mine[name].grad - p.grad).abs().max()) / float(p.grad.abs().max())
+                    assert err < 1e-5, (name, err)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        assert float(norm) == pytest.approx(float(ref_norm), rel=1e-4)  # the server's norm covers every piece
+        for o, s in ((opt, sched), (ref_opt, ref_sched)):
+            o.step()
+            s.step()
+            o.zero_grad()
+        # every micro-batch is a piece: a forward and a backward each, one apply
+        assert model.remote.stats.calls - calls == 2 * M * accum
+        assert model.remote.last_apply["pieces"] == M * accum
+    # AdamW divides by sqrt(v): a gradient component near 0 summed in another order (micro-batches,
+    # pieces accumulated as they arrive) moves its weight by a few 1e-4 (lr = 1e-2); a lost or
+    # mis-scaled piece moves weights by ~lr. The gradients themselves were compared above (1e-5).
+    assert_weights_equal(model, ref, server, atol=1e-3)
+    model.remote.close()
+
+
+def test_the_forwards_of_a_step_are_in_flight_together(server):
+    model = split_lm(server, micro_batches=M)
+    remote, events = model.remote, []
+    start, finish = remote.start_piece, remote.finish_piece
+
+    def spy_start(kind, tensors, lane, piece=None):
+        call = start(kind, tensors, lane, piece)
+        events.append(("start", kind, call[1][1]))
+        return call
+
+    def spy_finish(call):
+        events.append(("finish", call[0], call[1][1]))
+        return finish(call)
+
+    remote.start_piece, remote.finish_piece = spy_start, spy_finish
+    ids, mask, labels = batches(1, seed=4, rows=6)[0]
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    first_answer = events.index(("finish", "f", 0))
+    assert {e[2] for e in events[:first_answer] if e[:2] == ("start", "f")} == set(range(M)), events
+    # the backwards go one at a time, in order (the server sums the pieces' gradients in one order)
+    backs = [e for e in events if e[1] == "b"]
+    assert backs == [x for i in range(M) for x in (("start", "b", i), ("finish", "b", i))], events
+    model.zero_grad()
+    model.remote.close()
+
+
+def test_an_unsplittable_batch_goes_whole(server):
+    """One row, or a micro-batch without targets: one piece, the same loss as unpipelined."""
+    model = split_lm(server, micro_batches=M)
+    ids = torch.randint(0, 256, (3, 8))
+    labels = ids.clone()
+    labels[1:] = -100  # the second and third micro-batches have no targets
+    calls = model.remote.stats.calls
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert model.remote.stats.calls - calls == 2 and model.remote.pieces == 1
+    model.zero_grad()
+    model.remote.close()
+
+
+@pytest.mark.parametrize("bad", [0, M * 100, True, "2", 1.5])
+def test_bad_micro_batches_are_refused(server, bad):
+    model = split_lm(server)
+    with pytest.raises(ConfigError, match="micro_batches"):
+        model.micro_batches = bad
+    assert model.micro_batches == 1
+    model.remote.close()
+
+
+def test_only_the_lm_head_pipelines(server):
+    if not server.u_shape:
+        pytest.skip("a 2-way server serves the LM head only")
+    with pytest.raises(ConfigError, match="SplitGPT2LMHeadModel"):
+        SplitGPT2ForSequenceClassification.from_pretrained("tiny", server=server.url, token=TOKEN, num_labels=2,
+                                                           micro_batches=2)
+    assert SplitGPT2LMHeadModel.micro_batches.fget  # the property, documented on the class
