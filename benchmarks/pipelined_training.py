@@ -8,7 +8,9 @@ core 1 when it starts), as two machines would give it; the reference is the unsp
 on the client's core with one thread. Every round runs one step of each system (paired, so a
 slow phase of the machine hits all of them); medians over rounds after a warm-up round.
 Systems: unsplit; the U-shape split (float32 wire) with ``micro_batches`` 1 (client and
-server take turns), 2 and 4 (GPipe pipelining, :mod:`splitlearn.client.pipeline`).
+server take turns), 2 and 4 (GPipe pipelining), both through ``SplitClient.train_step``
+(:mod:`splitlearn.client.pipeline`) and through ``SplitGPT2LMHeadModel`` in a plain loop
+(``loss.backward(); opt.step()``; :mod:`splitlearn.hf.pipeline`).
 The ratio is split step time / unsplit step time (target for the pipelined split: <= 0.7).
 """
 from __future__ import annotations
@@ -57,9 +59,15 @@ def main(argv=None) -> int:
         opt = torch.optim.AdamW(unsplit.parameters(), lr=1e-4, weight_decay=0.0)
         clients = {m: SplitClient(srv.url, model_src, token=srv.token, lr=1e-4, device="cpu", micro_batches=m,
                                   client_id=f"m{m}") for m in map(int, a.micro.split(","))}
+        from splitlearn.hf import SplitGPT2LMHeadModel
+
+        models = {m: SplitGPT2LMHeadModel.from_pretrained(model_src, server=srv.url, token=srv.token, micro_batches=m,
+                                                          client_id=f"model-m{m}").train() for m in clients}
+        optimizers = {m: torch.optim.AdamW(mod.parameters(), lr=1e-4, weight_decay=0.0) for m, mod in models.items()}
         g = torch.Generator().manual_seed(0)
         vocab = unsplit.config.vocab_size
-        times: dict[str, list[float]] = {"unsplit": [], **{f"split m={m}": [] for m in clients}}
+        times: dict[str, list[float]] = {"unsplit": [], **{f"split m={m}": [] for m in clients},
+                                         **{f"model class m={m}": [] for m in models}}
         for r in range(a.rounds + 1):
             ids = torch.randint(0, vocab, (B, T), generator=g)
             t0 = time.perf_counter()
@@ -72,6 +80,12 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 c.train_step(ids)
                 row[f"split m={m}"] = time.perf_counter() - t0
+            for m, mod in models.items():
+                t0 = time.perf_counter()
+                mod(input_ids=ids, labels=ids).loss.backward()
+                optimizers[m].step()
+                optimizers[m].zero_grad()
+                row[f"model class m={m}"] = time.perf_counter() - t0
             if r:  # the first round warms up
                 for k, v in row.items():
                     times[k].append(v)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from splitlearn.client import SplitClient
-from splitlearn.client.pipeline import split_rows, token_shares
+from splitlearn.hf.pipeline import token_shares
 from splitlearn.errors import ConfigError
 
 from serverproc import TOKEN, ServerProcess
@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 def test_token_shares_weight_micro_batches_by_their_targets():
     labels = torch.tensor([[1, 2, 3], [1, -100, -100], [4, 5, 6], [7, 8, -100]])
     # targets are the labels shifted by one: rows have 2, 0, 2 and 1 of them
-    assert token_shares(labels, 2) == pytest.approx([2 / 5, 3 / 5])
-    assert token_shares(labels, 4) == pytest.approx([2 / 5, 0.0, 2 / 5, 1 / 5])
-    assert [t.shape[0] for t in split_rows(labels, 3)] == [2, 1, 1] and split_rows(None, 2) == [None, None]
+    assert token_shares(labels, 2) == [2, 3]
+    assert token_shares(labels, 4) == [2, 0, 2, 1]
+    assert token_shares(labels, 3) == [2, 2, 1]  # rows 2, 1, 1
 
 
 def batches():

@@ -36,13 +36,11 @@ from ..export import load_segments
 from ..generation import GreedyConfig
 from ..loading import load_model
 from ..partition import partition
-from ..segments import Segment, labels_from_batch, loss_from_logits
-from ..wire import pack, unpack
+from ..segments import Segment, labels_from_batch, positions_from_mask
 from . import lora as client_lora
 from .federation import FederationState, untied_weights, wait_while_busy
 from ..idlepoll import IdlePoller
 from ..packed import PackedLinears
-from .pipeline import pipelined_attempt, token_shares
 from .config import ClientConfig
 from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
                        write_entry)
@@ -254,60 +252,29 @@ class SplitClient:
                 self._persist()  # the live state is the new snapshot
         return loss
 
-    def _attempt(self, ids, mask, labels, rng: torch.Tensor):
-        """Run the step once -> (loss, the server's answers, its durable step); on success
-        only ``optimizer.step()`` is left to do."""
-        meta = P.StepMeta(self.client_id, self.step + 1, self.wire_dtype, self.federation.version).to_meta()
-        extra = {} if mask is None else {P.MASK: mask.cpu()}
+    def _attempt(self, ids, mask, labels, rng: torch.Tensor, replay: Optional[dict] = None):
+        """Run the step once through :attr:`model` -> (loss, the server's answers, its durable
+        step); on success only ``optimizer.step()`` is left to do. The step is a closed one
+        (:meth:`RemoteSegment.closed_step <splitlearn.hf.remote.RemoteSegment.closed_step>`): the
+        server applies it, at its own learning rate, with the last backward. ``replay``: the
+        answers of a journaled step, to redo it here without a request."""
+        model = self.model
+        remote = model.remote  # this client's settings now (load() may have changed the id)
+        remote.client_id, remote.defense, model.micro_batches = self.client_id, self.defense, self.micro_batches
         torch.set_rng_state(rng)  # every attempt draws the same dropout masks
-        for seg in self.segments:
-            seg.train()
+        model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        micros = min(self.micro_batches, ids.shape[0])
-        if micros > 1 and min(token_shares(labels, micros)) > 0:  # (a micro-batch of padding only: whole)
-            return pipelined_attempt(self, ids, mask, labels, micros)
-        h = self.bottom(ids, mask)  # (B, T, d), never leaves the client
-        h = self._defend(h, ids)  # (B, T, d), what is sent; the gradient flows back through it
-        if not self.u_shape:
-            out, info = self.transport.call_meta(P.TRAIN_STEP, {**pack(P.HIDDEN, h, self.wire_dtype),
-                                                               P.LABELS: labels.cpu(), **extra}, meta)
-            loss, answers = float(out[P.LOSS]), {}
-        else:
-            out = self.transport.call(P.TRAIN_FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
-            h2 = self._local(unpack(out, P.HIDDEN))  # (B, T, d)
-            answers = {P.HIDDEN: h2}
-            h2 = h2.detach().requires_grad_()  # a new leaf on the same storage: no copy
-            loss_t = loss_from_logits(self.top(h2, mask), labels)
-            loss_t.backward()
-            try:
-                out, info = self.transport.call_meta(P.TRAIN_BACKWARD, pack(P.GRAD, h2.grad, self.wire_dtype), meta)
-            except (StaleWeights, NotYourTurn):
-                raise
-            except Conflict as e:
-                # The server lost or dropped the forward (a restart, or the lease timed out and
-                # another client's step changed the weights): nothing was applied, redo it all.
-                raise _Redo(f"the server has no forward for it ({e.message})") from None
-            loss = float(loss_t.detach())
-        answers[P.GRAD] = self._local(unpack(out, P.GRAD))  # (B, T, d)
-        self._backward_bottom(h, answers[P.GRAD])
-        return loss, answers, int(info["durable"]) if "durable" in info else None
+        pos = None if mask is None else positions_from_mask(mask, ids.shape[1])  # left padding as generate's
+        with model.remote.closed_step(self.step + 1, self.federation.version, replay) as step:
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=pos)
+            out.loss.backward()
+        extra = model.transformer.defense_loss  # the defense's own term (NoPeek) is not the task's loss
+        loss = float(out.loss.detach()) - (float(extra.detach()) if extra is not None else 0.0)
+        return loss, step.answers, step.durable
 
-    def _defend(self, h: torch.Tensor, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The defense's version of ``h`` (B, T, d); keeps the defense's extra loss (NoPeek)
-        of a training step for :meth:`_backward_bottom`."""
-        self._defense_loss = None
-        if self.defense is None:
-            return h
-        if ids is not None and torch.is_grad_enabled():
-            self._defense_loss = self.defense.loss(self.bottom.wte(ids), h)  # inputs: token embeddings
-        return self.defense.apply(h)
-
-    def _backward_bottom(self, sent: torch.Tensor, grad: torch.Tensor) -> None:
-        """Backpropagate the server's gradient of what was sent (and any defense loss)."""
-        if self._defense_loss is None:
-            sent.backward(grad)
-        else:
-            torch.autograd.backward([sent, self._defense_loss], [grad, torch.ones_like(self._defense_loss)])
+    def _defend_sent(self, h: torch.Tensor) -> torch.Tensor:
+        """The defense's version of an activation ``h`` (B, T, d) sent while generating."""
+        return h if self.defense is None else self.defense.apply(h)
 
     # -- crash recovery (see .recovery) ----------------------------------------------------
 
@@ -316,15 +283,8 @@ class SplitClient:
 
     def _apply_local(self, e: Entry) -> None:
         """Redo step ``e`` on this side with the server's stored answers (no request)."""
-        torch.set_rng_state(e.rng)
-        for seg in self.segments:
-            seg.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        h = self._defend(self.bottom(e.ids, e.mask), e.ids)  # (B, T, d): the same noise as sent
-        if self.u_shape:
-            h2 = e.answers[P.HIDDEN].detach().requires_grad_()  # (B, T, d)
-            loss_from_logits(self.top(h2, e.mask), labels_from_batch(e.ids, e.mask)).backward()
-        self._backward_bottom(h, e.answers[P.GRAD])
+        self.step = e.step - 1
+        self._attempt(e.ids, e.mask, labels_from_batch(e.ids, e.mask), e.rng, replay=e.answers)
         self.optimizer.step()
         self.step = e.step
 
@@ -424,20 +384,12 @@ class SplitClient:
     def evaluate(self, input_ids, attention_mask=None) -> float:
         """Loss on a batch without changing any weight, on either side."""
         ids, mask = self._batch(input_ids, attention_mask)
-        labels = labels_from_batch(ids, mask)
-        for seg in self.segments:
-            seg.eval()
-        extra = {} if mask is None else {P.MASK: mask.cpu()}
-        h = self._defend(self.bottom(ids, mask))  # (B, T, d), as sent
-        meta = {"wire_dtype": self.wire_dtype}
-        if self.lora is not None:  # the server evaluates with this client's adapter
-            meta["client_id"] = self.client_id
-        if not self.u_shape:
-            out = self.transport.call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype),
-                                         P.LABELS: labels.cpu(), **extra}, meta)
-            return float(out[P.LOSS])
-        out = self.transport.call(P.FORWARD, {**pack(P.HIDDEN, h, self.wire_dtype), **extra}, meta)
-        return float(loss_from_logits(self.top(self._local(unpack(out, P.HIDDEN)), mask), labels))
+        model = self.model
+        model.eval()
+        pos = None if mask is None else positions_from_mask(mask, ids.shape[1])
+        with model.remote.loss_only():  # 2-way: the server answers the loss, not (B, T, V) logits
+            out = model(input_ids=ids, attention_mask=mask, labels=labels_from_batch(ids, mask), position_ids=pos)
+        return float(out.loss)
 
     # -- persistence -------------------------------------------------------------------
 
@@ -540,10 +492,12 @@ class SplitClient:
             c = self.config
             remote = RemoteSegment(RemoteConfig(self.transport.cfg.url, self.transport.cfg.token, self.client_id,
                                                 self.wire_dtype, c.timeout_s, c.retries, c.wait_timeout_s),
-                                   transport=self.transport, info=self.info)
+                                   transport=self.transport, info=self.info, state={"step": self.step})
+            remote.log.enabled = False  # this client's own journal (.recovery) replays whole steps
             remote.defense = self.defense
             model = split_model(hf, remote=remote)
             model.packed_weights = False  # this client's own prepacked weights (self._packed) serve it
+            model.micro_batches = self.micro_batches
             self._model = model
         return self._model
 
@@ -621,7 +575,7 @@ class SplitClient:
             self._generate_kwargs(ids, max_new_tokens, False, 1.0, None, None, eos_token_id, pad_token_id, {})
             remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
                                    client_id=self.client_id if self.lora is not None else None,
-                                   defend=self._defend)
+                                   defend=self._defend_sent)
             try:
                 with self._packed.active() if self._packed is not None else nullcontext():
                     yield from remote.decode(ids, mask, cfg)

@@ -37,7 +37,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from .. import protocol as P
 from ..errors import ConfigError
-from ..wire import pack, unpack
 
 MAX_LANES = 8  # requests in flight at once (one keep-alive connection each)
 
@@ -50,6 +49,11 @@ def check_micro_batches(m) -> int:
 
 def _rows(x: Optional[torch.Tensor], m: int) -> list[Optional[torch.Tensor]]:
     return [None] * m if x is None else list(torch.tensor_split(x, m, dim=0))
+
+
+def token_shares(labels: torch.Tensor, m: int) -> list[int]:
+    """Each of ``m`` micro-batches' count of (shifted, non-ignored) target tokens."""
+    return [int((y[..., 1:] != -100).sum()) for y in _rows(labels, m)]
 
 
 class _Lanes:
@@ -73,9 +77,10 @@ class _Lanes:
         self.answers[key] = self.remote.finish_piece(call)
 
     def get(self, key: tuple) -> dict:
+        """The answer's tensors, unpacked (``hidden``, ``loss``, ``grad``)."""
         if key not in self.answers:
             self._read(key[1] % self.n)
-        return self.answers.pop(key)[1]
+        return self.answers.pop(key)[2]
 
     def drain(self) -> None:
         """Read every request still out (after an error: the step is the caller's to discard)."""
@@ -105,14 +110,13 @@ class _Run:
         the server runs b(i): one backward on the server at a time, so it sums the pieces'
         gradients in one order (a replay after a crash sums them alike)."""
         u = self.model.transformer.u_shape
-        wire = self.remote.cfg.wire_dtype
         try:
             for i in range(len(self.sent)):
                 if u:
                     torch.autograd.backward(self.losses[i], g * self.weights[i])  # top⁻¹(i): the leaf's grad
-                    tensors = pack(P.GRAD, self.leaves[i].grad, wire)
-                else:  # the scalar gradient of the server's loss, always float32
-                    tensors = {P.GRAD: (g.detach().float() * self.weights[i]).reshape(1).cpu()}
+                    tensors = self.remote.backward_tensors(self.leaves[i].grad)
+                else:  # the scalar gradient of the server's loss
+                    tensors = self.remote.backward_tensors((g.detach() * self.weights[i]).reshape(()))
                 before = self.lanes.get(("b", i - 1)) if i else None
                 self.lanes.start(("b", i), "b", tensors, self.pieces[i])
                 if before is not None:
@@ -125,7 +129,7 @@ class _Run:
     def _bottom(self, j: int, answer: dict, g: torch.Tensor) -> None:
         """bottom⁻¹(j) with the server's gradient of what micro-batch j sent."""
         sent = self.sent[j]
-        grad = unpack(answer, P.GRAD).to(device=sent.device, dtype=sent.dtype)
+        grad = answer[P.GRAD].to(device=sent.device, dtype=sent.dtype)
         if self.defense[j] is None:
             sent.backward(grad)
         else:
@@ -165,12 +169,14 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     t = model.transformer
     m = min(model.micro_batches, input_ids.shape[0])
     labels = labels.to(input_ids.device)
-    counts = [int((y[..., 1:] != -100).sum()) for y in _rows(labels, m)]
+    counts = token_shares(labels, m)
     if m < 2 or min(counts) == 0:
         return None
     total = float(num_items_in_batch) if num_items_in_batch is not None else float(sum(counts))
     run = _Run(model, m)
     run.weights = [n / total for n in counts]
+    if run.remote.closed is not None:  # SplitClient's fused steps: the server knows the count and shares
+        run.remote.closed.micros, run.remote.closed.scales = m, run.weights
     rows = [x.shape[0] for x in _rows(input_ids, m)]
     run.row_weights = [r / sum(rows) for r in rows]
     parts = list(zip(_rows(input_ids, m), _rows(attention_mask, m), _rows(labels, m), _rows(token_type_ids, m),
@@ -183,11 +189,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             run.sent.append(sent)
             run.defense.append(t.defense_loss)
             ctxs.append(ctx)
-            tensors = pack(P.HIDDEN, sent.detach(), run.remote.cfg.wire_dtype)
-            if ctx["mask"] is not None:
-                tensors[P.MASK] = ctx["mask"].detach().long().cpu()
-            if not t.u_shape:
-                tensors[P.LABELS] = y.detach().long().cpu()
+            tensors = run.remote.forward_tensors(sent, ctx["mask"], None if t.u_shape else y)
             run.pieces.append(run.lanes.start(("f", i), "f", tensors))
         logits = []
         for i, (x, mask, y, tt, pos) in enumerate(parts):
@@ -196,7 +198,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
                 run.losses.append(out[P.LOSS].reshape(()))
                 continue
             sent = run.sent[i]
-            leaf = unpack(out, P.HIDDEN).to(device=sent.device, dtype=sent.dtype).requires_grad_()
+            leaf = out[P.HIDDEN].to(device=sent.device, dtype=sent.dtype).requires_grad_()
             run.leaves.append(leaf)
             t._precomputed = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=t.top_half(leaf, ctxs[i]))
             try:

@@ -21,7 +21,11 @@ server accumulates until the client's optimizer steps::
 
 Tensor bodies are safetensors (``wire_dtype`` as chosen; the 2-way scalar gradient is always
 F32), never pickle. A retry (a dropped connection) repeats the same numbers and gets the
-stored answer. ``optimizer.step()`` of any ``torch.optim`` optimizer over the model's
+stored answer. A server that crashed and restarted from its checkpoint, behind this client,
+gets the requests it lost again from :class:`~splitlearn.hf.journal.RequestLog` (each answer
+checked against the first), then the one that failed. Pieces in flight together (micro-batch
+pipelining, :mod:`splitlearn.hf.pipeline`) go through :meth:`RemoteSegment.start_piece` /
+:meth:`RemoteSegment.finish_piece` on separate connections. ``optimizer.step()`` of any ``torch.optim`` optimizer over the model's
 parameters triggers the apply (a global step post-hook, or :meth:`RemoteSegment.attach_optimizer`
 for one optimizer), with that optimizer's *current* learning rate, so LR schedules drive both
 sides; ``zero_grad`` with gradients pending on the server discards them there
@@ -45,7 +49,8 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -147,6 +152,41 @@ class _LossFunction(torch.autograd.Function):
         return ctx.remote.send_backward(ctx.piece, grad, *ctx.like), None, None, None, None
 
 
+@dataclass
+class ClosedStep:
+    """A step the server applies by itself, with its own learning rate, when the last of its
+    ``micros`` backward pieces is answered (the fused protocol ``SplitClient.train_step`` speaks:
+    U-shape forward + backward per piece, 2-way one ``POST /v1/train/step`` per piece, no apply
+    request). One forward and one backward per piece, and the loss's gradient must be 1 (2-way:
+    the server backpropagates with the piece's ``loss_scale`` at once). ``replay``: the answers
+    of a journaled step, to redo it on the client alone (no request)."""
+
+    step: int
+    fed_version: Optional[int] = None
+    replay: Optional[dict] = None  # "hidden.<piece>" / "grad.<piece>" -> tensor
+    micros: int = 1
+    scales: Optional[list] = None  # per piece: its share of the step's loss (2-way loss_scale)
+    answers: dict = field(default_factory=dict)  # the server's answers, as ``replay`` takes them
+    durable: Optional[int] = None  # the server's durable step for this client, from its answers
+    applied: bool = False  # the last backward was answered: the server has stepped
+
+    def answered(self, kind: str, piece: int, out: dict, info: dict) -> None:
+        for name in (P.HIDDEN, P.GRAD):
+            if name in out:
+                self.answers[f"{name}.{piece}"] = out[name]
+        if "durable" in info:
+            self.durable = int(info["durable"])
+        if P.GRAD in out and sum(k.startswith(P.GRAD + ".") for k in self.answers) == self.micros:
+            self.applied = True
+
+    def replayed(self, kind: str, piece: int, u_shape: bool) -> dict:
+        if kind == "b" or not u_shape:
+            grad = self.replay[f"{P.GRAD}.{piece}"]
+            self.answers[f"{P.GRAD}.{piece}"] = grad
+            return {P.GRAD: grad, P.LOSS: torch.zeros(1)} if kind == "f" else {P.GRAD: grad}
+        return {P.HIDDEN: self.replay[f"{P.HIDDEN}.{piece}"]}
+
+
 class RemoteSegment(nn.Module):
     """The server's blocks (and, 2-way, its head and loss) as a module of the client's model.
 
@@ -154,7 +194,8 @@ class RemoteSegment(nn.Module):
     :attr:`grad_proxy` (see the module docstring).
     """
 
-    def __init__(self, cfg: RemoteConfig, transport=None, info: Optional[dict] = None):
+    def __init__(self, cfg: RemoteConfig, transport=None, info: Optional[dict] = None,
+                 state: Optional[dict] = None):
         super().__init__()
         from ..client.transport import Transport, TransportConfig  # requests: only when connecting
 
@@ -174,7 +215,8 @@ class RemoteSegment(nn.Module):
         self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))
         self.grad_proxy = nn.Parameter(torch.zeros(1))  # .grad: the server's gradient norm
         self._proxy_set: Optional[torch.Tensor] = None  # the value the last backward gave it
-        state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
+        if state is None:  # this client's last step on the server (a caller that knows it passes it)
+            state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
         self.step = int(state["step"]) + 1  # the optimizer step the next pieces belong to
         self.pieces = 0  # forwards sent in this step
         self.answered = 0  # backwards answered in this step
@@ -185,6 +227,7 @@ class RemoteSegment(nn.Module):
         self._optimizer_ref = None  # attach_optimizer: only this one triggers the apply
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self.defense = None  # a splitlearn.privacy.Defense on what crosses the cut (the model's .defense)
+        self.closed: Optional[ClosedStep] = None  # inside closed_step(): the fused protocol
         # the requests since the server's last durable step, replayed if it restarts (.journal)
         self.log = RequestLog(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
         self.log.durable(int(state.get("durable", 0)))
@@ -215,6 +258,34 @@ class RemoteSegment(nn.Module):
 
     # -- the pieces of a step ------------------------------------------------------------
 
+    _loss_only = False
+
+    @contextmanager
+    def loss_only(self):
+        """Within: a 2-way evaluation with labels asks the server for the loss alone (its
+        logits, (B, T, V), stay there; the model's ``logits`` is None)."""
+        self._loss_only = True
+        try:
+            yield
+        finally:
+            self._loss_only = False
+
+    @contextmanager
+    def closed_step(self, step: int, fed_version: Optional[int] = None, replay: Optional[dict] = None):
+        """Within: the model's training forward and backward are step ``step`` as a
+        :class:`ClosedStep` (yielded; its ``answers`` are the server's, ``applied`` says the server
+        has stepped). Requests go as in the fused protocol; an error leaves nothing pending here
+        (the server drops an unfinished closed step by itself)."""
+        self.closed = ClosedStep(step, fed_version, replay)
+        self.step, self.pieces, self.answered, self._norm_pieces = step, 0, 0, 0
+        try:
+            yield self.closed
+        finally:
+            self.step = step + 1 if self.closed.applied else step
+            self.closed = None
+            self.pieces = self.answered = self._norm_pieces = 0
+            self.server_norm = self._proxy_set = None
+
     def trunk(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """U-shape: the trunk's output (B, T, d) for ``hidden`` (B, T, d); ``attention_mask``
         (B, T) 0/1 or None. Differentiable when gradients are enabled."""
@@ -228,32 +299,40 @@ class RemoteSegment(nn.Module):
         return _LossFunction.apply(hidden, self.grad_proxy, self, labels, attention_mask)
 
     def _meta(self, step: int, micro: int) -> dict:
-        return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, micro=micro, micros=0).to_meta()
+        c = self.closed
+        if c is None:
+            return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, micro=micro, micros=0).to_meta()
+        return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, c.fed_version, micro, c.micros,
+                          c.scales[micro] if c.scales else 1.0).to_meta()
 
-    def send_forward(self, hidden, mask, labels):
-        """One forward piece of the current step -> (hidden or loss, (step, piece))."""
-        piece = (self.step, self.pieces)
-        self.pieces += 1
+    def forward_tensors(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
+                        labels: Optional[torch.Tensor]) -> dict:
+        """A forward piece's body: ``hidden`` in the wire dtype (+ mask, + labels in 2-way)."""
         tensors = pack(P.HIDDEN, hidden.detach(), self.cfg.wire_dtype)
         if mask is not None:
             tensors[P.MASK] = mask.detach().long().cpu()
         if labels is not None:
             tensors[P.LABELS] = labels.detach().long().cpu()
-        out, _ = self._train_call(piece[0], Sent(P.TRAIN_FORWARD, tensors, self._meta(*piece)))
+        return tensors
+
+    def backward_tensors(self, grad: torch.Tensor) -> dict:
+        """A backward piece's body: the gradient in the wire dtype; 2-way's scalar one in F32."""
+        if grad.ndim == 0:  # 2-way: the scalar gradient of the loss, always float32
+            return {P.GRAD: grad.detach().float().reshape(1).cpu()}
+        return pack(P.GRAD, grad.detach(), self.cfg.wire_dtype)
+
+    def send_forward(self, hidden, mask, labels):
+        """One forward piece of the current step -> (hidden or loss, (step, piece))."""
+        _, piece, out = self.finish_piece(self.start_piece("f", self.forward_tensors(hidden, mask, labels), None))
         if labels is not None:
             return out[P.LOSS].to(hidden.device).reshape(()), piece
-        return unpack(out, P.HIDDEN).to(device=hidden.device, dtype=hidden.dtype), piece
+        return out[P.HIDDEN].to(device=hidden.device, dtype=hidden.dtype), piece
 
     def send_backward(self, piece: tuple[int, int], grad: torch.Tensor, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
         """The backward of ``piece``: the gradient of its input; the server accumulates."""
-        if grad.ndim == 0:  # 2-way: the scalar gradient of the loss, always float32
-            tensors = {P.GRAD: grad.detach().float().reshape(1).cpu()}
-        else:
-            tensors = pack(P.GRAD, grad.detach(), self.cfg.wire_dtype)
-        out, info = self._train_call(piece[0], Sent(P.TRAIN_BACKWARD, tensors, self._meta(*piece)))
-        self._backward_done(piece, info)
-        return unpack(out, P.GRAD).to(device=device, dtype=dtype)  # (B, T, d)
+        _, _, out = self.finish_piece(self.start_piece("b", self.backward_tensors(grad), None, piece))
+        return out[P.GRAD].to(device=device, dtype=dtype)  # (B, T, d)
 
     def _backward_done(self, piece: tuple[int, int], info: dict) -> None:
         """Count an answered backward; the proxy's gradient becomes the server's norm over the
@@ -261,6 +340,8 @@ class RemoteSegment(nn.Module):
         if piece[0] != self.step:
             return
         self.answered += 1
+        if "grad_norm" not in info:  # a closed step: the server clips and applies by itself
+            return
         accumulated = int(info.get("accumulated", self.answered))
         if accumulated < self._norm_pieces:
             return
@@ -271,38 +352,69 @@ class RemoteSegment(nn.Module):
             self.grad_proxy.grad = value
             self._proxy_set = value.clone()
 
-    # -- pieces in flight together (micro-batch pipelining, :mod:`.pipeline`) ----------------
+    # -- pieces, one at a time or in flight together (micro-batch pipelining, .pipeline) ----
 
-    def start_piece(self, kind: str, tensors: dict, lane: int, piece: Optional[tuple[int, int]] = None):
+    def start_piece(self, kind: str, tensors: dict, lane: Optional[int] = None,
+                    piece: Optional[tuple[int, int]] = None):
         """Send a forward (``kind`` "f": a new piece of the current step) or the backward of
-        ``piece`` ("b") on transport ``lane`` without waiting; :meth:`finish_piece` reads it."""
+        ``piece`` ("b"); on transport ``lane`` without waiting (None: wait in
+        :meth:`finish_piece`, on lane 0). :meth:`finish_piece` reads the answer."""
         if kind == "f":
             piece = (self.step, self.pieces)
             self.pieces += 1
-        sent = Sent(P.TRAIN_FORWARD if kind == "f" else P.TRAIN_BACKWARD, tensors, self._meta(*piece))
-        try:
-            pending = self.transport.start_call(sent.path, tensors, sent.meta, lane=lane)
-        except (TransportError, ServiceUnavailable, Conflict):
-            pending = None  # finish_piece sends it again, waiting and recovering as a lone call does
+        c = self.closed
+        closed_2way = c is not None and not self.u_shape
+        if kind == "b" and closed_2way:  # a closed 2-way step's backward ran with its forward
+            scale = c.scales[piece[1]] if c.scales else 1.0
+            if abs(float(tensors[P.GRAD]) - scale) > 1e-6 * scale:
+                raise ConfigError(f"a closed step's loss must be backpropagated as it is (its gradient "
+                                  f"{float(tensors[P.GRAD]) / scale:g}, not 1): the server has already "
+                                  f"done its backward")
+            return kind, piece, None, None
+        path = P.TRAIN_STEP if kind == "f" and closed_2way else P.TRAIN_FORWARD if kind == "f" else P.TRAIN_BACKWARD
+        sent = Sent(path, tensors, self._meta(*piece))
+        pending = None
+        if lane is not None and (c is None or c.replay is None):
+            try:
+                pending = self.transport.start_call(sent.path, tensors, sent.meta, lane=lane)
+            except (TransportError, ServiceUnavailable, Conflict):
+                pass  # finish_piece sends it again, waiting and recovering as a lone call does
         return kind, piece, sent, pending
 
-    def finish_piece(self, call) -> tuple[tuple[int, int], dict]:
-        """The answer to :meth:`start_piece`'s call -> (its piece, the answer's tensors). A busy
-        segment, a dropped connection or a restarted server: sent again as :meth:`send_forward`
-        would (waits, replay of what the server lost; the numbers make it exactly once)."""
+    def finish_piece(self, call) -> tuple[str, tuple[int, int], dict]:
+        """The answer to :meth:`start_piece`'s call -> (kind, piece, tensors: ``hidden``,
+        ``loss``, ``grad`` as the server answered them, unpacked). A busy segment, a dropped
+        connection or a restarted server: sent again as a lone call would be (waits, replay of
+        what the server lost; the numbers make it exactly once)."""
         kind, piece, sent, pending = call
-        out = info = None
-        if pending is not None:
-            try:
-                out, info = self.transport.finish_call_meta(pending)
-                self._logged(piece[0], sent, out, info)
-            except (TransportError, ServiceUnavailable, Conflict):
-                out = None
-        if out is None:
-            out, info = self._train_call(piece[0], sent)
+        c = self.closed
+        if c is not None and c.replay is not None:  # a journaled step, redone locally
+            out, info = c.replayed(kind, piece[1], self.u_shape), {}
+        elif sent is None:  # a closed 2-way step's backward: the gradient came with the forward
+            out, info = {P.GRAD: c.answers[f"{P.GRAD}.{piece[1]}"]}, {}
+        else:
+            out = info = None
+            if pending is not None:
+                try:
+                    out, info = self.transport.finish_call_meta(pending)
+                    self._logged(piece[0], sent, out, info)
+                except (TransportError, ServiceUnavailable, Conflict):
+                    out = None
+            if out is None:
+                try:
+                    out, info = self._train_call(piece[0], sent)
+                except Conflict as e:
+                    if c is not None and kind == "b":  # the server lost or dropped the forward
+                        from ..client.recovery import Redo
+
+                        raise Redo(f"the server has no forward for it ({e.message})") from None
+                    raise
+            out = {k: unpack(out, k) if k != P.LOSS else out[k] for k in (P.HIDDEN, P.LOSS, P.GRAD) if k in out}
+            if c is not None:
+                c.answered(kind, piece[1], out, info)
         if kind == "b":
             self._backward_done(piece, info)
-        return piece, out
+        return kind, piece, out
 
     def evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  labels: Optional[torch.Tensor] = None):
@@ -314,13 +426,15 @@ class RemoteSegment(nn.Module):
         if labels is not None:
             tensors[P.LABELS] = labels.detach().long().cpu()
         meta = {"wire_dtype": self.cfg.wire_dtype, "padding": "any"}
-        if not self.u_shape:
+        if not self.u_shape and not (self._loss_only and labels is not None):
             meta["logits"] = "all"
         if self.info.get("lora"):
             meta["client_id"] = self.client_id  # the server evaluates with this client's adapter
         out = self.transport.call(P.FORWARD, tensors, meta)
         if self.u_shape:
             return unpack(out, P.HIDDEN).to(device=hidden.device, dtype=hidden.dtype), None
+        if P.LOGITS not in out:  # loss_only()
+            return None, out[P.LOSS].to(hidden.device).reshape(())
         logits = unpack(out, P.LOGITS).to(device=hidden.device, dtype=hidden.dtype)
         loss = out[P.LOSS].to(hidden.device).reshape(()) if P.LOSS in out else None
         return logits, loss

@@ -13,7 +13,8 @@ the pieces and applies one optimizer step when the last backward arrives::
 An **open-ended** step (``micros = 0``; gradient accumulation under a client's own optimizer,
 :mod:`splitlearn.hf`) has no count fixed in advance: each backward piece adds to the
 accumulated gradients and answers, in its metadata, ``grad_norm`` (the L2 norm of the
-server's accumulated parameter gradients so far), and nothing is applied until ``POST
+server's accumulated parameter gradients so far) and ``accumulated`` (how many pieces that
+covers), and nothing is applied until ``POST
 /v1/train/apply`` (:meth:`Training.apply`) names the step, how many backward pieces the client
 got answers for, the learning rate to step with (the client's current one) and an optional
 clip factor. On a 2-way server an open-ended forward carries the labels and answers the
