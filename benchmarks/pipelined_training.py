@@ -8,9 +8,10 @@ core 1 when it starts), as two machines would give it; the reference is the unsp
 on the client's core with one thread. Every round runs one step of each system (paired, so a
 slow phase of the machine hits all of them); medians over rounds after a warm-up round.
 Systems: unsplit; the U-shape split (float32 wire) with ``micro_batches`` 1 (client and
-server take turns), 2 and 4 (GPipe pipelining), both through ``SplitClient.train_step``
-(:mod:`splitlearn.client.pipeline`) and through ``SplitGPT2LMHeadModel`` in a plain loop
-(``loss.backward(); opt.step()``; :mod:`splitlearn.hf.pipeline`).
+server take turns), 2 and 4 (GPipe pipelining, :mod:`splitlearn.hf.pipeline`), both through
+``SplitClient.train_step`` (closed steps: the backward runs with the forward, 1F1B) and through
+``SplitGPT2LMHeadModel`` in a plain loop (``loss.backward(); opt.step()``: open-ended steps,
+all forwards, then the backwards).
 The ratio is split step time / unsplit step time (target for the pipelined split: <= 0.7).
 """
 from __future__ import annotations

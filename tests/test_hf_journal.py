@@ -16,6 +16,7 @@ from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.hf.journal import RequestLog, Sent, digest
 
 from serverproc import TOKEN, ServerProcess
+from test_recovery import assert_identical  # every loss and every weight, bit for bit
 
 pytestmark = pytest.mark.slow
 
@@ -90,13 +91,6 @@ def run(cuts, tmp, kill_at=None, restart_from=None, micro_batches=1):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return {cuts: run(cuts, tmp_path_factory.mktemp("ref")) for cuts in [(1, 3), (2,)]}
-
-
-def assert_identical(a, b):
-    assert a[0] == b[0]  # every loss, bit for bit
-    for x, y in ((a[1], b[1]), (a[2], b[2])):
-        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), \
-            [k for k in x if not torch.equal(x[k], y[k])]
 
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])

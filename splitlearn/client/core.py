@@ -1,17 +1,26 @@
-"""``SplitClient``: the client side of split training and generation.
+"""``SplitClient``: split training and generation as one object, over the model classes.
 
 The client holds the bottom (2-way) or the bottom and the top (U-shape); the server holds
-the rest. A training step::
+the rest. :attr:`SplitClient.model` is the client's segments as a
+:class:`~splitlearn.hf.modeling.SplitGPT2LMHeadModel` (the same modules, no copy). A training
+step is that model's forward and backward inside a *closed* step
+(:meth:`RemoteSegment.closed_step <splitlearn.hf.remote.RemoteSegment.closed_step>`), then the
+client's optimizer step::
 
     2-way:   ids -> bottom -> h --POST /v1/train/step (h, labels)--> loss, dL/dh -> bottom.backward
     U-shape: ids -> bottom -> h1 --POST /v1/train/forward--> h2 -> top -> loss
              loss.backward -> dL/dh2 --POST /v1/train/backward--> dL/dh1 -> bottom.backward
 
-In 2-way the labels (the text itself) go to the server; in the U-shape they never leave the
-client. Both sides apply their optimizer step in the same step, so N split steps equal N
-unsplit steps (float32 wire). In 2-way the server's LM head is its own copy of the tied
-``wte`` weight (the two live in different processes), so 2-way training equals an unsplit
-model with untied embeddings; the U-shape keeps them tied.
+the server applying its optimizer (its own learning rate) with the step's last piece. In 2-way
+the labels (the text itself) go to the server; in the U-shape they never leave the client. N
+split steps equal N unsplit steps (float32 wire). In 2-way the server's LM head is its own
+copy of the tied ``wte`` weight (the two live in different processes), so 2-way training
+equals an unsplit model with untied embeddings; the U-shape keeps them tied.
+
+What this class adds to the model: the waits and redos of the federation modes, the crash
+journal (:mod:`.recovery`; a journaled step is redone through the same model with the
+server's stored answers), ``save``/``load``, the greedy two-group decode fast path, the
+command line's options (:class:`~.config.ClientConfig`).
 """
 from __future__ import annotations
 
@@ -77,7 +86,7 @@ class SplitClient:
     ``$SPLITLEARN_FED_TOKEN``); the segment server's token is never sent to the fed server, so
     the segment server's operator cannot download the client-side weights with it.
     micro_batches: split each training batch into this many micro-batches and keep requests in
-    flight so client and server compute at once (GPipe; see :mod:`splitlearn.client.pipeline`).
+    flight so client and server compute at once (GPipe; see :mod:`splitlearn.hf.pipeline`).
     reconnect_timeout_s: how long a training step waits for a crashed server to come back
     before raising ``TransportError``; then the client replays the steps the server lost
     (see :mod:`splitlearn.client.recovery` for what it keeps to do so).
@@ -228,7 +237,7 @@ class SplitClient:
                 log.warning("step %d redone: %s", self.step + 1, e)
             except TransportError as e:
                 log.warning("server unreachable (%s); waiting up to %gs", e.message, self.reconnect_timeout_s)
-                self._reconnect()
+                self.transport.wait_until_up(time.monotonic() + self.reconnect_timeout_s, self.reconnect_timeout_s)
                 self.recover()
             except Conflict as e:  # out of order: the server restarted behind this client
                 if not self.journal.enabled:
@@ -307,18 +316,6 @@ class SplitClient:
         save_state(self.journal_dir, "client", self.segments, self.optimizer,
                    {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
         prune_entries(self.journal_dir, self.step)
-
-    def _reconnect(self) -> None:
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        while True:
-            try:
-                self.transport.get_json(P.HEALTH)
-                return
-            except TransportError:
-                if time.monotonic() > deadline:
-                    raise TransportError(f"the server at {self.transport.cfg.url} did not come back "
-                                         f"within {self.reconnect_timeout_s:g}s (reconnect_timeout_s)") from None
-                time.sleep(0.5)
 
     def recover(self) -> int:
         """Bring this client back in step with a server that restarted from its checkpoint:

@@ -289,6 +289,20 @@ class Transport:
     def get_json(self, path: str) -> dict:
         return self._send("GET", path).json()
 
+    def wait_until_up(self, deadline: float, timeout_s: float) -> None:
+        """Poll ``GET /v1/health`` every 0.5 s until the server answers (a crashed server coming
+        back); ``TransportError`` at ``deadline`` (``time.monotonic()``; ``timeout_s``: the window
+        it closes, for the message)."""
+        while True:
+            try:
+                self.get_json(P.HEALTH)
+                return
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"the server at {self.cfg.url} did not come back within "
+                                         f"{timeout_s:g}s (reconnect_timeout_s)") from None
+                time.sleep(0.5)
+
     def post_json(self, path: str, payload: dict) -> dict:
         return self._send("POST", path, json=payload).json()
 

@@ -19,6 +19,15 @@ the server, so it sums the pieces' gradients in one order, as a replay after a c
 and runs bottom⁻¹(i-1) while the server runs b(i). 2-way: the server computes each
 micro-batch's loss in the forward; in the backward b(i) overlaps bottom⁻¹(i-1).
 
+**Closed steps** (``SplitClient.train_step``: :meth:`RemoteSegment.closed_step
+<splitlearn.hf.remote.RemoteSegment.closed_step>`) promise that the loss is backpropagated as
+it is (gradient 1), so the backward runs *during* the forward, GPipe's 1F1B order: top⁻¹(i)
+right after top(i), b(i) sent at once (several in flight), each bottom⁻¹(j) as soon as b(j) is
+back, between two tops; ``loss.backward()`` then only checks the gradient is 1. The server
+knows the step's piece count and each piece's share (``micros``, ``loss_scale``) and applies
+with the last backward; 2-way, each piece is one ``POST /v1/train/step`` (forward and backward
+on the server) and bottom⁻¹(i) runs as its answer comes.
+
 The loss is the batch's: each micro-batch's mean loss weighted by its share of the batch's
 target tokens (``labels`` not -100 after the shift), or of ``num_items_in_batch`` when
 ``Trainer`` passes it; the backward scales every piece by the gradient the loss receives
@@ -76,6 +85,13 @@ class _Lanes:
         key, call = self.calls.pop(lane)
         self.answers[key] = self.remote.finish_piece(call)
 
+    def ready(self, key: tuple) -> bool:
+        """Can ``key``'s answer be had without waiting for the server?"""
+        if key in self.answers:
+            return True
+        entry = self.calls.get(key[1] % self.n)
+        return entry is None or entry[0] != key or entry[1][3] is None or entry[1][3].ready()
+
     def get(self, key: tuple) -> dict:
         """The answer's tensors, unpacked (``hidden``, ``loss``, ``grad``)."""
         if key not in self.answers:
@@ -104,8 +120,18 @@ class _Run:
         self.losses: list[torch.Tensor] = []  # U-shape: mean losses with their graphs; 2-way: values
         self.weights: list[float] = []  # each micro-batch's share of the batch's loss
         self.row_weights: list[float] = []  # each micro-batch's share of the rows (the defense's loss)
+        self.eager = False  # backward during the forward (closed steps, whose loss's gradient is 1)
+        self.done = 0  # bottoms backpropagated, in order
 
     def backward(self, g: torch.Tensor) -> None:
+        if self.eager:
+            if abs(float(g) - 1.0) > 1e-6:
+                raise ConfigError(f"a closed step's loss must be backpropagated as it is (gradient 1, not "
+                                  f"{float(g):g}): its backward ran with the forward")
+            return
+        self._backward(g)
+
+    def _backward(self, g: torch.Tensor) -> None:
         """top⁻¹(i) (U-shape), then b(i) sent once b(i-1) is answered, then bottom⁻¹(i-1) while
         the server runs b(i): one backward on the server at a time, so it sums the pieces'
         gradients in one order (a replay after a crash sums them alike)."""
@@ -120,14 +146,16 @@ class _Run:
                 before = self.lanes.get(("b", i - 1)) if i else None
                 self.lanes.start(("b", i), "b", tensors, self.pieces[i])
                 if before is not None:
-                    self._bottom(i - 1, before, g)
+                    self.bottom(i - 1, before, g)
             last = len(self.sent) - 1
-            self._bottom(last, self.lanes.get(("b", last)), g)
+            self.bottom(last, self.lanes.get(("b", last)), g)
         finally:
             self.lanes.drain()
 
-    def _bottom(self, j: int, answer: dict, g: torch.Tensor) -> None:
-        """bottom⁻¹(j) with the server's gradient of what micro-batch j sent."""
+    def bottom(self, j: int, answer: dict, g: torch.Tensor) -> None:
+        """bottom⁻¹(j) with the server's gradient of what micro-batch j sent (the next in order)."""
+        assert j == self.done, (j, self.done)
+        self.done += 1
         sent = self.sent[j]
         grad = answer[P.GRAD].to(device=sent.device, dtype=sent.dtype)
         if self.defense[j] is None:
@@ -177,6 +205,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     run.weights = [n / total for n in counts]
     if run.remote.closed is not None:  # SplitClient's fused steps: the server knows the count and shares
         run.remote.closed.micros, run.remote.closed.scales = m, run.weights
+        run.eager = True  # and the loss's gradient is 1: backpropagate while forwarding (1F1B)
     rows = [x.shape[0] for x in _rows(input_ids, m)]
     run.row_weights = [r / sum(rows) for r in rows]
     parts = list(zip(_rows(input_ids, m), _rows(attention_mask, m), _rows(labels, m), _rows(token_type_ids, m),
@@ -191,11 +220,15 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             ctxs.append(ctx)
             tensors = run.remote.forward_tensors(sent, ctx["mask"], None if t.u_shape else y)
             run.pieces.append(run.lanes.start(("f", i), "f", tensors))
-        logits = []
+        logits, one = [], torch.ones((), device=input_ids.device)
         for i, (x, mask, y, tt, pos) in enumerate(parts):
+            while run.eager and run.done < i and run.lanes.ready(("b", run.done)):  # work that is here
+                run.bottom(run.done, run.lanes.get(("b", run.done)), one)
             out = run.lanes.get(("f", i))
             if not t.u_shape:
                 run.losses.append(out[P.LOSS].reshape(()))
+                if run.eager:  # a closed step: the server's backward came with the loss
+                    run.bottom(i, out, one)
                 continue
             sent = run.sent[i]
             leaf = out[P.HIDDEN].to(device=sent.device, dtype=sent.dtype).requires_grad_()
@@ -207,6 +240,11 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
                 t._precomputed = None
             run.losses.append(head.loss)
             logits.append(head.logits.detach())
+            if run.eager:  # top⁻¹(i) now, b(i) on its way while the client goes on
+                torch.autograd.backward(head.loss, one * run.weights[i])
+                run.lanes.start(("b", i), "b", run.remote.backward_tensors(leaf.grad), run.pieces[i])
+        while run.eager and run.done < m:
+            run.bottom(run.done, run.lanes.get(("b", run.done)), one)
     except BaseException:
         run.lanes.drain()
         raise

@@ -469,7 +469,7 @@ class RemoteSegment(nn.Module):
                 if not self.log.enabled:
                     raise
                 log.warning("server unreachable (%s); waiting up to %gs", e.message, self.cfg.reconnect_timeout_s)
-                self._wait_for_server(deadline)
+                self.transport.wait_until_up(deadline, self.cfg.reconnect_timeout_s)
             except Conflict:
                 conflicts += 1
                 if not self.log.enabled or conflicts > 1:
@@ -488,17 +488,6 @@ class RemoteSegment(nn.Module):
         self.log.record(step, sent)
         if "durable" in info:
             self.log.durable(int(info["durable"]))
-
-    def _wait_for_server(self, deadline: float) -> None:
-        while True:
-            try:
-                self.transport.get_json(P.HEALTH)
-                return
-            except TransportError:
-                if time.monotonic() > deadline:
-                    raise TransportError(f"the server at {self.cfg.server} did not come back within "
-                                         f"{self.cfg.reconnect_timeout_s:g}s (reconnect_timeout_s)") from None
-                time.sleep(0.5)
 
     def _recover(self) -> None:
         """Bring a restarted server back to this client's step: replay the logged requests of the
