@@ -34,7 +34,8 @@ target tokens (``labels`` not -100 after the shift), or of ``num_items_in_batch`
 (``loss / accumulation_steps`` is exact). So a pipelined step equals an unpipelined one up to
 float32 summation order. A batch with a micro-batch of no targets is sent whole. A
 defense's extra loss (NoPeek) is computed per micro-batch and weighted by its rows.
-``logits`` (U-shape) are the micro-batches' concatenated, detached.
+``logits`` is None: the micro-batches' (B, T, V) logits are not kept (for GPT-2 small at b8 x
+128 they are 206 MB, twice over once concatenated); evaluate without gradients for them.
 """
 from __future__ import annotations
 
@@ -220,7 +221,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             ctxs.append(ctx)
             tensors = run.remote.forward_tensors(sent, ctx["mask"], None if t.u_shape else y)
             run.pieces.append(run.lanes.start(("f", i), "f", tensors))
-        logits, one = [], torch.ones((), device=input_ids.device)
+        one = torch.ones((), device=input_ids.device)
         for i, (x, mask, y, tt, pos) in enumerate(parts):
             while run.eager and run.done < i and run.lanes.ready(("b", run.done)):  # work that is here
                 run.bottom(run.done, run.lanes.get(("b", run.done)), one)
@@ -239,9 +240,9 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             finally:
                 t._precomputed = None
             run.losses.append(head.loss)
-            logits.append(head.logits.detach())
+            del head  # its logits (b, T, V) are not kept: the loss's graph holds what the backward needs
             if run.eager:  # top⁻¹(i) now, b(i) on its way while the client goes on
-                torch.autograd.backward(head.loss, one * run.weights[i])
+                torch.autograd.backward(run.losses[i], one * run.weights[i])
                 run.lanes.start(("b", i), "b", run.remote.backward_tensors(leaf.grad), run.pieces[i])
         while run.eager and run.done < m:
             run.bottom(run.done, run.lanes.get(("b", run.done)), one)
@@ -258,4 +259,4 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     proxy = run.remote.grad_proxy  # an input that needs a gradient, so autograd calls the backward
     anchor = proxy if proxy.requires_grad else torch.zeros(1, requires_grad=True)
     loss = _Pipelined.apply(anchor, torch.tensor(value, dtype=torch.float32, device=ref.device), run)
-    return CausalLMOutputWithCrossAttentions(loss=loss, logits=torch.cat(logits, 0) if logits else None)
+    return CausalLMOutputWithCrossAttentions(loss=loss, logits=None)

@@ -59,7 +59,7 @@ from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import protocol as P
-from ..errors import ConfigError, Conflict, ServiceUnavailable, TransportError
+from ..errors import ConfigError, Conflict, NotYourTurn, ServiceUnavailable, StaleWeights, TransportError
 from ..wire import check_wire_dtype, pack, unpack
 from .journal import RequestLog, Sent, digest
 
@@ -403,6 +403,8 @@ class RemoteSegment(nn.Module):
             if out is None:
                 try:
                     out, info = self._train_call(piece[0], sent)
+                except (StaleWeights, NotYourTurn):
+                    raise  # federation: the caller fetches the shared weights or the turn and redoes the step
                 except Conflict as e:
                     if c is not None and kind == "b":  # the server lost or dropped the forward
                         from ..client.recovery import Redo
@@ -470,6 +472,8 @@ class RemoteSegment(nn.Module):
                     raise
                 log.warning("server unreachable (%s); waiting up to %gs", e.message, self.cfg.reconnect_timeout_s)
                 self.transport.wait_until_up(deadline, self.cfg.reconnect_timeout_s)
+            except (StaleWeights, NotYourTurn):
+                raise  # not a restart: the federation's answer, for the caller
             except Conflict:
                 conflicts += 1
                 if not self.log.enabled or conflicts > 1:
