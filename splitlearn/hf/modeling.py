@@ -45,7 +45,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedModel
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NotYourTurn, StaleWeights
 from ..loading import _LOAD_LOCK, is_spec_source, load_model
 from ..packed import PackedLinears
 from ..partition import validate_cuts
@@ -257,6 +257,35 @@ class SplitMixin:
         super().zero_grad(set_to_none=set_to_none)
         if self.transformer.remote is not None:
             self.transformer.remote.discard_pending()
+
+    def __call__(self, *args, **kwargs):
+        """``nn.Module.__call__``; a step refused at its first forward by a federation mode (the
+        shared client-side weights moved on, or the turn lapsed) loads them, takes the turn and
+        runs again (:mod:`splitlearn.hf.federation`)."""
+        remote = self.transformer.remote
+        if remote is not None and self.training:
+            remote.prepare_step(self)
+        try:
+            return super().__call__(*args, **kwargs)
+        except (StaleWeights, NotYourTurn) as e:
+            if remote is None or not remote.refused_for_federation():
+                raise
+            log.info("the forward of step %d runs again: %s", remote.step, e.message)
+            remote.prepare_step(self)
+            return super().__call__(*args, **kwargs)
+
+    def sync(self) -> dict:
+        """The end of this owner's turn (sequential) or of its part of a round (splitfed): upload
+        the client-side weights; splitfed waits for the round's other members and loads the
+        average. A no-op in shared mode. Call it between optimizer steps. Returns the server's
+        federation status. See :mod:`splitlearn.hf.federation`."""
+        from .federation import client_weights, federation_of
+
+        remote = self.transformer.remote
+        if remote.pieces or remote.answered:
+            raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
+                              "(optimizer.step() or zero_grad() first)")
+        return federation_of(self).sync(client_weights(self))
 
     @property
     def micro_batches(self) -> int:

@@ -228,6 +228,9 @@ class RemoteSegment(nn.Module):
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self.defense = None  # a splitlearn.privacy.Defense on what crosses the cut (the model's .defense)
         self.closed: Optional[ClosedStep] = None  # inside closed_step(): the fused protocol
+        self.federation = None  # the model's FederationState (.federation), made on the first step
+        self._fed_version: Optional[int] = None  # the shared client-side weights' version this model holds
+        self._forwards_ok = 0  # forwards of this step the server accepted
         # the requests since the server's last durable step, replayed if it restarts (.journal)
         self.log = RequestLog(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
         self.log.durable(int(state.get("durable", 0)))
@@ -301,7 +304,8 @@ class RemoteSegment(nn.Module):
     def _meta(self, step: int, micro: int) -> dict:
         c = self.closed
         if c is None:
-            return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, micro=micro, micros=0).to_meta()
+            return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, self._fed_version, micro=micro,
+                              micros=0).to_meta()
         return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, c.fed_version, micro, c.micros,
                           c.scales[micro] if c.scales else 1.0).to_meta()
 
@@ -359,10 +363,12 @@ class RemoteSegment(nn.Module):
         """Send a forward (``kind`` "f": a new piece of the current step) or the backward of
         ``piece`` ("b"); on transport ``lane`` without waiting (None: wait in
         :meth:`finish_piece`, on lane 0). :meth:`finish_piece` reads the answer."""
+        c = self.closed
         if kind == "f":
+            if c is None:
+                self._before_piece(tensors[P.HIDDEN].shape[0])
             piece = (self.step, self.pieces)
             self.pieces += 1
-        c = self.closed
         closed_2way = c is not None and not self.u_shape
         if kind == "b" and closed_2way:  # a closed 2-way step's backward ran with its forward
             scale = c.scales[piece[1]] if c.scales else 1.0
@@ -416,7 +422,37 @@ class RemoteSegment(nn.Module):
                 c.answered(kind, piece[1], out, info)
         if kind == "b":
             self._backward_done(piece, info)
+        elif c is None:
+            self._forwards_ok += 1
         return kind, piece, out
+
+    def prepare_step(self, model: nn.Module) -> None:
+        """Before a training forward of ``model`` that opens a step (open-ended, no piece yet):
+        under a federation mode, take the turn and load the shared client-side weights if
+        behind, before the client computes anything with them (:mod:`.federation`)."""
+        if self.closed is not None or self.pieces or not torch.is_grad_enabled() or \
+                self.info.get("federation", "shared") == "shared":
+            return
+        from .federation import federation_of
+
+        fed = federation_of(model)
+        if not fed.shared:
+            fed.before_step()
+            self._fed_version = fed.version
+
+    def _before_piece(self, rows: int) -> None:
+        """A forward piece of an open-ended step counts its rows (a member's FedAvg weight)."""
+        if self.federation is not None and not self.federation.shared:
+            self.federation.samples += rows
+
+    def refused_for_federation(self) -> bool:
+        """After a ``StaleWeights``/``NotYourTurn``: True if nothing of this step exists on the
+        server (so its forward may run again: the next one loads the weights and takes the turn)."""
+        if self.closed is not None or self.federation is None or self._forwards_ok or self.answered:
+            return False
+        self.federation.stale()
+        self.pieces = 0
+        return True
 
     def evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  labels: Optional[torch.Tensor] = None):
@@ -584,10 +620,10 @@ class RemoteSegment(nn.Module):
         req = P.ApplyRequest(self.client_id, self.step, discard=True)
         self.transport.post_json(P.TRAIN_APPLY, req.to_json())
         self.log.drop(self.step)
-        self.pieces = self.answered = self._norm_pieces = 0
+        self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
         self.server_norm = self._proxy_set = None
 
     def _next_step(self) -> None:
         self.step += 1
-        self.pieces = self.answered = self._norm_pieces = 0
+        self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
         self.server_norm = self._proxy_set = None
