@@ -53,16 +53,13 @@ def old_package(rev: str, into: Path) -> None:
 def run(a, log=print) -> dict:
     from splitlearn import load_model
     from splitlearn.client import SplitClient as New
-    from splitlearn.localserver import LocalServer
     from splitlearn.segments import labels_from_batch
     from splitlearn_old.client import SplitClient as Old
 
+    from benchmarks.timing import pinned_u_server
+
     src, cuts, (B, T) = ("tiny", (1, 3), (8, 32)) if a.quick else ("random:gpt2", (2, 10), (8, 128))
-    torch.set_num_threads(1)
-    os.sched_setaffinity(0, {1})  # the server inherits core 1
-    srv = LocalServer(["--model", src, "--cut", str(cuts[0]), "--cut", str(cuts[1]), "--torch-threads", "1",
-                       "--device", "cpu", "--lr", "1e-4"], env={"OMP_NUM_THREADS": "1"}).start()
-    os.sched_setaffinity(0, {0})
+    srv = pinned_u_server(src, cuts)  # client core 0, server core 1
     try:
         unsplit = load_model(src).train()
         opt = torch.optim.AdamW(unsplit.parameters(), lr=1e-4, weight_decay=0.0)

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from splitlearn import load_model  # noqa: E402
 from splitlearn.client import SplitClient  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
+from benchmarks.timing import pinned_u_server  # noqa: E402
 from splitlearn.segments import labels_from_batch  # noqa: E402
 
 
@@ -49,11 +49,7 @@ def main(argv=None) -> int:
     if (os.cpu_count() or 1) < 2:
         print("needs two cores", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)
-    os.sched_setaffinity(0, {1})  # the server inherits core 1
-    srv = LocalServer(["--model", model_src, "--cut", str(cuts[0]), "--cut", str(cuts[1]), "--torch-threads", "1",
-                       "--device", "cpu", "--lr", "1e-4"], env={"OMP_NUM_THREADS": "1"}).start()
-    os.sched_setaffinity(0, {0})
+    srv = pinned_u_server(model_src, cuts)  # client core 0, server core 1
     try:
         unsplit = load_model(model_src)
         unsplit.train()
