@@ -34,6 +34,8 @@ os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 import torch  # noqa: E402
 
+from benchmarks.timing import write_result  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "cpu" / "splitclient_before_after.json"
 
 
@@ -120,8 +122,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, tmp)
         result = run(a, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(json.dumps({k: result[k] for k in ("median_s", "after_over_before", "over_unsplit")}, indent=2))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, a.out)
     return 0
 
 

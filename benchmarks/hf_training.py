@@ -21,7 +21,6 @@ of the paired ratios (c)/(b) and (b)/(a), (c)/(a). Writes ``benchmarks/results/c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import torch  # noqa: E402
 
 from splitlearn import load_model  # noqa: E402
 from splitlearn.localserver import LocalServer  # noqa: E402
+from benchmarks.timing import write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu" / "hf_training.json"
 LR = 1e-4
@@ -119,10 +119,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     result = run(a, log=lambda s: print(s, file=sys.stderr, flush=True))
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(result, a.out)
     return 0
 
 

@@ -18,12 +18,10 @@ warms up, measures, shuts the group down, and sends its timings back::
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import torch
 
 from .config import BenchConfig
-from .timing import Timing, call_samples, measure
+from .timing import Timing, call_samples, measure, run_in_child
 
 
 def _job(conn, kind: str, cfg: BenchConfig, args: tuple) -> None:
@@ -36,15 +34,15 @@ def _job(conn, kind: str, cfg: BenchConfig, args: tuple) -> None:
             if kind == "generate":
                 ids, n = args
                 out = rpc.generate(ids, n)
-                conn.send(("ok", measure(lambda: rpc.generate(ids, n), cfg.repeats, cfg.warmup), out))
+                conn.send(("ok", (measure(lambda: rpc.generate(ids, n), cfg.repeats, cfg.warmup), out)))
             elif kind == "train":
                 (ids,) = args
-                conn.send(("ok", measure(lambda: rpc.train_step(ids), cfg.repeats, cfg.warmup), None))
+                conn.send(("ok", (measure(lambda: rpc.train_step(ids), cfg.repeats, cfg.warmup), None)))
             else:
                 (calls,) = args
-                conn.send(("ok", call_samples(rpc.ping, calls), None))
+                conn.send(("ok", (call_samples(rpc.ping, calls), None)))
     except BaseException as e:  # report it to the harness rather than dying silently
-        conn.send(("error", f"{type(e).__name__}: {e}", None))
+        conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 class IsolatedRpc:
@@ -55,21 +53,7 @@ class IsolatedRpc:
         self.timeout_s = timeout_s
 
     def _run(self, kind: str, *args):
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_job, args=(child, kind, self.cfg, args))
-        proc.start()
-        try:
-            if not parent.poll(self.timeout_s):
-                raise RuntimeError(f"the RPC baseline's {kind} did not finish in {self.timeout_s:.0f} s")
-            status, value, extra = parent.recv()
-        finally:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-        if status != "ok":
-            raise RuntimeError(f"the RPC baseline failed: {value}")
-        return value, extra
+        return run_in_child(_job, (kind, self.cfg, args), f"the RPC baseline's {kind}", timeout_s=self.timeout_s)
 
     def measure_generate(self, ids: torch.Tensor, new_tokens: int) -> tuple[Timing, torch.Tensor]:
         return self._run("generate", ids, new_tokens)

@@ -7,6 +7,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -125,3 +126,15 @@ def pinned_u_server(model: str, cuts: Sequence[int], client_core: int = 0, serve
                        "--device", "cpu", "--lr", "1e-4"], env={"OMP_NUM_THREADS": "1"}).start()
     os.sched_setaffinity(0, {client_core})
     return srv
+
+
+def write_result(result: dict, out) -> Path:
+    """Write a benchmark's JSON result to ``out`` (its folder made if needed); prints and
+    returns the path."""
+    import json
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out

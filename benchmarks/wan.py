@@ -68,6 +68,7 @@ from splitlearn import ByteTokenizer, load_corpus, load_model  # noqa: E402
 from splitlearn.data import lm_batches  # noqa: E402
 from splitlearn.localserver import LocalServer  # noqa: E402
 from splitlearn.netem import relay_process  # noqa: E402
+from benchmarks.timing import write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu" / "wan.json"
 
@@ -419,11 +420,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     result = run(a, log=lambda s: print(s, file=sys.stderr, flush=True))
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
     print(tables(result))
-    print(f"wrote {out}")
+    write_result(result, a.out)
     return 0
 
 

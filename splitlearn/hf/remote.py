@@ -404,6 +404,8 @@ class RemoteSegment(nn.Module):
                 try:
                     out, info = self.transport.finish_call_meta(pending)
                     self._logged(piece[0], sent, out, info)
+                except (StaleWeights, NotYourTurn):
+                    raise  # the federation's answer: sending it again would get the same
                 except (TransportError, ServiceUnavailable, Conflict):
                     out = None
             if out is None:
@@ -458,11 +460,7 @@ class RemoteSegment(nn.Module):
                  labels: Optional[torch.Tensor] = None):
         """No-grad ``POST /v1/forward`` (server in eval mode, nothing changes): U-shape
         ``(trunk output, None)``; 2-way ``(logits (B, T, V), loss or None)``."""
-        tensors = pack(P.HIDDEN, hidden.detach(), self.cfg.wire_dtype)
-        if attention_mask is not None:
-            tensors[P.MASK] = attention_mask.detach().long().cpu()
-        if labels is not None:
-            tensors[P.LABELS] = labels.detach().long().cpu()
+        tensors = self.forward_tensors(hidden, attention_mask, labels)
         meta = {"wire_dtype": self.cfg.wire_dtype, "padding": "any"}
         if not self.u_shape and not (self._loss_only and labels is not None):
             meta["logits"] = "all"
