@@ -3,16 +3,23 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := constraints.txt
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean test-latest lock
 
-$(STAMP): setup.py
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: an unpinned torch pulls several GB of CUDA wheels
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+# torch first and pinned: an unpinned torch pulls several GB of CUDA wheels. Then every package at
+# the version constraints.txt locks (the build tools too: --no-build-isolation builds with them).
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q $(shell grep '^pip==' $(LOCK))
+	$(1)/bin/python -m pip install -q torch==2.13.0
+endef
+
+$(STAMP): setup.py $(LOCK)
+	$(call make_venv,$(VENV))
+	$(PY) -m pip install -q -c $(LOCK) setuptools
+	$(PY) -m pip install -q -c $(LOCK) --no-build-isolation -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,10 +34,31 @@ test: $(STAMP)
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
 	$(PY) -m pytest tests -m serial $(PYTEST_ARGS)
 
+# The tests that reach into transformers, peft, accelerate and datasets (the model classes, the
+# remote cache, generation, drafts, Trainer, LoRA), on the newest releases setup.py admits, in a
+# throw-away venv: a release that breaks splitlearn shows here before a user meets it.
+LATEST ?= .venv-latest
+INTERNALS_TESTS := tests/test_hf_modeling.py tests/test_hf_cache.py tests/test_hf_generation.py \
+	tests/test_hf_draft.py tests/test_hf_lora.py tests/test_hf_pipeline.py tests/test_client_generation.py \
+	tests/test_client_lora.py tests/test_segments.py tests/test_partition.py tests/test_packed.py \
+	tests/test_lora.py tests/test_examples.py tests/test_localserver.py
+test-latest:
+	rm -rf $(LATEST)
+	$(call make_venv,$(LATEST))
+	$(LATEST)/bin/python -m pip install -q --upgrade setuptools
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager --no-build-isolation -e '.[test]'
+	$(LATEST)/bin/python tools/lockdiff.py $(LOCK) $(LATEST)
+	$(LATEST)/bin/python -m pytest $(INTERNALS_TESTS) -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider $(PYTEST_ARGS)
+
+# Refresh the lock: the newest releases setup.py admits, frozen into constraints.txt. Then run
+# `make clean test` and commit constraints.txt with what made it pass.
+lock: test-latest
+	$(LATEST)/bin/python tools/lockdiff.py $(LOCK) $(LATEST) --write
+
 # the workloads side by side (benchmarks/run.py), then across an emulated WAN (benchmarks/wan.py)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/wan.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LATEST) build *.egg-info

@@ -52,11 +52,11 @@ def greedy(model, ids: torch.Tensor, new: int, stats=None) -> dict:
     if stats:
         out["prefill"].update(delta(snap, stats()))
         snap = stats()
-    past, tokens = res.past_key_values, [int(tok)]
+    past, tokens = res.cache, [int(tok)]
     t0 = time.perf_counter()
     for _ in range(new):
-        res = model(tok, past_key_values=past, use_cache=True)
-        past, tok = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+        res = model(tok, cache=past, use_cache=True)
+        past, tok = res.cache, res.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(tok))
     out["decode"] = {"wall_s": time.perf_counter() - t0}
     if stats:

@@ -247,13 +247,13 @@ def run(a, log=print) -> dict:
                         with CountingRemoteCache.from_info(model.config, remote.transport, remote.info) as cache:
                             if control is None:
                                 out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                                     past_key_values=cache, **gen_kw)
+                                                     cache=cache, **gen_kw)
                                 stats.update(rounds=cache.steps_sent, positions=cache.positions_sent)
                                 return out
                             pol = LinkAwarePolicy(k_max=a.k_max, rtt_ms=rtt or None)
                             with link_aware(model, pol, control=control):
                                 out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                                     past_key_values=cache, **gen_kw, **kw)
+                                                     cache=cache, **gen_kw, **kw)
                             stats.update(rounds=pol.rounds, drafted=pol.drafted, accepted=pol.accepted,
                                          positions=cache.positions_sent,
                                          mean_k=pol.drafted / max(pol.rounds, 1))

@@ -172,7 +172,7 @@ class Segment(nn.Module):
             kv = cache.kv if cache is not None else None
             mask = create_causal_mask(
                 config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                past_key_values=kv, layer_idx=self.start)
+                cache=kv, layer_idx=self.start)
             for block in self.h:
                 x = block(x, kv, mask, use_cache=kv is not None)  # (B, T, d)
         if cache is not None:

@@ -37,6 +37,17 @@ def tiny_model():
     return model
 
 
+#: the tiny shape initialised with std 0.3 (models/tiny-varied.json): its greedy tokens vary, so a
+#: cache that drifts shows as wrong tokens (the tiny spec, at GPT-2's 0.02, repeats one token)
+VARIED = "tiny-varied"
+
+
+@pytest.fixture(scope="session")
+def varied_model():
+    """The tiny-varied spec, seeded random init, eval mode: the generation tests' reference."""
+    return load_model(VARIED)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return ByteTokenizer()

@@ -74,8 +74,8 @@ class ServerProcess(LocalServer):
     """
 
     def __init__(self, cuts, *, optimizer: str = "adamw", lr: float = 1e-2,
-                 checkpoint_dir: Optional[Path] = None, extra=()):
-        args = ["--model", "tiny", "--optimizer", optimizer, "--lr", str(lr), "--threads", "2"]
+                 checkpoint_dir: Optional[Path] = None, extra=(), model: str = "tiny"):
+        args = ["--model", model, "--optimizer", optimizer, "--lr", str(lr), "--threads", "2"]
         for c in cuts:
             args += ["--cut", str(c)]
         if checkpoint_dir is not None:

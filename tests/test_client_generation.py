@@ -4,8 +4,9 @@
 (``client.model``); greedy decoding of two rows or more where the server has cores of its own
 runs the pipelined decode (two row groups in flight), tested here with ``pipeline=True``.
 
-The servers here are never trained, so they hold the seeded random init of models/tiny.json,
-the same weights as the ``tiny_model`` fixture (tied or untied makes no difference before
+The servers here are never trained, so they hold the seeded random init of
+models/tiny-varied.json (greedy tokens that vary: a drifting cache shows), the same weights as the
+``tiny_model`` fixture of this module (tied or untied makes no difference before
 training).
 """
 import logging
@@ -17,6 +18,7 @@ from splitlearn.client import SplitClient
 from splitlearn.errors import ConfigError
 from splitlearn.generation import GreedyConfig
 
+from conftest import VARIED
 from serverproc import TOKEN, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -24,16 +26,22 @@ pytestmark = pytest.mark.slow
 NEW = 12  # new tokens per test; prompts are 23 long at most, so positions stay 2 digits
 
 
+@pytest.fixture(scope="module")
+def tiny_model(varied_model):
+    """The unsplit reference: the tiny-varied model the servers here hold."""
+    return varied_model
+
+
 @pytest.fixture(scope="module", params=[(2,), (1, 3)], ids=["2way", "u"])
 def server(request):
-    with ServerProcess(request.param) as srv:
+    with ServerProcess(request.param, model=VARIED) as srv:
         srv.cuts = request.param
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with SplitClient(server.url, "tiny", token=TOKEN, device="cpu") as c:
+    with SplitClient(server.url, VARIED, token=TOKEN, device="cpu") as c:
         yield c
 
 
@@ -199,7 +207,7 @@ def test_clients_generating_at_once_each_get_generates_tokens(server, tiny_model
     rows = [(ids[i:i + 1], mask[i:i + 1]) for i in range(3)] + [(ids[:1, -7:], mask[:1, -7:])]
     want = [tiny_model.generate(input_ids=x, attention_mask=m, max_new_tokens=NEW, do_sample=False,
                                 pad_token_id=256) for x, m in rows]
-    clients = [SplitClient(server.url, "tiny", token=TOKEN, device="cpu") for _ in rows]
+    clients = [SplitClient(server.url, VARIED, token=TOKEN, device="cpu") for _ in rows]
     before = clients[0].transport.get_json("/v1/info")["generation"]
     got = [None] * len(rows)
 

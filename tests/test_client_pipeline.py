@@ -51,6 +51,10 @@ def test_pipelined_steps_equal_unpipelined_steps(cuts, optimizer, tmp_path):
     (l1, c1, s1), (l3, c3, s3) = results[1], results[3]
     assert l1 == pytest.approx(l3, abs=1e-5)
     d = 32
+    # AdamW divides by sqrt(v): a gradient the two summation orders give ~1e-9 apart moves a weight
+    # by up to ~0.2% of a step (1.7e-5 at lr 1e-2, seen on some CPUs with either transformers 5.23
+    # or 5.24); a wrong micro-batch gradient moves it by a whole step (~lr). 1% of a step separates them.
+    tol = 1e-2 * LR[optimizer] if optimizer == "adamw" else 1e-5
     for a, b in ((c1, c3), (s1, s3)):
         for k in a:
             x, y = a[k], b[k]
@@ -59,7 +63,7 @@ def test_pipelined_steps_equal_unpipelined_steps(cuts, optimizer, tmp_path):
                 # every score), so both runs carry only summation noise there, ~1e-10, which
                 # AdamW's m / sqrt(v) blows up to lr-sized steps of either sign. Compare the rest.
                 x, y = torch.cat([x[:d], x[2 * d:]]), torch.cat([y[:d], y[2 * d:]])
-            assert torch.allclose(x, y, atol=1e-5), k
+            assert torch.allclose(x, y, atol=tol), (k, (x - y).abs().max().item())
 
 
 @pytest.mark.parametrize("bad", [0, -1, 65, 2.0, "3"])

@@ -95,7 +95,7 @@ def split_logits(parts, cache: RemoteCache, ids, mask):
 def full_logits(model, dyn: DynamicCache, ids, mask):
     """The unsplit model on the new ``ids`` with Hugging Face's cache."""
     pos = positions_from_mask(mask, ids.shape[1])
-    return model(ids, attention_mask=mask, position_ids=pos, past_key_values=dyn, use_cache=True).logits
+    return model(ids, attention_mask=mask, position_ids=pos, cache=dyn, use_cache=True).logits
 
 
 class Pair:

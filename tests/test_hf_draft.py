@@ -17,6 +17,7 @@ from splitlearn.data import lm_batches
 from splitlearn.hf.draft import (CountingRemoteCache, LinkAwarePolicy, best_draft_length, distill_draft,
                                  expected_tokens, free_draft, link_aware)
 
+from conftest import VARIED
 from serverproc import TOKEN, ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -26,12 +27,18 @@ ATOL = 2e-5
 GREEDY = dict(do_sample=False, pad_token_id=256, max_new_tokens=NEW)
 
 
+@pytest.fixture(scope="module")
+def tiny_model(varied_model):
+    """The unsplit reference: the tiny-varied model the servers here hold (its tokens vary)."""
+    return varied_model
+
+
 @pytest.fixture(scope="module", params=[(1, 3), (2,)], ids=["u", "2way"])
 def split_lm(request):
     from splitlearn.hf.modeling import SplitGPT2LMHeadModel
 
-    with ServerProcess(request.param) as srv:
-        model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN)
+    with ServerProcess(request.param, model=VARIED) as srv:
+        model = SplitGPT2LMHeadModel.from_pretrained(VARIED, server=srv.url, token=TOKEN)
         yield model
         model.transformer.remote.close()
 
@@ -39,13 +46,13 @@ def split_lm(request):
 @pytest.fixture(scope="module")
 def other_draft():
     """A tiny model with other weights: it disagrees with the target most of the time."""
-    return load_model("tiny", seed=1)
+    return load_model(VARIED, seed=1)
 
 
 @pytest.fixture(scope="module")
 def same_draft():
     """The target's own weights (a copy: transformers' heuristic writes the assistant's config)."""
-    return load_model("tiny")
+    return load_model(VARIED)
 
 
 def counting_cache(model) -> CountingRemoteCache:
@@ -81,7 +88,7 @@ def test_speculative_greedy_equals_greedy(split_lm, tiny_model, same_draft, othe
     want = tiny_model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     with counting_cache(split_lm) as cache, \
             link_aware(split_lm, LinkAwarePolicy(k_max=6, rtt_ms=50), control=policy) as p:
-        got = split_lm.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **GREEDY, **kw)
+        got = split_lm.generate(input_ids=ids, attention_mask=mask, cache=cache, **GREEDY, **kw)
     assert torch.equal(got, want), (got, want)
     assert p.rounds == cache.steps_sent
     # every position the server saw: the prompt, then each round's drafts and the last token
@@ -108,7 +115,7 @@ def test_rejected_positions_leave_the_server_cache(split_lm, tiny_model, other_d
     gives the unsplit model's logits of the whole sequence."""
     ids, mask = one_row(padded_batch, 0)
     with counting_cache(split_lm) as cache, link_aware(split_lm, LinkAwarePolicy(k_max=5, rtt_ms=100)) as p:
-        seq = split_lm.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
+        seq = split_lm.generate(input_ids=ids, attention_mask=mask, cache=cache,
                                 assistant_model=other_draft, **GREEDY)
         assert p.rejections > 0 and p.accepted < p.drafted
         assert cache.get_seq_length() == seq.shape[1] - 1  # the last token is not fed yet
@@ -116,7 +123,7 @@ def test_rejected_positions_leave_the_server_cache(split_lm, tiny_model, other_d
         full_mask = torch.cat([mask, torch.ones(1, seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
         pos = (full_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
         with torch.no_grad():
-            got = split_lm(seq[:, -1:], past_key_values=cache, attention_mask=full_mask, position_ids=pos).logits
+            got = split_lm(seq[:, -1:], cache=cache, attention_mask=full_mask, position_ids=pos).logits
             want = tiny_model(seq, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
         assert torch.allclose(got[:, -1], want[:, -1], atol=ATOL), float((got[:, -1] - want[:, -1]).abs().max())
         assert cache._server_length == seq.shape[1]  # the server's session: kept tokens only
@@ -176,7 +183,7 @@ def test_distill_draft_learns_the_split_model_and_leaves_it_alone(split_lm, tiny
     row, mask = one_row(padded_batch, 2)
     want = tiny_model.generate(input_ids=row, attention_mask=mask, **GREEDY)
     with counting_cache(split_lm) as cache:
-        got = split_lm.generate(input_ids=row, attention_mask=mask, past_key_values=cache, assistant_model=draft,
+        got = split_lm.generate(input_ids=row, attention_mask=mask, cache=cache, assistant_model=draft,
                                 **GREEDY)
     assert torch.equal(got, want)
     with pytest.raises(ConfigError, match="steps"):

@@ -186,12 +186,12 @@ def test_speculative_generation_through_the_relay_process(tiny_model):
             remote = model.transformer.remote
             t = time.perf_counter()
             with CountingRemoteCache.from_info(model.config, remote.transport, remote.info) as cache:
-                plain = model.generate(ids, past_key_values=cache, **kw)
+                plain = model.generate(ids, cache=cache, **kw)
             plain_s = time.perf_counter() - t
             assert torch.equal(plain, want) and plain_s >= 12 * 0.040
             with CountingRemoteCache.from_info(model.config, remote.transport, remote.info) as cache, \
                     link_aware(model, LinkAwarePolicy(rtt_ms=40)) as policy:
-                got = model.generate(ids, past_key_values=cache, assistant_model=free_draft(model), **kw)
+                got = model.generate(ids, cache=cache, assistant_model=free_draft(model), **kw)
             assert torch.equal(got, want)
             assert cache.steps_sent == policy.rounds
             if policy.measured_acceptance > 0.5:

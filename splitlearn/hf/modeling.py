@@ -21,13 +21,13 @@ Positions, masks and losses are computed by the same code as ``GPT2Model`` (``po
 default to ``arange`` past the cache, ``create_causal_mask``, ``self.loss_function``), so a
 split forward equals the unsplit one (float32 wire).
 
-**Generation hook** (``splitlearn/hf/cache.py``): when ``past_key_values`` has a
+**Generation hook** (``splitlearn/hf/cache.py``): when ``cache`` has a
 ``remote(hidden, attention_mask_2d)`` method and a ``local`` attribute (a ``DynamicCache`` with
 a slot for every model layer), the client blocks read and extend ``local`` under their global
-``layer_idx`` and the server's part is ``past_key_values.remote(hidden, mask)`` instead of the
+``layer_idx`` and the server's part is ``cache.remote(hidden, mask)`` instead of the
 training ``Function``: U-shape, ``hidden`` (B, T_new, d) -> trunk output (B, T_new, d); 2-way,
 the bottom's output -> the logits the server answers (B, k, V). ``mask`` is the 2-D mask of
-the whole sequence so far (B, past + T_new), or None. ``past_key_values.get_seq_length()``
+the whole sequence so far (B, past + T_new), or None. ``cache.get_seq_length()``
 gives the positions already seen.
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ from transformers import GenerationMixin, GPT2Config, GPT2ForSequenceClassificat
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedModel
+from transformers.utils.deprecation import deprecate_kwarg
 
 from ..errors import ConfigError, NotYourTurn, StaleWeights
 from ..loading import _LOAD_LOCK, is_spec_source, load_model
@@ -136,7 +137,7 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         if start == end:
             return hidden
         mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
-                                  past_key_values=cache, position_ids=position_ids, layer_idx=start)
+                                  cache=cache, position_ids=position_ids, layer_idx=start)
         for i in range(start, end):
             hidden = self.h[i](hidden, cache, mask, None, use_cache=cache is not None, position_ids=position_ids)
         return hidden
@@ -157,16 +158,17 @@ class SplitGPT2Model(GPT2PreTrainedModel):
             self.defense_loss = defense.loss(inputs_embeds, hidden)  # token embeddings, as SplitClient
         return defense.apply(hidden)
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # as GPT2Model.forward
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, cache=None,
                 attention_mask: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.LongTensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 use_cache: Optional[bool] = None, return_dict: Optional[bool] = None,
                 **kwargs) -> BaseModelOutputWithPastAndCrossAttentions:
         """As ``GPT2Model.forward``; the server's blocks run remotely (see the module docstring).
-        ``past_key_values``: None, or a remote cache (``.remote``, ``.local``; the generation hook)."""
+        ``cache``: None, or a remote cache (``.remote``, ``.local``; the generation hook)."""
         if self._precomputed is not None:  # a micro-batch's output, computed by .pipeline
             return self._precomputed
-        hidden, ctx = self.bottom_half(input_ids, past_key_values, attention_mask, token_type_ids, position_ids,
+        hidden, ctx = self.bottom_half(input_ids, cache, attention_mask, token_type_ids, position_ids,
                                        inputs_embeds)
         remote_cache = ctx["cache"]
         if self.u_shape:
@@ -176,13 +178,13 @@ class SplitGPT2Model(GPT2PreTrainedModel):
                 hidden = self.remote.trunk(hidden, ctx["mask"])  # autograd over the wire
             hidden = self.top_half(hidden, ctx)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden,
-                                                         past_key_values=remote_cache if use_cache or
+                                                         cache=remote_cache if use_cache or
                                                          remote_cache is not None else None)
 
     #: set by :mod:`splitlearn.hf.pipeline` while a head runs on one micro-batch's output
     _precomputed: Optional[BaseModelOutputWithPastAndCrossAttentions] = None
 
-    def bottom_half(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+    def bottom_half(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None,
                     position_ids=None, inputs_embeds=None) -> tuple[torch.Tensor, dict]:
         """Everything before the cut: embeddings, the client's first blocks, the defense ->
         (what crosses the cut (B, T, d), what :meth:`top_half` needs)."""
@@ -200,9 +202,9 @@ class SplitGPT2Model(GPT2PreTrainedModel):
             batch_size = inputs_embeds.shape[0]
         else:
             raise ValueError("You have to specify either input_ids or inputs_embeds")
-        remote_cache = past_key_values if hasattr(past_key_values, "remote") else None
-        if past_key_values is not None and remote_cache is None:
-            raise ConfigError("a split model's past_key_values must be its remote cache (with .remote and "
+        remote_cache = cache if hasattr(cache, "remote") else None
+        if cache is not None and remote_cache is None:
+            raise ConfigError("a split model's cache must be its remote cache (with .remote and "
                               ".local), not a plain transformers Cache: the server keeps its blocks' KV")
         local = remote_cache.local if remote_cache is not None else None
         if token_type_ids is not None:
@@ -375,12 +377,12 @@ class SplitGenerationMixin:
     decoding) runs on a :class:`~splitlearn.hf.cache.RemoteCache`, whose server half is one
     generation session on the server.
 
-    When the caller passes no ``past_key_values``, ``generate`` makes the cache
+    When the caller passes no ``cache``, ``generate`` makes the cache
     (:meth:`new_cache`: this model's connection, wire dtype and ``client_id``) and **closes its
     session when it returns** (normally or by an exception), so a ``generate`` call leaves
     nothing open on the server; the cache in a ``return_dict_in_generate`` output is then
     closed (empty). To keep a session across calls (a conversation), pass your own
-    ``past_key_values=model.new_cache()`` and close it (``with`` or ``.close()``) yourself. An
+    ``cache=model.new_cache()`` and close it (``with`` or ``.close()``) yourself. An
     assistant model's cache, made inside an outer split model's ``generate``, closes with it;
     a split *assistant* of an unsplit model keeps its cache across the drafting calls, and the
     cache's finalizer closes its session when transformers drops it.
@@ -400,7 +402,7 @@ class SplitGenerationMixin:
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
                                                          batch_size, max_cache_length)
         if generation_config.cache_implementation not in (None, "dynamic"):
@@ -408,7 +410,7 @@ class SplitGenerationMixin:
                               f"values); cache_implementation={generation_config.cache_implementation!r} "
                               f"is not available")
         cache = self.new_cache()
-        model_kwargs["past_key_values"] = cache
+        model_kwargs["cache"] = cache
         if _SCOPE.depth and not (generation_config.is_assistant and _SCOPE.depth == 1):
             _SCOPE.caches.append(cache)  # closed when the outermost generate returns
         if generation_config.is_assistant:
@@ -458,31 +460,32 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids=None, past_key_values=None, attention_mask=None, token_type_ids=None,
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # as GPT2LMHeadModel.forward
+    def forward(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None,
                 position_ids=None, inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 labels=None, use_cache=None, logits_to_keep: Union[int, torch.Tensor] = 0, **kwargs):
-        if pipeline.applies(self, labels, past_key_values, inputs_embeds):
+        if pipeline.applies(self, labels, cache, inputs_embeds):
             out = pipeline.forward(self, super().forward, input_ids, attention_mask, labels, token_type_ids,
                                    position_ids, **kwargs)
             if out is not None:
                 return out
         if self.transformer.u_shape:
             return self._add_defense_loss(super().forward(
-                input_ids=input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+                input_ids=input_ids, cache=cache, attention_mask=attention_mask,
                 token_type_ids=token_type_ids, position_ids=position_ids, inputs_embeds=inputs_embeds,
                 labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs))
-        out = self.transformer(input_ids, past_key_values=past_key_values, attention_mask=attention_mask,
+        out = self.transformer(input_ids, cache=cache, attention_mask=attention_mask,
                                token_type_ids=token_type_ids, position_ids=position_ids,
                                inputs_embeds=inputs_embeds, use_cache=use_cache)
         h = out.last_hidden_state  # (B, T, d): the bottom's output, what crosses the cut
         mask = attention_mask.view(h.shape[0], -1) if attention_mask is not None else None
         remote = self.transformer.remote
         loss = logits = None
-        if out.past_key_values is not None and hasattr(out.past_key_values, "remote"):
+        if out.cache is not None and hasattr(out.cache, "remote"):
             # generation hook: the server's logits of the last k positions (generate: 1; assisted
             # decoding: the drafted ones + 1; a forward of its own: 0, all); indices: all, then select
             keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
-            logits = out.past_key_values.remote(h, mask, logits_to_keep=keep)
+            logits = out.cache.remote(h, mask, logits_to_keep=keep)
             if not isinstance(logits_to_keep, int):
                 logits = logits[:, logits_to_keep]
         elif torch.is_grad_enabled():
@@ -501,7 +504,7 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
             n = (labels[..., 1:] != -100).sum()
             loss = loss * (n.to(loss.dtype) / torch.as_tensor(kwargs["num_items_in_batch"]).to(loss))
         return self._add_defense_loss(CausalLMOutputWithCrossAttentions(loss=loss, logits=logits,
-                                                                        past_key_values=out.past_key_values))
+                                                                        cache=out.cache))
 
 
 class SplitGPT2ForSequenceClassification(SplitMixin, GPT2ForSequenceClassification):

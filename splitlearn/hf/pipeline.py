@@ -183,10 +183,10 @@ class _Pipelined(torch.autograd.Function):
         return None, None, None
 
 
-def applies(model, labels, past_key_values, inputs_embeds) -> bool:
+def applies(model, labels, cache, inputs_embeds) -> bool:
     """Pipeline this forward? Training (gradients on), ``labels``, no cache, M > 1, rows > 1."""
     m = check_micro_batches(getattr(model, "micro_batches", 1))
-    return (m > 1 and torch.is_grad_enabled() and labels is not None and past_key_values is None
+    return (m > 1 and torch.is_grad_enabled() and labels is not None and cache is None
             and inputs_embeds is None)
 
 

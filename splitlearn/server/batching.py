@@ -81,7 +81,7 @@ def batched_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tens
     cfg = segment.config
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(cfg._attn_implementation, eager_attention_forward)
     masks = [create_causal_mask(config=cfg, inputs_embeds=it.hidden, attention_mask=it.mask,
-                                past_key_values=it.cache.kv, layer_idx=segment.start)
+                                cache=it.cache.kv, layer_idx=segment.start)
              for it in items] if len(segment.h) else []
     with lora_rows(segment, [(n, it.adapter) for it, n in zip(items, rows)]):  # per-row adapters
         x = _blocks(segment, items, rows, masks, attend, x)  # (N, 1, d)
