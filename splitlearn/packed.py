@@ -74,7 +74,9 @@ class _Packed:
 
 _STORE: dict[int, _Packed] = {}  # id(weight) -> its copy, dropped when the weight is
 _ACTIVE: dict[int, int] = {}  # id(layer) -> active() blocks open over it, in any PackedLinears
-_LOCK = threading.Lock()
+# re-entrant: a weight's finalizer (_forget) runs whenever the garbage collector does, which can be
+# inside a block that holds the lock (setting a layer's forward allocates), on the same thread
+_LOCK = threading.RLock()
 
 
 def _packed_for(weight: torch.Tensor, transposed: bool) -> _Packed:

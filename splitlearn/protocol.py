@@ -162,7 +162,8 @@ class ApplyRequest:
 
     ``pieces``: how many backward pieces of the step the client got answers for (the server
     checks it has exactly those); ``lr``: the learning rate of this step (the client's current
-    one, 0 <= lr <= MAX_LR); ``clip``: a factor in (0, 1] the gradients are multiplied by first
+    one, 0 <= lr <= MAX_LR; on state shared between tenants, the segment in ``shared`` and
+    ``sequential`` modes, the server applies at most its own ``--lr``); ``clip``: a factor in (0, 1] the gradients are multiplied by first
     (a global-norm clip computed by the client); ``discard``: drop the step's gradients instead
     (``zero_grad`` before a step), nothing is applied and the step number stays free.
     """
@@ -247,7 +248,8 @@ class SessionStepMeta:
 
 @dataclass(frozen=True)
 class SyncMeta:
-    """Fields of a federation sync: who, the rows it trained (as the client counts them), and,
+    """Fields of a federation sync: who, the rows it trained (as the client counts them: the
+    servers weight by the target tokens they trained for it instead), and,
     to a fed server, the segment server's signed ticket for this sync."""
 
     client_id: str

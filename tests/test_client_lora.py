@@ -207,9 +207,12 @@ def test_lora_and_plain_clients_and_servers_refuse_each_other_at_connect():
 
 def test_splitfed_averages_both_sides_adapters_and_nothing_else(tmp_path):
     """SplitLoRA: two members train copies of the round's adapter; the round averages the server
-    adapters and the client adapters by samples; the base never changes on either side."""
+    adapters and the client adapters by target tokens trained (each row's real positions but its
+    last: 41 and 17 here); the base never changes on either side. Uncapped (--max-member-share 1:
+    the default 0.5 would weigh this round 1:1)."""
     data = {"a": BATCHES[:2], "b": BATCHES[2:3]}  # 4 and 2 samples
-    with lora_server((1, 3), "sgd", tmp_path / "ckpt", extra=["--federation", "splitfed"]) as srv:
+    with lora_server((1, 3), "sgd", tmp_path / "ckpt",
+                     extra=["--federation", "splitfed", "--max-member-share", "1"]) as srv:
         base_before = srv.weights()
         clients = {n: lora_client(srv, n) for n in data}
         client_base = {n: {k: v.clone() for s in c.segments for k, v in s.state_dict().items() if "lora_" not in k}
@@ -221,7 +224,10 @@ def test_splitfed_averages_both_sides_adapters_and_nothing_else(tmp_path):
 
         run_threads([lambda n=n: member(n) for n in data], 120)
         refs = {n: get_peft_model_state_dict(peft_reference(n, "sgd", data[n], init_id="")[0]) for n in data}
-        want = {k: (refs["a"][k] * 4 + refs["b"][k] * 2) / 6 for k in refs["a"]}
+        w = {n: sum(int(m.sum(1).sub(1).sum()) if m is not None else ids.numel() - ids.shape[0]
+                    for ids, m in data[n]) for n in data}
+        assert w == {"a": 41, "b": 17}
+        want = {k: (refs["a"][k] * w["a"] + refs["b"][k] * w["b"]) / (w["a"] + w["b"]) for k in refs["a"]}
         for n, c in clients.items():
             got = both_sides(c, srv)  # in splitfed the server side is the round's average
             assert set(got) == set(want)

@@ -53,7 +53,8 @@ STEPS, KILL_AFTER = 8, 4
 
 def test_the_haproxy_config_hashes_the_route_header_on_a_ring_and_checks_health(tmp_path):
     conf = HAProxySettings(bind="127.0.0.1:9000", servers=[("r0", "127.0.0.1:9001"), ("r1", "127.0.0.1:9002")]).render()
-    for line in (f"balance hdr({P.ROUTE_HEADER})", "hash-type consistent", f"option httpchk GET {P.HEALTH}",
+    route = f"set-header {P.ROUTE_HEADER} %[req.hdr(Authorization),sha2(256),hex]:%[req.hdr({P.ROUTE_HEADER}),field(2,:)]"
+    for line in (f"balance hdr({P.ROUTE_HEADER})", route, "hash-type consistent", f"option httpchk GET {P.HEALTH}",
                  "option redispatch 1", "retries 3", "server r0 127.0.0.1:9001", "server r1 127.0.0.1:9002",
                  "on-error mark-down", f"set-header {P.REPLICA_HEADER} %[srv_name]", "bind 127.0.0.1:9000"):
         assert line in conf, line
@@ -89,6 +90,18 @@ def test_the_cluster_config_sets_host_port_and_state_dir_and_refuses_what_would_
     monkeypatch.delenv("SPLITLEARN_TOKEN")
     with pytest.raises(ConfigError, match="same tokens"):
         ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=tuple(SERVER))
+    caps = args[args.index("--max-sessions-per-tenant"):args.index("--host")]  # each replica: 1/R of each cap
+    assert caps == ["--max-sessions-per-tenant", "8", "--max-tokens-per-client", "32768", "--max-clients-per-tenant",
+                    "32", "--max-pending-per-tenant", "4"]
+    three = ClusterConfig(replicas=3, port=9000, run_dir=str(tmp_path),
+                          server_args=(*SERVER, "--token-file", "t", "--max-pending-per-tenant", "2",
+                                       "--max-clients-per-tenant", "7"))
+    args3 = three.replica_args(9001)
+    assert args3[args3.index("--max-clients-per-tenant", len(SERVER) + 6) + 1] == "2"  # floor(7 / 3), after the given 7
+    assert args3[args3.index("--max-pending-per-tenant", len(SERVER) + 6) + 1] == "1"  # at least 1
+    assert "--max-pending-per-tenant" not in plain.replica_args(9001)  # one replica: the caps as given
+    with pytest.raises(ConfigError, match="max-pending"):
+        ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=(*SERVER, "--token-file", "t", "--max-pending-per-tenant", "x"))
     assert cfg.cores(1) is None  # pinning is off by default
     assert ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=(*SERVER, "--token-file", "t"),
                          cores_per_replica=1).cores(1) == [1 % (os.cpu_count() or 1)]
@@ -191,7 +204,8 @@ def one_server():
 
 
 def replica_of(url: str, token: str, client_id: str) -> str:
-    r = requests.get(url + P.HEALTH, headers={P.ROUTE_HEADER: P.route_key(token, client_id)}, timeout=10)
+    # HAProxy routes on the Authorization header's tenant and the route header's client id
+    r = requests.get(url + P.HEALTH, headers={**auth(token), P.ROUTE_HEADER: P.route_key(token, client_id)}, timeout=10)
     return r.headers[P.REPLICA_HEADER]
 
 
@@ -232,6 +246,49 @@ def test_replicas_json_names_the_live_processes_and_owners_spread_over_both(clus
     seen = {replica_of(cluster.url, TOKEN, f"o{i}") for i in range(12)}
     assert seen == {"r0", "r1"}  # the ring spreads client ids over both
     assert replica_of(cluster.url, TOKEN, "o1") == replica_of(cluster.url, TOKEN, "o1")  # and pins each
+
+
+@needs_haproxy
+@pytest.mark.slow
+def test_a_tenant_routes_as_itself_and_holds_its_caps_over_all_replicas(cluster):
+    """The attack: HAProxy hashed the client's route header, and each replica counts a tenant's
+    sessions, tokens, client ids and pending steps on its own; a tenant spreading its client ids
+    (or naming another tenant in the header) over R replicas got R x every cap. Now HAProxy puts
+    the hash of the Authorization header in the route (the client id stays the client's), and
+    each replica holds 1/R of each cap: mallory's sessions, over both replicas, stop at the cap."""
+    def replica(token, route):
+        r = requests.get(cluster.url + P.HEALTH, headers={**auth(token), P.ROUTE_HEADER: route}, timeout=10)
+        return r.headers[P.REPLICA_HEADER]
+
+    for i in range(16):  # whatever tenant the header names, the route is the token's
+        honest = replica(OTHER, P.route_key(OTHER, f"o{i}"))
+        assert replica(OTHER, P.route_key(TOKEN, f"o{i}")) == replica(OTHER, f"0000:o{i}") == honest, i
+    replicas = cluster.manifest()["replicas"]
+    limits = [requests.get(r["url"] + P.INFO, headers=auth(), timeout=10).json()["limits"] for r in replicas]
+    assert [lim["max_sessions_per_tenant"] for lim in limits] == [8, 8]  # 16 (the default) over 2 replicas
+    assert [lim["max_pending_per_tenant"] for lim in limits] == [4, 4]
+    opened, refused, where = [], 0, set()
+    for i in range(40):  # mallory's client ids land on both replicas
+        cid = f"s{i}"
+        r = requests.post(cluster.url + P.SESSIONS, json={"rows": 1}, timeout=30,
+                          headers={**auth(OTHER), P.ROUTE_HEADER: P.route_key(OTHER, cid)})
+        if r.status_code == 201:
+            opened.append((cid, r.json()["session_id"]))
+            where.add(r.headers[P.REPLICA_HEADER])
+        else:
+            assert r.status_code == 429, r.text
+            refused += 1
+    try:
+        assert where == {"r0", "r1"} and len(opened) == 16 and refused == 24  # the cap, over the cluster
+        r = requests.post(cluster.url + P.SESSIONS, json={"rows": 1}, timeout=30,
+                          headers={**auth(TOKEN), P.ROUTE_HEADER: P.route_key(TOKEN, "s0")})
+        assert r.status_code == 201, r.text  # alice is unaffected
+        opened.append(("s0", r.json()["session_id"], TOKEN))
+    finally:
+        for cid, sid, *token in opened:
+            t = token[0] if token else OTHER
+            requests.delete(cluster.url + P.SESSION.format(session_id=sid), timeout=30,
+                            headers={**auth(t), P.ROUTE_HEADER: P.route_key(t, cid)})
 
 
 @needs_haproxy

@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from splitlearn.localserver import ChildServer, free_port
 from splitlearn.server.collective import weights_sha256
 from splitlearn.wire import decode
 
+from listening import of_pids, public_address
 from serverproc import TOKEN, auth
 
 pytestmark = pytest.mark.slow
@@ -190,7 +192,8 @@ def test_rounds_over_two_replica_processes_equal_one_server_bit_for_bit(tmp_path
         for s in (s0, s1):
             st = s["status"]
             assert s["version"] == n and st["round"] == n + 1 and st["members"] == [] and st["aggregation"] == rounds[n - 1]
-            assert st["last_round"] == {"round": n, "members": 3, "samples": 8, "server_clipped": 0, "client_clipped": 1}
+            assert st["last_round"] == {"round": n, "members": 3, "samples": 40, "server_clipped": 0, "client_clipped": 1,
+                                        "share_capped": 0, "failed": 0}  # samples: target tokens, 2/4/2 x 5
             assert st["replicas"]["ready"] and st["replicas"]["group"] == [0, 1]
         # (the tensors above are compared bit for bit; the sha256 each replica reports in its
         # status is read while the next round may already be under way, so it is not compared)
@@ -290,7 +293,6 @@ def _splitfed_run(url: str, ids: list[str], liar: str) -> dict:
 
     clients = {c: SplitClient(url, "tiny", token=TOKEN, optimizer="sgd", lr=0.1, device="cpu", client_id=c)
                for c in ids}
-    losses = {c: [cl.train_step(_batch(c, 1))] for c, cl in clients.items()}
     mine = untied_weights(clients[liar].segments)
     headers = {**_route(liar), "Content-Type": P.CONTENT_TYPE}
     huge = requests.post(url + P.FEDERATION_SYNC, headers=headers, timeout=30,
@@ -299,6 +301,8 @@ def _splitfed_run(url: str, ids: list[str], liar: str) -> dict:
                         data=encode({k: torch.full_like(v, float("nan")) for k, v in mine.items()},
                                     P.SyncMeta(liar, 2).to_meta()))
     refused = (huge.status_code, "samples" in huge.json()["message"], nan.status_code)
+    # (the lies come before it trains: a member's refused sync is its failure of the round, issue 29)
+    losses = {c: [cl.train_step(_batch(c, 1))] for c, cl in clients.items()}
     clients[liar].federation.samples = 10**12  # what its library claims: the server counts its rows
     threads = []
     for i, c in enumerate(ids):  # syncs in this order (each waits for the round to close)
@@ -343,6 +347,15 @@ def test_splitfed_over_two_replicas_behind_haproxy_equals_one_server(tmp_path):
         per = {name: requests.get(u + P.FEDERATION, headers=auth(TOKEN), timeout=10).json() for name, u in urls.items()}
         shared = {name: decode(requests.get(u + P.FEDERATION_WEIGHTS, headers=auth(TOKEN), timeout=30).content)[0]
                   for name, u in urls.items()}
+        m = json.loads((cluster.run_dir / "replicas.json").read_text())
+        sockets = of_pids([m["supervisor_pid"], m["haproxy"]["pid"], *(r["pid"] for r in m["replicas"])])
+        store_port = int(m["fed_store"].rsplit(":", 1)[1])
+        assert store_port in {p for _, p in sockets}
+        # nothing of the cluster (its store, gloo's ports, the replicas, HAProxy) listens beyond loopback
+        assert all(a.is_loopback for a, _ in sockets), sockets
+        if public_address() is not None:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((public_address(), store_port), timeout=5)
     finally:
         cluster.stop()
     with one_splitfed_server() as (url, rt):
@@ -356,7 +369,8 @@ def test_splitfed_over_two_replicas_behind_haproxy_equals_one_server(tmp_path):
     for name, st in per.items():
         assert st["version"] == 1 and st["round"] == 2, name
         assert st["last_round"] == want["status"]["last_round"] == {
-            "round": 1, "members": 3, "samples": 6, "server_clipped": 0, "client_clipped": 0}
+            "round": 1, "members": 3, "samples": 54, "server_clipped": 0, "client_clipped": 0,  # tokens: 3 x 2 x 9
+            "share_capped": 0, "failed": 0}
         assert st["replicas"]["weights_sha256"]["server"] == want_sha, name  # bit-identical server side
         assert st["replicas"]["group"] == [0, 1]
         assert all(torch.equal(shared[name][k], want_shared[k]) for k in want_shared), name

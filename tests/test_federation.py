@@ -120,18 +120,20 @@ def test_sequential_refuses_a_client_out_of_turn_and_reposting_the_turn_does_not
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
 def test_splitfed_round_equals_one_unsplit_sgd_step_weighted_by_the_rows_the_server_counted(cuts, tmp_path):
-    """Members of 2 and 4 rows: the round equals one SGD step on the 6 rows concatenated, whatever
+    """Members of 2 and 4 rows: the round equals one SGD step on the 6 rows concatenated (FedAvg
+    weighted by the target tokens the server trained; no cap on a member's share), whatever
     samples they claim (10**12 is taken and ignored, 10**400 refused: it overflowed FedAvg's float sum)."""
     batches = [same_batch(10), (torch.cat([same_batch(11)[0], same_batch(12)[0]]), None)]  # (2, 12), (4, 12)
     with ServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
-                       extra=["--federation", "splitfed", "--clients-per-round", "2"]) as srv:
+                       extra=["--federation", "splitfed", "--clients-per-round", "2", "--max-member-share", "1"]) as srv:
         clients = [client_of(srv, n) for n in "ab"]
-        clients[0].train_step(*batches[0])
+        # (before a trains: a member's refused sync would be its failure of the round, issue 29 item 11)
         huge = requests.post(srv.url + P.FEDERATION_SYNC, headers={**auth(), "Content-Type": P.CONTENT_TYPE},
                              data=encode(untied_weights(clients[0].segments),
                                          {"client_id": "a", "samples": "1" + "0" * 400}), timeout=30)
         assert huge.status_code == 400 and "samples" in huge.json()["message"]
-        clients[0].federation.samples = 10**12  # what a's library reports: the server counts 2 rows
+        clients[0].train_step(*batches[0])
+        clients[0].federation.samples = 10**12  # what a's library reports: the server counts 22 target tokens
 
         def one_round(c, batch, first):
             return lambda: (None if first else c.train_step(*batch), c.sync())
@@ -143,7 +145,9 @@ def test_splitfed_round_equals_one_unsplit_sgd_step_weighted_by_the_rows_the_ser
             assert_both_sides_equal(reference, c, srv)
         status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
         assert status["round"] == 2 and status["members"] == [] and status["version"] == 1
-        assert status["last_round"] == {"round": 1, "members": 2, "samples": 6, "server_clipped": 0, "client_clipped": 0}
+        # samples: the target tokens trained, 2 x 11 + 4 x 11 (FedAvg weights 1:2, as the rows)
+        assert status["last_round"] == {"round": 1, "members": 2, "samples": 66, "server_clipped": 0, "client_clipped": 0,
+                                        "share_capped": 0, "failed": 0}
         assert clients[0].train_step(*batches[0]) < 100  # training goes on: no 500 after the round
 
 
@@ -193,17 +197,23 @@ def test_bad_sync_bodies_are_400_and_average_nothing():
     with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
                        extra=["--federation", "splitfed", "--clients-per-round", "1"]) as srv:
         with client_of(srv, "a") as a:
-            a.train_step(*same_batch(1))
             s = requests.Session()
             s.headers.update({**auth(), "Content-Type": P.CONTENT_TYPE})
-            for what, weights in bad_sync_bodies(a).items():
-                r = s.post(srv.url + P.FEDERATION_SYNC, data=encode(weights, P.SyncMeta("a", 2).to_meta()))
+            a.train_step(*same_batch(1))
+            assert s.post(srv.url + P.FEDERATION_SYNC, data=b"not safetensors").status_code == 400  # nobody's
+            assert s.get(srv.url + P.FEDERATION).json()["members"] == ["a"]
+            bodies = {what: encode(w, P.SyncMeta("a", 2).to_meta()) for what, w in bad_sync_bodies(a).items()}
+            bodies["no samples"] = encode({"x": torch.ones(1)}, {"client_id": "a"})
+            for i, (what, body) in enumerate(bodies.items()):
+                if i:
+                    a.train_step(*same_batch(1 + i))  # a member of the next round
+                r = s.post(srv.url + P.FEDERATION_SYNC, data=body)
                 assert r.status_code == 400, (what, r.text)
                 assert set(r.json()) == {"error", "message"}
-            for body in (b"not safetensors", encode({"x": torch.ones(1)}, {"client_id": "a"})):
-                assert s.post(srv.url + P.FEDERATION_SYNC, data=body).status_code == 400
-            status = s.get(srv.url + P.FEDERATION).json()
-            assert status["version"] == 0 and status["members"] == ["a"] and status["synced"] == []
+                # a's failure of the round (issue 29, item 11): it closed with nothing averaged
+                status = s.get(srv.url + P.FEDERATION).json()
+                assert (status["version"], status["round"], status["members"]) == (0, i + 2, []), what
+            a.train_step(*same_batch(0))
             assert a.sync()["version"] == 1  # the good one closes the round
 
 
@@ -257,7 +267,7 @@ def test_one_members_upload_moves_the_model_by_at_most_the_bound_whatever_it_sen
         assert distance(after, before) <= BOUND * (1 + 1e-5)
         assert distance(after, evil) > 1.0
         status = requests.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
-        assert status["last_round"]["client_clipped"] == 1 and status["last_round"]["samples"] == 4  # 2 rows each
+        assert status["last_round"]["client_clipped"] == 1 and status["last_round"]["samples"] == 44  # 2 x 11 target tokens each
         before = after
     loss = a.train_step(*same_batch(60))  # on the new shared weights: a finite forward
     assert loss == loss and loss < 100
@@ -307,3 +317,17 @@ def test_sequential_with_a_fed_server_tickets_only_the_turn_holder():
     assert tickets.verify(secret, st["last_close"], tickets.Close).version == 1 == st["version"]
     with pytest.raises(NotYourTurn):  # the turn is given back: the same sync again gets no second ticket
         fed.sync("alice:a", {})
+
+
+def test_a_turn_holders_refused_sync_ends_its_turn_and_shares_nothing():
+    """Issue 29, item 11 in sequential mode: the holder's bad upload is 400 and ends its turn (as a
+    turn left idle would): the next client takes it at once, the version stays."""
+    from splitlearn.errors import BadRequest
+
+    fed = _federation("sequential", client_weights_at="external", secret=b"k" * 32, timeout_s=300.0)
+    fed.take_turn("mallory:m")
+    fed.replica_for("mallory:m", 0)
+    with pytest.raises(BadRequest):
+        fed.sync("mallory:m", {"w": torch.ones(2)})  # external: no weights here
+    assert fed.status()["turn"] is None and fed.version == 0
+    assert fed.take_turn("alice:a")["turn"] == "a"

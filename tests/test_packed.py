@@ -91,3 +91,27 @@ def test_two_packers_of_one_model_share_the_copy_and_the_layers(parts):
             pass
         assert "forward" in vars(layer)  # still packed for `first`
     assert "forward" not in vars(layer)
+
+
+def test_a_weight_collected_while_the_lock_is_held_does_not_deadlock():
+    # The garbage collector runs a dead weight's finalizer (packed._forget) wherever it runs,
+    # e.g. inside active(), which holds the lock while it sets each layer's forward: seen as a
+    # hung server (a decode step that never answered). The lock must be re-entrant.
+    import threading
+
+    from splitlearn import packed as pk
+
+    layer = torch.nn.Linear(4, 4)
+    PackedLinears(layer)
+    key = id(layer.weight)
+    assert key in pk._STORE
+
+    def collect_inside_the_lock():
+        with pk._LOCK:
+            layer.weight = torch.nn.Parameter(torch.zeros(4, 4))  # the old weight dies: _forget runs
+
+    t = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the finalizer waited for a lock its own thread holds"
+    assert key not in pk._STORE or pk._STORE[key].weight is not None

@@ -74,7 +74,9 @@ def test_a_client_id_is_scoped_to_its_tenant_and_seeded_by_the_id_alone():
 def test_splitfed_averages_adapters_only_and_never_copies_the_base():
     trunk, bank = _bank("sgd")
     base = snapshot(trunk)
-    fed = LoraFederation(bank, "splitfed", 2, 60.0)
+    from splitlearn.server.strategy import make_strategy
+
+    fed = LoraFederation(bank, "splitfed", 2, 60.0, strategy=make_strategy(max_share=None))  # weights 1:3, uncapped
     reps = [fed.replica_for(c, 0) for c in ("a", "b")]
     assert all(r.segment.base is trunk for r in reps)
     assert all(set(r.segment.state_dict()) == set(fed.base.segment.state_dict()) for r in reps)

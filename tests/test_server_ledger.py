@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from splitlearn.errors import Conflict
-from splitlearn.server.ledger import Answer, Pending, StepLedger
+from splitlearn.errors import Conflict, TooManyRequests
+from splitlearn.server.ledger import APPLIED, CHECKPOINT_ANSWER_BYTES, Answer, Pending, StepLedger, digest_of
+from splitlearn.server.memory import MemoryAccount
 
 
 def answer(x: float) -> Answer:
@@ -29,7 +30,7 @@ def test_replay_gives_the_stored_answer_of_the_last_step_only():
     assert led.replay("a", 1) is None
     first = answer(1)
     led.applied("a", 1, first)
-    assert led.replay("a", 1) is first
+    assert led.replay("a", 1).encode() == first.encode()  # kept as its bytes: byte for byte the first
     led.applied("a", 2, answer(2))
     assert led.replay("a", 1) is None  # an older step is not replayable: 409 from expect_next
     assert led.replay("a", 2).meta == {"step": "2"}
@@ -58,3 +59,86 @@ def test_counters_round_trip_with_byte_identical_answers():
     assert back.replay("a", 2).encode() == led.replay("a", 2).encode()
     assert torch.equal(back.replay("b", 1).tensors["grad"], torch.full((2, 3), 7.0))
     assert back.pending("c") is None and back.replay("c", 0) is None
+
+
+def big(x: float, n: int = 1 << 16) -> Answer:
+    return Answer({"grad": torch.full((n,), float(x))}, {"step": str(int(x))})  # 256 KiB
+
+
+def apply_answer(step: int) -> Answer:
+    return Answer({}, {"step": str(step), APPLIED: "1"})
+
+
+def test_an_open_ended_steps_pieces_are_kept_as_digests_and_a_retry_is_409_never_applied_twice():
+    """The attack: 300 pieces, then an apply; the ledger kept every piece's answer (tensors and
+    bytes) after it. Now it keeps their digests: a retried piece of the applied step is
+    recognised (409 naming the digest), a piece the step never had is out of order, and the
+    apply's retry still gets its answer."""
+    led = StepLedger(account=MemoryAccount(64 << 20, 64 << 20))
+    pieces = {i: big(i) for i in range(8)}
+    bodies = {i: a.encode() for i, a in pieces.items()}
+    led.applied("t:a", 1, apply_answer(1), pieces, {i: big(-i) for i in range(8)})
+    rec = led.clients["t:a"]
+    assert all(k.body is None for k in rec.kept()[1:]) and rec.answer.body is not None
+    assert led.account.reserved == len(rec.answer.body)  # only the apply's answer is held
+    with pytest.raises(Conflict, match=f"piece 3 of step 1 was applied.*{digest_of(bodies[3]).hex()}"):
+        led.replay("t:a", 1, 3)
+    with pytest.raises(Conflict, match="the forward of piece 2 of step 1 was applied"):
+        led.replay_forward("t:a", 1, 2)
+    assert led.replay("t:a", 1, 99) is None  # not a piece of that step: the caller's 409 (out of order)
+    assert led.replay_apply("t:a", 1).meta[APPLIED] == "1"
+    assert led.last_step("t:a") == 1 and led.steps_applied == 1
+    counters = led.to_counters()  # the checkpoint carries digests, not the pieces' bytes
+    assert "t:a" not in counters["pieces"] and len(counters["digests"]["t:a"]["pieces"]) == 8
+    back = StepLedger.from_counters(counters)
+    with pytest.raises(Conflict, match=digest_of(bodies[3]).hex()):
+        back.replay("t:a", 1, 3)
+    assert back.replay_apply("t:a", 1).encode() == led.replay_apply("t:a", 1).encode()
+
+
+def test_a_closed_steps_answers_are_kept_reserved_and_evicted_to_digests_when_room_is_needed():
+    account = MemoryAccount(4 << 20, 4 << 20)
+    led = StepLedger(account=account)
+    led.applied("t:a", 1, big(3), {i: big(i) for i in range(4)}, {i: big(-i) for i in range(4)})
+    assert account.reserved == sum(len(k.body) for k in led.clients["t:a"].kept())  # kept bytes, reserved
+    assert torch.equal(led.replay("t:a", 1, 2).tensors["grad"], big(2).tensors["grad"])
+    assert torch.equal(led.replay_forward("t:a", 1, 1).tensors["grad"], big(-1).tensors["grad"])
+    # another reservation needs the room: the oldest stored answers go (digests stay)
+    hold = account.reserve("t", 2 << 20, "a waiting graph")
+    assert account.evictions > 0 and account.reserved <= account.limit
+    evicted = [i for i, k in led.clients["t:a"].forwards.items() if k.body is None]
+    assert evicted and led.clients["t:a"].answer.body is not None  # the last answer goes last
+    with pytest.raises(Conflict, match="no longer held"):
+        led.replay_forward("t:a", 1, evicted[0])
+    hold.release()
+    led.applied("t:a", 2, big(5))  # the next step gives the last one's memory back
+    assert account.reserved == len(led.clients["t:a"].answer.body)
+    led.forget("t:a")
+    assert account.reserved == 0 and account.tenants == {}
+
+
+def test_the_checkpoint_carries_a_bounded_number_of_answer_bytes():
+    led = StepLedger()
+    led.applied("t:a", 1, big(9), {i: big(i) for i in range(16)})  # 16 x 256 KiB
+    counters = led.to_counters()
+    import json
+    text = json.dumps(counters)
+    assert len(text) < 4 / 3 * CHECKPOINT_ANSWER_BYTES + 64 * 1024
+    back = StepLedger.from_counters(counters)
+    assert back.replay("t:a", 1, 0).encode() == led.replay("t:a", 1, 0).encode()  # the first ones: bytes
+    with pytest.raises(Conflict, match="no longer held"):
+        back.replay("t:a", 1, 15)  # the rest: digests, a clear 409
+
+
+def test_a_full_account_refuses_with_429_and_the_tenant_share_is_separate_from_the_total():
+    account = MemoryAccount(10 << 20, 4 << 20)
+    a = account.reserve("alice", 3 << 20, "a graph")
+    with pytest.raises(TooManyRequests, match="share of 0.004 GiB"):
+        account.reserve("alice", 2 << 20, "another graph")
+    b = account.reserve("bob", 4 << 20, "a graph")
+    account.reserve("", 2 << 20, "a request's price", shared=False)
+    from splitlearn.errors import ServiceUnavailable
+    with pytest.raises(ServiceUnavailable, match="the server holds 0.009 GiB of its 0.010 GiB"):
+        account.reserve("carol", 2 << 20, "a graph")
+    a.release(), b.release()
+    assert account.tenants == {} and account.refusals == 2

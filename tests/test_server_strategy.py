@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from splitlearn.errors import BadRequest, ConfigError
-from splitlearn.server.strategy import (FedAvg, FedMedian, FedTrimmedAvg, coordinate_median, make_strategy,
-                                        update_norm)
+from splitlearn.server.strategy import (FedAvg, FedMedian, FedTrimmedAvg, capped_weights, coordinate_median,
+                                        make_strategy, update_norm)
 
 REF = {"w": torch.tensor([1.0, 2.0, 3.0]), "step": torch.tensor([7])}  # a float tensor and an int buffer
 
@@ -76,4 +76,33 @@ def test_refusals():
                 lambda: make_strategy("trimmed-mean", 1.0, 0.5)):
         with pytest.raises(ConfigError):
             bad()
-    assert make_strategy("median", None).describe() == {"aggregation": "median", "max_update_norm": None}
+    with pytest.raises(ConfigError, match="max-member-share"):
+        make_strategy("fedavg", 1.0, 0.2, 0.0)
+    assert make_strategy("median", None, max_share=None).describe() == {
+        "aggregation": "median", "max_update_norm": None, "max_member_share": None}
+    assert make_strategy().describe()["max_member_share"] == 0.5  # the default: no member holds a majority
+
+
+def test_an_inflating_member_holds_at_most_max_share_of_the_round():
+    """Issue 29, item 9: a member whose counted tokens are 10**6 against two honest members' 2
+    each gets exactly the cap (0.5) of the round's weight; the honest ones keep their ratio."""
+    honest, evil = [up([1.5, 2.5, 3.5], 2), up([1.0, 3.0, 3.0], 2)], up([3.0, 3.0, 3.0], 10**6)
+    agg = FedAvg(None, max_share=0.5).aggregate(REF, [*honest, evil])
+    want = (0.25 * torch.tensor([1.5, 2.5, 3.5]).double() + 0.25 * torch.tensor([1.0, 3.0, 3.0]).double()
+            + 0.5 * torch.tensor([3.0, 3.0, 3.0]).double())
+    assert torch.allclose(agg.weights["w"].double(), want, atol=1e-6)
+    assert agg.share_capped == [False, False, True]
+    uncapped = FedAvg(None).aggregate(REF, [*honest, evil])  # without the cap it is the model, nearly
+    assert torch.allclose(uncapped.weights["w"], torch.full((3,), 3.0), atol=1e-5)
+
+
+def test_capped_weights():
+    honest = [2, 4, 3]
+    assert capped_weights(honest, 0.5) is honest  # nobody over the cap: the same ints, the same arithmetic
+    w = capped_weights([10, 20, 30, 1000], 0.4)
+    assert [x / sum(w) for x in w] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    w = capped_weights([1, 1, 50, 100], 0.3)  # two over the cap: both lowered to it
+    assert [x / sum(w) for x in w] == pytest.approx([0.2, 0.2, 0.3, 0.3])
+    assert capped_weights([1, 7], 0.5) == [1, 1]  # two members, cap 1/2: equal weights
+    assert capped_weights([9], 0.5) == [9]  # one member holds its round
+    assert capped_weights([1, 99], None) == [1, 99] and capped_weights([1, 99], 1.0) == [1, 99]

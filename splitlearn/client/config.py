@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 
 from .. import protocol as P
 from ..errors import ConfigError, SplitLearnError
+from ..trust import Pins
 from ..wire import check_wire_dtype
 
 
@@ -44,8 +45,12 @@ class ClientConfig:
     lora: Any = None  # per-client LoRA: a peft.LoraConfig, a splitlearn.lora.LoraSpec or "server"
     packed_weights: bool = True  # generate on oneDNN prepacked copies of the client's linear weights
     poll_idle: bool = False  # keep this process's cores polling while the server works (Linux)
+    min_client_blocks: int = 1  # refuse a server whose first cut leaves fewer blocks here (0 sends raw embeddings)
+    expected_cuts: Optional[tuple] = None  # refuse a server whose cuts are not exactly these (None: any)
+    shape: Optional[str] = None  # "u": refuse a 2-way server (the labels stay here); "2way"; None: either
 
     def __post_init__(self):
+        Pins(self.min_client_blocks, self.expected_cuts, self.shape)  # ConfigError now if malformed
         if not isinstance(self.micro_batches, int) or not 1 <= self.micro_batches <= P.MAX_MICROS:
             raise ConfigError(f"micro_batches must be an integer in 1..{P.MAX_MICROS}, got {self.micro_batches!r}")
         if self.client_id is not None and not P.valid_client_id(self.client_id):
@@ -63,6 +68,11 @@ class ClientConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
+
+    @property
+    def pins(self) -> Pins:
+        """What this client accepts of a server's split, checked on its ``/v1/info``."""
+        return Pins(self.min_client_blocks, self.expected_cuts, self.shape)
 
     @classmethod
     def of(cls, config: Optional["ClientConfig"] = None, **options) -> "ClientConfig":

@@ -46,6 +46,7 @@ from ..generation import GreedyConfig
 from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, positions_from_mask
+from ..trust import check_info
 from . import lora as client_lora
 from .federation import FederationState, untied_weights, wait_while_busy
 from ..idlepoll import IdlePoller
@@ -102,6 +103,10 @@ class SplitClient:
     seed: seeds a spec model's weights (use the server's). timeout_s, retries: one call's read
     timeout and its retries on a broken connection. journal_dir: where the crash journal is
     kept so a crashed client can resume (:meth:`load`; docs/RECOVERY.md).
+    min_client_blocks (default 1: a server cut at 0, which would get the raw embeddings, is
+    refused), expected_cuts, shape (``"u"``: a 2-way server, which would get the labels, is
+    refused): the splits this client accepts, checked on the server's ``/v1/info`` before
+    anything is sent (:mod:`splitlearn.trust`, which also checks every answer).
     """
 
     def __init__(self, url: str, model, config: Optional[ClientConfig] = None, **options):
@@ -110,10 +115,7 @@ class SplitClient:
         self.transport = Transport(TransportConfig(url, c.token or os.environ.get("SPLITLEARN_TOKEN"),
                                                    read_timeout_s=c.timeout_s, retries=c.retries))
         self.info = self.transport.get_json(P.INFO)
-        if self.info.get("protocol_version") != P.PROTOCOL_VERSION:
-            raise ConfigError(f"server speaks protocol {self.info.get('protocol_version')}, "
-                              f"this client {P.PROTOCOL_VERSION}")
-        self.cuts = tuple(self.info["cuts"])
+        self.cuts = check_info(self.info, c.pins, f"the server at {url}")  # splitlearn.trust: before anything is sent
         self.u_shape = len(self.cuts) == 2
         self.device = resolve_device(c.device)
         self.wire_dtype = c.wire_dtype
@@ -488,7 +490,8 @@ class SplitClient:
                 t.ln_f, hf.lm_head = self.top.ln_f, self.top.lm_head
             c = self.config
             remote = RemoteSegment(RemoteConfig(self.transport.cfg.url, self.transport.cfg.token, self.client_id,
-                                                self.wire_dtype, c.timeout_s, c.retries, c.wait_timeout_s),
+                                                self.wire_dtype, c.timeout_s, c.retries, c.wait_timeout_s,
+                                                pins=c.pins),
                                    transport=self.transport, info=self.info, state={"step": self.step})
             remote.log.enabled = False  # this client's own journal (.recovery) replays whole steps
             remote.defense = self.defense

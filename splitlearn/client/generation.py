@@ -44,10 +44,11 @@ from transformers import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from .. import protocol as P
+from .. import trust
 from ..errors import NotFound, TransportError
 from ..generation import DecodeState, GreedyConfig
 from ..segments import Segment
-from ..wire import pack, unpack
+from ..wire import pack
 from .transport import PendingCall, Transport, shares_cores_with_server
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,13 @@ class _Group:
         return d.transport.start_call(P.SESSION_STEP.format(session_id=self.sid),
                                       {**pack(P.HIDDEN, h, d.wire_dtype), P.MASK: new_mask}, meta, self.lane)
 
-    def _answer(self, call: PendingCall) -> torch.Tensor:
+    def _answer(self, call: PendingCall, T: int) -> torch.Tensor:
+        """The server's answer to a step of ``T`` positions, checked (:mod:`splitlearn.trust`)."""
         out = self.dec.transport.finish_call(call)
-        return self.dec.to_local(unpack(out, P.HIDDEN if self.dec.u_shape else P.LOGITS))
+        config = self.dec.segments[0].config
+        if self.dec.u_shape:
+            return self.dec.to_local(trust.answer(out, P.HIDDEN, (self.rows, T, config.n_embd), "trunk output"))
+        return self.dec.to_local(trust.answer(out, P.LOGITS, (self.rows, config.vocab_size), "logits"))
 
     @torch.no_grad()
     def begin(self, new_ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -98,13 +103,13 @@ class _Group:
         try:
             if call is None:
                 raise TransportError("the request could not be sent")
-            out = self._answer(call)
+            out = self._answer(call, T)
         except (NotFound, TransportError) as e:
             history = torch.cat(self.history, dim=1)  # (B, L, d)
             self.history = [history]
             log.warning("generation session lost (%s); replaying %d positions", e, history.shape[1])
             self.sid = None
-            out = self._answer(self._send(history, mask, 0))
+            out = self._answer(self._send(history, mask, 0), history.shape[1])
             if self.dec.u_shape:
                 out = out[:, -T:]  # the top's cache already holds the earlier positions
         if not self.dec.u_shape:

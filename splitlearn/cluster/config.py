@@ -14,6 +14,7 @@ round over every replica's members, closed with torch.distributed
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ from ..errors import ConfigError
 
 RESERVED = ("--host", "--port", "--checkpoint-dir")  # server flags the cluster sets or refuses
 GROUP_FLAGS = ("--fed-store", "--fed-rank", "--fed-world-size")  # set by the cluster for splitfed
+# per-tenant caps each replica counts on its own: divided among the replicas (ServerConfig field of each)
+TENANT_CAPS = {"--max-sessions-per-tenant": "max_sessions_per_tenant", "--max-tokens-per-client": "max_tokens_per_client",
+               "--max-clients-per-tenant": "max_clients_per_tenant", "--max-pending-per-tenant": "max_pending_per_tenant"}
 
 
 def _value(args: tuple[str, ...], flag: str) -> Optional[str]:
@@ -95,6 +99,7 @@ class ClusterConfig:
                               "would only pass it around and add a hop to each step; run it on one server "
                               "(--replicas 1), or use --federation splitfed, whose rounds do span replicas "
                               "(docs/CLUSTER.md)")
+        self.replica_caps()  # a malformed cap: ConfigError now
         run = Path(self.run_dir)
         if self.lora_per_client:
             self.state_dir = _value(self.server_args, "--state-dir") or str(run / "state")
@@ -109,9 +114,31 @@ class ClusterConfig:
         """Per-client LoRA on a frozen base: the mode whose owners fail over with their state."""
         return _has(self.server_args, "--lora-r") and _value(self.server_args, "--federation") in (None, "shared")
 
+    def replica_caps(self) -> list[str]:
+        """Each per-tenant cap (given after ``--``, or the server's default) divided among the
+        replicas, at least 1 each: a tenant whose client ids spread over every replica holds at
+        most the cap in all (docs/CLUSTER.md, "Caps"). Nothing with one replica."""
+        if self.replicas == 1:
+            return []
+        from ..server.config import ServerConfig
+
+        defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+        out = []
+        for flag, name in TENANT_CAPS.items():
+            given = _value(self.server_args, flag)
+            try:
+                total = defaults[name] if given is None else int(given)
+            except ValueError:
+                raise ConfigError(f"{flag} must be an integer, got {given!r}") from None
+            if total < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {total}")
+            out += [flag, str(max(1, total // self.replicas))]
+        return out
+
     def replica_args(self, port: int, index: int = 0, store: Optional[str] = None) -> list[str]:
         """The server arguments of replica ``index`` on ``port`` (splitfed: ``store``, the
-        TCPStore's HOST:PORT, where the replicas meet)."""
+        TCPStore's HOST:PORT, where the replicas meet); its share of each per-tenant cap after the
+        given one (argparse keeps the last value)."""
         extra = ["--host", "127.0.0.1", "--port", str(port)]
         if self.state_dir is not None and not _has(self.server_args, "--state-dir"):
             extra += ["--state-dir", self.state_dir]
@@ -119,7 +146,7 @@ class ClusterConfig:
             if store is None:
                 raise ConfigError("a SplitFed replica needs the group's store address")
             extra += ["--fed-store", store, "--fed-rank", str(index), "--fed-world-size", str(self.replicas)]
-        return [*self.server_args, *extra]
+        return [*self.server_args, *self.replica_caps(), *extra]
 
     def cores(self, index: int) -> Optional[list[int]]:
         """The cores replica ``index`` is pinned to (None: not pinned)."""

@@ -2,11 +2,17 @@
 
 Routing is HAProxy's, not ours (docs/CLUSTER.md says why). Every request a
 :class:`~splitlearn.client.SplitClient` sends carries ``X-Splitlearn-Route: <tenant hash>:<client id>``
-(:func:`splitlearn.protocol.route_key`); the backend hashes that header on a consistent-hash
+(:func:`splitlearn.protocol.route_key`). The frontend replaces its tenant part with the SHA-256
+of the ``Authorization`` header (the client id stays the client's), so a request is routed as
+its authenticated tenant whatever it claims; the backend hashes that route on a consistent-hash
 ring, so one owner's training steps and generation sessions reach one replica, and when a
-replica leaves the ring only its owners move (the others keep theirs)::
+replica leaves the ring only its owners move (the others keep theirs). A tenant still chooses
+its client ids: the cluster divides the per-tenant caps among the replicas
+(:meth:`~splitlearn.cluster.config.ClusterConfig.replica_caps`)::
 
-    balance hdr(X-Splitlearn-Route)     hash of the header (requests without it: round robin)
+    http-request set-header X-Splitlearn-Route %[req.hdr(Authorization),sha2(256),hex]:<client id>
+                                        the route: the token's tenant + the header's client id
+    balance hdr(X-Splitlearn-Route)     hash of that route
     hash-type consistent                a ring: removing a server moves only its keys
     option httpchk GET /v1/health       health check (answered without the model, no token)
     default-server inter 200ms fall 2 rise 2
@@ -62,6 +68,9 @@ defaults
 
 frontend splitlearn
     bind {bind}
+    # the route names the authenticated tenant (a hash of the Authorization header) + the client id:
+    # a tenant cannot route as another one, whatever it sends
+    http-request set-header {route_header} %[req.hdr(Authorization),sha2(256),hex]:%[req.hdr({route_header}),field(2,:)]
     default_backend replicas
 
 backend replicas

@@ -5,13 +5,17 @@ machine when the replicas are started by hand on several (docs/CLUSTER.md, "Seve
 machines"), and give every replica ``--fed-store HOST:P``. It is torch.distributed's own
 key-value store (``torch.distributed.TCPStore``): round counters, generations and the gloo
 rendezvous (:mod:`splitlearn.server.collective`). It holds no weights. It authenticates
-nobody: bind it to a private address. Exits on SIGTERM or SIGINT.
+nobody, so it listens on the one address it is given and no other: torch's own TCPStore binds
+every interface (``*:port``, IPv4 and IPv6) whatever host it is handed, so :func:`host_store`
+binds the socket itself and passes it in (``master_listen_fd``). Give it a loopback or a private
+network's address. Exits on SIGTERM or SIGINT.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import signal
+import socket
 import sys
 import threading
 from datetime import timedelta
@@ -19,11 +23,23 @@ from datetime import timedelta
 log = logging.getLogger(__name__)
 
 
+def listen_on(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host:port`` only (0: a free port); IPv4 or IPv6 as
+    ``host`` resolves."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    return socket.create_server(addr[:2], family=family, backlog=128)
+
+
 def host_store(host: str, port: int):
-    """A TCPStore server on ``host:port`` (0: a free port; ``.port`` says which)."""
+    """A TCPStore server listening on ``host:port`` and nowhere else (0: a free port; ``.port``
+    says which)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    sock = listen_on(host, port)
+    bound = sock.getsockname()[1]
+    # the store owns the descriptor from here (detach: Python will not close it under it)
+    return dist.TCPStore(host, bound, None, True, timeout=timedelta(seconds=60), wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 def main(argv=None) -> int:

@@ -50,6 +50,7 @@ from ..errors import ConfigError, NotYourTurn, StaleWeights
 from ..loading import _LOAD_LOCK, is_spec_source, load_model
 from ..packed import PackedLinears
 from ..partition import validate_cuts
+from ..trust import Pins
 from . import pipeline
 from .remote import RemoteConfig, RemoteSegment
 
@@ -342,7 +343,10 @@ class SplitMixin:
         whose cuts are read from its ``/v1/info``. ``defense``: see :attr:`defense`. ``lora``: a
         ``peft.LoraConfig`` (or ``"server"``) for a server started with ``--lora-r``: adapters on
         both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). ``micro_batches``: see
-        :attr:`micro_batches`. Other keyword arguments go
+        :attr:`micro_batches`. ``min_client_blocks`` (default 1: a server cut at 0 is refused),
+        ``expected_cuts``, ``shape`` (``"u"``: a 2-way server is refused, the labels stay here):
+        the splits accepted (:class:`splitlearn.trust.Pins`), checked before anything is sent.
+        Other keyword arguments go
         to the head's config (``num_labels=3``, ``pad_token_id=...``). Only the client's weights
         are kept; eval mode, as ``from_pretrained`` leaves any model."""
         from .lora import apply_lora
@@ -558,17 +562,23 @@ def _check_config(cfg: GPT2Config, info: dict) -> None:
 
 def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optional[RemoteSegment] = None,
                 token: Optional[str] = None, client_id: Optional[str] = None, wire_dtype: str = "float32",
-                timeout_s: float = 300.0, retries: int = 6):
+                timeout_s: float = 300.0, retries: int = 6, min_client_blocks: int = 1,
+                expected_cuts: Optional[tuple] = None, shape: Optional[str] = None):
     """Split a Hugging Face GPT-2 (``GPT2Model``, ``GPT2LMHeadModel``, ``GPT2ForSequenceClassification``
     or any GPT-2 head class) against the splitlearn server at ``server``: **in place**, like
     peft's ``get_peft_model``. Its server-side blocks (and, 2-way, ``ln_f`` and the LM head)
     are dropped, its own modules are kept as they are (no copy), and it becomes the split
     class (``SplitGPT2LMHeadModel``, ...). Returns the model.
+
+    ``min_client_blocks`` (default 1), ``expected_cuts``, ``shape`` (``"u"``: the labels stay
+    here): the splits this client accepts (:class:`splitlearn.trust.Pins`); a server outside
+    them is a ConfigError before anything is sent to it.
     """
     if remote is None:
         if server is None:
             raise ConfigError("split_model needs server=URL (or remote=RemoteSegment)")
-        remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries))
+        remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries,
+                                            pins=Pins(min_client_blocks, expected_cuts, shape)))
     if isinstance(model, SplitGPT2Model) or isinstance(model, SplitMixin):
         raise ConfigError("this model is split already")
     trunk_hf = model if isinstance(model, GPT2Model) else getattr(model, "transformer", None)
@@ -641,7 +651,8 @@ def _from_pretrained(hf_cls: type, source, server, token, client_id, wire_dtype,
                      **kwargs):
     if server is None:
         raise ConfigError("from_pretrained of a split model needs server=URL (the splitlearn server)")
-    remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries))
+    pins = Pins(*(kwargs.pop(k, d) for k, d in (("min_client_blocks", 1), ("expected_cuts", None), ("shape", None))))
+    remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries, pins=pins))
     try:
         hf = _load_hf(hf_cls, source, seed, **kwargs)
         return split_model(hf, remote=remote).eval()

@@ -59,8 +59,11 @@ from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import protocol as P
-from ..errors import ConfigError, Conflict, NotYourTurn, ServiceUnavailable, StaleWeights, TransportError
-from ..wire import check_wire_dtype, pack, unpack
+from ..errors import (ConfigError, Conflict, IntegrityError, NotYourTurn, ServiceUnavailable, SplitLearnError,
+                      StaleWeights, TransportError)
+from .. import trust
+from ..trust import Pins
+from ..wire import check_wire_dtype, pack
 from .journal import RequestLog, Sent, digest
 
 log = logging.getLogger(__name__)
@@ -78,9 +81,12 @@ class RemoteConfig:
     retries: int = 6  # reconnects after a dropped connection (numbered requests: exactly once)
     wait_timeout_s: float = 600.0  # the longest wait for a segment busy with another client's step
     reconnect_timeout_s: float = 120.0  # the longest wait for a crashed server to come back (then replay)
+    pins: Pins = field(default_factory=Pins)  # the splits this client accepts (splitlearn.trust): checked on /v1/info
 
     def __post_init__(self):
         self.wire_dtype = check_wire_dtype(self.wire_dtype)
+        if not isinstance(self.pins, Pins):
+            raise ConfigError(f"pins must be a splitlearn.trust.Pins, got {type(self.pins).__name__}")
         if self.client_id is not None and not P.valid_client_id(self.client_id):
             raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
 
@@ -204,12 +210,7 @@ class RemoteSegment(nn.Module):
         self.transport = transport or Transport(TransportConfig(cfg.server, token, read_timeout_s=cfg.timeout_s,
                                                                 retries=cfg.retries))
         self.info = info or self.transport.get_json(P.INFO)
-        if self.info.get("protocol_version") != P.PROTOCOL_VERSION:
-            raise ConfigError(f"server speaks protocol {self.info.get('protocol_version')}, "
-                              f"this client {P.PROTOCOL_VERSION}")
-        if self.info.get("mode") == "offload":
-            raise ConfigError("this is a masked-offload server: use splitlearn.OffloadGPT2LMHeadModel")
-        self.cuts = tuple(int(c) for c in self.info["cuts"])
+        self.cuts = trust.check_info(self.info, cfg.pins, f"the server at {cfg.server}")  # before anything is sent
         self.u_shape = len(self.cuts) == 2
         self.client_id = cfg.client_id or uuid.uuid4().hex[:16]
         self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))
@@ -231,6 +232,7 @@ class RemoteSegment(nn.Module):
         self.federation = None  # the model's FederationState (.federation), made on the first step
         self._fed_version: Optional[int] = None  # the shared client-side weights' version this model holds
         self._forwards_ok = 0  # forwards of this step the server accepted
+        self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (step, piece) -> its hidden's shape
         # the requests since the server's last durable step, replayed if it restarts (.journal)
         self.log = RequestLog(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
         self.log.durable(int(state.get("durable", 0)))
@@ -288,6 +290,7 @@ class RemoteSegment(nn.Module):
             self.closed = None
             self.pieces = self.answered = self._norm_pieces = 0
             self.server_norm = self._proxy_set = None
+            self._shapes.clear()
 
     def trunk(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """U-shape: the trunk's output (B, T, d) for ``hidden`` (B, T, d); ``attention_mask``
@@ -350,7 +353,7 @@ class RemoteSegment(nn.Module):
         if accumulated < self._norm_pieces:
             return
         self._norm_pieces = accumulated
-        self.server_norm = float(info["grad_norm"])
+        self.server_norm = float(info["grad_norm"])  # checked finite, >= 0 (_verified)
         if self.grad_proxy.requires_grad:
             value = torch.full_like(self.grad_proxy, self.server_norm)
             self.grad_proxy.grad = value
@@ -369,6 +372,7 @@ class RemoteSegment(nn.Module):
                 self._before_piece(tensors[P.HIDDEN].shape[0])
             piece = (self.step, self.pieces)
             self.pieces += 1
+            self._shapes[piece] = tuple(tensors[P.HIDDEN].shape)  # what its answers must match
         closed_2way = c is not None and not self.u_shape
         if kind == "b" and closed_2way:  # a closed 2-way step's backward ran with its forward
             scale = c.scales[piece[1]] if c.scales else 1.0
@@ -419,7 +423,11 @@ class RemoteSegment(nn.Module):
 
                         raise Redo(f"the server has no forward for it ({e.message})") from None
                     raise
-            out = {k: unpack(out, k) if k != P.LOSS else out[k] for k in (P.HIDDEN, P.LOSS, P.GRAD) if k in out}
+            try:
+                out = self._verified(kind, piece, sent, out, info)  # before anything of it is kept
+            except IntegrityError:
+                self._drop_step()
+                raise
             if c is not None:
                 c.answered(kind, piece[1], out, info)
         if kind == "b":
@@ -427,6 +435,40 @@ class RemoteSegment(nn.Module):
         elif c is None:
             self._forwards_ok += 1
         return kind, piece, out
+
+    def _verified(self, kind: str, piece: tuple[int, int], sent: Sent, out: dict, info: dict) -> dict:
+        """The answer's tensors, unpacked, if they are what was asked for (:mod:`splitlearn.trust`):
+        a forward's trunk output (U-shape) of the hidden's shape, or its loss (2-way; a closed
+        step's also the gradient of the hidden); a backward's gradient of the piece's hidden and a
+        finite ``grad_norm``. IntegrityError otherwise."""
+        shape = self._shapes.get(piece)
+        if shape is None:  # (a piece in flight when its step was dropped)
+            raise IntegrityError(f"an answer to piece {piece[1]} of step {piece[0]}, which this client has dropped")
+        if kind == "b":
+            if "grad_norm" in info:
+                trust.grad_norm(info["grad_norm"])
+            return {P.GRAD: trust.answer(out, P.GRAD, shape, "gradient")}
+        if self.u_shape:
+            return {P.HIDDEN: trust.answer(out, P.HIDDEN, shape, "trunk output")}
+        checked = {P.LOSS: trust.loss(out)}
+        if sent.path == P.TRAIN_STEP:  # a closed 2-way step: the backward came with the forward
+            checked[P.GRAD] = trust.answer(out, P.GRAD, shape, "gradient")
+        return checked
+
+    def _drop_step(self) -> None:
+        """An answer was refused: the step cannot complete. Drop its pieces on the server (an
+        open-ended step; a closed one the server drops by itself) and here: the next forward
+        starts the same step afresh."""
+        if self.closed is not None:
+            return  # closed_step() resets the counters
+        try:
+            self.discard_pending(force=True)
+        except SplitLearnError as e:
+            log.warning("could not drop the refused step on the server: %s", e.message)
+        self.log.drop(self.step)
+        self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
+        self.server_norm = self._proxy_set = None
+        self._shapes.clear()
 
     def prepare_step(self, model: nn.Module) -> None:
         """Before a training forward of ``model`` that opens a step (open-ended, no piece yet):
@@ -468,12 +510,13 @@ class RemoteSegment(nn.Module):
             meta["client_id"] = self.client_id  # the server evaluates with this client's adapter
         out = self.transport.call(P.FORWARD, tensors, meta)
         if self.u_shape:
-            return unpack(out, P.HIDDEN).to(device=hidden.device, dtype=hidden.dtype), None
-        if P.LOGITS not in out:  # loss_only()
-            return None, out[P.LOSS].to(hidden.device).reshape(())
-        logits = unpack(out, P.LOGITS).to(device=hidden.device, dtype=hidden.dtype)
-        loss = out[P.LOSS].to(hidden.device).reshape(()) if P.LOSS in out else None
-        return logits, loss
+            trunk = trust.answer(out, P.HIDDEN, hidden.shape, "trunk output")
+            return trunk.to(device=hidden.device, dtype=hidden.dtype), None
+        loss = trust.loss(out).to(hidden.device).reshape(()) if labels is not None else None
+        if "logits" not in meta:  # loss_only()
+            return None, loss
+        shape = (*hidden.shape[:2], int(self.info["model_config"]["vocab_size"]))
+        return trust.answer(out, P.LOGITS, shape, "logits").to(device=hidden.device, dtype=hidden.dtype), loss
 
     # -- sending, and recovering from a server crash (see .journal) -----------------------
 
@@ -620,8 +663,10 @@ class RemoteSegment(nn.Module):
         self.log.drop(self.step)
         self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
         self.server_norm = self._proxy_set = None
+        self._shapes.clear()
 
     def _next_step(self) -> None:
         self.step += 1
         self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
         self.server_norm = self._proxy_set = None
+        self._shapes.clear()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import secrets
 import time
@@ -38,9 +37,11 @@ from ..errors import (BadRequest, Forbidden, NotFound, PayloadTooLarge, SplitLea
 from ..lora import lora_scope
 from ..wire import check_wire_dtype, decode
 from . import validate
+from .validate import json_object
 from .config import ServerConfig
 from .frontdoor import TENANT_KEY
 from .ledger import Answer
+from .memory import MemoryAccount, scope as memory_scope
 from .runtime import SegmentRuntime
 from .sessions import step_budget, step_ops
 from .priority import timed
@@ -68,22 +69,6 @@ def _body() -> bytes:
         raise UnsupportedMediaType(f"send tensors as {P.CONTENT_TYPE} (safetensors), "
                                    f"not {request.mimetype or 'no content type'}")
     return request.get_data(cache=False)
-
-
-MAX_JSON_BYTES = 4096  # control messages are a few fields; anything larger is refused unparsed
-
-
-def json_object(body: bytes, shape: str) -> dict:
-    """A small flat JSON object, or 400: never a 500 (deep nesting, bad UTF-8, huge bodies)."""
-    if len(body) > MAX_JSON_BYTES:
-        raise PayloadTooLarge(f"a JSON control message is at most {MAX_JSON_BYTES} bytes; expected {shape}")
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise BadRequest(f"the body must be JSON {shape}") from None
-    if not isinstance(payload, dict) or any(isinstance(v, (dict, list)) for v in payload.values()):
-        raise BadRequest(f"the body must be a flat JSON object {shape}")
-    return payload
 
 
 def session_rows(body: bytes, max_batch: int) -> int:
@@ -122,6 +107,8 @@ def create_app(config: Optional[ServerConfig] = None,
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes  # 413 from Content-Length, unread
     app.extensions["splitlearn"] = rt
     tenants = cfg.tenants
+    memory = getattr(rt, "memory", None)  # what the server holds per tenant (memory.py); none: offload
+    memory = memory if isinstance(memory, MemoryAccount) else None  # an offload runtime's is its request limit
     d, npos, vocab = rt.config.n_embd, rt.config.n_positions, rt.config.vocab_size
 
     @app.errorhandler(SplitLearnError)
@@ -170,13 +157,20 @@ def create_app(config: Optional[ServerConfig] = None,
         def register(handler: Callable) -> Callable:
             @functools.wraps(handler)
             def view(**url_args) -> Response:
-                started, body = time.perf_counter(), _body()
+                with memory_scope(memory, g.tenant.name) as held:  # released once the answer is built
+                    return serve(held, **url_args)
+
+            def serve(held, **url_args) -> Response:
+                started = time.perf_counter()
+                held.hold(2 * (request.content_length or 0), "a request body")  # server's copy + ours
+                body = _body()
                 if owner:
                     url_args["owner"] = g.tenant
 
-                def work():  # on the compute thread
-                    tensors, meta = decode(body)
-                    return handler(tensors, meta, **url_args)
+                def work():  # on the compute thread; the route's price is reserved for `held` (budget.py)
+                    with held.on_this_thread():
+                        tensors, meta = decode(body)
+                        return handler(tensors, meta, **url_args)
 
                 if inline and len(body) <= INLINE_BODY_BYTES:
                     answer = work()
@@ -219,8 +213,9 @@ def create_app(config: Optional[ServerConfig] = None,
     @app.get(P.INFO)
     def info():
         you = {"tenant": g.tenant.name, "operator": g.tenant.operator, "tenants": len(tenants)}
+        extra = {"memory": memory.to_dict(g.tenant.name)} if memory is not None else {}
         return jsonify({**rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None,
-                        "you": you})
+                        "you": you, **extra})
 
     if cfg.offload:  # an offload server multiplies masked inputs and serves nothing else
         from .offload import register_routes
@@ -343,9 +338,10 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.post(P.FEDERATION_TURN)
     def take_turn():
-        payload = request.get_json(silent=True)
-        client_id = payload.get("client_id") if isinstance(payload, dict) else None
-        if not isinstance(client_id, str) or not P.valid_client_id(client_id):
+        shape = '{"client_id": "<1-64 of [A-Za-z0-9_.-]>"}'
+        payload = json_object(request.get_data(cache=False), shape)
+        client_id = payload.get("client_id")
+        if set(payload) != {"client_id"} or not isinstance(client_id, str) or not P.valid_client_id(client_id):
             raise BadRequest('the body must be JSON {"client_id": "<1-64 of [A-Za-z0-9_.-]>"}')
         return jsonify(rt.compute.run(rt.federation.take_turn, g.tenant.key(client_id)))
 
@@ -355,7 +351,14 @@ def create_app(config: Optional[ServerConfig] = None,
 
         def work() -> dict:
             tensors, meta = decode(body)
-            return rt.sync(tenant.key(P.SyncMeta.from_meta(meta).client_id), tensors)
+            cid = meta.get("client_id", "")
+            try:
+                key = tenant.key(P.SyncMeta.from_meta(meta).client_id)
+            except BadRequest as e:  # bad counts: a member's failure of its round (Federation.refuse)
+                if P.valid_client_id(cid):
+                    rt.federation.refuse(tenant.key(cid), e)
+                raise
+            return rt.sync(key, tensors)
 
         status = rt.compute.run(work)
         log.info("sync: version %s, round %s (%.0f ms)", status["version"], status["round"],
@@ -381,7 +384,7 @@ def create_app(config: Optional[ServerConfig] = None,
         body = request.get_data(cache=False)
         rows, client_id = session_rows(body, cfg.max_batch), session_client_id(body)
         rt.budget.session(rows, min(rows * npos, cfg.max_tokens_per_client))  # the KV cache it may grow to
-        sess = rt.open_session(g.owner, rows)
+        sess = rt.open_session(g.owner, rows, g.tenant.name)
         sess.client_id = None if client_id is None else g.tenant.key(client_id)  # LoRA: its adapter
         return jsonify(session_id=sess.id, rows=sess.rows, ttl_s=cfg.session_ttl_s), 201
 

@@ -46,6 +46,7 @@ from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 from ..lora import lora_rows
 from ..segments import Segment, SegmentCache
 from .compute import ComputeThread
+from .priority import DecodeBudget, fair_take
 
 
 @dataclass
@@ -68,6 +69,7 @@ class DecodeItem:
     adapter: Any = None  # the session's LoRA adapter (splitlearn.lora.Adapter), None: the base
     key: Any = None  # the session's id: which steps belong together across batches
     queued_at: float = 0.0  # time.monotonic() when it was queued
+    owner: str = ""  # the session's tenant: batches take owners in turn (splitlearn/server/priority.py)
 
 
 @torch.no_grad()
@@ -119,13 +121,19 @@ class DecodeBatcher:
     ``lock``, if given, is held while a batch runs (the runtime's state lock). ``wait_s``: how
     long a drain waits for the rest of the previous batch (see the module docstring).
     ``inference``: a context for the forward (the runtime's prepacked weights,
-    :mod:`splitlearn.packed`).
+    :mod:`splitlearn.packed`). ``max_rows``: rows of one batch at most, taken from the queued
+    steps one owner at a time (:func:`.priority.fair_take`); the rest wait for the next drain
+    (queued behind the compute thread's other work) or preemption point. None: everything queued.
     """
 
     def __init__(self, segment: Segment, compute: ComputeThread, lock: Optional[threading.RLock] = None,
                  batching: bool = True, wait_s: float = 0.0, inference: Callable[[], Any] = nullcontext,
-                 on_wait: Callable[[float], None] = lambda seconds: None):
+                 on_wait: Callable[[float], None] = lambda seconds: None, max_rows: Optional[int] = None,
+                 budget: Optional[DecodeBudget] = None):
         self.segment = segment
+        self.max_rows = max_rows
+        self.budget = budget  # decode-first: batches spend it; a drain with it spent yields to waiting work
+        self._turn: Optional[str] = None  # the owner served last (the next batch starts after it)
         self.compute = compute
         self.lock = lock or threading.RLock()
         self.batching = batching
@@ -171,7 +179,7 @@ class DecodeBatcher:
         """Run what is queued at once, without the batch window (on the compute thread, in
         the middle of a training step: :mod:`.priority`); the segment's mode is restored."""
         with self._queue_lock:
-            batch, self._queue = self._queue, []
+            batch = self._take()
         if batch:
             was_training = self.segment.training
             try:
@@ -182,17 +190,32 @@ class DecodeBatcher:
 
     def drain(self) -> None:
         """Run everything queued so far (on the compute thread)."""
+        if self.budget is not None and self.compute.waiting() and not self.budget.available():
+            self.compute.submit(self.drain)  # other work first (still scheduled)
+            return
         with self._queue_lock:
             if self.batching and self.wait_s > 0:
                 self._wait_for_last_batch()
-            batch, self._queue, self._scheduled = self._queue, [], False
+            batch = self._take()
+            self._scheduled = bool(self._queue)
+            if self._queue:  # over max_rows: the rest after the work queued meanwhile
+                self.compute.submit(self.drain)
             if self.batching:
                 self._last = {it.key for it in batch if it.key is not None}
+        charged = self.compute.waiting() > 0  # decode with nothing else waiting is free
         if self.batching:
-            self._run(batch)
+            self._run(batch, charged)
         else:
             for it in batch:
-                self._run([it])
+                self._run([it], charged)
+
+    def _take(self) -> list[DecodeItem]:
+        """One batch off the queue (``_queue_lock`` held): all of it, or ``max_rows`` taken fairly."""
+        if self.max_rows is None:
+            batch, self._queue = self._queue, []
+            return batch
+        batch, self._queue, self._turn = fair_take(self._queue, self.max_rows, self._turn)
+        return batch
 
     def _on_stream(self):
         if self._stream is None:
@@ -213,7 +236,17 @@ class DecodeBatcher:
                 return
             self._arrived.wait(left)
 
-    def _run(self, batch: list[DecodeItem]) -> None:
+    def _run(self, batch: list[DecodeItem], charged: bool = True) -> None:
+        """Run ``batch``; ``charged``: other work waits for it (a point, or a drain with work
+        queued behind it), so it spends the budget (preparing, computing, encoding)."""
+        began = time.monotonic()
+        try:
+            self._run_batch(batch)
+        finally:
+            if self.budget is not None and charged:
+                self.budget.spend(time.monotonic() - began)
+
+    def _run_batch(self, batch: list[DecodeItem]) -> None:
         with self.lock:
             ready = []
             for it in batch:

@@ -59,6 +59,11 @@ will still take (gradients, optimizer moments, generation's prepacked weight cop
 the other half is for what runs beside the one request computing (bodies read by other
 WSGI threads, U-shape graphs waiting for their backward, generation caches, the allocator's
 slack). A request the machine cannot hold is then refused instead of killing the server.
+
+What outlives a request, or waits beside the one computing (bodies, waiting graphs priced
+one by one with :func:`graph_bytes`, stored answers, KV caches), is reserved in the
+server-wide :class:`~.memory.MemoryAccount`, per tenant and in total; :meth:`Budget.check`
+also reserves the request's price there while it is served.
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ from torch import nn
 
 from ..errors import PayloadTooLarge
 from ..headloss import CHUNK_LOGITS_BYTES, chunk_rows
+from .memory import charge
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +187,18 @@ def train_cost(m: Dims, B: int, T: int, padded: bool, graphs: int = 1) -> int:
     return _slack(b + update_bytes(m) + io_bytes(m, B, T))
 
 
+def graph_bytes(m: Dims, B: int, T: int, padded: bool, loss: bool = False) -> int:
+    """What one training forward leaves waiting for its backward (:mod:`.memory` holds it):
+    every block's kept tensors, its input and output and the answer sent (a tensor and its
+    encoded bytes, float32 at most); ``loss``: a 2-way open-ended piece, whose chunked loss
+    keeps ln_f's tensors and the gradients of x and W (:mod:`splitlearn.headloss`)."""
+    e, N = m.elem, B * T
+    b = m.blocks * kept_per_block(m, B, T, T, padded) + 2 * e * N * m.d + 2 * 4 * N * m.d
+    if loss:
+        b += 4 * e * N * m.d + m.vocab * m.d * e
+    return _slack(b)
+
+
 def _slack(tensor_bytes: int) -> int:
     return int(tensor_bytes * ALLOCATOR_SLACK)
 
@@ -228,12 +246,15 @@ class Budget:
     source: str = FLAG  # where the limit comes from: the flag, or how it was derived
 
     def check(self, what: str, need: int) -> None:
-        """413 if ``need`` bytes exceed the limit; the message names the limit and the flag."""
+        """413 if ``need`` bytes exceed the limit; the message names the limit and the flag.
+        Then ``need`` is reserved for the request being served on this thread, until its
+        answer is built (:func:`.memory.charge`; 503 past the server's total)."""
         if need > self.limit:
             raise PayloadTooLarge(
                 f"{what} needs about {need / GiB:.2f} GiB of server memory; this server allows "
                 f"{self.limit / GiB:.2f} GiB per request ({self.source}): send fewer rows or "
                 f"positions (micro-batches, or a prompt in pieces)")
+        charge(need, what)
 
     # one method per route, each (what, bytes) checked
 

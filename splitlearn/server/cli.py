@@ -21,7 +21,7 @@ from ..errors import ConfigError, SplitLearnError
 from ..lora import LoraSpec
 from .tenants import read_token_file
 from .config import ServerConfig
-from .strategy import DEFAULT_MAX_UPDATE_NORM
+from .strategy import DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM
 from .tickets import read_secret_file
 
 
@@ -65,6 +65,13 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--max-request-memory-gb", type=float, default=None,
                    help="memory one request may cost (GiB; 413 beyond, before allocating); default: half "
                         "of the memory free at start less the training state (splitlearn/server/budget.py)")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="memory (GiB) the server may hold for its tenants in all: request bodies and "
+                        "prices, waiting graphs, stored answers, generation caches (503 beyond); "
+                        "default: twice --max-request-memory-gb (splitlearn/server/memory.py)")
+    p.add_argument("--max-tenant-memory-gb", type=float, default=None,
+                   help="what one tenant may hold of it (429 beyond); default: all with one tenant, "
+                        "else --max-request-memory-gb")
     p.add_argument("--threads", type=int, default=16, help="WSGI threads; >= concurrent clients so decode steps batch")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads for the segment (default: torch's, one per core)")
@@ -73,6 +80,12 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--priority", default="decode-first", choices=["decode-first", "fifo"],
                    help="decode-first: a training step yields to queued decode steps between its linear "
                         "layers (forward and backward); fifo: arrival order (splitlearn/server/priority.py)")
+    p.add_argument("--decode-rows", type=int, default=ServerConfig.decode_rows,
+                   help="rows of one decode batch at most, taken from the tenants' queued steps in turn "
+                        "(the rest wait for the next batch; splitlearn/server/priority.py)")
+    p.add_argument("--decode-share", type=float, default=ServerConfig.decode_share,
+                   help="decode-first: seconds of decode per second of training that a training step's "
+                        "preemption points may run (bounds how much decode steps slow a training step)")
     p.add_argument("--batch-wait-ms", type=float, default=5.0,
                    help="how long a decode batch may wait for the sessions of the previous batch "
                         "still on their way (0: never wait; see splitlearn/server/batching.py)")
@@ -113,6 +126,9 @@ def parse_args(argv=None) -> ServerConfig:
                         f"weights ('none': unbounded; default {DEFAULT_MAX_UPDATE_NORM:g}, docs/FEDERATION.md)")
     p.add_argument("--trim-beta", type=float, default=0.2,
                    help="--aggregation trimmed-mean: fraction of the members dropped at each end, per coordinate")
+    p.add_argument("--max-member-share", type=float, default=DEFAULT_MAX_MEMBER_SHARE,
+                   help=f"largest fraction of a splitfed round's FedAvg weight (target tokens trained) one member "
+                        f"may hold (1: no cap; default {DEFAULT_MAX_MEMBER_SHARE:g}, docs/FEDERATION.md)")
     p.add_argument("--fed-secret-file", help="--client-weights external: file with the secret shared with the fed "
                                              "server (>= 32 bytes), which signs each member's ticket")
     p.add_argument("--fed-store", default=None, metavar="HOST:PORT",
@@ -149,8 +165,11 @@ def parse_args(argv=None) -> ServerConfig:
         request_timeout_s=a.request_timeout, min_rate_kib_s=a.min_rate_kib, idle_timeout_s=a.idle_timeout,
         token_out=a.token_out,
         max_request_memory_bytes=None if a.max_request_memory_gb is None else int(a.max_request_memory_gb * (1 << 30)),
+        max_memory_bytes=None if a.max_memory_gb is None else int(a.max_memory_gb * (1 << 30)),
+        max_tenant_memory_bytes=None if a.max_tenant_memory_gb is None else int(a.max_tenant_memory_gb * (1 << 30)),
         torch_threads=a.torch_threads, batching=not a.no_batching,
         batch_wait_ms=a.batch_wait_ms, priority=a.priority, poll_idle=a.poll_idle,
+        decode_rows=a.decode_rows, decode_share=a.decode_share,
         packed_weights=not a.no_packed_weights, session_ttl_s=a.session_ttl,
         max_sessions=a.max_sessions, max_tokens_per_client=a.max_tokens_per_client,
         max_sessions_per_tenant=a.max_sessions_per_tenant, max_clients_per_tenant=a.max_clients_per_tenant,
@@ -158,6 +177,7 @@ def parse_args(argv=None) -> ServerConfig:
         federation=a.federation, clients_per_round=a.clients_per_round, round_timeout_s=a.round_timeout,
         lease_timeout_s=a.lease_timeout, max_grad_norm=a.max_grad_norm, client_weights=a.client_weights, lora=_lora_spec(a),
         aggregation=a.aggregation, max_update_norm=a.max_update_norm, trim_beta=a.trim_beta,
+        max_member_share=a.max_member_share,
         fed_secret=read_secret_file(a.fed_secret_file) if a.fed_secret_file else None,
         fed_store=a.fed_store, fed_rank=a.fed_rank, fed_world_size=a.fed_world_size, fed_timeout_s=a.fed_timeout,
         offload=a.offload, offload_plain=a.offload_plain, offload_record=a.offload_record,

@@ -117,8 +117,7 @@ class ClientStates:
 
     def _drop(self, key: str) -> None:
         rt = self.rt
-        rt.ledger.clients.pop(key, None)
-        rt.ledger.durable.pop(key, None)
+        rt.ledger.forget(key)  # (its kept answers' memory given back)
         with rt.adapters.lock:
             rt.adapters.replicas.pop(key, None)
         self.gens.pop(key, None)
@@ -138,7 +137,7 @@ class ClientStates:
         record = StepLedger.from_counters(counters["ledger"]).clients[key]
         with bank.lock:
             bank.replicas[key] = rep
-        self.rt.ledger.clients[key] = record
+        self.rt.ledger.adopt(key, record)  # (its kept answers reserved)
         self.rt.ledger.durable[key] = record.step
         self.gens[key] = generation_of(gen)
         self.loads += 1

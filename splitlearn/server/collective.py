@@ -22,9 +22,10 @@ are clients) holds the round's global counters, each changed atomically (``Store
 local round (its synced members' copies, bounded around the shared weights exactly as one
 server bounds them, :mod:`.strategy`), then
 
-- ``fedavg``: ``all_reduce`` (SUM) of the round's counts (rows, members, bounded updates),
-  then ``all_reduce`` (SUM, float64) of each replica's ``sum_k w'_k * n_k / N`` (N: the rows
-  of the whole round), server side and client side in one flat buffer: the weighted mean one
+- ``fedavg``: ``all_reduce`` (SUM) of the round's counts (target tokens, members, bounded
+  updates), ``all_gather`` of every member's count (``--max-member-share`` caps a member's
+  weight against the whole round's), then ``all_reduce`` (SUM, float64) of each replica's
+  ``sum_k w'_k * n_k / N`` (N: the weight of the whole round), server side and client side in one flat buffer: the weighted mean one
   server computes, summed in another order: bit-identical when every replica holds at most
   one synced member (x + 0 = x and a + b = b + a are exact), otherwise equal up to float64
   rounding, i.e. within one float32 ulp of the float32 result;
@@ -79,7 +80,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import ConfigError, Conflict, ServiceUnavailable
-from .strategy import Strategy, _toward, update_norm
+from .strategy import Strategy, _toward, capped_weights, update_norm
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class Contribution:
     """A replica's frozen round: its synced members' bounded uploads, flattened."""
 
     number: int  # the round
-    samples: list[int]  # rows the server counted for each synced member (FedAvg weights)
+    samples: list[int]  # target tokens the server trained for each synced member (FedAvg weights)
     server: list[torch.Tensor]  # bounded flat uploads, float32, one per member
     client: list[torch.Tensor]  # the same for client-side weights (members that uploaded some)
     client_samples: list[int]
@@ -190,6 +191,7 @@ class Combined:
     members: int
     samples: int
     clipped: tuple[int, int]
+    share_capped: int = 0  # members whose FedAvg weight --max-member-share lowered (server side)
 
 
 # -- the collectives -------------------------------------------------------------------------
@@ -211,8 +213,13 @@ def combine(strategy: Strategy, c: Contribution, run: Callable) -> Combined:
     clipped = (int(stats[4]), int(stats[5]))
     if members == 0:
         return Combined(None, None, 0, 0, clipped)
+    share_capped = 0
     if strategy.name == "fedavg":
-        flat = run(_weighted_sum, c, n, n_client)  # (Ps + Pc,) float64: this replica's share
+        weights, client_weights = c.samples, c.client_samples
+        if strategy.max_share is not None:  # the cap needs every replica's counts
+            weights, n, share_capped = _capped_here(strategy.max_share, c.samples)
+            client_weights, n_client, _ = _capped_here(strategy.max_share, c.client_samples)
+        flat = run(_weighted_sum, c, n, n_client, weights, client_weights)  # (Ps + Pc,) float64: this replica's share
         dist.all_reduce(flat)
         result = run(lambda: flat.float())
     else:
@@ -222,17 +229,41 @@ def combine(strategy: Strategy, c: Contribution, run: Callable) -> Combined:
     if not bool(torch.isfinite(result).all()):
         raise ConfigError("the round's combination is not finite: refused (a replica sent non-finite values)")
     _check_same(result)
-    return Combined(server, client, members, n, clipped)
+    return Combined(server, client, members, int(stats[0]), clipped, share_capped)
 
 
-def _weighted_sum(c: Contribution, n: int, n_client: int) -> torch.Tensor:
+def _capped_here(max_share: float, samples: list[int]) -> tuple[list, float, int]:
+    """This replica's members' FedAvg weights capped over the whole round
+    (:func:`~.strategy.capped_weights` on every replica's counts in rank order, so every
+    replica computes the same), the round's total weight, and how many were lowered."""
+    dist = _dist()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(samples)], dtype=torch.int64))
+    counts = [int(x) for x in counts]
+    if any(not 0 <= x <= 1 << 20 for x in counts):
+        raise ConfigError(f"a replica reports {counts} members")
+    top = max(max(counts), 1)
+    mine = torch.zeros(top, dtype=torch.float64)  # counts < 2^53: exact
+    mine[:len(samples)] = torch.tensor(samples, dtype=torch.float64)
+    every = [torch.zeros(top, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(every, mine)
+    flat = [int(every[r][i]) for r in range(world) for i in range(counts[r])]
+    if not flat or sum(flat) <= 0:
+        return samples, sum(samples), 0
+    weights = capped_weights(flat, max_share)
+    start = sum(counts[:rank])
+    return weights[start:start + len(samples)], sum(weights), sum(w != k for w, k in zip(weights, flat))
+
+
+def _weighted_sum(c: Contribution, n: float, n_client: float, weights: list, client_weights: list) -> torch.Tensor:
     """``sum_k w'_k * (n_k / N)`` over this replica's members, as :class:`~.strategy.FedAvg`
-    computes it (float64, samples as python ints): server side, then client side."""
+    computes it (float64, weights as python numbers): server side, then client side."""
     acc = torch.zeros(c.server_size + c.client_size, dtype=torch.float64)
     srv, cli = acc[:c.server_size], acc[c.server_size:]
-    for w, k in zip(c.server, c.samples):
+    for w, k in zip(c.server, weights):
         srv += w.double() * (k / n)
-    for w, k in zip(c.client, c.client_samples):
+    for w, k in zip(c.client, client_weights):
         cli += w.double() * (k / n_client)
     return acc
 

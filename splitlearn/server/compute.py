@@ -38,6 +38,8 @@ class ComputeThread:
     def __init__(self, torch_threads: Optional[int] = None, name: str = "splitlearn-compute"):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._ident = self._pool.submit(threading.get_ident).result()  # the pool's one thread
+        self._queued = 0  # submitted, not started yet (:meth:`waiting`)
+        self._count = threading.Lock()
         if torch_threads is not None:
             if torch_threads < 1:
                 raise ConfigError(f"torch_threads must be >= 1, got {torch_threads}")
@@ -54,11 +56,22 @@ class ComputeThread:
         """
         if self.on_thread():
             return fn(*args, **kwargs)
-        return self._pool.submit(fn, *args, **kwargs).result()
+        return self.submit(fn, *args, **kwargs).result()
 
     def submit(self, fn: Callable[..., T], *args, **kwargs):
         """Queue ``fn`` without waiting; returns a ``concurrent.futures.Future``."""
-        return self._pool.submit(fn, *args, **kwargs)
+        with self._count:
+            self._queued += 1
+        return self._pool.submit(self._started, fn, *args, **kwargs)
+
+    def _started(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        with self._count:
+            self._queued -= 1
+        return fn(*args, **kwargs)
+
+    def waiting(self) -> int:
+        """Work queued behind what runs now (a hint: decode drains yield to it, :mod:`.priority`)."""
+        return self._queued
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

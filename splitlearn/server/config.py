@@ -9,7 +9,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..lora import LoraSpec
-from .strategy import DEFAULT_MAX_UPDATE_NORM, make_strategy
+from .strategy import DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, make_strategy
 from .tickets import check_secret
 from .tenants import Tenants
 
@@ -40,6 +40,8 @@ class ServerConfig:
     idle_timeout_s: float = 300.0  # seconds a keep-alive connection with a valid token may idle
     token_out: Optional[str] = None  # where a generated token is written (0600); default <checkpoint_dir or cwd>/splitlearn-token
     max_request_memory_bytes: Optional[int] = None  # bytes of memory one request may cost (413 beyond); None: derived at start (splitlearn/server/budget.py)
+    max_memory_bytes: Optional[int] = None  # bytes the server may hold for tenants in all (503 beyond); None: 2 x the per-request limit (splitlearn/server/memory.py)
+    max_tenant_memory_bytes: Optional[int] = None  # bytes one tenant may hold (429 beyond); None: the total with one tenant, else the per-request limit
     max_batch: int = 64  # rows per request
     threads: int = 16  # WSGI worker threads (>= concurrent clients, so their decode steps can batch)
     torch_threads: Optional[int] = None  # intra-op threads of the compute thread (default: torch's)
@@ -48,6 +50,8 @@ class ServerConfig:
     poll_idle: bool = False  # keep the server's cores polling between requests (splitlearn/idlepoll.py)
     priority: str = "decode-first"  # decode-first: training yields to decode steps | fifo (splitlearn/server/priority.py)
     batch_wait_ms: float = 5.0  # how long a decode batch waits for the rest of the last batch's sessions
+    decode_rows: int = 256  # rows of one decode batch at most, taken from tenants in turn (splitlearn/server/priority.py)
+    decode_share: float = 0.5  # decode-first: seconds of decode per second of training at its preemption points
     session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
     max_sessions: int = 64  # open generation sessions on this server
     max_tokens_per_client: int = 65536  # cached tokens (rows x length) per tenant, over its sessions
@@ -63,6 +67,7 @@ class ServerConfig:
     aggregation: str = "fedavg"  # fedavg | median | trimmed-mean: how a round's updates combine (server/strategy.py)
     max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM  # L2 bound of one member's update per round/turn, weight units (None: off)
     trim_beta: float = 0.2  # trimmed-mean: fraction of a round's members dropped at each end, per coordinate
+    max_member_share: float = DEFAULT_MAX_MEMBER_SHARE  # fedavg: largest fraction of a round's weight (target tokens) one member holds (1: no cap)
     fed_secret: Optional[bytes] = field(default=None, repr=False)  # shared with the fed server: signs tickets (>= 32 bytes)
     fed_store: Optional[str] = None  # splitfed across replicas: HOST:PORT of their TCPStore (splitlearn/server/collective.py)
     fed_rank: int = 0  # this replica's index among --fed-world-size
@@ -110,7 +115,7 @@ class ServerConfig:
             raise ConfigError("--round-timeout and --lease-timeout must be > 0 seconds")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
-        make_strategy(self.aggregation, self.max_update_norm, self.trim_beta)  # ConfigError if invalid
+        make_strategy(self.aggregation, self.max_update_norm, self.trim_beta, self.max_member_share)  # ConfigError if invalid
         if self.client_weights == "external" and self.federation != "shared" and self.fed_secret is None:
             raise ConfigError("--client-weights external needs --fed-secret-file (the secret shared with the "
                               "fed server, which signs each member's ticket: docs/FEDERATION.md)")
@@ -124,11 +129,18 @@ class ServerConfig:
             GroupSpec(self.fed_store, self.fed_rank, self.fed_world_size, self.fed_timeout_s)  # ConfigError if invalid
         if self.priority not in ("decode-first", "fifo"):
             raise ConfigError(f"--priority must be decode-first or fifo, got {self.priority!r}")
+        if self.decode_rows < 1 or not self.decode_share > 0:
+            raise ConfigError(f"--decode-rows must be >= 1 and --decode-share > 0, got "
+                              f"{self.decode_rows} and {self.decode_share}")
         if not 0 <= self.batch_wait_ms <= 1000:
             raise ConfigError(f"--batch-wait-ms must be in 0..1000, got {self.batch_wait_ms}")
         if self.max_request_memory_bytes is not None and self.max_request_memory_bytes < 1 << 20:
             raise ConfigError(f"--max-request-memory-gb must be at least 1 MiB (0.001), got "
                               f"{self.max_request_memory_bytes} bytes")
+        for name in ("max_memory_bytes", "max_tenant_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1 << 20:
+                raise ConfigError(f"--{name.replace('_bytes', '_gb').replace('_', '-')} must be at least "
+                                  f"1 MiB (0.001), got {getattr(self, name)} bytes")
         if self.state_dir is not None and (self.lora is None or self.federation != "shared" or self.checkpoint_dir):
             raise ConfigError("--state-dir keeps each client's LoRA adapter apart: it needs --lora-r, "
                               "--federation shared and no --checkpoint-dir (the frozen base needs none)")

@@ -17,7 +17,8 @@ sends it the segment server's token. It takes an upload only with the ticket the
 server answered that member's sync (:mod:`.tickets`): signed with the shared secret, for
 the round being collected (splitfed) or the latest version (sequential: the turn holder's
 sync), from the tenant the ticket names, once per member and round. The FedAvg weight is the
-ticket's samples (the rows the segment server trained for the member), the schema is this
+ticket's samples (the target tokens the segment server trained for the member, no member above
+``--max-member-share`` of the round), the schema is this
 server's own (:mod:`.clientside`: from ``--model``/``--cut``/``--lora-*``, never the first
 upload), and each update is bounded and combined by the same :mod:`.strategy` as on the
 segment server.
@@ -26,8 +27,9 @@ When a round closes. The segment server's status carries a signed close record o
 round (or turn) closed; clients forward it (``POST /v1/federation/close``). The fed server
 closes its round when it holds the uploads of all the record's members, when a ticket of a
 later round arrives (the segment server moved on), or ``--upload-timeout`` seconds after the
-record if a member's upload never comes (a client that died between its two syncs); its
-version is then the segment server's. State is in memory (a restart forgets the average).
+record if a member's upload never comes (a client that died between its two syncs); a ticketed
+member whose upload is refused (schema, NaN) is a failure of the round and not waited for (as
+Flower's ``accept_failures``); its version is then the segment server's. State is in memory (a restart forgets the average).
 """
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ from ..lora import LoraSpec
 from ..wire import decode, encode
 from . import tickets
 from .clientside import ClientSide
-from .strategy import AGGREGATIONS, DEFAULT_MAX_UPDATE_NORM, Strategy, coordinate_median, make_strategy
+from .strategy import AGGREGATIONS, DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, Strategy, coordinate_median, make_strategy
 from .tenants import Tenants
+from .validate import json_object
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class FedConfig:
     max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM  # L2 bound of one member's update (None: off)
     trim_beta: float = 0.2  # trimmed-mean: fraction of the members dropped at each end
     upload_timeout_s: float = 60.0  # seconds a closed round waits for its members' uploads
+    max_member_share: float = DEFAULT_MAX_MEMBER_SHARE  # fedavg: largest fraction of a round's weight one member holds (1: no cap)
 
     def __post_init__(self):
         if self.mode not in ("splitfed", "sequential"):
@@ -89,6 +93,7 @@ class FedRounds:
         self.round: Optional[int] = None  # splitfed: the segment server's round being collected
         self.round_version = 0  # the version that round's members trained from
         self.uploads: dict[str, tuple[Weights, int]] = {}  # "<tenant>:<client>" -> (weights, samples)
+        self.failed: set[str] = set()  # members whose upload was refused: out of the round (accept_failures)
         self.expected: Optional[int] = None  # members of the closed round (its close record)
         self.target: Optional[int] = None  # the version the segment server reached (a close record)
         self.target_seen = 0.0  # time.monotonic() that record first came
@@ -109,7 +114,17 @@ class FedRounds:
             raise Forbidden("this ticket was given to another tenant's member: upload with your own")
         if t.client_id != meta.client_id:
             raise BadRequest(f"the ticket is client {t.client_id!r}'s, the upload says {meta.client_id!r}")
-        self.side.check(weights)
+        try:
+            self.side.check(weights)
+        except BadRequest:
+            if self.cfg.mode == "splitfed":  # a ticketed member's bad upload: its failure of the round
+                with self.lock:
+                    self._expire()
+                    key = f"{tenant}:{t.client_id}"
+                    if t.version >= self.version and self._collect(t) and key not in self.uploads:
+                        self.failed.add(key)
+                        self._maybe_close()
+            raise
         with self.lock:
             self._expire()
             if t.version < self.version:
@@ -120,15 +135,26 @@ class FedRounds:
                 self.version = t.version + 1
                 self.target = None if self.target is not None and self.target <= self.version else self.target
                 return {**self._status(tenant), "clipped": agg.clipped[0]}
-            if self.round is not None and t.round != self.round:
-                if t.round < self.round:
-                    raise Conflict(f"round {t.round} is closed here; this fed server collects round {self.round}")
-                self._close(f"a ticket of round {t.round} came")
-            if self.round is None:
-                self._open(t.round, t.version)
-            self.uploads.setdefault(f"{tenant}:{t.client_id}", (weights, t.samples))  # a retry changes nothing
+            if not self._collect(t):
+                raise Conflict(f"round {t.round} is closed here; this fed server collects round {self.round}")
+            key = f"{tenant}:{t.client_id}"
+            if key in self.failed:
+                raise Conflict(f"client {t.client_id!r}'s upload was refused in round {t.round}: it is out "
+                               f"of this round")
+            self.uploads.setdefault(key, (weights, t.samples))  # a retry changes nothing
             self._maybe_close()
             return self._status(tenant)
+
+    def _collect(self, t: tickets.Ticket) -> bool:
+        """Make ``t``'s round the one collected (a later round closes the current one); False
+        if that round is closed here already."""
+        if self.round is not None and t.round != self.round:
+            if t.round < self.round:
+                return False
+            self._close(f"a ticket of round {t.round} came")
+        if self.round is None:
+            self._open(t.round, t.version)
+        return True
 
     def close(self, tenant: str, record: object) -> dict:
         """The segment server's signed word that a round or turn closed (any member sends it)."""
@@ -150,10 +176,11 @@ class FedRounds:
 
     def _open(self, number: int, version: int) -> None:
         self.round, self.round_version, self.uploads, self.expected = number, version, {}, None
+        self.failed = set()
 
     def _maybe_close(self) -> None:
-        if self.expected is not None and len(self.uploads) >= self.expected:
-            self._close("every member's upload is here")
+        if self.expected is not None and len(self.uploads) + len(self.failed) >= self.expected:
+            self._close("every member's upload is here (or was refused)")
 
     def _expire(self) -> None:
         if self.target is not None and time.monotonic() - self.target_seen > self.cfg.upload_timeout_s:
@@ -173,7 +200,7 @@ class FedRounds:
         if self.target is not None:
             self.version = max(self.version, self.target)
         log.info("round %s closed (%s): %d uploads, version %d", self.round, why, len(self.uploads), self.version)
-        self.round, self.uploads, self.expected, self.target = None, {}, None, None
+        self.round, self.uploads, self.expected, self.target, self.failed = None, {}, None, None, set()
 
     def _aggregate(self, uploads: list[tuple[Weights, int]]):
         ref = self.weights if self.weights is not None else self.side.initial()
@@ -201,7 +228,8 @@ class FedRounds:
     def _status(self, tenant: str) -> dict:
         mine = sorted(k.split(":", 1)[1] for k in self.uploads if k.split(":", 1)[0] == tenant)
         return {"mode": self.cfg.mode, "version": self.version, "round": self.round, "fed_server": True,
-                "synced": mine, "synced_count": len(self.uploads), "expected": self.expected,
+                "synced": mine, "synced_count": len(self.uploads), "failed_count": len(self.failed),
+                "expected": self.expected,
                 "upload_timeout_s": self.cfg.upload_timeout_s, "last_round": self.last_round,
                 **self.strategy.describe()}
 
@@ -244,8 +272,9 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants) -> Flask:
 
     @app.post(P.FEDERATION_CLOSE)
     def close():
-        payload = request.get_json(silent=True)
-        if not isinstance(payload, dict) or set(payload) != {"record"}:
+        shape = '{"record": "<the last_close of the segment server>"}'
+        payload = json_object(request.get_data(cache=False), shape)  # 400/413, never a 500
+        if set(payload) != {"record"}:
             raise BadRequest('the body must be JSON {"record": "<the last_close of the segment server>"}')
         return jsonify(rounds.close(g.tenant.name, payload["record"]))
 
@@ -272,6 +301,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, FedConfig]:
     p.add_argument("--max-update-norm", default=str(DEFAULT_MAX_UPDATE_NORM),
                    help="L2 bound of one member's update around the shared weights ('none': unbounded)")
     p.add_argument("--trim-beta", type=float, default=0.2)
+    p.add_argument("--max-member-share", type=float, default=DEFAULT_MAX_MEMBER_SHARE,
+                   help="largest fraction of a round's FedAvg weight one member may hold (1: no cap)")
     p.add_argument("--upload-timeout", type=float, default=60.0,
                    help="seconds a closed round waits for a member's upload before closing without it")
     p.add_argument("--lora-r", type=int, default=None, help="the segment server's --lora-r (adapters only)")
@@ -287,7 +318,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, FedConfig]:
                                                    a.lora_targets, a.lora_dropout)
     norm = None if a.max_update_norm.strip().lower() == "none" else float(a.max_update_norm)
     cfg = FedConfig(a.model, tuple(a.cuts), tickets.read_secret_file(a.fed_secret_file), a.mode, a.seed, lora,
-                    a.aggregation, norm, a.trim_beta, a.upload_timeout)
+                    a.aggregation, norm, a.trim_beta, a.upload_timeout, a.max_member_share)
     return a, cfg
 
 
@@ -295,7 +326,7 @@ def build(cfg: FedConfig, tenants: Tenants) -> Flask:
     from ..loading import load_config
 
     side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
-    strategy = make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta)
+    strategy = make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta, cfg.max_member_share)
     return create_fedavg_app(FedRounds(cfg, side, strategy), tenants)
 
 

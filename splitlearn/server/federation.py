@@ -13,15 +13,19 @@ client-side weights that data owners share.
                clients of a round each train their own copy of the server segment in
                parallel; each ends with ``sync``; when all have synced, the copies and the
                client-side weights are aggregated by the :mod:`.strategy` (FedAvg weighted
-               by the rows this server counted for each member, each update norm-bounded),
-               and every client continues from the result.
+               by the target tokens this server trained for each member, no member above
+               ``--max-member-share``, each update norm-bounded), and every client
+               continues from the result.
 =============  ==============================================================================
 
-One member cannot break it: a member's FedAvg weight is the rows this server trained for it
-in the round (:meth:`Federation.trained`), never a number it claims; uploads must match the
-server's own schema (:mod:`.clientside`); each update is bounded around the current shared
-weights before the :mod:`.strategy` combines them; a round's timeout runs from its *first
-member*, so members that never sync (made-up ids included) leave it then. Versions count the
+One member cannot break it: a member's FedAvg weight is the target tokens this server trained
+for it in the round, backwards received (:meth:`Federation.trained`), never a number it claims,
+and at most ``--max-member-share`` of the round's; uploads must match the server's own schema
+(:mod:`.clientside`); each update is bounded around the current shared weights before the
+:mod:`.strategy` combines them; a round's timeout runs from its *first member*, so members that
+never sync (made-up ids included) leave it then; a member whose sync is refused is a *failure*
+of the round (Flower's ``accept_failures``, :meth:`Federation.refuse`): out of it, and the round
+closes once every other member synced or failed. Versions count the
 uploads (sequential) or closed rounds (splitfed); a training request of an older version gets
 409 ``stale_weights`` and the library downloads the latest. With ``--client-weights external``
 a sync carries no weights and is answered a signed ticket, and a closed round leaves a signed
@@ -75,8 +79,9 @@ class Replica:
 class Round:
     number: int = 1
     members: dict[str, Replica] = field(default_factory=dict)  # key -> its copy
-    rows: dict[str, int] = field(default_factory=dict)  # key -> rows this server trained for it
-    synced: dict[str, int] = field(default_factory=dict)  # key -> samples (its FedAvg weight)
+    tokens: dict[str, int] = field(default_factory=dict)  # key -> target tokens this server trained for it
+    synced: dict[str, int] = field(default_factory=dict)  # key -> samples (its FedAvg weight: those tokens)
+    failed: dict[str, str] = field(default_factory=dict)  # key -> why its sync was refused (out of the round)
     weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # key -> client-side
     tickets: dict[str, str] = field(default_factory=dict)  # key -> its signed ticket (external)
     started: Optional[float] = None  # time.monotonic() of the first member
@@ -88,7 +93,7 @@ def federation_options(cfg, config, cuts) -> dict:
     side = None
     if cfg.federation != "shared":
         side = ClientSide(config, cuts, model=cfg.model, segment=cfg.segment, seed=cfg.seed, lora=cfg.lora)
-    return {"strategy": make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta),
+    return {"strategy": make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta, cfg.max_member_share),
             "clientside": side, "client_weights_at": cfg.client_weights, "secret": cfg.fed_secret}
 
 
@@ -117,7 +122,7 @@ class Federation:
         self.client_weights: Optional[dict[str, torch.Tensor]] = None
         self.turn: Optional[str] = None
         self.turn_seen = 0.0  # time.monotonic() of the holder's last training step or take
-        self.turn_rows = 0  # rows trained in the current turn
+        self.turn_tokens = 0  # target tokens trained in the current turn
         self.round = Round()
         self.last_close: Optional[str] = None  # external: the signed record of the last close
         self.last_round: dict = {}  # what the last close did (members, clipped updates, norms)
@@ -160,14 +165,15 @@ class Federation:
                 return self.base
             return self._member(key)
 
-    def trained(self, key: str, rows: int) -> None:
-        """A training step of ``rows`` rows was applied for ``key``: what its FedAvg weight
-        counts (called by :mod:`.training` when a step's last piece is applied)."""
+    def trained(self, key: str, tokens: int) -> None:
+        """A training step was applied for ``key``, its pieces' backwards carrying ``tokens``
+        target tokens (:func:`.training.target_tokens`): what its FedAvg weight counts (called
+        by :mod:`.training` when a step is applied)."""
         with self.lock:
             if self.mode == "splitfed" and key in self.round.members:
-                self.round.rows[key] = self.round.rows.get(key, 0) + rows
+                self.round.tokens[key] = self.round.tokens.get(key, 0) + tokens
             elif self.mode == "sequential" and key == self.turn:
-                self.turn_rows += rows
+                self.turn_tokens += tokens
 
     def _check_version(self, key: str, version: Optional[int]) -> None:
         if version is None:
@@ -180,7 +186,7 @@ class Federation:
     def _member(self, key: str) -> Replica:
         self._close_if_timed_out()
         r = self.round
-        if key in r.synced:
+        if key in r.synced or key in r.failed:
             raise ServiceUnavailable(f"client {client_of(key)!r} has synced in round {r.number}; it "
                                      f"waits for the round to close", retry_after=1.0)
         if key not in r.members:
@@ -225,15 +231,16 @@ class Federation:
                         raise ServiceUnavailable("another client holds the turn; retry",
                                                  retry_after=min(1.0, self.round_timeout_s - idle))
                     log.warning("turn of %s expired after %.0fs idle; given to %s", self.turn, idle, key)
-                self.turn, self.turn_seen, self.turn_rows = key, now, 0
+                self.turn, self.turn_seen, self.turn_tokens = key, now, 0
             return self.status(tenant_of(key))
 
     # -- sync ------------------------------------------------------------------------
 
     def sync(self, key: str, weights: dict[str, torch.Tensor], samples: Optional[int] = None) -> dict:
         """``key``'s client-side weights at the end of its turn or round. ``samples`` (its
-        FedAvg weight) is for in-process callers: every HTTP sync is weighted by the rows
-        this server counted for the member (:meth:`trained`)."""
+        FedAvg weight) is for in-process callers: every HTTP sync is weighted by the target
+        tokens this server trained for the member (:meth:`trained`). A member's sync refused
+        (bad schema, NaN, nothing trained) is that member's failure of the round (:meth:`refuse`)."""
         with self.lock:
             viewer = tenant_of(key)
             if self.mode == "shared":
@@ -244,15 +251,24 @@ class Federation:
             if self.group is not None:
                 self._group_open()
             r = self.round
+            try:  # the upload first (400 whoever sends it); refused, a member's failure of the round
+                self._check_upload(weights)
+            except BadRequest as e:
+                self.refuse(key, e)
+                raise
+            if key in r.failed:
+                raise Conflict(f"client {client_of(key)!r}'s sync was refused in round {r.number} "
+                               f"({r.failed[key]}): it is out of this round; train again in the next")
             if key not in r.members:
                 raise Conflict(f"client {client_of(key)!r} is not a member of round {r.number}: it has "
                                f"not trained in it (or the round closed without its sync)")
-            self._check_upload(weights)
             if key not in r.synced:  # a repeated sync (a retry) changes nothing
-                n = samples if samples is not None else r.rows.get(key, 0)
+                n = samples if samples is not None else r.tokens.get(key, 0)
                 if n <= 0:
-                    raise Conflict(f"client {client_of(key)!r} has no training step applied in round "
+                    err = Conflict(f"client {client_of(key)!r} has no target token trained in round "
                                    f"{r.number}: train before syncing")
+                    self.refuse(key, err)
+                    raise err
                 if self.group is not None:  # counted over every replica; the K-th closes the round
                     self.group.synced(r.number, self.k)
                 r.synced[key], r.weights[key] = n, weights
@@ -260,9 +276,31 @@ class Federation:
                     r.tickets[key] = self._sign(tickets.Ticket("splitfed", r.number, self.version, viewer,
                                                                client_of(key), n))
             ticket = r.tickets.get(key)
-            if len(r.synced) >= self.k and self.group is None:
+            if len(r.synced) + len(r.failed) >= self.k and self.group is None:
                 self._close()
             return {**self.status(viewer), **({"ticket": ticket} if ticket else {})}
+
+    def refuse(self, key: str, err: Exception) -> None:
+        """``key``'s sync was refused (``err``: 400 or 409): as Flower's ``accept_failures``, a
+        member of the open round counts as a *failure* of it: out of the round, which closes
+        with the others once every other member synced or failed; the turn holder's turn ends
+        (sequential; nothing is shared, the version stays). Anyone else: nothing changes."""
+        with self.lock:
+            why = f"{type(err).__name__}: {err}"[:200]
+            r = self.round
+            if self.mode == "sequential" and self.turn == key:
+                log.warning("the turn of %s ends: its sync was refused (%s)", key, why)
+                self.turn, self.turn_tokens = None, 0
+            elif self.mode == "splitfed" and key in r.members and key not in r.synced and key not in r.failed:
+                log.warning("round %d: the sync of %s was refused, a failure of the round (%s)", r.number, key, why)
+                r.failed[key] = why
+                if self.group is not None:  # done, counted over every replica
+                    try:
+                        self.group.synced(r.number, self.k)
+                    except Conflict:
+                        pass  # the round is closing already
+                elif len(r.synced) + len(r.failed) >= self.k:
+                    self._close()
 
     def _check_upload(self, weights: dict[str, torch.Tensor]) -> None:
         if self.external:
@@ -275,17 +313,21 @@ class Federation:
     def _end_turn(self, key: str, weights: dict[str, torch.Tensor]) -> dict:
         if self.turn != key:
             raise NotYourTurn(f"client {client_of(key)!r} does not hold the turn; only the holder syncs")
-        self._check_upload(weights)
+        try:
+            self._check_upload(weights)
+        except BadRequest as e:
+            self.refuse(key, e)
+            raise
         out = {}
         if self.external:
             out["ticket"] = self._sign(tickets.Ticket("sequential", 0, self.version, tenant_of(key),
-                                                      client_of(key), max(self.turn_rows, 1)))
+                                                      client_of(key), max(self.turn_tokens, 1)))
             self.last_close = self._sign(tickets.Close("sequential", 0, self.version + 1, 1))
         elif weights:
             agg = self._aggregate_client([(weights, 1)])
             self.client_weights, out["clipped"] = agg.weights, agg.clipped[0]
         self.version += 1
-        self.turn, self.turn_rows = None, 0
+        self.turn, self.turn_tokens = None, 0
         self.on_change()
         return {**self.status(tenant_of(key)), **out}
 
@@ -314,7 +356,8 @@ class Federation:
                                              [(r.members[k].segment.state_dict(), n) for k, n in zip(keys, samples)])
             self._load_server(server.weights)
             self.last_round = {"round": r.number, "members": len(keys), "samples": sum(samples),
-                               "server_clipped": sum(server.clipped)}
+                               "server_clipped": sum(server.clipped), "share_capped": sum(server.share_capped),
+                               "failed": len(r.failed)}
             if self.external:
                 self.last_close = self._sign(tickets.Close("splitfed", r.number, self.version + 1, len(keys)))
             elif any(r.weights[k] for k in keys):  # (in-process callers may sync none)
@@ -369,7 +412,8 @@ class Federation:
             if result.server is not None:
                 self._load_server(unflatten(result.server, self.base.segment.state_dict()))
                 self.last_round = {"round": r.number, "members": result.members, "samples": result.samples,
-                                   "server_clipped": result.clipped[0]}
+                                   "server_clipped": result.clipped[0], "share_capped": result.share_capped,
+                                   "failed": len(r.failed)}  # (this replica's)
                 if self.external:
                     self.last_close = self._sign(tickets.Close("splitfed", r.number, self.version + 1,
                                                                result.members))
@@ -486,6 +530,7 @@ class Federation:
                    "clients_per_round": self.k if fed else None,
                    "members": mine(r.members) if fed else [], "synced": mine(r.synced) if fed else [],
                    "members_count": len(r.members) if fed else 0, "synced_count": len(r.synced) if fed else 0,
+                   "failed": mine(r.failed) if fed else [], "failed_count": len(r.failed) if fed else 0,
                    "round_closes_in_s": round(max(self._time_left(), 0.0), 3) if fed and r.started else None,
                    "turn": turn[0] if turn else None, "turn_held": self.turn is not None,
                    "round_timeout_s": self.round_timeout_s, "client_weights": self.client_weights_at,

@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import select
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -202,8 +203,16 @@ class DoorChannel(HTTPChannel):
         if req.tenant is not None:
             self.authenticated = True
             return True
-        return (req.path == P.HEALTH and req.command in ("GET", "HEAD") and not req.chunked
-                and req.content_length == 0)
+        if (req.path == P.HEALTH and req.command in ("GET", "HEAD") and not req.chunked
+                and req.content_length == 0):
+            req.headers["CONNECTION"] = "close"  # one tokenless answer, then the slot is free
+            return True
+        return False
+
+    def stranger(self) -> bool:
+        """No valid token was shown on this connection and nothing is being computed for it:
+        its slot goes to a new connection when the server is full (:func:`make_server`)."""
+        return not self.authenticated and not self.requests
 
     def refuse(self, req: DoorParser) -> None:
         """Answer ``req.error`` now from the event loop and linger; with answers still ahead of it
@@ -323,6 +332,8 @@ def make_server(app, tenants: Tenants, *, host: str, port: int, threads: int, ma
         recv_bytes=RECV_BYTES, max_request_header_size=MAX_HEADER_BYTES,
         channel_timeout=max(1, int(round(limits.idle_timeout_s))), connection_limit=limits.max_connections,
         cleanup_interval=1, ident=ident)
+    # --max-connections counts clients: the listener and waitress's wake-up pipe are in its map too
+    server.adj.connection_limit = limits.max_connections + len(server._map)
     server.door = Door(tenants, limits)
     server.channel_class = DoorChannel
     idle_check = server.maintenance  # waitress's: keep-alive connections idle past channel_timeout
@@ -334,4 +345,26 @@ def make_server(app, tenants: Tenants, *, host: str, port: int, threads: int, ma
                 channel.expired = True
 
     server.maintenance = maintenance
+    accepts = server.readable  # waitress's: False while the connection limit is reached
+
+    def readable() -> bool:
+        """Full, with a connection waiting to be accepted: the oldest stranger (no valid token
+        yet, nothing in flight) is closed this loop turn and the newcomer takes its slot, so
+        tokenless connections never keep a tenant out. Checked when full, at each loop turn
+        (<= 1 s, waitress's select timeout)."""
+        if accepts() or not server.accepting:
+            return server.accepting
+        if not select.select([server.socket], [], [], 0)[0]:
+            return False  # nobody waiting: keep everyone
+        strangers = [c for c in server.active_channels.values() if isinstance(c, DoorChannel) and c.stranger()]
+        if any(c.expired for c in strangers):
+            return True  # one already goes this turn
+        if not strangers:
+            return False  # full of tenants' connections: the newcomer waits in the backlog
+        oldest = min(strangers, key=lambda c: c.creation_time)
+        log.info("connection limit reached: %s (no token) makes room for a new connection", oldest.addr)
+        oldest.expired = True  # closed in its readable(), this turn, before the accept
+        return True
+
+    server.readable = readable
     return server

@@ -27,6 +27,16 @@ holder gives the lease back, it is reserved for the longest-waiting client for `
 next step waits (503) until the waiter has had its step. Waiters that stop asking are
 forgotten after ``grace_s``; a reservation nobody claims lapses after ``grace_s``. So clients
 alternate step for step instead of the fastest one keeping the segment.
+
+No hogging: a lease held past ``timeout_s`` while another owner asked for it (taken over on
+expiry, or given back late) is a *lapse* of its owner (the tenant: every client id of a tenant counts as one owner). After its
+k-th lapse an owner is *demoted* for ``timeout_s * 2**k``: it gets no reservation, and takes
+the lease only while no other owner has held it or asked for it within ``timeout_s``
+(otherwise 503). A lapse is forgotten after 8 x its demotion without another. So a tenant
+that sends forwards and never their backward holds the segment against a busy owner for
+``timeout_s`` at most 1 + log2(D / timeout_s) times in D seconds (it used to retake it at
+once, each time: another owner made 56 steps in 20 s against ~3,600 alone), and an honest
+client whose lease lapsed once is demoted only while others are busy.
 """
 from __future__ import annotations
 
@@ -36,6 +46,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..errors import ServiceUnavailable
+from .tenants import tenant_of
+
+MAX_LAPSES = 16  # the demotion stops doubling here (timeout_s * 65536)
 
 
 @dataclass
@@ -43,6 +56,7 @@ class Holder:
     client_id: str
     step: int
     since: float  # time.monotonic() of the lease's forward
+    contended: bool = False  # another owner asked for the lease while this one held it
 
 
 class StepLease:
@@ -55,6 +69,8 @@ class StepLease:
         self.expired = 0  # leases taken from vanished holders
         self.waiting: dict[str, tuple[float, float]] = {}  # client -> (first refused, last asked)
         self.reserved: Optional[tuple[str, float]] = None  # (client, until) after a release
+        self.lapses: dict[str, tuple[int, float]] = {}  # owner -> (lapses, time.monotonic() of the last)
+        self.used: dict[str, float] = {}  # owner -> last time it took, gave back or asked for the lease
         self._lock = threading.Lock()
 
     def _forget_stale(self, now: float) -> None:
@@ -62,6 +78,30 @@ class StepLease:
             del self.waiting[cid]
         if self.reserved is not None and now > self.reserved[1]:
             self.reserved = None
+        for owner in [o for o, t in self.used.items() if now - t > self.timeout_s]:
+            del self.used[owner]
+        for owner in [o for o, (k, at) in self.lapses.items() if now - at > 8 * self._demotion_s(k)]:
+            del self.lapses[owner]
+
+    def _demotion_s(self, lapses: int) -> float:
+        return self.timeout_s * 2 ** min(lapses, MAX_LAPSES)
+
+    def _lapse(self, client_id: str, now: float) -> None:
+        """``client_id`` held the lease past ``timeout_s``: its owner is demoted (doubling)."""
+        owner = tenant_of(client_id) or client_id
+        k = self.lapses.get(owner, (0, now))[0] + 1
+        self.lapses[owner] = (k, now)
+
+    def demoted_for(self, client_id: str, now: Optional[float] = None) -> float:
+        """Seconds ``client_id``'s owner stays demoted (0: not demoted)."""
+        now = time.monotonic() if now is None else now
+        k, at = self.lapses.get(tenant_of(client_id) or client_id, (0, now))
+        return max(0.0, at + self._demotion_s(k) - now) if k else 0.0
+
+    def _others_busy(self, client_id: str, now: float) -> bool:
+        owner = tenant_of(client_id) or client_id
+        return (any(o != owner for o in self.used)  # (entries older than timeout_s are forgotten)
+                or any((tenant_of(c) or c) != owner for c in self.waiting))
 
     def acquire(self, client_id: str, step: int) -> None:
         """Take the lease for ``client_id``'s ``step`` or raise 503 (another client holds
@@ -73,33 +113,48 @@ class StepLease:
             if h is not None and h.client_id != client_id:
                 left = self.timeout_s - (now - h.since)
                 if left > 0:
+                    h.contended |= (tenant_of(h.client_id) or h.client_id) != (tenant_of(client_id) or client_id)
                     self._wait(client_id, now)
                     raise ServiceUnavailable(
                         f"the segment is busy with another client's step (at most {left:.1f}s "
                         f"more); retry", retry_after=min(1.0, left))
                 self.expired += 1
+                if (tenant_of(h.client_id) or h.client_id) != (tenant_of(client_id) or client_id):
+                    self._lapse(h.client_id, now)
                 self.on_expire(h.client_id)
             elif h is None and self.reserved is not None and self.reserved[0] != client_id:
                 self._wait(client_id, now)
                 raise ServiceUnavailable("the segment is reserved for a client that has waited "
                                          "longer; retry", retry_after=min(1.0, self.reserved[1] - now))
+            demoted = self.demoted_for(client_id, now)
+            if demoted > 0 and self._others_busy(client_id, now):
+                raise ServiceUnavailable(
+                    f"this tenant held the segment past the lease timeout ({self.timeout_s:g}s) without "
+                    f"finishing its step: it gets the segment only when other owners leave it idle, for "
+                    f"{demoted:.1f}s more; retry", retry_after=min(1.0, demoted))
             self.waiting.pop(client_id, None)
             self.reserved = None
             self.holder = Holder(client_id, step, now)
+            self.used[tenant_of(client_id) or client_id] = now
 
     def _wait(self, client_id: str, now: float) -> None:
         first = self.waiting.get(client_id, (now, now))[0]
         self.waiting[client_id] = (first, now)
+        self.used[tenant_of(client_id) or client_id] = now
 
     def release(self, client_id: str) -> None:
         """Give the lease back (a no-op unless ``client_id`` holds it); reserve it for the
         longest-waiting other client, if any."""
         with self._lock:
             if self.holder is not None and self.holder.client_id == client_id:
-                self.holder = None
                 now = time.monotonic()
+                if self.holder.contended and now - self.holder.since > self.timeout_s:
+                    self._lapse(client_id, now)  # given back late (or dropped as stale) while others asked
+                self.holder = None
+                self.used[tenant_of(client_id) or client_id] = now
                 self._forget_stale(now)
-                others = [(first, c) for c, (first, _) in self.waiting.items() if c != client_id]
+                others = [(first, c) for c, (first, _) in self.waiting.items()
+                          if c != client_id and not self.demoted_for(c, now)]
                 if others:
                     self.reserved = (min(others)[1], now + self.grace_s)
 

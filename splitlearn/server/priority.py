@@ -23,6 +23,20 @@ training step then continues. Training is unchanged: decode neither reads the st
 activations nor changes a parameter, the optimizer steps only after the step's last piece,
 and the segment's train/eval mode is restored. ``fifo`` keeps arrival order (the comparison).
 
+Fair and bounded (a hostile tenant keeping 16 sessions x 64 rows of one-token steps queued
+made another owner's training step 6.9x slower, when every point ran the whole queue):
+
+- **Per tenant, in turn.** A decode batch (at a point, or a drain between requests) takes the
+  queued steps one owner (tenant) at a time, round-robin, starting after the owner served
+  last, up to ``--decode-rows`` rows (:func:`fair_take`); the rest wait for the next point or
+  drain. So one tenant's queue never keeps another tenant's step out of a batch.
+- **Per training step.** Every decode batch draws on a :class:`DecodeBudget` that grows at
+  ``--decode-share`` seconds per second of other work, up to :data:`BURST_S` (a token
+  bucket). With the budget spent, a point runs nothing, and a drain with other work waiting
+  for the compute thread steps behind that work. So decode steps slow a training step by at
+  most ``share x`` its own time plus the burst and one batch, whatever is queued; with
+  nothing else waiting decode steps run at once, as before.
+
 On CUDA the decode batch also runs on a high-priority stream (``torch.cuda.Stream(priority=-1)``)
 so its kernels overtake training's queued ones (:class:`~.batching.DecodeBatcher`); untested
 here (no GPU in CI).
@@ -36,13 +50,63 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
 POLICIES = ("decode-first", "fifo")
 CLASSES = ("decode", "prefill", "training", "other")
+BURST_S = 0.25  # seconds of decode the points may run ahead of their share (the bucket's size)
+
+
+class DecodeBudget:
+    """Seconds of decode that may run while other work waits: earns ``share`` per second of
+    other work (time not spent decoding), at most :data:`BURST_S`; decode that other work
+    waits for spends it (down to -:data:`BURST_S`: a batch is not cut short, the next wait)."""
+
+    def __init__(self, share: float):
+        self.share = share
+        self.left = BURST_S
+        self.held_back = 0  # decode batches deferred for want of budget
+        self._last = time.monotonic()
+
+    def available(self) -> bool:
+        now = time.monotonic()
+        self.left = min(BURST_S, self.left + self.share * (now - self._last))
+        self._last = now
+        if self.left > 0:
+            return True
+        self.held_back += 1
+        return False
+
+    def spend(self, seconds: float) -> None:
+        self.left = max(-BURST_S, self.left - seconds)  # a debt of one burst at most
+        self._last = time.monotonic()
+
+
+def fair_take(queue: list, max_rows: int, after: Optional[str] = None) -> tuple[list, list, Optional[str]]:
+    """One batch of ``queue``'s items (each with ``.owner`` and ``.hidden`` (B, 1, d)): one item
+    per owner in turn, owners in order of first appearance starting after ``after``, each
+    owner's in arrival order, while the rows fit ``max_rows`` (the first item always goes).
+    Returns (batch, the rest in arrival order, the owner served last)."""
+    owners = list(dict.fromkeys(it.owner for it in queue))
+    if after in owners:
+        i = owners.index(after) + 1
+        owners = owners[i:] + owners[:i]
+    lanes = {o: deque(it for it in queue if it.owner == o) for o in owners}
+    batch, rows, last = [], 0, after
+    while any(lanes.values()):
+        for o in owners:
+            if not lanes[o]:
+                continue
+            n = lanes[o][0].hidden.shape[0]
+            if batch and rows + n > max_rows:
+                taken = {id(it) for it in batch}
+                return batch, [it for it in queue if id(it) not in taken], last
+            batch.append(lanes[o].popleft())
+            rows, last = rows + n, o
+    return batch, [], last
 
 
 class QueueWaits:
@@ -88,8 +152,10 @@ class Preemptor:
     being built or propagated, never inside a decode forward itself.
     """
 
-    def __init__(self, ready: Callable[[], bool], run: Callable[[], None], on_thread: Callable[[], bool]):
+    def __init__(self, ready: Callable[[], bool], run: Callable[[], None], on_thread: Callable[[], bool],
+                 budget: Optional[DecodeBudget] = None):
         self.ready, self.run, self.on_thread = ready, run, on_thread
+        self.budget = budget  # a point runs decode only while it lasts (``run`` spends it); None: always
         self.preemptions = 0  # times training yielded to decode steps
         self._inside = False
 
@@ -98,6 +164,8 @@ class Preemptor:
 
     def point(self) -> None:
         if self._inside or not self.ready() or not self.on_thread():
+            return
+        if self.budget is not None and not self.budget.available():
             return
         self._inside = True
         try:

@@ -33,8 +33,9 @@ from ..partition import partition
 from ..segments import Segment
 from ..wire import WIRE_DTYPE_NAMES, pack
 from .batching import DecodeBatcher, DecodeItem
-from .priority import Preemptor, QueueWaits
-from .budget import make_budget
+from .priority import DecodeBudget, Preemptor, QueueWaits
+from .budget import kv_bytes, make_budget
+from .memory import TOTAL_FLAG, MemoryAccount, default_limits
 from .compute import ComputeThread
 from .config import ServerConfig
 from ..lora import lora_scope
@@ -43,7 +44,7 @@ from .clientstate import ClientStates
 from .federation import Federation, Replica, federation_options
 from .lease import StepLease
 from .ledger import Answer, StepLedger
-from .training import Training
+from .training import Training, release as release_step
 from .sessions import CacheOps, Replay, Session, SessionStore
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class SegmentRuntime:
         self.waits = QueueWaits()  # per priority class (splitlearn/server/priority.py)
         self.batcher = DecodeBatcher(self.segment, self.compute, self.lock, batching=cfg.batching,
                                     wait_s=cfg.batch_wait_ms / 1e3, inference=self.inference,
-                                    on_wait=lambda s: self.waits.record("decode", s))
+                                    on_wait=lambda s: self.waits.record("decode", s), max_rows=cfg.decode_rows,
+                                    budget=DecodeBudget(cfg.decode_share) if cfg.priority == "decode-first" else None)
         self.adapters = attach_lora(self) if cfg.lora is not None else None  # per-client LoRA
         self.states: Optional[ClientStates] = None  # replicas: per-client state in a shared dir
         if cfg.state_dir is not None:
@@ -128,15 +130,25 @@ class SegmentRuntime:
             self.adapters.on_lookup = self.states.claim  # a session's adapter: the newest one
         self.preemptor: Optional[Preemptor] = None
         if cfg.priority == "decode-first":  # training yields to queued decode steps
-            self.preemptor = Preemptor(self.batcher.pending, self.batcher.run_now, self.compute.on_thread)
+            self.preemptor = Preemptor(self.batcher.pending, self.batcher.run_now, self.compute.on_thread,
+                                       self.batcher.budget)
         # generation's linear layers on prepacked weights (packed on their first product)
         self._packed = PackedLinears(self.segment) if cfg.packed_weights else None
         # what one request may cost (413 beyond), priced on the segment as trained (LoRA: frozen base)
         self.budget = make_budget(self.segment, self.dtype, self.device, cfg.max_request_memory_bytes,
                                   cfg.optimizer, self._packed is not None)
+        # what the server holds for its tenants beside that, per tenant and in total (memory.py)
+        total, per_tenant = default_limits(self.budget.limit, len(cfg.tenants), cfg.max_memory_bytes,
+                                           cfg.max_tenant_memory_bytes)
+        self.memory = MemoryAccount(total, per_tenant, TOTAL_FLAG if cfg.max_memory_bytes else
+                                    f"twice the per-request limit; {TOTAL_FLAG} sets it")
+        self.ledger.account = self.memory
+        self.sessions.account, self.sessions.kv_bytes = self.memory, lambda n: kv_bytes(self.budget.dims, n)
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
+            self.ledger.account = self.memory
+            self.ledger.hold_all()
             self.federation.restore(counters.get("federation", {}),
                                     read_extra(cfg.checkpoint_dir, "server", "federation"))
             log.info("resumed from %s: %d steps applied", cfg.checkpoint_dir, self.steps_applied)
@@ -191,7 +203,9 @@ class SegmentRuntime:
                        "lease_timeout_s": c.lease_timeout_s, "session_ttl_s": c.session_ttl_s,
                        **self.budget.to_dict()},
             "priority": {"policy": c.priority, "waits": self.waits.summary(),
-                         "preemptions": self.preemptor.preemptions if self.preemptor else 0},
+                         "preemptions": self.preemptor.preemptions if self.preemptor else 0,
+                         "held_back": self.batcher.budget.held_back if self.batcher.budget else 0,
+                         "decode_rows": c.decode_rows, "decode_share": c.decode_share},
             "generation": {"batching": c.batching, "batch_wait_ms": c.batch_wait_ms,
                            "packed_weights": c.packed_weights, "sessions": len(self.sessions),
                            "decode_steps": self.batcher.items, "decode_forwards": self.batcher.batches},
@@ -266,6 +280,7 @@ class SegmentRuntime:
             pend = self.ledger.pending(client_id)
             if pend is not None:
                 pend.state.rep.optimizer.zero_grad(set_to_none=True)
+                release_step(pend.state, self.memory)  # its graphs' and answers' reservations
             self.ledger.set_pending(client_id, None)
             if release:  # (not when the lease itself expires it: it is taking the lease over)
                 self.lease.release(client_id)
@@ -273,20 +288,21 @@ class SegmentRuntime:
     def applied(self, meta: P.StepMeta, answer: Answer, pieces: Optional[dict] = None,
                 forwards: Optional[dict] = None) -> None:
         """Record the step; checkpoint when due; tell the client which of its steps is durable."""
-        total = self.ledger.applied(meta.client_id, meta.step, answer, pieces, forwards)
+        total = self.ledger.applied(meta.client_id, meta.step, answer, pieces, forwards, seal=False)
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and every and total % every == 0:
             self.checkpoint()
         if self.states is not None:  # replicas: this client's own state, every N of its steps
             self.states.applied(meta.client_id, meta.step)
         answer.meta["durable"] = str(self.ledger.durable_step(meta.client_id))
+        self.ledger.seal(meta.client_id)  # the answers final: kept as bytes (reserved) or digests
 
     # -- federation --------------------------------------------------------------------
 
     def sync(self, key: str, weights: dict[str, torch.Tensor]) -> dict:
         """Client ``key``'s client-side weights at the end of its turn or round (none with
-        ``--client-weights external``): checked against the schema, weighted by the rows this
-        server counted and aggregated by the federation (:mod:`.federation`)."""
+        ``--client-weights external``): checked against the schema, weighted by the target
+        tokens this server trained and aggregated by the federation (:mod:`.federation`)."""
         with self.lock:
             return self.federation.sync(key, weights)
 
@@ -314,10 +330,10 @@ class SegmentRuntime:
                 tensors[P.LOSS] = head_loss(seg, out, labels).float().reshape(1).cpu()
         return Answer(tensors)
 
-    def open_session(self, owner: str, rows: int) -> Session:
+    def open_session(self, owner: str, rows: int, tenant: str = "") -> Session:
         if not 1 <= rows <= self.cfg.max_batch:
             raise BadRequest(f"rows must be in 1..{self.cfg.max_batch}, got {rows}")
-        return self.sessions.open(owner, rows)
+        return self.sessions.open(owner, rows, tenant)
 
     def session_step(self, sess: Session, position: int, hidden: torch.Tensor,
                      mask: Optional[torch.Tensor], wire_dtype: str, ops: CacheOps = CacheOps(),
@@ -357,7 +373,7 @@ class SegmentRuntime:
             return self.adapters.adapter_for(sess.client_id, self.cfg.federation) if self.adapters else None
 
         if T == 1:
-            item = DecodeItem(sess.cache, hidden, finish=finish, key=sess.id)
+            item = DecodeItem(sess.cache, hidden, finish=finish, key=sess.id, owner=sess.owner)
 
             def prepare_decode() -> Optional[torch.Tensor]:
                 full = prepare()

@@ -65,6 +65,8 @@ class Session:
     step: int = 0  # steps taken (numbered or not); a numbered step must be step + 1
     answer: Any = None  # the last numbered step's answer (a retry gets it back); None: none, or running
     busy: bool = False  # a step has begun and not finished (its forward is running)
+    tenant: str = ""  # whose memory its KV cache counts in (splitlearn/server/memory.py)
+    hold: Any = field(default=None, repr=False)  # the memory account's Hold of its KV cache
 
     @property
     def tokens(self) -> int:
@@ -189,6 +191,8 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_tokens = max_tokens
         self.max_per_owner = max_per_owner or max_sessions  # one tenant's share of max_sessions
+        self.account = None  # the server's MemoryAccount: each session's KV cache reserved in it
+        self.kv_bytes = lambda tokens: 0  # bytes of a KV cache of that many tokens (budget.kv_bytes)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -197,9 +201,13 @@ class SessionStore:
 
     def _expire(self, now: float) -> None:
         for sid in [s.id for s in self._sessions.values() if now - s.last_used > self.ttl_s]:
-            del self._sessions[sid]
+            self._drop(self._sessions.pop(sid))
 
-    def open(self, owner: str, rows: int) -> Session:
+    def _drop(self, sess: Session) -> None:
+        if self.account is not None:
+            self.account.release(sess.hold)
+
+    def open(self, owner: str, rows: int, tenant: str = "") -> Session:
         now = time.monotonic()
         with self._lock:
             self._expire(now)
@@ -214,7 +222,9 @@ class SessionStore:
                 raise ServiceUnavailable(
                     f"the server holds its maximum of {self.max_sessions} generation sessions",
                     retry_after=max(1.0, self.ttl_s - (now - oldest)))
-            sess = Session(secrets.token_urlsafe(18), owner, rows, self._new_cache())
+            sess = Session(secrets.token_urlsafe(18), owner, rows, self._new_cache(), tenant=tenant)
+            if self.account is not None:  # grown with its cache at every step (reserve)
+                sess.hold = self.account.reserve(tenant, 0, "a generation session")
             self._sessions[sess.id] = sess
             return sess
 
@@ -242,11 +252,14 @@ class SessionStore:
                     f"this token holds {held} cached tokens; {want} more would pass the limit of "
                     f"{self.max_tokens}: close sessions you no longer need",
                     retry_after=self.ttl_s)
+            if sess.hold is not None:  # its cache after the step, reserved before it grows (429/503)
+                sess.hold.resize(self.kv_bytes(rows * (past + new_positions)))
 
     def close(self, owner: str, sid: str) -> None:
         sess = self.get(owner, sid)
         with self._lock:
-            self._sessions.pop(sess.id, None)
+            if self._sessions.pop(sess.id, None) is not None:
+                self._drop(sess)
 
     def count(self, owner: Optional[str] = None) -> int:
         with self._lock:

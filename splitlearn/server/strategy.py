@@ -18,7 +18,9 @@ Every strategy works on *updates* relative to the current shared weights ``w``
    of the bounded updates ``d'_k``):
 
    ``FedAvg``         sum_k n_k w'_k / sum_k n_k (McMahan et al. 2017, eq. 1); the weights n_k
-                      are the samples the *server* counted for member k
+                      are the target tokens the *server* trained for member k (backwards
+                      received), and no member's share n_k / sum n passes ``--max-member-share``
+                      (:func:`capped_weights`), however many tokens it paid for
    ``FedMedian``      the median (Yin et al. 2018, "Byzantine-Robust Distributed Learning:
                       Towards Optimal Statistical Rates", option I); an even count averages
                       the two middle values, as numpy's median (Flower's ``aggregate_median``)
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,6 +52,9 @@ AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
 # rounds (lr 1e-3) by 46 in 10 steps and 75 in 30: none of these is bounded, while no member moves
 # the model by more than 100 per round, and none can make it non-finite.
 DEFAULT_MAX_UPDATE_NORM = 100.0
+# --max-member-share's default: no member holds the majority of a round's FedAvg weight; it bites
+# only when one member trained more target tokens than all the others together.
+DEFAULT_MAX_MEMBER_SHARE = 0.5
 Weights = dict[str, torch.Tensor]
 
 
@@ -60,6 +65,7 @@ class Aggregate:
     weights: Weights
     norms: list[float]  # ||w_k - w||_2 of each update as sent
     clipped: list[bool]  # whether each update was scaled down to max_update_norm
+    share_capped: list[bool] = field(default_factory=list)  # whether each FedAvg weight was lowered to max_share
 
 
 def update_norm(reference: Weights, weights: Weights) -> float:
@@ -77,13 +83,17 @@ class Strategy:
 
     name = "strategy"
 
-    def __init__(self, max_update_norm: Optional[float] = None):
+    def __init__(self, max_update_norm: Optional[float] = None, max_share: Optional[float] = None):
         if max_update_norm is not None and not max_update_norm > 0:
             raise ConfigError(f"--max-update-norm must be > 0, got {max_update_norm}")
+        if max_share is not None and not 0 < max_share <= 1:
+            raise ConfigError(f"--max-member-share must be in (0, 1], got {max_share}")
         self.max_update_norm = max_update_norm  # L2 bound of one member's update (None: unbounded)
+        self.max_share = max_share  # largest fraction of a round's FedAvg weight one member holds (None: any)
 
     def describe(self) -> dict:
-        return {"aggregation": self.name, "max_update_norm": self.max_update_norm}
+        return {"aggregation": self.name, "max_update_norm": self.max_update_norm,
+                "max_member_share": self.max_share}
 
     def aggregate(self, reference: Weights, updates: list[tuple[Weights, int]]) -> Aggregate:
         """The new shared weights from ``updates`` ((weights, samples) per member) around
@@ -93,6 +103,7 @@ class Strategy:
         samples = [int(n) for _, n in updates]
         if any(n < 0 for n in samples) or sum(samples) <= 0:
             raise BadRequest(f"sample counts must be >= 0 and add up to > 0, got {samples}")
+        weights = capped_weights(samples, self.max_share)
         norms = [update_norm(reference, w) for w, _ in updates]
         bound = self.max_update_norm
         scales = [1.0 if bound is None or n <= bound else bound / n for n in norms]
@@ -102,14 +113,37 @@ class Strategy:
                 out[k] = ref.clone()
                 continue
             bounded = [w[k].float() if s == 1.0 else _toward(ref, w[k], s) for (w, _), s in zip(updates, scales)]
-            out[k] = self.combine(bounded, samples).float()  # ref's shape
-        return Aggregate(out, norms, [s < 1.0 for s in scales])
+            out[k] = self.combine(bounded, weights).float()  # ref's shape
+        return Aggregate(out, norms, [s < 1.0 for s in scales], [w != n for w, n in zip(weights, samples)])
 
-    def combine(self, bounded: list[torch.Tensor], samples: list[int]) -> torch.Tensor:
+    def combine(self, bounded: list[torch.Tensor], samples: list[float]) -> torch.Tensor:
         """One tensor's combination of the members' bounded uploads (float32, each of the
         reference's shape), in float64. Every rule here commutes with translation, so
         combining ``w + d_k`` equals ``w`` plus the combination of the ``d_k``."""
         raise NotImplementedError
+
+
+def capped_weights(samples: list[int], max_share: Optional[float]) -> list[float]:
+    """FedAvg weights in which no member holds more than ``max_share`` of the total: members
+    over it are lowered to exactly that share of the new total, the others keep theirs
+    (water-filling, largest first). ``samples`` itself, the same ints, when no member is over
+    (so an honest round's arithmetic is unchanged bit for bit); equal weights when no weights
+    can satisfy the cap (``max_share * K <= 1``)."""
+    total, k = sum(samples), len(samples)
+    if max_share is None or k < 2 or max(samples) <= max_share * total:
+        return samples
+    if max_share * k <= 1:
+        return [1] * k
+    order = sorted(range(k), key=lambda i: -samples[i])
+    for c in range(1, k):  # the c largest are capped at x = max_share * (rest + c x)
+        rest = sum(samples[i] for i in order[c:])
+        x = max_share * rest / (1 - max_share * c)
+        if samples[order[c]] <= x:
+            out = [float(n) for n in samples]
+            for i in order[:c]:
+                out[i] = x
+            return out
+    return [1] * k  # (unreachable: max_share * k > 1 leaves the smallest uncapped)
 
 
 def _toward(ref: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
@@ -124,8 +158,8 @@ class FedAvg(Strategy):
 
     name = "fedavg"
 
-    def combine(self, bounded: list[torch.Tensor], samples: list[int]) -> torch.Tensor:
-        total = sum(samples)  # python ints: exact, never overflows
+    def combine(self, bounded: list[torch.Tensor], samples: list[float]) -> torch.Tensor:
+        total = sum(samples)  # python ints (floats once a share is capped): never overflows
         acc = torch.zeros_like(bounded[0], dtype=torch.float64)
         for w, n in zip(bounded, samples):
             acc += w.double() * (n / total)
@@ -150,8 +184,9 @@ class FedTrimmedAvg(Strategy):
 
     name = "trimmed-mean"
 
-    def __init__(self, max_update_norm: Optional[float] = None, beta: float = 0.2):
-        super().__init__(max_update_norm)
+    def __init__(self, max_update_norm: Optional[float] = None, beta: float = 0.2,
+                 max_share: Optional[float] = None):
+        super().__init__(max_update_norm, max_share)
         if not 0 <= beta < 0.5:
             raise ConfigError(f"--trim-beta must be in [0, 0.5), got {beta}")
         self.beta = beta  # fraction of the members trimmed at each end
@@ -166,14 +201,15 @@ class FedTrimmedAvg(Strategy):
 
 
 def make_strategy(aggregation: str = "fedavg", max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM,
-                  trim_beta: float = 0.2) -> Strategy:
-    """The strategy of ``--aggregation`` (fedavg | median | trimmed-mean)."""
+                  trim_beta: float = 0.2, max_share: Optional[float] = DEFAULT_MAX_MEMBER_SHARE) -> Strategy:
+    """The strategy of ``--aggregation`` (fedavg | median | trimmed-mean); ``max_share``:
+    ``--max-member-share`` (the robust rules weigh every member alike anyway)."""
     if aggregation == "fedavg":
-        return FedAvg(max_update_norm)
+        return FedAvg(max_update_norm, max_share)
     if aggregation == "median":
-        return FedMedian(max_update_norm)
+        return FedMedian(max_update_norm, max_share)
     if aggregation == "trimmed-mean":
-        return FedTrimmedAvg(max_update_norm, trim_beta)
+        return FedTrimmedAvg(max_update_norm, trim_beta, max_share)
     raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
 
 

@@ -16,8 +16,9 @@ accumulated gradients and answers, in its metadata, ``grad_norm`` (the L2 norm o
 server's accumulated parameter gradients so far) and ``accumulated`` (how many pieces that
 covers), and nothing is applied until ``POST
 /v1/train/apply`` (:meth:`Training.apply`) names the step, how many backward pieces the client
-got answers for, the learning rate to step with (the client's current one) and an optional
-clip factor. On a 2-way server an open-ended forward carries the labels and answers the
+got answers for, the learning rate to step with (the client's current one; on state shared
+between tenants, at most the server's own ``--lr``) and an optional clip factor. On a 2-way
+server an open-ended forward carries the labels and answers the
 loss (the graph waits); its backward carries the scalar gradient of that loss (``grad`` F32
 ``[1]``: what the client's autograd backpropagates into it) and answers ``dL/dhidden``::
 
@@ -43,12 +44,13 @@ import torch
 
 from .. import protocol as P
 from ..errors import BadRequest, Conflict, TooManyRequests
-from ..headloss import head_loss
+from ..headloss import IGNORE, head_loss
 from ..wire import pack
 from . import guard
 from .federation import Replica
-from .ledger import APPLIED, Answer, Pending
-from .tenants import SEP, tenant_of
+from .budget import graph_bytes, padded
+from .ledger import APPLIED, Answer, Pending, answer_bytes
+from .tenants import SEP, client_of, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,31 @@ class StepInFlight:
 
     rep: Replica  # the segment (or the client's copy / adapter) being trained
     micros: int
-    leased: bool  # holds the shared segment's lease
+    leased: bool  # holds the shared segment's lease: the state is shared between tenants
     forwards: dict[int, tuple] = field(default_factory=dict)  # micro -> (inputs, outputs, answer)
     answers: dict[int, Answer] = field(default_factory=dict)  # micro -> backward/step answer
-    rows: dict[int, int] = field(default_factory=dict)  # micro -> its rows (what federation counts)
+    held: dict = field(default_factory=dict)  # micro -> memory Hold: its graph, then its answers (memory.py)
+    waiting: dict[int, int] = field(default_factory=dict)  # micro -> target tokens of a forward awaiting its backward
+    tokens: dict[int, int] = field(default_factory=dict)  # micro -> target tokens trained (FedAvg weight)
+
+
+def target_tokens(shape: torch.Size, mask: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> int:
+    """A piece's FedAvg weight: its tokens that carry a target (counted once its backward is in).
+    2-way: the labels kept after the causal shift (not -100); U-shape, where the labels never leave
+    the client: each row's real positions but its last (which predicts nothing). A 1-token row
+    counts 0, so rows of nothing buy no weight."""
+    if labels is not None:
+        return int((labels[:, 1:] != IGNORE).sum())
+    if mask is None:
+        return shape[0] * (shape[1] - 1)
+    return int((mask.sum(dim=1) - 1).clamp(min=0).sum())
+
+
+def release(st: StepInFlight, account) -> None:
+    """Give back a step's memory reservations (applied, aborted or dropped)."""
+    for hold in st.held.values():
+        account.release(hold)
+    st.held.clear()
 
 
 class Training:
@@ -115,8 +138,14 @@ class Training:
                                   f"(--max-pending-per-tenant {cfg.max_pending_per_tenant}): finish them first",
                                   retry_after=1.0)
 
+    def _hold(self, meta: P.StepMeta, st: StepInFlight, nbytes: int, what: str) -> None:
+        """Reserve what piece ``meta.micro`` leaves waiting in its step (:mod:`.memory`)."""
+        st.held[meta.micro] = self.rt.memory.reserve(tenant_of(meta.client_id), nbytes,
+                                                     f"{what} of step {meta.step}")
+
     def abort(self, meta: P.StepMeta, st: StepInFlight) -> None:
         st.rep.optimizer.zero_grad(set_to_none=True)
+        release(st, self.rt.memory)
         self.rt.ledger.set_pending(meta.client_id, None)
         if st.leased:
             self.rt.lease.release(meta.client_id)
@@ -148,7 +177,8 @@ class Training:
         if st.leased:
             self.rt.lease.release(meta.client_id)
         forwards = {i: f[2] for i, f in st.forwards.items()}
-        self.rt.federation.trained(meta.client_id, sum(st.rows.values()))  # a member's FedAvg weight
+        release(st, self.rt.memory)  # the ledger reserves what it keeps
+        self.rt.federation.trained(meta.client_id, sum(st.tokens.values()))  # a member's FedAvg weight
         self.rt.applied(meta, answer, st.answers, forwards)
         return answer
 
@@ -165,7 +195,8 @@ class Training:
         st = self._in_flight(meta)
         if meta.micro in st.answers:
             return st.answers[meta.micro]
-        try:
+        try:  # its answer waits for the step's last piece: reserved (tensor + bytes, float32 at most)
+            self._hold(meta, st, 2 * (4 * hidden.numel() + 4), f"the answer of piece {meta.micro}")
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
             # the logits (B, T, V) never exist whole: chunks of positions (splitlearn/headloss.py)
@@ -179,7 +210,7 @@ class Training:
             raise
         answer = Answer({**pack(P.GRAD, h.grad, meta.wire_dtype),
                          P.LOSS: loss.detach().float().reshape(1).cpu()}, meta.to_meta())
-        st.rows[meta.micro] = h.shape[0]
+        st.tokens[meta.micro] = target_tokens(h.shape, mask, labels)
         return self._piece_done(meta, st, answer)
 
     def forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
@@ -200,9 +231,9 @@ class Training:
             raise TooManyRequests(f"step {meta.step} already has {waiting} forwards waiting for their "
                                   f"backward (at most {P.MAX_MICROS}): send their backwards first",
                                   retry_after=1.0)
-        try:
-            if waiting:  # an open-ended step's graphs waiting for their backward are priced too
-                rt.budget.train(hidden.shape[0], hidden.shape[1], mask, graphs=waiting + 1)
+        try:  # the graph waits for its backward: its own size reserved (429/503 past the budget)
+            self._hold(meta, st, graph_bytes(rt.budget.dims, hidden.shape[0], hidden.shape[1], padded(mask),
+                                             loss=labels is not None), f"the graph of piece {meta.micro}")
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
             if labels is not None:  # 2-way, open-ended: the loss (chunked head), graph kept
@@ -212,6 +243,7 @@ class Training:
                 out = st.rep.segment(h, mask)  # (B, T, d)
                 guard.finite("the trunk's output for these activations", out)
         except Exception:
+            rt.memory.release(st.held.pop(meta.micro, None))
             if not st.forwards:  # nothing else of this step exists yet
                 self.abort(meta, st)
             raise
@@ -220,7 +252,7 @@ class Training:
         else:
             answer = Answer(pack(P.HIDDEN, out, meta.wire_dtype), meta.to_meta())
         st.forwards[meta.micro] = (h, out, answer)
-        st.rows[meta.micro] = h.shape[0]
+        st.waiting[meta.micro] = target_tokens(h.shape, mask, labels)
         return answer
 
     def backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
@@ -232,7 +264,7 @@ class Training:
         pend = rt.ledger.pending(meta.client_id, meta.step)
         if pend is None or meta.micro not in pend.state.forwards:
             raise Conflict(f"no forward pending for step {meta.step} (micro-batch {meta.micro}) of client "
-                           f"{meta.client_id!r} (never sent, or dropped after "
+                           f"{client_of(meta.client_id)!r} (never sent, or dropped after "
                            f"{rt.cfg.lease_timeout_s:g}s): send {P.TRAIN_FORWARD} first")
         st = pend.state
         if meta.micro in st.answers:
@@ -253,11 +285,17 @@ class Training:
             raise
         answer = Answer(pack(P.GRAD, inputs.grad, meta.wire_dtype), meta.to_meta())
         st.forwards[meta.micro] = (None, None, fwd)  # the graph is spent; keep the answer
+        if meta.micro in st.held:  # what waits for the apply now: the two answers, tensors and bytes
+            held = st.held[meta.micro]  # (never more than the graph's price: shrinking cannot fail)
+            held.resize(min(held.nbytes, answer_bytes(fwd) + 2 * answer_bytes(answer)))
+        st.tokens[meta.micro] = st.waiting.pop(meta.micro, 0)  # trained: it counts now
         return self._piece_done(meta, st, answer)
 
     def apply(self, key: str, req: P.ApplyRequest) -> Answer:
         """``POST /v1/train/apply``: the optimizer step of open-ended step ``req.step`` of client
-        ``key``, at ``req.lr``, on its accumulated gradients times ``req.clip``; exactly once (a
+        ``key``, at ``req.lr`` (capped at the server's own lr on state shared between tenants:
+        the leased segment, never a client's own SplitFed copy or LoRA adapter; the answer's
+        ``lr`` is the one applied), on its accumulated gradients times ``req.clip``; exactly once (a
         retry gets the stored answer). ``req.discard``: drop the step (gradients, graphs, lease)
         and apply nothing; the step number stays free. 409 when no such step is pending or the
         server holds another number of backward pieces than the client counted (nothing changes)."""
@@ -292,13 +330,16 @@ class Training:
             if rt.cfg.max_grad_norm is not None and norm > rt.cfg.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, rt.cfg.max_grad_norm)
             saved = [g["lr"] for g in opt.param_groups]
+            # state shared between tenants (the segment in shared/sequential mode, a turn's adapter)
+            # steps at most at the server's own lr; the client's lr rules only its own copy/adapter
+            lr = min(req.lr, *saved) if st.leased else req.lr
             for g in opt.param_groups:
-                g["lr"] = req.lr
+                g["lr"] = lr
             try:
                 opt.step()
             finally:
-                for g, lr in zip(opt.param_groups, saved):
-                    g["lr"] = lr
+                for g, own in zip(opt.param_groups, saved):
+                    g["lr"] = own
             opt.zero_grad(set_to_none=True)
         except Exception:
             self.abort(meta, st)
@@ -306,8 +347,9 @@ class Training:
         if st.leased:
             rt.lease.release(key)
         answer = Answer({}, {"client_id": req.client_id, "step": str(req.step), APPLIED: "1",
-                             "pieces": str(req.pieces), "lr": repr(req.lr), "grad_norm": repr(norm)})
+                             "pieces": str(req.pieces), "lr": repr(lr), "grad_norm": repr(norm)})
         forwards = {i: f[2] for i, f in st.forwards.items()}
-        rt.federation.trained(key, sum(st.rows.values()))
+        release(st, rt.memory)  # the ledger keeps digests of the pieces' answers
+        rt.federation.trained(key, sum(st.tokens.values()))
         rt.applied(meta, answer, st.answers, forwards)
         return answer

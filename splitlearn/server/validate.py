@@ -1,16 +1,34 @@
-"""Checks on decoded request tensors, run before anything touches the model.
+"""Checks on decoded requests, run before anything touches the model.
 
 Each function raises :class:`~splitlearn.errors.BadRequest` naming the tensor and the
 problem (shape, dtype, range, NaN/inf) and returns the tensor ready for the segment.
+:func:`json_object` is the one parser of JSON request bodies (both servers' control messages).
 """
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 import torch
 
-from ..errors import BadRequest
+from ..errors import BadRequest, PayloadTooLarge
 from ..wire import unpack
+
+MAX_JSON_BYTES = 4096  # bytes of a JSON control message (a few fields); larger ones are refused unparsed
+
+
+def json_object(body: bytes, shape: str) -> dict:
+    """A small flat JSON object, or 400/413: never a 500 (deep nesting, bad UTF-8, huge bodies).
+    ``shape`` describes the expected object in the error message."""
+    if len(body) > MAX_JSON_BYTES:
+        raise PayloadTooLarge(f"a JSON control message is at most {MAX_JSON_BYTES} bytes; expected {shape}")
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise BadRequest(f"the body must be JSON {shape}") from None
+    if not isinstance(payload, dict) or any(isinstance(v, (dict, list)) for v in payload.values()):
+        raise BadRequest(f"the body must be a flat JSON object {shape}")
+    return payload
 
 
 def hidden(tensors: dict, name: str, d: int, max_batch: int, max_len: int,

@@ -1,0 +1,81 @@
+"""The U-shape lease cannot be hogged (issue 29, item 5), against a real server process.
+
+The attack: a tenant (mallory, two client ids) sends forwards and never their backward, and
+asks again at once whenever its forward was dropped, so that it holds the shared segment for
+``--lease-timeout`` each time (another owner made 56 steps in 20 s against ~3,600 alone). The
+bound (splitlearn/server/lease.py): a lapsing owner is demoted for timeout x 2^k after its k-th
+lapse, so in D seconds it holds the segment against a busy owner at most 1 + log2(D / timeout)
+times; here (D = 8 s, timeout 1 s) the honest owner keeps at least half its steps alone.
+"""
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from splitlearn import SplitClient
+from splitlearn import protocol as P
+from splitlearn.wire import encode
+
+from serverproc import OTHER, TOKEN, ServerProcess, auth
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # measures throughput: run alone (pytest.ini)
+
+LEASE_S = 1.0
+RUN_S = 8.0
+KEPT = 0.5  # the honest owner's steps with the hog / alone, at least
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hog")
+    (d / "tokens").write_text(f"alice {TOKEN} operator\nmallory {OTHER}\n")
+    with ServerProcess((1, 3), extra=["--token-file", str(d / "tokens"), "--lease-timeout", str(LEASE_S)]) as srv:
+        yield srv
+
+
+def steps_in(client: SplitClient, seconds: float) -> int:
+    batch = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        client.train_step(batch)
+        n += 1
+    return n
+
+
+def test_a_tenant_that_never_sends_its_backward_cannot_hold_the_segment(server):
+    with SplitClient(server.url, "tiny", token=TOKEN, client_id="honest", optimizer="sgd", lr=0.01,
+                     reconnect_timeout_s=30) as honest:
+        steps_in(honest, 0.5)  # warm-up
+        alone = steps_in(honest, RUN_S)
+
+        stop = threading.Event()
+        seen = {"held": 0, "demoted": 0}
+
+        def hog(cid: str):
+            s = requests.Session()
+            s.headers.update({**auth(OTHER), "Content-Type": P.CONTENT_TYPE})
+            body = encode({P.HIDDEN: torch.randn(2, 8, 32)}, P.StepMeta(cid, 1, micros=2).to_meta())
+            while not stop.is_set():
+                r = s.post(server.url + P.TRAIN_FORWARD, data=body, timeout=30)
+                if r.status_code == 200:
+                    seen["held"] += 1  # (a replay of its stored answer while still pending, too)
+                elif "lease timeout" in r.text:
+                    seen["demoted"] += 1
+                stop.wait(0.02)
+
+        hogs = [threading.Thread(target=hog, args=(c,), daemon=True) for c in ("m1", "m2")]
+        for t in hogs:
+            t.start()
+        try:
+            while not seen["held"]:
+                time.sleep(0.01)
+            with_hog = steps_in(honest, RUN_S)
+        finally:
+            stop.set()
+            for t in hogs:
+                t.join(30)
+    print(f"honest steps: alone {alone}, with the hog {with_hog}; hog {seen}")
+    assert seen["demoted"] > 0, seen  # the hog did lapse and was held back
+    assert with_hog >= KEPT * alone, (with_hog, alone, seen)
