@@ -9,7 +9,7 @@ from setuptools import find_packages, setup
 # "Dependencies", says how to move a bound.
 EXTRAS = {
     # python -m splitlearn.server (and its per-client LoRA adapters)
-    "server": ["flask>=3.1.3,<4", "waitress>=3.0.2,<3.1", "peft>=0.21.2,<0.22"],
+    "server": ["flask>=3.1.3,<4", "waitress>=3.0.2,<3.1", "peft>=0.21.2,<0.22", "prometheus-client>=0.26,<1"],
     # analyze_model_performance and the privacy meter: FLOP counts, plots, the Gaussian defense's epsilon
     "analysis": ["fvcore>=0.1.5.post20221221", "matplotlib>=3.11,<4", "dp-accounting>=0.6,<0.7"],
     # transformers.Trainer and datasets (client/finetune_trainer.py)
@@ -19,8 +19,13 @@ EXTRAS = {
     # the Gaussian defense's (epsilon, delta) accounting alone
     "privacy": ["dp-accounting>=0.6,<0.7"],
 }
+# evaluating a split model with lm-evaluation-harness (docs/EVALUATION.md)
+EXTRAS["eval"] = ["lm-eval>=0.4.13,<0.5"]
+# the load test (benchmarks/load.py)
+EXTRAS["bench"] = ["locust>=2.47,<3"]
 EXTRAS["all"] = sorted({r for reqs in EXTRAS.values() for r in reqs})
-EXTRAS["test"] = EXTRAS["all"] + ["pytest>=9,<10", "pytest-xdist>=3.8,<4"]  # make test runs on xdist workers
+# make test: everything, pytest on xdist workers, schemathesis against the server's OpenAPI schema
+EXTRAS["test"] = EXTRAS["all"] + ["pytest>=9,<10", "pytest-xdist>=3.8,<4", "schemathesis>=4.32,<5"]  # make test runs on xdist workers
 
 setup(
     name="splitlearn",
