@@ -120,3 +120,23 @@ def test_on_its_own_copy_or_adapter_the_clients_lr_is_applied_as_sent(kw):
         assert r.status_code == 200, r.get_data(as_text=True)
     r = client.post(P.TRAIN_APPLY, json={"client_id": "m", "step": 1, "pieces": 1, "lr": 0.5}, headers=auth(OTHER))
     assert r.status_code == 200 and r.get_json()["lr"] == 0.5
+
+
+def test_a_model_class_client_above_the_servers_lr_is_told_once(caplog):
+    """An honest client whose schedule peaks above the server's --lr is not silently slowed: the
+    answer says which lr was applied, and the model warns once."""
+    from splitlearn import SplitGPT2LMHeadModel
+
+    with ServerProcess((1, 3), lr=SERVER_LR) as srv:
+        model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN).train()
+        opt = torch.optim.SGD(model.parameters(), lr=10 * SERVER_LR)
+        ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        with caplog.at_level("WARNING", logger="splitlearn.hf.remote"):
+            for _ in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        assert model.remote.last_apply["lr"] == SERVER_LR
+        warned = [r for r in caplog.records if "applied lr" in r.getMessage()]
+        assert len(warned) == 1 and "--lr" in warned[0].getMessage()
+        model.remote.close()

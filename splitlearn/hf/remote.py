@@ -649,6 +649,12 @@ class RemoteSegment(nn.Module):
         req = P.ApplyRequest(self.client_id, self.step, self.answered, float(lr), self.clip_factor())
         _, answer = self._train_call(self.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
         self.last_apply, self.applies = answer, self.applies + 1
+        applied = answer.get("lr") if isinstance(answer, dict) else None
+        if isinstance(applied, (int, float)) and applied < float(lr) and not getattr(self, "_lr_capped", False):
+            self._lr_capped = True  # once: a schedule asks for it every step
+            log.warning("the server applied lr %g, not this optimizer's %g: on weights shared between tenants it "
+                        "steps at most at its own --lr (docs/SECURITY.md); start it with --lr >= your peak lr",
+                        applied, float(lr))
         self._next_step()
         return answer
 
