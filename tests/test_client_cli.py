@@ -148,3 +148,12 @@ def test_train_lora_with_the_servers_options_and_export_the_adapter(tmp_path, ca
     tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert {k.split(".")[4] for k in tensors} == {str(b) for b in range(4)}  # every block's c_attn
     assert any(float(t.abs().sum()) > 0 for k, t in tensors.items() if "lora_B" in k)  # trained: B left 0
+
+
+@pytest.mark.parametrize("pin", [["--shape", "2way"], ["--expected-cuts", "2", "10"], ["--min-client-blocks", "2"]])
+def test_the_client_pins_the_split_it_accepts(env, pin, capsys):
+    # a U-shape server cut at (1, 3): each pin excludes it; nothing but GET /v1/info is sent
+    rc = main(["generate", "--server", env.url, "--model", "tiny", "--device", "cpu", "--prompt-ids", "1 2 3",
+               "--max-new-tokens", "2", "--json", *pin])
+    assert rc != 0
+    assert "cut" in capsys.readouterr().err

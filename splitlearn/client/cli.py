@@ -19,6 +19,13 @@ from .core import SplitClient
 from .transport import Transport, TransportConfig
 
 
+def _pins(args) -> dict:
+    """The splits this client accepts (splitlearn.trust.Pins), from --min-client-blocks,
+    --expected-cuts and --shape."""
+    return dict(min_client_blocks=args.min_client_blocks, shape=args.shape,
+                expected_cuts=tuple(args.expected_cuts) if args.expected_cuts else None)
+
+
 def _token(args) -> Optional[str]:
     if getattr(args, "token_file", None):
         return parse_token_line(read_token_file(args.token_file)[0])[1]  # the first line's token
@@ -87,7 +94,8 @@ def cmd_train(args) -> int:
                      reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir,
                      defense=_defense(args), micro_batches=args.micro_batches,
                      lora="server" if args.lora else None, poll_idle=args.poll_idle,
-                     fed_url=args.fed_url, fed_token=_fed_token(args) if args.fed_url else None) as client:
+                     fed_url=args.fed_url, fed_token=_fed_token(args) if args.fed_url else None,
+                     **_pins(args)) as client:
         start = client.load(args.resume) if args.resume else 0
         batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed)
         for _ in range(start):  # the batch of step i depends on the seed and i only
@@ -145,7 +153,7 @@ def cmd_generate(args) -> int:
     sampling = not args.greedy and (args.temperature != 1.0 or args.top_k or args.top_p or args.seed is not None)
     with SplitClient(args.server, args.model, token=_token(args), device=args.device,
                      wire_dtype=args.wire_dtype, seed=args.model_seed, defense=_defense(args),
-                     poll_idle=args.poll_idle) as client:
+                     poll_idle=args.poll_idle, **_pins(args)) as client:
         t0 = time.perf_counter()
         new: list[int] = []
         printed = ""
@@ -195,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--poll-idle", action="store_true",
                             help="keep this process's cores polling instead of sleeping between messages "
                                  "(Linux; lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
+            sp.add_argument("--min-client-blocks", type=int, default=1,
+                            help="refuse a server whose first cut leaves fewer blocks here (default 1: a server "
+                                 "cut at 0 would receive the raw token embeddings)")
+            sp.add_argument("--expected-cuts", type=int, nargs="+", metavar="CUT",
+                            help="refuse a server whose cuts are not exactly these (e.g. --expected-cuts 2 10)")
+            sp.add_argument("--shape", choices=["u", "2way"],
+                            help="refuse a server of the other shape (u: the labels never leave this machine)")
 
     info = sub.add_parser("info", help="print the server's /v1/info")
     common(info, model=False)
