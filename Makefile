@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 LOCK   := constraints.txt
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test bench install clean test-latest lock
+.PHONY: demo test bench install clean test-latest lock fuzz
 
 # torch first and pinned: an unpinned torch pulls several GB of CUDA wheels. Then every package at
 # the version constraints.txt locks (the build tools too: --no-build-isolation builds with them).
@@ -41,7 +41,7 @@ LATEST ?= .venv-latest
 INTERNALS_TESTS := tests/test_hf_modeling.py tests/test_hf_cache.py tests/test_hf_generation.py \
 	tests/test_hf_draft.py tests/test_hf_lora.py tests/test_hf_pipeline.py tests/test_client_generation.py \
 	tests/test_client_lora.py tests/test_segments.py tests/test_partition.py tests/test_packed.py \
-	tests/test_lora.py tests/test_examples.py tests/test_localserver.py
+	tests/test_lora.py tests/test_examples.py tests/test_localserver.py tests/test_hf_eval.py
 test-latest:
 	rm -rf $(LATEST)
 	$(call make_venv,$(LATEST))
@@ -55,10 +55,16 @@ test-latest:
 lock: test-latest
 	$(LATEST)/bin/python tools/lockdiff.py $(LOCK) $(LATEST) --write
 
-# the workloads side by side (benchmarks/run.py), then across an emulated WAN (benchmarks/wan.py)
+# the workloads side by side (benchmarks/run.py), across an emulated WAN (benchmarks/wan.py), then
+# owners generating and training at once under Locust (benchmarks/load.py)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/wan.py
+	$(PY) benchmarks/load.py --json benchmarks/results/cpu/load.json
+
+# schemathesis against a real server of each shape, from its own /v1/openapi.json (2,000+ requests)
+fuzz: $(STAMP)
+	$(PY) benchmarks/fuzz.py --json benchmarks/results/cpu/fuzz.json
 
 clean:
 	rm -rf $(VENV) $(LATEST) build *.egg-info

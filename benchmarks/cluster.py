@@ -60,7 +60,9 @@ def balanced_owners(url: str, owners: int, replicas: int) -> list[str]:
     per: dict[str, list[str]] = {}
     for i in range(1000):
         cid = f"owner{i}"
-        r = requests.get(url + P.HEALTH, headers={P.ROUTE_HEADER: P.route_key(TOKEN, cid)}, timeout=10)
+        # HAProxy routes on the Authorization header and the client id (splitlearn/cluster/haproxy.py)
+        r = requests.get(url + P.HEALTH, headers={"Authorization": f"Bearer {TOKEN}",
+                                                  P.ROUTE_HEADER: P.route_key(TOKEN, cid)}, timeout=10)
         name = r.headers[P.REPLICA_HEADER]
         if len(per.setdefault(name, [])) < owners // replicas:
             per[name].append(cid)

@@ -5,6 +5,8 @@
     python benchmarks/wan.py --grid             # every RTT x every rate, generation and training
     python benchmarks/wan.py --model random:gpt2 --cuts 2,10 --train-steps 0 --no-generate \
         --train-seq 128 --rtt 50 --mbps 100 --train-wire float32 --train-repeats 2   # GPT-2 small training
+    python benchmarks/wan.py --width 256 --perturb 0.5 --rtt 50 --mbps 100 --train-batch 0 --distill-steps 0 \
+        --systems "split,split + perturbed head"   # the plain generate(assistant_model=) call, issue 33
 
 The link: the server (``python -m splitlearn.server``, U-shape) sits behind
 :mod:`splitlearn.netem.relay` (a child process adding ``RTT / 2`` each way, and with a rate a
@@ -28,8 +30,15 @@ build without the server's weights. Systems, batch 1, greedy, ``--new-tokens`` a
 - ``unsplit``: the target in this process, Hugging Face ``generate`` (no link);
 - ``split``: ``SplitGPT2LMHeadModel.generate`` through the link, one round trip per token;
 - ``split + lookup``: ``prompt_lookup_num_tokens`` (length from :class:`LinkAwarePolicy`);
-- ``split + assistant``: the trained small draft (link-aware length), and ``... (hf length)``
-  with transformers' own heuristic, to show what the link-aware length buys;
+- ``split + assistant``: the trained small draft (link-aware length), ``... (plain call)``: the
+  same with no ``link_aware`` block and no schedule, ``model.generate(ids, assistant_model=draft)``
+  as any transformers code writes it (the split model's default: the link-aware length, the
+  first round assuming the client's measured round trip), and ``... (hf length)`` with
+  transformers' own schedule, to show what the link-aware length buys;
+- ``split + perturbed head`` (with ``--perturb SIGMA``): the target's own weights with Gaussian
+  noise of ``SIGMA`` x the head's standard deviation added to its (untied) LM head, a draft that
+  agrees often but not always (the issue's cell), as a plain call, with ``link_aware``, and at
+  transformers' length;
 - ``split + free draft``: the client's own blocks with the trunk skipped
   (:func:`splitlearn.hf.draft.free_draft`), untrained as an early exit;
 - ``split + distilled free draft``: the same blocks after distillation (link-aware length);
@@ -91,6 +100,16 @@ def train_lm(model, ids, steps: int, batch: int, seq: int, lr: float, log) -> fl
             log(f"  step {i}: loss {loss.item():.3f}")
     model.eval()
     return float(loss.item())
+
+
+def perturbed_head(model, sigma: float, seed: int):
+    """``model`` (changed in place) with its LM head untied from ``wte`` and Gaussian noise of
+    ``sigma`` x the head's standard deviation added: a draft close to the target."""
+    w = model.lm_head.weight.detach().clone()
+    g = torch.Generator().manual_seed(seed)
+    model.lm_head.weight = torch.nn.Parameter(w + sigma * w.std() * torch.randn(w.shape, generator=g))
+    model.config.tie_word_embeddings = False
+    return model.eval()
 
 
 def draft_model(target, layers: int, seed: int):
@@ -162,13 +181,19 @@ def run(a, log=print) -> dict:
     tok = ByteTokenizer()
     ids = tok.encode(text)
     work = Path(a.cache or tempfile.mkdtemp(prefix="splitlearn-wan-")) / \
-        f"{a.model.replace(':', '_')}-{a.train_steps}-d{a.draft_layers}"
+        f"{a.model.replace(':', '_')}{f'-w{a.width}' if a.width else ''}-{a.train_steps}-d{a.draft_layers}"
     t0 = time.perf_counter()
     if (work / "draft" / "config.json").exists():  # trained by an earlier run with the same settings
         log(f"reusing the trained models in {work}")
         losses = json.loads((work / "losses.json").read_text())
     else:
-        target = load_model(a.model, seed=0)
+        source = a.model
+        if a.width:  # the spec's shape at another width (the issue's cell: 6 blocks, d=256)
+            from splitlearn.loading import load_config
+
+            source = load_config(a.model)
+            source.n_embd = a.width
+        target = load_model(source, seed=0)
         log(f"target {a.model}: {target.config.n_layer} blocks, d={target.config.n_embd}; "
             f"training {a.train_steps} steps")
         losses = {"target": train_lm(target, ids, a.train_steps, 16, 64, 3e-3, log)}
@@ -182,6 +207,7 @@ def run(a, log=print) -> dict:
     target = load_model(str(work / "target"))
     assistant = load_model(str(work / "draft"))
     self_draft = load_model(str(work / "target"))
+    perturbed = perturbed_head(load_model(str(work / "target")), a.perturb, seed=4) if a.perturb else None
     train_s = time.perf_counter() - t0
     gen_cells, train_cells = cells(a)
 
@@ -232,11 +258,19 @@ def run(a, log=print) -> dict:
                 systems = [("split", {}, None),
                            ("split + lookup", dict(prompt_lookup_num_tokens=4), True),
                            ("split + assistant", dict(assistant_model=assistant), True),
+                           ("split + assistant (plain call)", dict(assistant_model=assistant), "plain"),
                            ("split + assistant (hf length)", dict(assistant_model=assistant), False),
                            ("split + free draft", dict(assistant_model=fd), True)]
                 if distilled is not None:
                     systems.append(("split + distilled free draft", dict(assistant_model=distilled), True))
+                if perturbed is not None:
+                    systems += [("split + perturbed head", dict(assistant_model=perturbed), True),
+                                ("split + perturbed head (plain call)", dict(assistant_model=perturbed), "plain"),
+                                ("split + perturbed head (hf length)", dict(assistant_model=perturbed), False)]
                 systems.append(("split + self draft", dict(assistant_model=self_draft), True))
+                if a.systems:  # "split + x" keeps that system and its (plain call) / (hf length) rows
+                    systems = [s for s in systems if s[0] == "split" or
+                               any(s[0].split(" (")[0] == want for want in a.systems)]
                 cell = {}
                 for name, kw, control in systems:
                     if "assistant_model" in kw and kw["assistant_model"] not in agreement_of:
@@ -250,10 +284,17 @@ def run(a, log=print) -> dict:
                                                      cache=cache, **gen_kw)
                                 stats.update(rounds=cache.steps_sent, positions=cache.positions_sent)
                                 return out
-                            pol = LinkAwarePolicy(k_max=a.k_max, rtt_ms=rtt or None)
-                            with link_aware(model, pol, control=control):
+                            if control == "plain":  # transformers code as written: the split model's default
+                                model.last_draft_policy = None
                                 out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                                      cache=cache, **gen_kw, **kw)
+                                pol = model.last_draft_policy
+                                assert pol is not None, "the plain call did not draft at the link-aware length"
+                            else:
+                                pol = LinkAwarePolicy(k_max=a.k_max, rtt_ms=rtt or None)
+                                with link_aware(model, pol, control=control):
+                                    out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                                         cache=cache, **gen_kw, **kw)
                             stats.update(rounds=pol.rounds, drafted=pol.drafted, accepted=pol.accepted,
                                          positions=cache.positions_sent,
                                          mean_k=pol.drafted / max(pol.rounds, 1))
@@ -388,6 +429,11 @@ def parse_args(argv=None):
     p.add_argument("--no-generate", dest="generate", action="store_false", help="training cells only")
     p.add_argument("--train-steps", type=int, default=400, help="unsplit training of target and draft (0: none)")
     p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--width", type=int, help="the model's n_embd instead of the spec's (the issue 33 cell: 256)")
+    p.add_argument("--perturb", type=float, default=0.0,
+                   help="also draft with the target's weights, LM head + noise of this x its std (0: not)")
+    p.add_argument("--systems", help='only these systems (comma-separated, e.g. "split,split + perturbed head"; '
+                                     "a name keeps its (plain call) and (hf length) rows)")
     p.add_argument("--distill-steps", type=int, default=1200,
                    help="batches to distil the free draft against the split model (0: no distilled draft)")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -409,6 +455,7 @@ def parse_args(argv=None):
     a.mbps = _floats(a.mbps or ("100" if a.quick else "1000,100,10"))
     a.train_wire = [w for w in (a.train_wire or ("float32" if a.quick else "float32,bfloat16,int8")).split(",") if w]
     a.micro = [int(m) for m in a.micro.split(",") if m]
+    a.systems = [x.strip() for x in a.systems.split(",") if x.strip()] if a.systems else None
     a.new_tokens = a.new_tokens or (32 if a.quick else 64)
     a.repeats = a.repeats or (2 if a.quick else 3)
     a.train_repeats = a.train_repeats or a.repeats

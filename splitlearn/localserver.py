@@ -89,6 +89,9 @@ _START_PATH = tuple(sys.path)
 
 _fork_lock = threading.Lock()
 _fork_ctx = None
+#: the environment the fork server started with (its children whose startup variables differ from
+#: it start afresh: :func:`_start_plan`); None until the first forked child starts it
+fork_server_env: Optional[dict] = None
 
 
 def fork_wanted(fork: Optional[bool] = None) -> bool:
@@ -251,7 +254,10 @@ class ForkedProcess:
         self.args = list(cmd)
         self.stdout = None
         self.returncode: Optional[int] = None
+        global fork_server_env
         _context()
+        if fork_server_env is None:  # this start launches the fork server, with os.environ as it is now
+            fork_server_env = dict(os.environ)
         self._process = _ServerProcess(
             target=_run_as_main, name=" ".join(self.args[1:3]), daemon=True,  # daemon: ended at our exit
             args=(self.args, dict(env), os.getcwd(), self._target(stdout, 1), self._target(stderr, 2)))

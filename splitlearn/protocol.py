@@ -7,8 +7,11 @@ sessions, errors). ``docs/PROTOCOL.md`` describes every route with its bytes.
 ============================  =======  ==========================================================
 route                          method   what
 ============================  =======  ==========================================================
-/v1/health                     GET      liveness; the only route without a token
+/v1/health                     GET      liveness; without a token
+/v1/ready                      GET      readiness: model loaded, compute thread alive, checkpoint dir writable (503 if not); without a token
+/metrics                       GET      Prometheus text format; operator token (or --metrics-port, loopback, no token)
 /v1/info                       GET      model config, cuts, segment held, dtypes, limits
+/v1/openapi.json               GET      OpenAPI 3.1 document of these routes (splitlearn/openapi.py)
 /v1/clients/<client_id>        GET      the last training step applied for a client
 /v1/train/step                 POST     2-way: hidden + labels -> loss + grad; optimizer step
 /v1/train/forward              POST     U-shape: hidden -> trunk output (graph kept)
@@ -46,7 +49,11 @@ CONTENT_TYPE = "application/octet-stream"
 SERVER_TIME_HEADER = "X-Server-Time-Ms"  # server compute time of the request, milliseconds
 
 HEALTH = "/v1/health"
+READY = "/v1/ready"  # readiness probe, no token (splitlearn/server/probes.py)
+METRICS = "/metrics"  # Prometheus text format, operator only (splitlearn/server/metrics.py)
+REQUEST_ID_HEADER = "X-Request-Id"  # a request's id in the access log; a client's own is kept if it fits [A-Za-z0-9_.:-]{1,64}
 INFO = "/v1/info"
+OPENAPI = "/v1/openapi.json"  # OpenAPI 3.1 document of the server's routes (splitlearn/openapi.py)
 CLIENT_STATE = "/v1/clients/{client_id}"
 TRAIN_STEP = "/v1/train/step"
 TRAIN_FORWARD = "/v1/train/forward"

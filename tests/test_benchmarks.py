@@ -143,3 +143,27 @@ def test_pinned_two_device_mode(result):
     assert all(0 < r["server_ms"] < r["round_trip_ms"] for r in steps)
     names = [t["target"] for t in report.targets(result)]
     assert sum("pinned two devices" in n for n in names) == 3 * (1 + available())
+
+
+@pytest.mark.slow
+def test_load_quick_mixes_generation_and_training_with_zero_errors(tmp_path):
+    """benchmarks/load.py --quick against one real server (Locust headless, two owners of two
+    tenants): every operation of a generation and of a training step ran without a failure,
+    its percentiles are ordered, and the server's RSS was sampled before and during the load."""
+    from benchmarks import load
+
+    out = tmp_path / "load.json"
+    assert load.main(["--quick", "--setups", "one", "--seconds", "3", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    (one,) = rep["setups"]
+    assert one["name"] == "one server" and rep["config"]["owners"] == 2
+    ops = {o["op"]: o for o in one["ops"]}
+    assert set(load._OPS) <= set(ops)
+    assert all(o["failures"] == 0 and 0 <= o["p50_ms"] <= o["p99_ms"] for o in ops.values())
+    assert ops["decode"]["requests"] >= 2 * ops["prefill"]["requests"] > 0  # 8 decode steps a session
+    assert ops["train forward"]["requests"] >= ops["train backward"]["requests"] > 0
+    assert one["errors_total"] == 0 and one["errors"] == [] and one["exceptions"] == []
+    rss = one["rss_mib"]["server"]
+    assert 0 < rss["before"] <= rss["peak"] and rss["warm"] <= rss["peak"] and rss["end"] <= rss["peak"]
+    assert rss["samples"] == len(rss["trace"]) >= 3 and rep["command"].startswith("python benchmarks/load.py")
+    assert "| decode |" in load.markdown(rep) and "| errors | 0 |" in load.markdown(rep)

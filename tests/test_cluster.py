@@ -161,6 +161,43 @@ def test_two_replicas_sharing_a_state_dir_hand_a_client_over_exactly(tmp_path):
         rt.compute.close()
 
 
+def test_the_cluster_serves_haproxys_metrics_and_each_replicas_on_loopback(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)
+    cfg = ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=tuple(SERVER), metrics_port=9100)
+    assert cfg.replica_args(9002, 1)[-2:] == ["--metrics-port", "9102"]  # replica i: the port + 1 + i
+    assert "--metrics-port" not in ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path),
+                                                 server_args=tuple(SERVER)).replica_args(9001)
+    with pytest.raises(ConfigError, match="not a replica argument"):
+        ClusterConfig(replicas=2, port=9000, run_dir=str(tmp_path), server_args=(*SERVER, "--metrics-port", "1"))
+    settings = HAProxySettings(bind="0.0.0.0:9000", servers=[("r0", "127.0.0.1:9001")], metrics="127.0.0.1:9100")
+    conf = settings.render()
+    assert "bind 127.0.0.1:9100\n    http-request use-service prometheus-exporter if { path /metrics }" in conf
+    assert "prometheus-exporter" not in HAProxySettings(bind="127.0.0.1:9000", servers=[("r0", "127.0.0.1:9001")]).render()
+    if HAPROXY:  # HAProxy itself accepts it (and was built with the exporter)
+        write_config(settings, tmp_path / "h.cfg", HAPROXY)
+
+
+def free_ports_in_a_row(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free now."""
+    import socket
+
+    for _ in range(50):
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
 # -- the real cluster -------------------------------------------------------------------------
 
 class ClusterProcess(ChildServer):
@@ -172,8 +209,10 @@ class ClusterProcess(ChildServer):
         port = free_port()
         tokens = run_dir.parent / "tokens"
         tokens.write_text(f"alice {TOKEN} operator\nmallory {OTHER}\n")
+        self.metrics_port = free_ports_in_a_row(replicas + 1)  # HAProxy's exporter, then each replica's
         cmd = [sys.executable, "-m", "splitlearn.cluster", "--replicas", str(replicas), "--port", str(port),
-               "--run-dir", str(run_dir), "--check-interval-ms", "100", "--log-level", "WARNING", "--",
+               "--run-dir", str(run_dir), "--check-interval-ms", "100", "--log-level", "WARNING",
+               "--metrics-port", str(self.metrics_port), "--",
                *SERVER, "--token-file", str(tokens), "--log-level", "WARNING"]
         super().__init__(cmd, port, startup_timeout_s=180, quiet=False, env={"OMP_NUM_THREADS": "1"})
 
@@ -366,6 +405,36 @@ def test_a_replica_killed_mid_training_and_mid_generation_loses_nothing(cluster)
         time.sleep(0.2)
     for cl in [gen, *clients.values()]:
         cl.close()
+
+
+@needs_haproxy
+@pytest.mark.slow
+def test_haproxy_and_every_replica_serve_metrics_on_loopback(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = cluster.manifest()
+    assert m["haproxy"]["metrics"] == f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    proxy = requests.get(m["haproxy"]["metrics"], timeout=10)
+    assert proxy.status_code == 200
+    names = {f.name for f in text_string_to_metric_families(proxy.text)}
+    assert {"haproxy_backend_http_responses", "haproxy_server_check_status"} & names, sorted(names)[:20]
+    assert 'proxy="replicas"' in proxy.text
+    for i, r in enumerate(m["replicas"]):
+        assert r["metrics"] == f"http://127.0.0.1:{cluster.metrics_port + 1 + i}/metrics"
+        deadline = time.monotonic() + 90  # a replica killed by a test above may be starting again
+        while True:
+            try:
+                info = requests.get(r["url"] + P.INFO, headers=auth(OTHER), timeout=10)
+                text = requests.get(r["metrics"], timeout=10).text  # no token: loopback only
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, f"replica {i} did not come back"
+                time.sleep(0.5)
+        assert info.status_code == 200
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        assert any(s.name == "splitlearn_requests_total" and s.labels == {
+            "route": P.INFO, "method": "GET", "status": "200", "tenant": "mallory"} and s.value >= 1 for s in samples)
+        assert TOKEN not in text and OTHER not in text
 
 
 @needs_haproxy

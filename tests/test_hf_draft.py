@@ -14,8 +14,9 @@ import torch
 from splitlearn import load_model
 from splitlearn.errors import ConfigError
 from splitlearn.data import lm_batches
-from splitlearn.hf.draft import (CountingRemoteCache, LinkAwarePolicy, best_draft_length, distill_draft,
-                                 expected_tokens, free_draft, link_aware)
+from splitlearn.hf.draft import (DEFAULT_RTT_MS, CountingRemoteCache, LinkAwarePolicy, best_draft_length,
+                                 default_policy, distill_draft, expected_tokens, free_draft, link_aware,
+                                 measured_rtt_ms)
 
 from conftest import VARIED
 from serverproc import TOKEN, ServerProcess
@@ -174,7 +175,8 @@ def test_distill_draft_learns_the_split_model_and_leaves_it_alone(split_lm, tiny
     start = _kl_to(tiny_model, free_draft(split_lm), ids)
     draft = distill_draft(split_lm, lm_batches(list(range(1, 250)) * 4, 4, 32, seed=0), steps=40, lr=3e-3,
                           progress=False)
-    assert not draft.training and draft.generation_config.num_assistant_tokens_schedule == "constant"
+    assert not draft.training and draft.generation_config.num_assistant_tokens_schedule is None  # no schedule:
+    # the split model's plain generate(assistant_model=draft) drafts at the link-aware length
     assert _kl_to(tiny_model, draft, ids) < 0.7 * start
     after = split_lm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the client's blocks: a copy was trained
@@ -182,10 +184,12 @@ def test_distill_draft_learns_the_split_model_and_leaves_it_alone(split_lm, tiny
         assert torch.allclose(split_lm(ids).logits, tiny_model(ids).logits, atol=ATOL)
     row, mask = one_row(padded_batch, 2)
     want = tiny_model.generate(input_ids=row, attention_mask=mask, **GREEDY)
+    split_lm.last_draft_policy = None
     with counting_cache(split_lm) as cache:
         got = split_lm.generate(input_ids=row, attention_mask=mask, cache=cache, assistant_model=draft,
                                 **GREEDY)
     assert torch.equal(got, want)
+    assert split_lm.last_draft_policy.rounds == cache.steps_sent
     with pytest.raises(ConfigError, match="steps"):
         distill_draft(split_lm, iter([ids]), progress=False)  # no length, no steps
     with pytest.raises(ConfigError, match="ran out"):
@@ -206,3 +210,85 @@ def test_draft_length_formula():
     p.update(drafted=4, accepted=2, draft_s=0.004, verify_s=0.05)
     assert p.measured_acceptance == 0.75 and p.acceptance == pytest.approx(6 / 7)
     assert p.next_length() == best_draft_length(6 / 7, 0.05, 0.001, 8) > 0
+
+
+# -- the default: a plain generate() drafts at the link-aware length (issue 33, item 5) -----------
+
+@pytest.mark.parametrize("kind", ["lookup", "assistant", "free"])
+def test_plain_generate_drafts_at_the_link_aware_length(split_lm, tiny_model, same_draft, other_draft,
+                                                         padded_batch, kind):
+    """No link_aware block, no schedule: the plain transformers call. Its tokens are the plain
+    greedy ones, every server step is one round of the link-aware policy, which drafted the
+    longest draft first (no draft cost measured yet) and assumed the client's measured round trip."""
+    ids, mask = one_row(padded_batch, 0)
+    kw = draft_kwargs(kind, split_lm, same_draft, other_draft)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    split_lm.last_draft_policy = None
+    rtt = measured_rtt_ms(split_lm)
+    with counting_cache(split_lm) as cache:
+        got = split_lm.generate(input_ids=ids, attention_mask=mask, cache=cache, **GREEDY, **kw)
+    assert torch.equal(got, want), (got, want)
+    p = split_lm.last_draft_policy
+    assert isinstance(p, LinkAwarePolicy)
+    assert p.rtt_ms == (rtt if rtt is not None else DEFAULT_RTT_MS)
+    assert p.rounds == cache.steps_sent == len(p.lengths) and p.lengths[0] == p.k_max
+    assert cache.positions_sent == ids.shape[1] + p.drafted + p.rounds - 1
+    if kind == "assistant":  # the target's weights: every draft accepted; the prompt and 15 drafted
+        assert p.accepted == p.drafted == NEW - 1 and cache.steps_sent == 1  # tokens in one round trip
+
+
+def test_a_schedule_of_the_callers_own_is_kept(split_lm, tiny_model, same_draft, padded_batch):
+    """transformers' own schedule where the caller set one: no policy, transformers' lengths
+    (the constant 20 with the assistant's confidence stop: more rounds than the policy's), the
+    same tokens."""
+    ids, mask = one_row(padded_batch, 2)
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    split_lm.last_draft_policy = None
+    with counting_cache(split_lm) as cache:
+        got = split_lm.generate(input_ids=ids, attention_mask=mask, cache=cache, assistant_model=same_draft,
+                                num_assistant_tokens_schedule="constant", **GREEDY)
+    assert torch.equal(got, want) and split_lm.last_draft_policy is None
+    own_steps = cache.steps_sent
+    with counting_cache(split_lm) as cache:
+        assert torch.equal(split_lm.generate(input_ids=ids, attention_mask=mask, cache=cache,
+                                             assistant_model=same_draft, **GREEDY), want)
+    assert split_lm.last_draft_policy is not None and cache.steps_sent < own_steps
+
+
+class _Stats:
+    def __init__(self, calls, round_trip_s):
+        self.calls, self.round_trip_s = calls, round_trip_s
+
+
+def _fake_split(calls=0, round_trip_s=0.0):
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    return SimpleNamespace(transformer=SimpleNamespace(remote=SimpleNamespace(stats=_Stats(calls, round_trip_s))),
+                           generation_config=GenerationConfig(), link_aware_drafts=True)
+
+
+def test_default_policy_decides_who_chooses_the_length(same_draft):
+    from transformers import GenerationConfig
+
+    m = _fake_split()
+    assert default_policy(m, (), dict(max_new_tokens=4)) is None  # no drafting
+    assert default_policy(m, (), dict(prompt_lookup_num_tokens=4)).rtt_ms == DEFAULT_RTT_MS  # nothing measured
+    m = _fake_split(calls=4, round_trip_s=0.2)
+    assert default_policy(m, (), dict(assistant_model=same_draft)).rtt_ms == pytest.approx(50.0)  # the mean call
+    for own in (dict(num_assistant_tokens=5), dict(num_assistant_tokens_schedule="heuristic"),
+                dict(assistant_confidence_threshold=0.2),
+                dict(generation_config=GenerationConfig(num_assistant_tokens=5))):
+        assert default_policy(m, (), dict(assistant_model=same_draft, **own)) is None, own
+    # a generation_config without a schedule (a pipeline passes one) leaves the default on
+    assert default_policy(m, (), dict(assistant_model=same_draft, generation_config=GenerationConfig())) is not None
+    assert default_policy(m, (None, GenerationConfig(num_assistant_tokens=3)), dict(prompt_lookup_num_tokens=2)) is None
+    draft = load_model(VARIED)
+    draft.generation_config.num_assistant_tokens = 7  # transformers 5.24 reads the schedule here
+    assert default_policy(m, (), dict(assistant_model=draft)) is None
+    m.generation_config.num_assistant_tokens_schedule = "heuristic"
+    assert default_policy(m, (), dict(prompt_lookup_num_tokens=2)) is None
+    m = _fake_split()
+    m.link_aware_drafts = False
+    assert default_policy(m, (), dict(prompt_lookup_num_tokens=2)) is None

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from splitlearn import protocol as P
+from splitlearn import localserver, protocol as P
 from splitlearn.errors import TransportError
 from splitlearn.localserver import ChildServer, ForkedProcess, LocalServer, can_fork, fork_wanted, free_port
 
@@ -132,7 +132,11 @@ def test_a_forked_child_starts_as_python_dash_m_would(tmp_path, monkeypatch):
     (tmp_path / "probe_mod.py").write_text(PROBE)
     monkeypatch.chdir(tmp_path)
     cmd = [sys.executable, "-m", "probe_mod", "a", "b"]
-    env = {**os.environ, "PROBE": "p", **ONE_THREAD}
+    if localserver.fork_server_env is None:  # start the fork server with this worker's environment
+        assert ForkedProcess(cmd, dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait(60) == 7
+    # the fork server's own environment: libraries imported by earlier tests (lm-eval, tokenizers)
+    # set startup variables since, and a child that differs there is started afresh, not forked
+    env = {**localserver.fork_server_env, "PROBE": "p", **ONE_THREAD}
     with open(tmp_path / "forked.out", "wb") as out:
         assert ForkedProcess(cmd, env, stdout=out, stderr=out).wait(60) == 7
     exec_ = subprocess.run(cmd, env=env, capture_output=True, timeout=60)

@@ -47,6 +47,9 @@ def parse_args(argv=None) -> ClusterConfig:
     p.add_argument("--fed-store-port", type=int, default=None,
                    help="--federation splitfed: port of the TCPStore (torch.distributed) where the replicas "
                         "meet to close rounds, on 127.0.0.1 (default: a free one)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus metrics on 127.0.0.1: HAProxy's exporter at this port's /metrics, "
+                        "replica i's at port + 1 + i (docs/OPERATIONS.md)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(ours)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -55,7 +58,7 @@ def parse_args(argv=None) -> ClusterConfig:
                          cores_per_replica=a.cores_per_replica, restart=not a.no_restart,
                          check_interval_ms=a.check_interval_ms, fall=a.fall, rise=a.rise,
                          server_timeout_s=a.server_timeout, startup_timeout_s=a.startup_timeout,
-                         fed_store_port=a.fed_store_port)
+                         fed_store_port=a.fed_store_port, metrics_port=a.metrics_port)
 
 
 def main(argv=None) -> int:

@@ -60,6 +60,7 @@ class ClusterConfig:
     server_timeout_s: int = 600  # the longest request a replica may take, seconds
     startup_timeout_s: float = 300.0  # seconds a replica may take to load its model
     fed_store_port: Optional[int] = None  # splitfed: the TCPStore's port on 127.0.0.1 (None: a free one)
+    metrics_port: Optional[int] = None  # HAProxy's Prometheus exporter on 127.0.0.1:<port>, replica i's on <port>+1+i (None: none)
     state_dir: Optional[str] = field(default=None, init=False)  # derived: the shared per-client state
 
     def __post_init__(self):
@@ -87,6 +88,11 @@ class ClusterConfig:
             if _has(self.server_args, flag):
                 raise ConfigError(f"{flag} is not a replica argument: the cluster sets each replica's place in "
                                   f"the SplitFed group (--fed-timeout may be given)")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65535 - self.replicas:
+            raise ConfigError(f"--metrics-port must leave room for {self.replicas + 1} ports below 65536")
+        if _has(self.server_args, "--metrics-port"):
+            raise ConfigError("--metrics-port is not a replica argument: give it to the cluster, which serves "
+                              "HAProxy's metrics there and replica i's on the port + 1 + i")
         if self.fed_store_port is not None and not 0 < self.fed_store_port < 65536:
             raise ConfigError(f"--fed-store-port must be in 1..65535, got {self.fed_store_port}")
         if not (_has(self.server_args, "--token-file") or os.environ.get("SPLITLEARN_TOKEN")):
@@ -146,7 +152,13 @@ class ClusterConfig:
             if store is None:
                 raise ConfigError("a SplitFed replica needs the group's store address")
             extra += ["--fed-store", store, "--fed-rank", str(index), "--fed-world-size", str(self.replicas)]
+        if self.metrics_port is not None:
+            extra += ["--metrics-port", str(self.replica_metrics_port(index))]
         return [*self.server_args, *self.replica_caps(), *extra]
+
+    def replica_metrics_port(self, index: int) -> Optional[int]:
+        """Where replica ``index`` serves its metrics on 127.0.0.1 (None without --metrics-port)."""
+        return None if self.metrics_port is None else self.metrics_port + 1 + index
 
     def cores(self, index: int) -> Optional[list[int]]:
         """The cores replica ``index`` is pinned to (None: not pinned)."""

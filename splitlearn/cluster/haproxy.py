@@ -27,6 +27,15 @@ its client ids: the cluster divides the per-tenant caps among the replicas
     http-response set-header X-Splitlearn-Replica %[srv_name]
                                         which replica answered (tests, debugging)
 
+With ``--metrics-port M`` the cluster adds a second frontend, on 127.0.0.1:M only, where
+HAProxy's own Prometheus exporter (built in since 2.4, ``USE_PROMEX``) answers ``/metrics``
+(per frontend, backend and replica: requests, errors, queue, health-check state), and each
+replica serves its own on 127.0.0.1:M+1+i (``--metrics-port`` of the server)::
+
+    frontend metrics
+        bind 127.0.0.1:M
+        http-request use-service prometheus-exporter if { path /metrics }
+
 A request that reached a replica which then died gets 502 from HAProxy (it never resends a
 request that may have been processed); the client library treats that as a lost connection
 and recovers (docs/RECOVERY.md), which is safe because training steps are numbered and
@@ -41,7 +50,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .. import protocol as P
 from ..errors import ConfigError
@@ -81,6 +90,15 @@ backend replicas
     http-response set-header {replica_header} %[srv_name]
     default-server check inter {inter_ms}ms fastinter {inter_ms}ms downinter {down_ms}ms fall {fall} rise {rise} observe layer4 error-limit 1 on-error mark-down on-marked-down shutdown-sessions
 {servers}
+{metrics}"""
+
+METRICS_FRONTEND = """
+frontend metrics
+    # HAProxy's own Prometheus exporter, on loopback only (docs/OPERATIONS.md)
+    bind {bind}
+    http-request use-service prometheus-exporter if {{ path {path} }}
+    http-request return status 404 content-type text/plain string "metrics are at {path}\\n"
+    no log
 """
 
 
@@ -96,6 +114,7 @@ class HAProxySettings:
     client_s: int = 600  # the longest a client connection may idle, seconds
     maxconn: int = 4096  # connections HAProxy accepts at once
     threads: int = 1  # HAProxy's threads (one is plenty for a few thousand requests/s)
+    metrics: Optional[str] = None  # "127.0.0.1:port" of HAProxy's Prometheus exporter (None: none)
 
     def __post_init__(self):
         if not self.servers:
@@ -108,11 +127,12 @@ class HAProxySettings:
 
     def render(self) -> str:
         servers = "\n".join(f"    server {name} {addr}" for name, addr in self.servers)
+        metrics = METRICS_FRONTEND.format(bind=self.metrics, path=P.METRICS) if self.metrics else ""
         return TEMPLATE.format(maxconn=self.maxconn, threads=self.threads, connect_ms=self.connect_ms,
                                client_s=self.client_s, server_s=self.server_s, bind=self.bind,
                                route_header=P.ROUTE_HEADER, health=P.HEALTH, replica_header=P.REPLICA_HEADER,
                                inter_ms=self.inter_ms, down_ms=max(self.inter_ms, 500), fall=self.fall,
-                               rise=self.rise, servers=servers)
+                               rise=self.rise, servers=servers, metrics=metrics)
 
 
 def find_haproxy(binary: str = "haproxy") -> str:

@@ -73,6 +73,8 @@ class ReplicaProcess(ChildServer):
         super().__init__(cmd, port, startup_timeout_s=cfg.startup_timeout_s, quiet=False)
         self.index, self.name, self.log_path = index, f"r{index}", log_path
         self.cores = cfg.cores(index)
+        port = cfg.replica_metrics_port(index)
+        self.metrics_url = None if port is None else f"http://127.0.0.1:{port}/metrics"
         self.restarts = 0
         self.starting: Optional[float] = None  # time.monotonic() of a restart not answering yet
         self.next_try = 0.0  # time.monotonic() before which a failed restart is not tried again
@@ -104,7 +106,7 @@ class ReplicaProcess(ChildServer):
         return {"index": self.index, "name": self.name, "pid": self.proc.pid if self.proc else None,
                 "port": self.port, "url": self.url, "cores": self.cores, "restarts": self.restarts,
                 "alive": self.alive(), "ready": self.alive() and self.starting is None,
-                "log": str(self.log_path)}
+                "log": str(self.log_path), "metrics": self.metrics_url}
 
 
 class Supervisor:
@@ -148,7 +150,8 @@ class Supervisor:
             self._start_replicas()
             settings = haproxy.HAProxySettings(
                 bind=f"{cfg.host}:{cfg.port}", servers=[(r.name, f"127.0.0.1:{r.port}") for r in self.replicas],
-                inter_ms=cfg.check_interval_ms, fall=cfg.fall, rise=cfg.rise, server_s=cfg.server_timeout_s)
+                inter_ms=cfg.check_interval_ms, fall=cfg.fall, rise=cfg.rise, server_s=cfg.server_timeout_s,
+                metrics=f"127.0.0.1:{cfg.metrics_port}" if cfg.metrics_port else None)
             conf = haproxy.write_config(settings, self.run_dir / "haproxy.cfg", self.binary)
             self._proxy_log = open(self.run_dir / "haproxy.log", "ab")
             self.proxy = subprocess.Popen(haproxy.command(self.binary, conf), stdout=self._proxy_log,
@@ -195,7 +198,8 @@ class Supervisor:
             data = {"url": self.url, "port": self.cfg.port, "supervisor_pid": os.getpid(),
                     "haproxy": {"pid": self.proxy.pid if self.proxy else None,
                                 "config": str(self.run_dir / "haproxy.cfg"),
-                                "log": str(self.run_dir / "haproxy.log")},
+                                "log": str(self.run_dir / "haproxy.log"),
+                                "metrics": f"http://127.0.0.1:{self.cfg.metrics_port}/metrics" if self.cfg.metrics_port else None},
                     "state_dir": self.cfg.state_dir, "server_args": list(self.cfg.server_args),
                     "fed_store": self.store_addr,
                     "replicas": [r.describe() for r in self.replicas]}

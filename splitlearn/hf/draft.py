@@ -43,6 +43,14 @@ estimate for a geometric prefix, started from a prior of ``prior_acceptance`` wo
 ``L`` comes from ``rtt_ms`` if given). Greedy output does not depend on ``k``: the policy
 changes speed only.
 
+**By default** (:func:`default_policy`) a split model's plain ``generate(assistant_model=...)``
+or ``generate(prompt_lookup_num_tokens=...)`` drafts at this length, a fresh policy per call
+(``model.last_draft_policy`` keeps its counters), whose first round assumes the round trip the
+client has measured so far; a caller who sets a schedule of their own (``num_assistant_tokens``,
+``num_assistant_tokens_schedule``, ``assistant_confidence_threshold``, in ``generate``'s keywords
+or a ``GenerationConfig``), a :func:`link_aware` block, or ``model.link_aware_drafts = False``
+gets what they asked for.
+
 **Positions the server sees** (:class:`CountingRemoteCache`). Docs/PRIVACY.md counts one
 release per position sent (prompt + one per decoding step). Speculative decoding sends every
 drafted position, accepted or not: a round of ``k`` drafted tokens sends ``k + 1`` positions
@@ -74,8 +82,8 @@ def free_draft(model) -> GPT2LMHeadModel:
     ``GPT2LMHeadModel`` (see the module docstring). ``model``: a U-shape
     ``SplitGPT2LMHeadModel`` (or anything with ``.transformer.cuts``/``.client_blocks`` and a
     U-shape ``lm_head``). The draft's parameters are the model's own tensors (no copy); it is
-    in eval mode, with ``num_assistant_tokens_schedule="constant"`` (pair it with
-    :func:`link_aware` to choose the length)."""
+    in eval mode; a split model's ``generate(assistant_model=draft)`` drafts at the link-aware
+    length by default (:func:`default_policy`)."""
     trunk = getattr(model, "transformer", None)
     if trunk is None or not getattr(trunk, "u_shape", False) or getattr(model, "lm_head", None) is None:
         raise ConfigError("the free draft needs a U-shape split LM (the client holds the bottom, the top "
@@ -104,7 +112,6 @@ def free_draft(model) -> GPT2LMHeadModel:
         if buf.is_meta:
             raise ConfigError(f"free draft: buffer {name} was not set")
     draft.generation_config = copy.deepcopy(model.generation_config)
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.free_draft_of = tuple(trunk.cuts)
     return draft.eval()
 
@@ -175,7 +182,6 @@ def distill_draft(teacher, batches, *, draft: Optional[GPT2LMHeadModel] = None, 
     if done < steps:
         raise ConfigError(f"distill_draft: the batches ran out after {done} of {steps} steps")
     draft.eval()
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
     return draft
 
 
@@ -317,6 +323,48 @@ def link_aware(model, policy: Optional[LinkAwarePolicy] = None, *, control: bool
         yield policy
     finally:
         del model._get_candidate_generator
+
+
+# -- the default: link-aware unless the caller chose ------------------------------------------
+
+#: the round trip a split model's first drafting round assumes before its client has measured
+#: one (ms): a WAN's; every later round uses the verification time measured (``LinkAwarePolicy``)
+DEFAULT_RTT_MS = 50.0
+#: what sets a draft schedule of the caller's own, in ``generate()``'s keywords or in a
+#: ``GenerationConfig`` (the one passed, the model's, or the assistant's: transformers 5.24 reads
+#: the schedule from the assistant's)
+SCHEDULE_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+
+def measured_rtt_ms(model) -> Optional[float]:
+    """The mean round trip of the calls ``model``'s client has made so far (its transport's
+    ``WireStats``: request sent to answer decoded, server compute included), in ms; None
+    before its first call."""
+    stats = model.transformer.remote.stats
+    return 1000.0 * stats.round_trip_s / stats.calls if stats.calls else None
+
+
+def default_policy(model, args: tuple = (), kwargs: Optional[dict] = None) -> Optional[LinkAwarePolicy]:
+    """The :class:`LinkAwarePolicy` a split model's ``generate(*args, **kwargs)`` drafts with
+    by default, or None where transformers' own schedule applies: no drafting (neither
+    ``assistant_model`` nor ``prompt_lookup_num_tokens``), ``model.link_aware_drafts`` False,
+    inside a :func:`link_aware` block (it chose already), or a schedule set by the caller
+    (:data:`SCHEDULE_FIELDS` as keywords, or set in the ``generation_config`` passed, the
+    model's or the assistant model's). The policy's first round assumes the client's measured
+    round trip (:func:`measured_rtt_ms`), else :data:`DEFAULT_RTT_MS`."""
+    kwargs = kwargs or {}
+    if not getattr(model, "link_aware_drafts", True) or "_get_candidate_generator" in vars(model):
+        return None
+    if kwargs.get("assistant_model") is None and kwargs.get("prompt_lookup_num_tokens") is None:
+        return None
+    if any(kwargs.get(f) is not None for f in SCHEDULE_FIELDS):
+        return None
+    passed = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    configs = [passed, model.generation_config, getattr(kwargs.get("assistant_model"), "generation_config", None)]
+    if any(getattr(c, f, None) is not None for c in configs for f in SCHEDULE_FIELDS):
+        return None
+    rtt = measured_rtt_ms(model)
+    return LinkAwarePolicy(rtt_ms=rtt if rtt is not None else DEFAULT_RTT_MS)
 
 
 # -- positions the server sees ----------------------------------------------------------

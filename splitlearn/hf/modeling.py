@@ -32,6 +32,7 @@ gives the positions already seen.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
 from transformers.masking_utils import create_causal_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
@@ -390,6 +392,11 @@ class SplitGenerationMixin:
     assistant model's cache, made inside an outer split model's ``generate``, closes with it;
     a split *assistant* of an unsplit model keeps its cache across the drafting calls, and the
     cache's finalizer closes its session when transformers drops it.
+
+    Assisted and prompt-lookup decoding draft at the link-aware length (one round trip per
+    round, so the length follows the measured round trip, draft cost and acceptance:
+    :mod:`splitlearn.hf.draft`) unless the caller sets a schedule of their own; the tokens are
+    the same either way.
     """
 
     def new_cache(self, **kwargs):
@@ -425,16 +432,30 @@ class SplitGenerationMixin:
     #: faster few-row products (the LM head above all); set False on the model to turn it off
     packed_weights: bool = True
 
+    #: ``generate(assistant_model=... | prompt_lookup_num_tokens=...)`` drafts at the link-aware
+    #: length unless the caller sets a schedule (:func:`splitlearn.hf.draft.default_policy`);
+    #: False: transformers' own schedule
+    link_aware_drafts: bool = True
+    #: the :class:`~splitlearn.hf.draft.LinkAwarePolicy` of the last ``generate`` that drafted by
+    #: default (its ``rounds``, ``lengths``, ``measured_acceptance``), or None
+    last_draft_policy = None
+
     def generate(self, *args, **kwargs):
-        """``GenerationMixin.generate``; a cache it makes is closed on return (see the class)."""
+        """``GenerationMixin.generate``; a cache it makes is closed on return, and drafting
+        follows the link by default (see the class and :attr:`link_aware_drafts`)."""
+        from .draft import default_policy, link_aware
+
         if _SCOPE.depth == 0:
             _SCOPE.caches = []
         _SCOPE.depth += 1
         try:
-            if self.packed_weights:
-                with PackedLinears(self).active():  # a no-op off the CPU or float32
-                    return super().generate(*args, **kwargs)
-            return super().generate(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                policy = default_policy(self, args, kwargs)
+                if policy is not None:
+                    self.last_draft_policy = stack.enter_context(link_aware(self, policy))
+                if self.packed_weights:
+                    stack.enter_context(PackedLinears(self).active())  # a no-op off the CPU or float32
+                return super().generate(*args, **kwargs)
         finally:
             _SCOPE.depth -= 1
             if _SCOPE.depth == 0:
@@ -537,6 +558,12 @@ def _need_u_shape(trunk: SplitGPT2Model, what: str) -> None:
 
 _SPLIT_CLASSES = {GPT2LMHeadModel: SplitGPT2LMHeadModel,
                   GPT2ForSequenceClassification: SplitGPT2ForSequenceClassification}
+
+# transformers recognises a causal LM by its class *name* in this table (the text-generation
+# pipeline logs "is not supported for text-generation" otherwise; Trainer's label smoothing
+# shifts the labels only of the names listed): list ours under a model type of its own, which no
+# config has, so no Auto class ever resolves to it
+MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("splitlearn-gpt2", SplitGPT2LMHeadModel.__name__)
 
 
 def _split_class(hf_cls: type) -> type:

@@ -16,7 +16,9 @@ starts OpenMP threads), and a decode step goes straight to the batcher's queue, 
 from any thread; that saves a hand-off to the compute thread and back (about 0.3 ms a step,
 see benchmarks/README.md). Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE,
 "message": TEXT}`` with its HTTP status by one handler, so a bad request changes nothing and
-the server keeps serving.
+the server keeps serving. Around every request, :mod:`.accesslog`'s first and last hooks time it,
+count it in the app's own Prometheus registry (:mod:`.metrics`, ``GET /metrics``) and log its
+access line; ``GET /v1/ready`` is :mod:`.probes`.
 """
 from __future__ import annotations
 
@@ -36,12 +38,14 @@ from ..errors import (BadRequest, Forbidden, NotFound, PayloadTooLarge, SplitLea
                       UnsupportedMediaType)
 from ..lora import lora_scope
 from ..wire import check_wire_dtype, decode
-from . import validate
+from . import accesslog, validate
 from .validate import json_object
 from .config import ServerConfig
 from .frontdoor import TENANT_KEY
 from .ledger import Answer
 from .memory import MemoryAccount, scope as memory_scope
+from .metrics import ServerMetrics
+from .probes import readiness
 from .runtime import SegmentRuntime
 from .sessions import step_budget, step_ops
 from .priority import timed
@@ -103,7 +107,7 @@ def create_app(config: Optional[ServerConfig] = None,
         runtime = OffloadRuntime(config)
     rt = runtime or SegmentRuntime(config)
     cfg = rt.cfg
-    app = Flask("splitlearn.server")
+    app = Flask("splitlearn.server", static_folder=None)  # no /static/<path> route: every route is in openapi.py
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes  # 413 from Content-Length, unread
     app.extensions["splitlearn"] = rt
     tenants = cfg.tenants
@@ -125,14 +129,20 @@ def create_app(config: Optional[ServerConfig] = None,
 
     @app.errorhandler(Exception)
     def _internal(err: Exception):
-        incident = secrets.token_hex(6)  # the answer names it; the log has the details
+        incident = g.incident = secrets.token_hex(6)  # the answer names it; the log has the details
         log.exception("internal error %s on %s %s", incident, request.method, request.path)
         return error_response(SplitLearnError(f"internal server error (incident {incident}: the "
                                               f"operator's log has the details)"))
 
+    metrics = ServerMetrics(rt, memory)  # this app's own registry (GET /metrics, --metrics-port)
+    app.extensions["splitlearn.metrics"] = metrics
+    if cfg.request_log:  # first of the hooks: the clock and the request id (accesslog.py)
+        app.before_request(lambda: accesslog.begin(request, g))
+        app.after_request(lambda resp: accesslog.finish(request, g, resp, metrics))
+
     @app.before_request
     def _authenticate():
-        if request.path == P.HEALTH:
+        if request.path in (P.HEALTH, P.READY):
             return None
         # the front door (frontdoor.py) found the tenant at the headers; under another server, here
         tenant = request.environ.get(TENANT_KEY) or tenants.authenticate(request.headers.get("Authorization"))
@@ -196,6 +206,19 @@ def create_app(config: Optional[ServerConfig] = None,
     def health():
         return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
 
+    @app.get(P.READY)
+    def ready():
+        ok, checks = readiness(rt)
+        return jsonify(ready=ok, checks=checks), 200 if ok else 503
+
+    @app.get(P.METRICS)
+    def metrics_text():
+        if not g.tenant.operator:
+            raise Forbidden("the metrics are the operator's: use the operator's token, or scrape "
+                            "--metrics-port on the server's loopback (docs/OPERATIONS.md)")
+        body, content_type = metrics.exposition(request.headers.get("Accept"))
+        return Response(body, status=200, headers={"Content-Type": content_type})
+
     @app.post(P.ECHO)
     def echo():
         """The body back, untouched, with no tensor work (``client diagnose`` times the link);
@@ -216,6 +239,12 @@ def create_app(config: Optional[ServerConfig] = None,
         extra = {"memory": memory.to_dict(g.tenant.name)} if memory is not None else {}
         return jsonify({**rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None,
                         "you": you, **extra})
+
+    @app.get(P.OPENAPI)
+    def openapi_document():
+        """This server's routes as OpenAPI 3.1, built from the protocol module (splitlearn/openapi.py)."""
+        from ..openapi import document
+        return jsonify(document(rt.info(), "offload" if cfg.offload else "segment"))
 
     if cfg.offload:  # an offload server multiplies masked inputs and serves nothing else
         from .offload import register_routes

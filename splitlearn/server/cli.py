@@ -153,8 +153,17 @@ def parse_args(argv=None) -> ServerConfig:
     p.add_argument("--offload-tamper", type=int, default=0, metavar="N",
                    help="test hook (needs SPLITLEARN_TEST_HOOKS=1): alter every answer from the N-th product on")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: every log line one JSON object, with one access line per request "
+                        "(request id, tenant, route, status, bytes, ms; docs/OPERATIONS.md)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve Prometheus metrics on 127.0.0.1:PORT without a token (GET /metrics "
+                        "on --port needs the operator's token; docs/OPERATIONS.md)")
+    p.add_argument("--no-request-log", action="store_true",
+                   help="neither count requests in the metrics nor log access lines (for comparison)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .accesslog import configure as configure_logging
+    configure_logging(a.log_level, a.log_format)
     return ServerConfig(
         model=a.model, segment=a.segment, cuts=tuple(a.cuts), host=a.host, port=a.port,
         device=a.device, dtype=a.dtype, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
@@ -181,7 +190,8 @@ def parse_args(argv=None) -> ServerConfig:
         fed_secret=read_secret_file(a.fed_secret_file) if a.fed_secret_file else None,
         fed_store=a.fed_store, fed_rank=a.fed_rank, fed_world_size=a.fed_world_size, fed_timeout_s=a.fed_timeout,
         offload=a.offload, offload_plain=a.offload_plain, offload_record=a.offload_record,
-        offload_tamper=a.offload_tamper)
+        offload_tamper=a.offload_tamper, log_format=a.log_format, metrics_port=a.metrics_port,
+        request_log=not a.no_request_log)
 
 
 def _norm(text: str) -> Optional[float]:
@@ -228,11 +238,14 @@ def serve(cfg: ServerConfig) -> None:
                          max_body_bytes=cfg.max_body_bytes, limits=cfg.door_limits())
 
     poller = IdlePoller().start() if cfg.poll_idle else None
+    scrape = app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port) if cfg.metrics_port else None
 
     def stop(signum, _frame):
         logging.getLogger(__name__).info("signal %d: checkpointing and stopping", signum)
         if poller is not None:
             poller.stop()
+        if scrape is not None:
+            scrape.shutdown()
         rt.compute.run(rt.checkpoint)
         server.close()
         sys.exit(0)

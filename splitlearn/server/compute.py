@@ -37,7 +37,8 @@ class ComputeThread:
 
     def __init__(self, torch_threads: Optional[int] = None, name: str = "splitlearn-compute"):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._ident = self._pool.submit(threading.get_ident).result()  # the pool's one thread
+        self._thread = self._pool.submit(threading.current_thread).result()  # the pool's one thread
+        self._ident = self._thread.ident
         self._queued = 0  # submitted, not started yet (:meth:`waiting`)
         self._count = threading.Lock()
         if torch_threads is not None:
@@ -68,6 +69,10 @@ class ComputeThread:
         with self._count:
             self._queued -= 1
         return fn(*args, **kwargs)
+
+    def alive(self) -> bool:
+        """Whether the thread still runs (readiness, :mod:`.probes`); False after :meth:`close`."""
+        return self._thread.is_alive()
 
     def waiting(self) -> int:
         """Work queued behind what runs now (a hint: decode drains yield to it, :mod:`.priority`)."""

@@ -78,6 +78,9 @@ class ServerConfig:
     offload_plain: bool = False  # --offload: also answer unmasked float32 products (benchmark baseline)
     offload_record: Optional[str] = None  # test hook: save every offload input to this directory
     offload_tamper: int = 0  # test hook: alter one element of every offload answer from this product on (0: never)
+    log_format: str = "text"  # text | json: one JSON object per log line (splitlearn/server/accesslog.py)
+    request_log: bool = True  # count each request in /metrics and log its access line (False: the benchmark's baseline)
+    metrics_port: Optional[int] = None  # also serve /metrics on 127.0.0.1:<port>, without a token (None: only GET /metrics, operator token)
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
 
     def __post_init__(self):
@@ -144,6 +147,10 @@ class ServerConfig:
         if self.state_dir is not None and (self.lora is None or self.federation != "shared" or self.checkpoint_dir):
             raise ConfigError("--state-dir keeps each client's LoRA adapter apart: it needs --lora-r, "
                               "--federation shared and no --checkpoint-dir (the frozen base needs none)")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
+        if self.metrics_port is not None and not (0 < self.metrics_port < 65536 and self.metrics_port != self.port):
+            raise ConfigError(f"--metrics-port must be in 1..65535 and not --port, got {self.metrics_port}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"--torch-threads must be >= 1, got {self.torch_threads}")
         if not self.tokens:

@@ -236,7 +236,7 @@ class FedRounds:
 
 def create_fedavg_app(rounds: FedRounds, tenants: Tenants) -> Flask:
     """The fed server's routes around ``rounds``; ``tenants``: its own tokens."""
-    app = Flask("splitlearn.fedavg")
+    app = Flask("splitlearn.fedavg", static_folder=None)  # every route is in openapi.py
     app.extensions["splitlearn.fedavg"] = rounds
 
     @app.errorhandler(SplitLearnError)
@@ -258,6 +258,11 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants) -> Flask:
     @app.get(P.HEALTH)
     def health():
         return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
+
+    @app.get(P.OPENAPI)
+    def openapi_document():
+        from ..openapi import document
+        return jsonify(document({}, "fed"))
 
     @app.get(P.FEDERATION)
     def status():

@@ -13,7 +13,7 @@ What this module changes, all on waitress's event loop (no WSGI thread, no body 
 
 - **Header-time auth.** When a request's headers are complete, ``Authorization`` is checked
   (:meth:`.tenants.Tenants.authenticate`, constant-time); a request without a valid token
-  (``GET /v1/health`` without a body excepted) is refused before one byte of its body is
+  (``GET /v1/health`` and ``/v1/ready`` without a body excepted) is refused before one byte of its body is
   buffered. The JSON 401 ``{"error": "unauthorized", ...}`` is written from the event loop,
   the write side is shut, and what the client still sends is read and dropped, a read at a
   time, for at most :data:`LINGER_S` or the announced length (so a client that sends its whole
@@ -198,12 +198,13 @@ class DoorChannel(HTTPChannel):
         self.parser_class = functools.partial(DoorParser, channel=self)
 
     def admit(self, req: DoorParser) -> bool:
-        """Whether ``req`` (headers complete) may send its body: a valid token, or a bodiless health check."""
+        """Whether ``req`` (headers complete) may send its body: a valid token, or a bodiless health
+        or readiness check."""
         req.tenant = self.door.tenants.authenticate(req.headers.get("AUTHORIZATION"))
         if req.tenant is not None:
             self.authenticated = True
             return True
-        if (req.path == P.HEALTH and req.command in ("GET", "HEAD") and not req.chunked
+        if (req.path in (P.HEALTH, P.READY) and req.command in ("GET", "HEAD") and not req.chunked
                 and req.content_length == 0):
             req.headers["CONNECTION"] = "close"  # one tokenless answer, then the slot is free
             return True

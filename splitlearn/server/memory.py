@@ -161,6 +161,11 @@ class MemoryAccount:
             self.evictions += 1
             self.release(hold)
 
+    def by_tenant(self) -> dict[str, int]:
+        """Bytes each tenant's shared holds reserve now (``/metrics``)."""
+        with self._lock:
+            return dict(self.tenants)
+
     def to_dict(self, tenant: Optional[str] = None) -> dict:
         with self._lock:
             out = {"reserved_bytes": self.reserved, "limit_bytes": self.limit,

@@ -116,11 +116,14 @@ class QueueWaits:
         self._waits = {c: deque(maxlen=keep) for c in CLASSES}
         self._counts = dict.fromkeys(CLASSES, 0)
         self._lock = threading.Lock()
+        self.listeners: list[Callable[[str, float], None]] = []  # each wait, seconds (/metrics' histogram)
 
     def record(self, cls: str, seconds: float) -> None:
         with self._lock:
             self._waits[cls].append(seconds * 1e3)
             self._counts[cls] += 1
+        for listener in self.listeners:
+            listener(cls, seconds)
 
     def summary(self) -> dict:
         out = {}

@@ -261,6 +261,15 @@ class SessionStore:
             if self._sessions.pop(sess.id, None) is not None:
                 self._drop(sess)
 
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """``{tenant name: (open sessions, cached tokens)}`` (``/metrics``)."""
+        out: dict[str, tuple[int, int]] = {}
+        with self._lock:
+            for s in self._sessions.values():
+                n, tokens = out.get(s.tenant, (0, 0))
+                out[s.tenant] = (n + 1, tokens + s.tokens)
+        return out
+
     def count(self, owner: Optional[str] = None) -> int:
         with self._lock:
             return sum(1 for s in self._sessions.values() if owner is None or s.owner == owner)

@@ -38,4 +38,8 @@ def create_app_from_env() -> Flask:
     args = os.environ.get("SPLITLEARN_ARGS")
     if not args:
         raise ConfigError('set SPLITLEARN_ARGS to the server flags, e.g. "--model gpt2 --cut 2 --cut 10"')
-    return create_app(parse_args(shlex.split(args)))
+    cfg = parse_args(shlex.split(args))
+    app = create_app(cfg)
+    if cfg.metrics_port:  # --metrics-port: on a thread of this process, as under python -m splitlearn.server
+        app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port)
+    return app

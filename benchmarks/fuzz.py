@@ -1,0 +1,246 @@
+"""Fuzz a real server with schemathesis, from the OpenAPI document it serves.
+
+    python benchmarks/fuzz.py                       # both shapes, 60 examples per operation and mode
+    python benchmarks/fuzz.py --examples 10 --json out.json
+
+For each shape (U-shape cuts 1,3 and 2-way cut 2) a ``python -m splitlearn.server --model tiny``
+child with two tenants: ``operator`` (who watches) and ``fuzzer`` (whose token every generated
+request carries). schemathesis loads ``GET /v1/openapi.json`` and, per operation, generates
+``--examples`` schema-valid requests and as many schema-invalid ones (its negative mode). The
+safetensors bodies come from :func:`safetensors_bodies`, registered as the strategy of
+``application/octet-stream``: random bytes, or well-formed safetensors whose tensors and
+metadata are the protocol's names with plausible and implausible shapes, dtypes and values
+(random bytes alone never get past the decoder). A session id is, half the time, one of the
+fuzzer's open sessions. Every answer must pass schemathesis' checks (no 5xx; status, content
+type, headers and JSON body as documented; schema-invalid data rejected), and after every 4xx
+the server's state must be as before: ``/v1/info``'s counters (steps applied, sessions, decode
+steps, memory reserved), the federation's version and round, the fuzzer's clients' steps,
+and the digest of the segment's weights and optimizer state (a checkpoint by the operator).
+
+Reported: requests sent, by status, and every failure with a curl line to reproduce it.
+tests/test_openapi.py runs :func:`fuzz` with a few examples per operation.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+
+import schemathesis  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+from splitlearn import protocol as P  # noqa: E402
+from splitlearn.localserver import LocalServer  # noqa: E402
+from splitlearn.wire import encode  # noqa: E402
+
+SHAPES = {"u": ("1", "3"), "2-way": ("2",)}
+OPERATOR, FUZZER = "op-7d2c91e04b5a63f8", "fz-3a8e50c17d96b2e4"
+CLIENT_IDS = ("c1", "c2")  # the fuzzer's clients: steps 1..3 of these can really be applied
+CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
+          "response_headers_conformance", "response_schema_conformance", "negative_data_rejection")
+
+
+# -- bodies ---------------------------------------------------------------------------------
+
+def safetensors_bodies(info: dict) -> st.SearchStrategy[bytes]:
+    """Bodies for any tensor route of the server ``info`` describes: 1 in 8 random bytes, the
+    rest safetensors with the protocol's tensor names and metadata keys (dtypes, shapes and
+    values mostly right, sometimes wrong: NaN, out of range, off by one)."""
+    d, vocab = info["model_config"]["n_embd"], info["model_config"]["vocab_size"]
+    names = [P.HIDDEN, P.MASK, P.LABELS, P.GRAD, P.REORDER, "hidden.scale", "x.0", "y", "transformer.wte.weight"]
+    ints = st.one_of(st.integers(0, 4), st.integers(-2, 1 << 20).map(str)).map(str)
+    meta = st.fixed_dictionaries({}, optional={
+        "client_id": st.sampled_from([*CLIENT_IDS, "", "bad id", "x" * 65]),
+        "step": ints, "micro": ints, "micros": ints, "position": ints, "crop": ints, "logits": st.sampled_from(["0", "1", "all", "-1", "x"]),
+        "wire_dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8", "float64", ""]),
+        "fed_version": ints, "loss_scale": st.sampled_from(["1", "0.5", "0", "nan", "2"]), "samples": ints,
+        "padding": st.just("any"), "layers": st.sampled_from(["h.0.mlp.c_fc", "lm_head", "nope"]),
+        "scheme": st.sampled_from(["masked", "plain", "x"]), "ticket": st.text(max_size=8)})
+
+    @st.composite
+    def tensor(draw, name: str):
+        B, T = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+        if name in (P.MASK, P.LABELS, P.REORDER):
+            shape = (B,) if name == P.REORDER else (B, T)
+            hi = {P.MASK: 2, P.LABELS: vocab, P.REORDER: B}[name]
+            lo = -100 if name == P.LABELS else 0
+            t = torch.randint(lo, hi + draw(st.integers(0, 1)), shape)
+            return t.clamp(min=0) if name == P.MASK else t
+        shape = draw(st.sampled_from([(B, T, d), (B, T, d), (B, T, d + 1), (1,), (B, T), (0, T, d)]))
+        dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32]))
+        t = torch.randn(shape) if dtype.is_floating_point or dtype == torch.float32 else torch.randint(-5, 5, shape)
+        if t.numel() and draw(st.integers(0, 9)) == 0:
+            t.view(-1)[0] = float("nan") if t.is_floating_point() else 7
+        return t.to(dtype)
+
+    @st.composite
+    def body(draw) -> bytes:
+        chosen = draw(st.lists(st.sampled_from(names), min_size=0, max_size=4, unique=True))
+        tensors = {n: draw(tensor(n)) for n in chosen}
+        data = encode(tensors, draw(meta)) if tensors else b""
+        if data and draw(st.integers(0, 9)) == 0:  # truncated
+            data = data[: draw(st.integers(0, len(data) - 1))]
+        return data
+
+    return st.one_of(st.binary(max_size=64), body(), body(), body(), body(), body(), body(), body())
+
+
+# -- state ------------------------------------------------------------------------------------
+
+def state(url: str, checkpoint: bool, operator: str = OPERATOR, tenant: str = FUZZER) -> dict:
+    """What a refused request must leave as it was: the counters as the fuzzing ``tenant``
+    sees them, and (``checkpoint``) the digest of a checkpoint by the ``operator``."""
+    op, fz = {"Authorization": f"Bearer {operator}"}, {"Authorization": f"Bearer {tenant}"}
+    info = requests.get(url + P.INFO, headers=fz, timeout=30).json()
+    fed = requests.get(url + P.FEDERATION, headers=fz, timeout=30).json()
+    out = {"steps_applied": info["steps_applied"], "sessions": info["generation"]["sessions"],
+           "decode_steps": info["generation"]["decode_steps"],
+           "memory": {k: info.get("memory", {}).get(k) for k in ("reserved_bytes", "tenant_reserved_bytes")},
+           "federation": {k: fed.get(k) for k in ("version", "round", "members", "synced", "turn")},
+           "clients": {c: requests.get(url + P.CLIENT_STATE.format(client_id=c), headers=fz, timeout=30).json()["step"]
+                       for c in CLIENT_IDS}}
+    if checkpoint:
+        saved = Path(requests.post(url + P.CHECKPOINT, headers=op, timeout=30).json()["saved"])
+        if not (saved / "weights.safetensors").exists():  # the checkpoint root: its newest directory
+            saved = sorted(saved.glob("server-*"))[-1]
+        h = hashlib.sha256()
+        for f in sorted(saved.iterdir()):  # weights, optimizer state, step counters
+            h.update(f.name.encode() + f.read_bytes())
+        out["weights"] = h.hexdigest()
+    return out
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    by_operation: Counter = field(default_factory=Counter)
+    failures: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "statuses": dict(sorted(self.statuses.items())),
+                "by_operation": dict(self.by_operation), "failures": self.failures, "skipped": self.skipped}
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def fuzz(url: str, examples: int, *, operator: str = OPERATOR, tenant: str = FUZZER,
+         modes=(GenerationMode.POSITIVE, GenerationMode.NEGATIVE)) -> Report:
+    """schemathesis against the server at ``url`` with the ``tenant``'s token: ``examples``
+    requests per operation and generation mode; every failure goes to the report. The weights'
+    digest (a checkpoint by the ``operator``: ~65 ms) is compared around the 4xx of POST
+    routes, the only ones that run the model."""
+    report = Report()
+    fz = {"Authorization": f"Bearer {tenant}"}
+    info = requests.get(url + P.INFO, headers=fz, timeout=30).json()
+    schemathesis.openapi.media_type(P.CONTENT_TYPE, safetensors_bodies(info))
+    schema = schemathesis.openapi.from_url(url + P.OPENAPI, headers=fz)
+    http = requests.Session()
+    sessions = [requests.post(url + P.SESSIONS, json={"rows": 1}, headers=fz, timeout=30).json()["session_id"]
+                for _ in range(2)]
+    checks = [getattr(schemathesis.checks, name) for name in CHECKS]
+    cached: dict = {}
+
+    for result in schema.get_all_operations():
+        op = result.ok()
+        for mode in modes:
+            try:
+                strategy = op.as_strategy(generation_mode=mode)
+            except Exception as e:  # noqa: BLE001 - an operation schemathesis cannot negate
+                report.skipped.append(f"{op.label} {mode.value}: {type(e).__name__}: {e}")
+                continue
+
+            @settings(max_examples=examples, database=None, deadline=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @given(case=strategy, pick=st.integers(0, 3))
+            def one(case, pick):
+                if "session_id" in (case.path_parameters or {}) and pick < len(sessions):
+                    case.path_parameters["session_id"] = sessions[pick]
+                weights = op.method.upper() == "POST"
+                before = cached.pop("state", None)  # the state after the last 4xx, if nothing ran since
+                if before is None or (weights and "weights" not in before):
+                    before = state(url, weights, operator, tenant)
+                elif not weights:
+                    before.pop("weights", None)
+                resp = case.call(base_url=url, session=http, headers=fz, timeout=60)
+                report.requests += 1
+                report.statuses[resp.status_code] += 1
+                report.by_operation[op.label] += 1
+                problems = []
+                try:
+                    case.validate_response(resp, checks=checks, headers=fz)
+                except Exception as e:  # noqa: BLE001 - schemathesis' failures, collected
+                    problems.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                if 400 <= resp.status_code < 500:
+                    after = state(url, weights, operator, tenant)
+                    if {k: v for k, v in after.items() if k in before} != before:
+                        diff = {k: (before[k], after[k]) for k in before if before[k] != after.get(k)}
+                        problems.append(f"state changed after {resp.status_code}: {diff}")
+                    cached["state"] = after
+                elif op.label == f"POST {P.SESSIONS}" and resp.status_code == 201:
+                    http.delete(url + P.SESSION.format(session_id=resp.json()["session_id"]), headers=fz, timeout=30)
+                if problems:
+                    report.failures.append({"operation": op.label, "mode": mode.value, "status": resp.status_code,
+                                            "problems": problems, "answer": resp.text[:300],
+                                            "curl": case.as_curl_command(headers=fz)[:600]})
+
+            try:
+                one()
+            except Unsatisfiable:  # nothing to negate (no parameters, no body)
+                report.skipped.append(f"{op.label} {mode.value}: nothing schemathesis can generate")
+    return report
+
+
+def serve(cuts, tmp: Path, extra=()) -> LocalServer:
+    tokens = tmp / "tokens"
+    tokens.write_text(f"operator {OPERATOR} operator\nfuzzer {FUZZER}\n")
+    args = ["--model", "tiny", "--threads", "2", "--token-file", str(tokens), "--checkpoint-dir", str(tmp / "ckpt"),
+            "--checkpoint-every", "1000000"]
+    for c in cuts:
+        args += ["--cut", c]
+    return LocalServer(args + list(extra), token=OPERATOR, env={"OMP_NUM_THREADS": "1"})
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/fuzz.py", allow_abbrev=False,
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--examples", type=int, default=60, help="per operation and mode (positive, negative)")
+    p.add_argument("--shapes", default="u,2-way")
+    p.add_argument("--json", help="write the report here")
+    a = p.parse_args(argv)
+    out, failed, started = {}, 0, time.perf_counter()
+    for shape in a.shapes.split(","):
+        with tempfile.TemporaryDirectory() as tmp, serve(SHAPES[shape], Path(tmp)) as srv:
+            t0 = time.perf_counter()
+            rep = fuzz(srv.url, a.examples)
+            out[shape] = {**rep.to_dict(), "seconds": round(time.perf_counter() - t0, 1)}
+            failed += len(rep.failures)
+            print(f"{shape}: {rep.requests} requests in {out[shape]['seconds']} s, statuses "
+                  f"{dict(sorted(rep.statuses.items()))}, {len(rep.failures)} failures")
+            for f in rep.failures[:20]:
+                print("  ", f["operation"], f["mode"], f["status"], f["problems"], "\n     ", f["curl"])
+    total = sum(v["requests"] for v in out.values())
+    print(f"total: {total} requests, {failed} failures, {time.perf_counter() - started:.0f} s")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"total_requests": total, "failures": failed, "shapes": out}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
