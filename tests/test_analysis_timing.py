@@ -46,8 +46,10 @@ def test_budget_stops_slow_runs_after_min_runs():
 
 
 def test_segment_submodules_sum_to_segment():
-    """Blocks big enough that Python overhead is small: d=256, T=64 (about 5 ms a block)."""
-    cfg = GPT2Config(n_embd=256, n_layer=3, n_head=4, vocab_size=512, n_positions=64,
+    """Blocks big enough that Python overhead is small: d=512, T=64 (a block was ~2 ms at d=256,
+    where the per-call overhead the parts do not see made the sum 10.5% short on a quiet machine).
+    A submodule left out of the sum would be a third of a segment or more here."""
+    cfg = GPT2Config(n_embd=512, n_layer=3, n_head=8, vocab_size=512, n_positions=64,
                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
     model = load_model(cfg)
     report = analyze(AnalysisConfig(cuts=(1, 2), seq_len=64, repeats=7, warmup=2,
@@ -55,7 +57,7 @@ def test_segment_submodules_sum_to_segment():
     for seg in report["segments"]:
         top_level = [s for s in seg["submodules"] if s["parent"] == ""]
         parts = sum(s["latency_ms"]["median"] for s in top_level)
-        assert parts == pytest.approx(seg["latency_ms"]["median"], rel=0.10), seg["name"]
+        assert parts == pytest.approx(seg["latency_ms"]["median"], rel=0.15), seg["name"]
         check = seg["latency_sum_checks"][0]
         assert check["parent"] == "" and check["ok"]
         assert check["children_ms"] == pytest.approx(parts)
