@@ -112,6 +112,19 @@ def test_metrics_parse_and_move_with_real_requests(app):
     assert value(closed, "splitlearn_sessions", tenant="mallory") == 0
 
 
+def test_made_up_methods_and_paths_do_not_grow_the_registry(app):
+    # the attack: a tenant sends requests with a new method word and a new path each time; the
+    # labels come from what the server knows (the URL rule, a fixed set of methods), never the wire
+    c = app.test_client()
+    for i in range(50):
+        c.open(f"/v1/nowhere/{i}", method=f"BREW{i}", headers=auth(OTHER))
+    samples, _ = scrape(c)
+    assert value(samples, "splitlearn_requests_total", route="unmatched", method="other", status="404",
+                 tenant="mallory") == 50
+    methods = {dict(labels)["method"] for name, labels in samples if name == "splitlearn_requests_total"}
+    assert methods <= {"GET", "POST", "other"}
+
+
 def test_metrics_are_the_operators_and_name_no_token(app):
     c = app.test_client()
     train_step(c, 1, token=OTHER)

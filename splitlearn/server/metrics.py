@@ -84,7 +84,10 @@ class ServerMetrics:
 
     def observe(self, route: str, method: str, status: int, tenant: str, seconds: float,
                 bytes_in: int, bytes_out: int) -> None:
-        """Count one answered request."""
+        """Count one answered request. ``method`` is the client's word (any token passes HTTP
+        parsing): one outside :data:`METHODS` is counted as "other", so a client cannot grow the
+        registry by a label child per made-up method."""
+        method = method if method in METHODS else "other"
         key = (route, method, status, tenant)
         c = self._children.get(key)
         if c is None:
@@ -194,6 +197,10 @@ class _StateCollector:
                                   value=d["evictions"])
         yield CounterMetricFamily("splitlearn_memory_refusals", "Reservations refused (429/503)",
                                   value=d["refusals"])
+
+
+#: the ``method`` label's values (anything else: "other")
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def route_of(request) -> str:
