@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from splitlearn.client import SplitClient  # noqa: E402
-from splitlearn.client.federation import untied_weights  # noqa: E402
+from splitlearn.transport.fedsync import untied_weights  # noqa: E402
 from splitlearn.localserver import LocalServer  # noqa: E402
 from splitlearn.wire import encode  # noqa: E402
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from splitlearn.client.transport import WireStats
+from splitlearn.transport import WireStats
 
 from .config import BenchConfig
 from .timing import measure

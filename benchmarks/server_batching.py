@@ -20,7 +20,7 @@ import time
 import torch
 
 from splitlearn import protocol as P
-from splitlearn.client.transport import Transport, TransportConfig
+from splitlearn.transport import Transport, TransportConfig
 from splitlearn.wire import encode, pack
 
 from .config import BenchConfig

@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from splitlearn.checkpoint import make_optimizer
-from splitlearn.client.transport import WireStats
+from splitlearn.transport import WireStats
 from splitlearn.segments import labels_from_batch, loss_from_logits
 
 from .config import BenchConfig

@@ -288,7 +288,7 @@ def _splitfed_run(url: str, ids: list[str], liar: str) -> dict:
     """Every member trains one step, then syncs in the order of ``ids`` (the round closes at the
     last); ``liar`` first tries two bad syncs and claims 10**12 samples; then one step more each."""
     from splitlearn.client import SplitClient
-    from splitlearn.client.federation import untied_weights
+    from splitlearn.transport.fedsync import untied_weights
     from splitlearn.wire import encode
 
     clients = {c: SplitClient(url, "tiny", token=TOKEN, optimizer="sgd", lr=0.1, device="cpu", client_id=c)

@@ -12,7 +12,7 @@ import torch
 
 from splitlearn import protocol as P
 from splitlearn.client import SplitClient
-from splitlearn.client.federation import untied_weights
+from splitlearn.transport.fedsync import untied_weights
 from splitlearn.errors import Conflict
 from splitlearn.wire import decode, encode, pack
 

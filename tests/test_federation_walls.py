@@ -16,7 +16,7 @@ import torch
 
 from splitlearn import protocol as P
 from splitlearn.client import SplitClient
-from splitlearn.client.federation import untied_weights
+from splitlearn.transport.fedsync import untied_weights
 from splitlearn.wire import decode, encode
 
 from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth, run_threads

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from splitlearn import partition
 from splitlearn import protocol as P
-from splitlearn.client.transport import Transport, TransportConfig
+from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import BadRequest, NotFound
 from splitlearn.hf.cache import RemoteCache
 from splitlearn.segments import positions_from_mask

@@ -91,7 +91,7 @@ def imports():
     import splitlearn, splitlearn.hf
     from splitlearn import (SplitClient, SplitGPT2LMHeadModel, SplitGPT2ForSequenceClassification, RemoteCache,
                             OffloadGPT2LMHeadModel, split_model, partition, export_segments, load_model)
-    import splitlearn.client.cli, splitlearn.client.diagnose, splitlearn.privacy, splitlearn.localserver
+    import splitlearn.client.cli, splitlearn.analysis.diagnose, splitlearn.privacy, splitlearn.localserver
     from splitlearn.privacy import GaussianNoise, NoPeek
     import transformers
     assert not transformers.utils.is_accelerate_available()

@@ -13,7 +13,7 @@ import torch
 
 from splitlearn import SplitClient
 from splitlearn import protocol as P
-from splitlearn.client.federation import untied_weights
+from splitlearn.transport.fedsync import untied_weights
 from splitlearn.client.lora import client_adapter_tensors
 from splitlearn.errors import BadRequest, ConfigError, Conflict, Forbidden
 from splitlearn.loading import load_config

@@ -15,7 +15,7 @@ import torch
 
 from splitlearn import SplitClient
 from splitlearn import protocol as P
-from splitlearn.client.transport import Transport, TransportConfig
+from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import Unauthorized
 from splitlearn.localserver import ChildServer, free_port
 from splitlearn.server.frontdoor import LINGER_S

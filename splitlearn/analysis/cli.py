@@ -66,8 +66,8 @@ def measured_link(source: str) -> dict:
     if source.startswith(("http://", "https://")):
         import os
 
-        from ..client.diagnose import DiagnoseConfig, diagnose
-        from ..client.transport import Transport, TransportConfig
+        from .diagnose import DiagnoseConfig, diagnose
+        from ..transport import Transport, TransportConfig
 
         log.info("measuring the link to %s", source)
         t = Transport(TransportConfig(source, os.environ.get("SPLITLEARN_TOKEN"), retries=1, connect_timeout_s=5.0))

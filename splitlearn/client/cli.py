@@ -16,7 +16,7 @@ from ..errors import SplitLearnError
 from ..protocol import parse_token_line, read_token_file
 from ..wire import WIRE_DTYPE_NAMES
 from .core import SplitClient
-from .transport import Transport, TransportConfig
+from ..transport import Transport, TransportConfig
 
 
 def _pins(args) -> dict:
@@ -62,7 +62,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_diagnose(args) -> int:
-    from .diagnose import DiagnoseConfig, diagnose, render
+    from ..analysis.diagnose import DiagnoseConfig, diagnose, render
 
     sizes = [int(float(x) * 1024) for x in args.sizes_kib.split(",") if x.strip()]
     cfg = DiagnoseConfig(sizes=tuple(sizes), repeats=args.repeats, train_batch=args.batch_size,

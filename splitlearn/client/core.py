@@ -48,14 +48,14 @@ from ..partition import partition
 from ..segments import Segment, labels_from_batch, positions_from_mask
 from ..trust import check_info
 from . import lora as client_lora
-from .federation import FederationState, untied_weights, wait_while_busy
+from ..transport.fedsync import FederationState, untied_weights, wait_while_busy
 from ..idlepoll import IdlePoller
 from ..packed import PackedLinears
 from .config import ClientConfig
 from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
                        write_entry)
 from .generation import RemoteDecoder, stream_tokens, use_pipeline
-from .transport import Transport, TransportConfig
+from ..transport import Transport, TransportConfig
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from ..errors import NotFound, TransportError
 from ..generation import DecodeState, GreedyConfig
 from ..segments import Segment
 from ..wire import pack
-from .transport import PendingCall, Transport, shares_cores_with_server
+from ..transport import PendingCall, Transport, shares_cores_with_server
 
 log = logging.getLogger(__name__)
 

@@ -28,39 +28,16 @@ from safetensors.torch import save_file
 from .. import protocol as P
 from ..checkpoint import make_optimizer
 from ..errors import ConfigError
-from ..lora import LoraSpec, hf_module_name, init_adapter_pair, target_modules
+from ..lora import ADAPTER, PREFIX, LoraSpec, as_spec, check_server, hf_module_name, inject_adapters, target_modules
 from ..segments import Segment
 from ..wire import decode
 
 log = logging.getLogger(__name__)
 
-PREFIX = "base_model.model."  # peft's prefix of a saved adapter's tensor names
-ADAPTER = "default"  # the adapter name peft uses inside the modules
 
 
-def as_spec(lora) -> LoraSpec:
-    """A :class:`LoraSpec` from a ``peft.LoraConfig`` or a :class:`LoraSpec` (``"server"``,
-    the server's own options, is resolved by :func:`setup`)."""
-    if isinstance(lora, LoraSpec):
-        return lora
-    if type(lora).__name__ == "LoraConfig":
-        return LoraSpec.from_peft(lora)
-    raise ConfigError(f"lora must be a peft.LoraConfig or a splitlearn.lora.LoraSpec, got {type(lora).__name__}")
 
 
-def check_server(info: dict, spec: Optional[LoraSpec]) -> None:
-    """Refuse a LoRA client on a server without LoRA, the reverse, and different LoRA options."""
-    server = info.get("lora")
-    if spec is None and server is not None:
-        raise ConfigError(f"the server trains LoRA adapters ({server}) and keeps its segment frozen: "
-                          f"connect with SplitClient(..., lora=peft.LoraConfig(...)) of the same r, "
-                          f"alpha and targets, or lora=\"server\" (the command line's --lora)")
-    if spec is not None and server is None:
-        raise ConfigError("this client asks for LoRA but the server trains its whole segment "
-                          "(started without --lora-r): drop lora=... or restart the server with --lora-r")
-    if spec is not None and LoraSpec.from_dict(server) != spec:
-        raise ConfigError(f"LoRA options differ: this client {spec.to_dict()}, the server {server}; "
-                          f"one exported adapter needs the same r, alpha, targets and dropout on both sides")
 
 
 def apply_lora(segments: Sequence[Segment], spec: LoraSpec, seed: int, init_id: str) -> list[torch.nn.Parameter]:
@@ -83,24 +60,6 @@ def apply_lora(segments: Sequence[Segment], spec: LoraSpec, seed: int, init_id: 
     return params
 
 
-def inject_adapters(module: torch.nn.Module, spec: LoraSpec, mods, seed: int, init_id: str,
-                    hf_name) -> list[torch.nn.Parameter]:
-    """peft's LoRA layers on ``module``'s target submodules ``mods`` (local names), each adapter
-    initialised by :func:`init_adapter_pair` under its Hugging Face name ``hf_name(local)``, as
-    the server initialises its own; returns the adapter parameters (A, B per module)."""
-    from peft import inject_adapter_in_model
-
-    inject_adapter_in_model(spec.to_peft(), module, adapter_name=ADAPTER)
-    params = []
-    for local in mods:
-        layer = module.get_submodule(local)
-        a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
-        init_a, init_b = init_adapter_pair(seed, init_id, hf_name(local), a.shape[1], b.shape[0], spec.r)
-        with torch.no_grad():
-            a.copy_(init_a)
-            b.copy_(init_b)
-        params += [a, b]
-    return params
 
 
 def _pairs(segments: Sequence[Segment]):

@@ -46,12 +46,10 @@ from safetensors.torch import save as st_save
 
 from ..checkpoint import open_private, private_dir
 from ..errors import SegmentFileError
+from ..hf.journal import Redo  # noqa: F401 (re-exported for SplitClient)
 
 log = logging.getLogger(__name__)
 
-
-class Redo(Exception):
-    """A step the server did not apply and that must be run again from the start."""
 
 
 @dataclass

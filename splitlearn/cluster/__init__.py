@@ -4,7 +4,7 @@
 configuration: consistent hashing on the client's route header, health checks, failover),
 :mod:`.supervisor` (the processes), :mod:`.store` (the TCPStore where SplitFed replicas meet;
 their rounds: :mod:`splitlearn.server.collective`). Per-client state shared by the replicas lives in
-:mod:`splitlearn.server.clientstate`; the client's route header in :mod:`splitlearn.client.transport`.
+:mod:`splitlearn.server.clientstate`; the client's route header in :mod:`splitlearn.transport`.
 """
 from .config import ClusterConfig
 

@@ -67,7 +67,7 @@ class RemoteCache(Cache):
     """The KV cache of a split GPT-2: client layers here, server layers in one server session.
 
     config: the whole model's config (``n_layer`` slots). transport: a
-    :class:`splitlearn.client.transport.Transport` to the server. server_blocks: the blocks the
+    :class:`splitlearn.transport.Transport` to the server. server_blocks: the blocks the
     server holds, ``[start, end)`` (``/v1/info``'s ``segment.blocks``); server_kind: ``"trunk"``
     (U-shape: the server answers hidden states) or ``"top"`` (2-way: logits). wire_dtype: of the
     activations sent and the answers. client_id: LoRA servers use this client's adapter. lane: the

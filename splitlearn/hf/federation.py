@@ -22,7 +22,7 @@ with :meth:`SplitMixin.sync <splitlearn.hf.modeling.SplitMixin.sync>`::
   the round's other members have synced and loads the average.
 
 The waiting and the version bookkeeping are ``SplitClient``'s
-(:class:`splitlearn.client.federation.FederationState`), shared. Not here: per-client LoRA
+(:class:`splitlearn.transport.fedsync.FederationState`), shared. Not here: per-client LoRA
 with federation and a separate fed server (``fed_url``): use ``SplitClient`` for those.
 """
 from __future__ import annotations
@@ -56,9 +56,9 @@ def load_client_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 
 def federation_of(model: nn.Module):
-    """The model's :class:`~splitlearn.client.federation.FederationState` (one ``GET
+    """The model's :class:`~splitlearn.transport.fedsync.FederationState` (one ``GET
     /v1/federation`` the first time), loading shared weights into ``model``."""
-    from ..client.federation import FederationState
+    from ..transport.fedsync import FederationState
 
     remote = getattr(model, "transformer", model).remote
     if remote.federation is None:

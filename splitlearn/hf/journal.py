@@ -54,6 +54,10 @@ def digest(tensors: dict[str, torch.Tensor]) -> bytes:
     return h.digest()
 
 
+class Redo(Exception):
+    """A step the server did not apply and that must be run again from the start."""
+
+
 @dataclass
 class Sent:
     """One training request as it was sent, and the digest of its answer."""

@@ -26,9 +26,9 @@ import logging
 import torch
 
 from .._extras import require
-from ..client.lora import as_spec, check_server, inject_adapters
+
 from ..errors import ConfigError
-from ..lora import LoraSpec, target_modules
+from ..lora import LoraSpec, as_spec, check_server, inject_adapters, target_modules
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ from ..errors import (ConfigError, Conflict, IntegrityError, NotYourTurn, Servic
 from .. import trust
 from ..trust import Pins
 from ..wire import check_wire_dtype, pack
-from .journal import RequestLog, Sent, digest
+from .journal import Redo, RequestLog, Sent, digest
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class RemoteSegment(nn.Module):
     def __init__(self, cfg: RemoteConfig, transport=None, info: Optional[dict] = None,
                  state: Optional[dict] = None):
         super().__init__()
-        from ..client.transport import Transport, TransportConfig  # requests: only when connecting
+        from ..transport import Transport, TransportConfig  # requests: only when connecting
 
         self.cfg = cfg
         token = cfg.token or os.environ.get("SPLITLEARN_TOKEN")
@@ -246,7 +246,7 @@ class RemoteSegment(nn.Module):
 
     @property
     def stats(self):
-        """Calls (round trips), bytes, times: :class:`splitlearn.client.transport.WireStats`."""
+        """Calls (round trips), bytes, times: :class:`splitlearn.transport.WireStats`."""
         return self.transport.stats
 
     def close(self) -> None:
@@ -419,8 +419,6 @@ class RemoteSegment(nn.Module):
                     raise  # federation: the caller fetches the shared weights or the turn and redoes the step
                 except Conflict as e:
                     if c is not None and kind == "b":  # the server lost or dropped the forward
-                        from ..client.recovery import Redo
-
                         raise Redo(f"the server has no forward for it ({e.message})") from None
                     raise
             try:
@@ -527,7 +525,7 @@ class RemoteSegment(nn.Module):
 
     def _send_once(self, sent: Sent) -> tuple[dict, dict]:
         """One request (waiting out a segment busy with another client's step) -> (tensors, info)."""
-        from ..client.federation import wait_while_busy
+        from ..transport.fedsync import wait_while_busy
 
         if sent.tensors is None:  # an apply: JSON both ways
             return {}, self.transport.post_json(sent.path, sent.meta)

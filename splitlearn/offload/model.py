@@ -23,7 +23,7 @@ from typing import Optional
 from transformers import GPT2LMHeadModel
 
 from .. import protocol as P
-from ..client.transport import Transport, TransportConfig
+from ..transport import Transport, TransportConfig
 from ..errors import ConfigError
 from ..loading import ModelSource, load_model
 from .layers import HEAD, SCHEMES, QuantisedLayers, linear_weights

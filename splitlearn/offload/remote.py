@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import protocol as P
-from ..client.transport import Transport
+from ..transport import Transport
 from ..errors import IntegrityError
 from ..wire import decode, encode
 from . import field

@@ -5,9 +5,9 @@ import pytest
 
 from splitlearn import protocol as P
 from splitlearn.client.cli import main
-from splitlearn.client.diagnose import (BANDWIDTH_ADVICE, LATENCY_ADVICE, DiagnoseConfig, fit_link,
+from splitlearn.analysis.diagnose import (BANDWIDTH_ADVICE, LATENCY_ADVICE, DiagnoseConfig, fit_link,
                                         step_traffic)
-from splitlearn.client.transport import Transport, TransportConfig
+from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import ConfigError, Unauthorized
 from splitlearn.localserver import free_port
 
@@ -111,7 +111,7 @@ def test_a_wan_link_is_measured_advised_on_and_feeds_the_analyzer(server, monkey
     advice names speculative decoding and micro-batches, and analyze_model_performance
     --link-from takes that link for its cut and wire-dtype recommendation."""
     from splitlearn.analysis.cli import main as analyze
-    from splitlearn.client.diagnose import wan_advice
+    from splitlearn.analysis.diagnose import wan_advice
     from splitlearn.netem import relay_process
 
     monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)

@@ -29,7 +29,7 @@ from .. import protocol as P
 from ..errors import ConfigError, NotFound, ServiceUnavailable
 from ..segments import Segment
 from ..wire import decode, encode
-from .transport import Transport
+from .http import Transport
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -40,7 +40,7 @@ import torch
 from .. import protocol as P
 from ..errors import ConfigError, TransportError
 from ..wire import WIRE_DTYPE_NAMES, decode, encode, pack, unpack
-from .transport import Transport
+from ..transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def step_traffic(info: dict, batch: int, tokens: int, mode: str) -> dict:
     (B, T, d)). 2-way training: one call, activations + labels out, gradients + loss back.
     Decode: one call; U-shape returns the trunk's (B, 1, d), 2-way the logits (B, V).
     """
-    from ..analysis.traffic import wire_bytes  # the analyzer's bytes per cut
+    from .traffic import wire_bytes  # the analyzer's bytes per cut
 
     cfg = info["model_config"]
     d, vocab = cfg["n_embd"], cfg["vocab_size"]

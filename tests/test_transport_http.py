@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitlearn import protocol as P
-from splitlearn.client.transport import Transport, TransportConfig, shares_cores_with_server
+from splitlearn.transport import Transport, TransportConfig, shares_cores_with_server
 from splitlearn.wire import decode, encode, pack
 
 from serverproc import TOKEN, ServerProcess

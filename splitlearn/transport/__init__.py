@@ -1,0 +1,11 @@
+"""The transport layer: how a client reaches a server. Imports nothing above the core modules.
+
+- :mod:`.http`: :class:`Transport` (keep-alive HTTP, lanes, retries, :class:`WireStats`);
+- :mod:`.fedsync`: the client's side of the federation modes (turns, rounds, weight sync).
+
+The model classes (:mod:`splitlearn.hf`), :class:`~splitlearn.client.SplitClient`, the masked
+offload and the analyzer all reach a server through these; docs/ARCHITECTURE.md draws the layers.
+"""
+from .http import PendingCall, Transport, TransportConfig, WireStats, shares_cores_with_server
+
+__all__ = ["PendingCall", "Transport", "TransportConfig", "WireStats", "shares_cores_with_server"]
