@@ -5,7 +5,7 @@ torch thread each; all N start together on a shared clock and greedily generate
 ``concurrency_new_tokens`` tokens from their own prompt (batch 1). Aggregate tokens/s =
 N x new tokens / (last finish - first start); ``ratio`` is over one client alone on the same
 server. Each shape runs against a server that batches concurrent sessions' decode steps into
-one forward (:mod:`splitlearn.server.batching`) and against one started with
+one forward (:mod:`splitlearn.server.engine.batching`) and against one started with
 ``--no-batching``, so the gain of batching is measured, not assumed.
 
 On a machine where clients and server share the cores (as here), the clients' own compute

@@ -4,7 +4,11 @@ The same random prompts (batch B x ``prompt_len``) go to:
 
 - ``unsplit``: Hugging Face ``model.generate(do_sample=False)`` in this process (the limit);
 - ``splitlearn <shape> <wire dtype>``: :meth:`SplitClient.generate` against a server on
-  loopback (client keeps its segments' KV caches, the server its own; one position per step);
+  loopback: transformers' ``generate`` on ``SplitClient.model`` over a ``RemoteCache`` (the
+  client keeps its blocks' keys and values, the server its own in a session; one position per
+  step). ``overlap`` says whether the rows ran as two row groups in flight
+  (``RemoteCache.row_groups``: from two rows, in the U-shape, where the server does not share
+  the client's cores; never on the shared cores of this workload unless pinned);
 - ``naive JSON``: the whole sequence resent as JSON lists every step, no KV cache
   (:mod:`benchmarks.baselines.naive_json`); it decodes ``naive_new_tokens`` tokens only,
   which flatters it: its cost per token grows with the sequence;
@@ -64,6 +68,7 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
                     s = client.stats
                 rows.append(_row(cfg, B, f"splitlearn {shape} {wire}", N, t, shape=shape, wire_dtype=wire,
                                  same_tokens=bool(torch.equal(out, reference)),
+                                 overlap=B >= 2 and client.model.overlaps(),
                                  overhead_ms_per_call=1e3 * s.overhead_s / s.calls,
                                  server_ms_per_call=1e3 * s.server_compute_s / s.calls,
                                  bytes_per_call=(s.bytes_sent + s.bytes_received) / s.calls))

@@ -7,13 +7,13 @@
 Greedy decoding of ``new_tokens`` tokens after a ``prompt_len`` prompt, batch 1 and 8, by
 
 - **(a) unsplit**: ``GPT2LMHeadModel.generate`` in the client's process (the limit);
-- **(b) SplitClient**: :meth:`splitlearn.client.SplitClient.generate`. Since issue 20 this is
-  transformers' ``generate`` on ``SplitClient.model`` (its own prepacked weights) except greedy
-  batches of two rows or more where the server has cores of its own (the ``pinned`` mode),
-  which take the decode fast path: two row groups in flight
-  (``splitlearn/client/generation.py`` over ``splitlearn/generation.py``'s greedy loop). Before,
-  every cell ran the hand-written loop; the figures in benchmarks/README.md from before that
-  change are its "hand loop" column;
+- **(b) SplitClient**: :meth:`splitlearn.client.SplitClient.generate`. Since issue 30 this is
+  transformers' ``generate`` on ``SplitClient.model`` (its own prepacked weights) in every
+  cell; batches of two rows or more where the server has cores of its own (the ``pinned`` mode,
+  U-shape) run as two row groups in flight inside the model's forward (``RemoteCache.row_groups``),
+  as (c) does. Until issue 30 those cells ran a hand-written greedy loop of two groups
+  (``splitlearn/client/generation.py``'s ``RemoteDecoder``), and before issue 20 every cell
+  did; the figures in benchmarks/README.md from before that change are its "hand loop" column;
 - **(c) hf generate**: ``splitlearn.SplitGPT2LMHeadModel.from_pretrained(source, server=url,
   token=...).generate(...)`` (transformers' ``GenerationMixin`` over a ``RemoteCache``), on
   prepacked weights as (b) (``SplitGenerationMixin.packed_weights``, the default);

@@ -4,13 +4,13 @@
     python benchmarks/lora.py --quick    # the tiny model, seconds: the smoke test
 
 1. Memory. 16 clients each take one AdamW training step on the server's trunk through
-   :class:`splitlearn.server.adapters.AdapterBank` (r=8, alpha=16 on c_attn and c_proj, as
+   :class:`splitlearn.server.engine.adapters.AdapterBank` (r=8, alpha=16 on c_attn and c_proj, as
    Plato's GPT-2 split-learning LoRA example); the bytes each client holds (adapter + AdamW
    moments) are read from the tensors themselves and compared with what full-segment
    training holds per client (a copy of the segment + AdamW moments, measured on a real
    AdamW step of a copy).
 2. Decode. 8 sessions (1 row each, 32-token prefill) decode ``--steps`` tokens, every step
-   batched into one forward by :func:`splitlearn.server.batching.batched_decode`: with no
+   batched into one forward by :func:`splitlearn.server.engine.batching.batched_decode`: with no
    adapters (a server without LoRA), with one adapter shared by the 8, and with 8 different
    adapters (shared base matmul + per-adapter delta on its rows). In-process, no HTTP, so
    the numbers isolate the adapters' compute cost; also checks that the mixed batch equals
@@ -28,8 +28,8 @@ import torch
 import splitlearn as sl
 from splitlearn.checkpoint import make_optimizer
 from splitlearn.lora import LoraSpec, lora_scope
-from splitlearn.server.adapters import AdapterBank
-from splitlearn.server.batching import DecodeItem, batched_decode
+from splitlearn.server.engine.adapters import AdapterBank
+from splitlearn.server.engine.batching import DecodeItem, batched_decode
 
 
 def trunk_of(model_name: str, cuts):

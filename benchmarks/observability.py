@@ -123,8 +123,8 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
     """The same comparison in one process, through Flask's test client (no HTTP, no second
     process: less noise on a busy machine): the app with its hooks and a JSON access line
     per request to a file, against the app without (``request_log=False``), interleaved."""
-    from splitlearn.server import accesslog
-    from splitlearn.server.app import create_app
+    from splitlearn.server.http import accesslog
+    from splitlearn.server.http.app import create_app
     from splitlearn.server.config import ServerConfig
 
     token = "observability-bench-token-0123456789"
@@ -132,7 +132,7 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
             for k in ("on", "off")}
     handler = logging.FileHandler(log_path)
     handler.setFormatter(accesslog.JsonFormatter())
-    logger = logging.getLogger("splitlearn.server.accesslog")
+    logger = logging.getLogger("splitlearn.server.http.accesslog")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     auth = {"Authorization": f"Bearer {token}"}

@@ -14,8 +14,8 @@ Greedy generation of ``new_tokens`` after a ``prompt_len`` prompt, per batch of
 ``gen_batches``; every round runs each system once (paired: a slow phase of the machine hits
 all of them), ``pinned_repeats`` rounds after one warm-up. Systems: ``unsplit (1 core)``;
 ``splitlearn u float32`` (:meth:`SplitClient.generate`: two row groups in flight from batch
-2, see :mod:`splitlearn.client.generation`); from batch 2 also ``... serial`` (one group:
-client and server take turns). ``ratio`` is the median over rounds of the unsplit time over
+2, see ``RemoteCache.row_groups`` in :mod:`splitlearn.hf.cache`); from batch 2 also ``... serial``
+(``pipeline=False``, one group: client and server take turns). ``ratio`` is the median over rounds of the unsplit time over
 the system's time. Also the decode-step overhead (round trip minus server compute, batch 1)
 with both sides pinned. Skipped on machines with fewer than two cores and on GPU runs.
 

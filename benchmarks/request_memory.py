@@ -1,4 +1,4 @@
-"""What a request costs in memory: the server's cost model (splitlearn/server/budget.py)
+"""What a request costs in memory: the server's cost model (splitlearn/server/engine/budget.py)
 against the peak it measures.
 
     python benchmarks/request_memory.py            # GPT-2 vocab + small width, and GPT-2 small's shape
@@ -64,8 +64,8 @@ def child(model: str, route: str, B: int, T: int, pad: bool) -> dict:
     from serverproc import TOKEN, auth, post_tensors
 
     from splitlearn import protocol as P
-    from splitlearn.server import budget as bm
-    from splitlearn.server.app import create_app
+    from splitlearn.server.engine import budget as bm
+    from splitlearn.server.http.app import create_app
     from splitlearn.server.config import ServerConfig
 
     torch.set_num_threads(2)

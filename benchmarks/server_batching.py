@@ -5,7 +5,7 @@ makes one) opens a generation session, sends a prompt's hidden states, then send
 ``server_batching_new_tokens`` decode steps of precomputed (1, 1, d) activations, each as
 soon as the previous answer is back, as a real client would. The bodies are encoded before
 the clock starts, so what is timed is the server: HTTP, validation, the segment and the
-cross-session batching of decode steps (:mod:`splitlearn.server.batching`).
+cross-session batching of decode steps (:mod:`splitlearn.server.engine.batching`).
 
 Value: server decode tokens/s = N x steps / (last finish - first start); ``ratio``: over one
 session on the same server. Each shape runs on a server that batches and on one started with

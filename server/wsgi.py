@@ -2,6 +2,6 @@
 
     SPLITLEARN_ARGS="--model gpt2 --cut 2 --cut 10" waitress-serve --listen 127.0.0.1:8000 wsgi:app
 """
-from splitlearn.server.wsgi import create_app_from_env
+from splitlearn.server.http.wsgi import create_app_from_env
 
 app = create_app_from_env()

@@ -12,20 +12,10 @@ A checkpoint is a *generation* directory, made visible all at once::
                                      "files": {file name: sha256 of its bytes}}
     DIR/NAME-00000041/              the previous generation, kept as a fallback
 
-Writing: every file goes into ``NAME-<gen>.tmp/`` and is fsynced; ``state.json`` is written
-last; the directory is renamed to ``NAME-<gen>`` and the parent fsynced; then ``NAME.latest``
-is written to a temporary name, fsynced and renamed over the old pointer. A crash at any
-moment leaves the previous pointer and its complete generation (a leftover ``.tmp`` directory
-is ignored and removed by the next save). Loading checks every file against its sha256, so a
-truncated or corrupt file is refused with :class:`~splitlearn.errors.SegmentFileError`
-naming it, never half-loaded. Nothing is unpickled: tensors come from safetensors, the rest
-JSON.
-
-Permissions: a checkpoint holds the model and, on a client, the training data's tokens (the
-journal), so only its owner may read it: every file is written 0600 and every directory this
-module creates (``DIR`` if missing, each generation) is 0700, whatever the umask
-(:func:`private_dir`, :func:`open_private`; the client's journal uses them too).
-"""
+Written via ``NAME-<gen>.tmp/`` (fsynced, ``state.json`` last, renamed, pointer replaced);
+files 0600 in 0700 directories (:func:`private_dir`, :func:`open_private`). Loading checks
+every sha256 (:class:`~splitlearn.errors.SegmentFileError` naming the file); nothing is
+unpickled. Crash behaviour: docs/RECOVERY.md, 'The server'."""
 from __future__ import annotations
 
 import hashlib

@@ -1,9 +1,5 @@
-"""Offline data: a byte-level tokenizer, the shipped corpus, and language-model batches.
-
-:class:`ByteTokenizer` maps UTF-8 bytes to ids 0..255 and uses 256 as end-of-text, so the
-tiny specs in ``models/`` (vocab 257) need no download. :func:`get_tokenizer` returns a
-Hugging Face tokenizer instead when given a local directory or hub id that has one.
-"""
+"""Offline data: a byte-level tokenizer (ids 0..255, 256 = end-of-text, for the vocab-257 specs
+in ``models/``), the shipped corpus, and language-model batches."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,10 +33,7 @@ class ByteTokenizer:
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict:
-    """Batch sequences of different lengths with padding on the left.
-
-    Returns ``{"input_ids": (B, T) long, "attention_mask": (B, T) long}``.
-    """
+    """Batch sequences with left padding: ``{"input_ids": (B, T) long, "attention_mask": (B, T) long}``."""
     T = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
@@ -52,10 +45,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict:
 
 
 def get_tokenizer(source: Optional[str] = None):
-    """A Hugging Face tokenizer for a local directory / hub id that has one, else bytes.
-
-    Spec names, ``random:`` sources and JSON configs get the :class:`ByteTokenizer`.
-    """
+    """A Hugging Face tokenizer for a local directory / hub id that has one; the
+    :class:`ByteTokenizer` for spec names, ``random:`` sources and JSON configs."""
     from .loading import is_spec_source
 
     if source is None or not isinstance(source, (str, Path)):
@@ -84,11 +75,8 @@ def load_corpus(path: Optional[Union[str, Path]] = None) -> str:
 
 def lm_batches(ids: Sequence[int], batch_size: int, seq_len: int, *, seed: int = 0,
                steps: Optional[int] = None) -> Iterator[torch.Tensor]:
-    """Random windows of ``seq_len`` tokens from one token stream, ``batch_size`` per batch.
-
-    Yields (batch_size, seq_len) long tensors, reproducibly for a seed; forever unless
-    ``steps`` is given.
-    """
+    """Random (batch_size, seq_len) long windows of one token stream, reproducible for a seed;
+    forever unless ``steps`` is given."""
     data = torch.tensor(list(ids), dtype=torch.long)
     if len(data) <= seq_len:
         raise ConfigError(f"the corpus has {len(data)} tokens, fewer than seq_len + 1 = {seq_len + 1}")

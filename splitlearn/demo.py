@@ -1,14 +1,8 @@
 """``make demo``: split-train a small GPT-2 in the U-shape over HTTP, then generate with it.
 
-1. cut the model and check that the segments chained equal the unsplit model;
-2. start a server on loopback holding the trunk (blocks 2..4 of 6);
-3. train on the corpus shipped with splitlearn, showing the loss fall;
-4. generate a sample through client bottom -> server trunk -> client top;
-5. stop the server;
-6. three data owners, each with its own shard of the corpus, train one model with SplitFed
-   (``--federation splitfed``): their losses and the shared model's held-out loss fall, and
-   no owner's text leaves its process.
-"""
+Checks split == unsplit, starts a loopback server holding the trunk, trains on the shipped
+corpus, generates a sample, stops the server; then three data owners train one model with
+SplitFed (docs/FEDERATION.md)."""
 from __future__ import annotations
 
 import argparse

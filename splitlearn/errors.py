@@ -1,11 +1,8 @@
 """Every error splitlearn raises, in one place.
 
-The root is :class:`SplitLearnError`. Each subclass carries the HTTP status the server
-answers with; the server turns any of them into a JSON body ``{"error": CODE, "message":
-TEXT}`` and the client turns that body back into the same class (see :func:`from_payload`).
-``retryable`` says whether repeating the same request can succeed (like requests'
-``ConnectionError`` versus ``HTTPError``).
-"""
+The root is :class:`SplitLearnError`; each subclass carries the HTTP status the server
+answers with, as ``{"error": CODE, "message": TEXT}``, which the client turns back into the
+same class (:func:`from_payload`). ``retryable``: whether repeating the same request can succeed."""
 from __future__ import annotations
 
 from typing import Optional

@@ -15,14 +15,9 @@ The spec::
      "sha256": "<hex digest of the .safetensors file>",
      "tied_lm_head": "copy"}
 
-The tied ``wte``/``lm_head`` weight: an exported top holds its own copy of it as
-``lm_head.weight`` (``"tied_lm_head": "copy"``), so a server can load a top without the
-bottom. :func:`load_segments` given both bottom and top re-ties them into one tensor, which
-is what training needs to match the unsplit model.
-
-Loading checks the hash, the tensor names and every shape against the spec and the config
-before a single weight is used; a mismatch raises :class:`SegmentFileError`.
-"""
+An exported top holds its own copy of the tied ``wte``/``lm_head`` weight;
+:func:`load_segments` re-ties bottom and top. Loading checks the hash, the tensor names and
+every shape first; a mismatch raises :class:`SegmentFileError`."""
 from __future__ import annotations
 
 import hashlib
@@ -98,11 +93,8 @@ def read_segment_spec(path: Union[str, Path]) -> tuple[dict, Path]:
 
 def load_segment(path: Union[str, Path], *, device: Union[str, torch.device, None] = None,
                  dtype: Union[str, torch.dtype, None] = None) -> Segment:
-    """Load one exported segment (``out_dir/top.json`` or ``out_dir/top``), nothing else.
-
-    Verifies the file hash, the tensor names and shapes first. Returns the :class:`Segment`
-    in eval mode on ``device`` (default cpu), cast to ``dtype`` if given.
-    """
+    """Load one exported segment (``out_dir/top.json`` or ``out_dir/top``), nothing else, checked
+    first; returns the :class:`Segment` in eval mode on ``device`` (default cpu), in ``dtype``."""
     spec, weights = read_segment_spec(path)
     if not weights.is_file():
         raise SegmentFileError(f"segment weights {weights} are missing")

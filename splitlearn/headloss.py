@@ -1,26 +1,12 @@
-"""The causal-LM loss of a top segment computed in chunks of positions, so the (B, T, V)
-logits never exist at once.
-
-GPT-2's LM head turns each position's d-vector into V = 50257 logits: for 64 rows of 1024
-positions that is 64 x 1024 x 50257 x 4 B = 13 GB in float32, several times over once the
-softmax and its gradient are counted, while the hidden states it comes from take 17 MB. So::
+"""The causal-LM loss of a top segment computed in chunks of positions, so the (B, T, V) logits
+never exist at once::
 
     x = ln_f(h)                                               # (B, T, d), as the segment does
     loss = sum over chunks c of CE_sum(x[c] @ W^T, y[c]) / n  # logits (rows_c, V), one chunk at a time
 
-with ``n`` the number of targets that are not ``-100``: the mean :func:`~.segments.loss_from_logits`
-takes, divided once. With gradients, :class:`_ChunkedHeadLoss` computes each chunk's
-gradients with respect to ``x`` and ``W`` during the forward, while that chunk's logits exist,
-and drops them (the "fused linear cross-entropy" of Liger Kernel: Hsu et al. 2024,
-arXiv:2410.10989), made for the gradient the loss will be backpropagated with (``grad_scale``:
-a micro-batch's ``loss_scale``); its backward hands them over. That costs no recomputation (the same three matrix products as the unchunked
-head: logits, grad of x, grad of W) and holds one chunk of logits plus the gradients of
-``x`` and ``W``, which the unchunked head holds too. The cross-entropy of a chunk, and its
-gradient with respect to the logits, are torch's own (``F.cross_entropy``, float32 as in
-``loss_from_logits``), scaled as autograd scales them, so one chunk gives the unchunked loss bit for
-bit and its gradients up to the matrix products' blocking; several chunks differ from it only
-in the order the sums over positions are added (~1e-7 relative).
-"""
+``n``: the targets that are not ``-100``. With gradients, each chunk's gradients of ``x`` and
+``W`` are made in the forward while its logits exist. Design, cost and exactness:
+docs/INTERNALS.md, 'What a request costs in memory'."""
 from __future__ import annotations
 
 from typing import Optional
@@ -30,10 +16,8 @@ from torch import nn
 from torch.nn import functional as F
 
 IGNORE = -100
-# Bytes of one chunk's float32 logits; the chunk's working set is 4x this (logits, log-softmax,
-# the gradients of both). Above glibc's largest mmap threshold (32 MiB) on purpose: every chunk
-# is then mapped and unmapped whole; 32 MiB chunks came from the heap, which grew by a
-# fragment per chunk (409 MiB for 50 chunks against 127 MiB for one; docs/INTERNALS.md).
+# Bytes of one chunk's float32 logits: above glibc's largest mmap threshold (32 MiB) on purpose
+# (docs/INTERNALS.md, "glibc's mmap threshold").
 CHUNK_LOGITS_BYTES = 64 << 20
 
 
@@ -43,11 +27,9 @@ def chunk_rows(vocab: int, chunk_bytes: int = CHUNK_LOGITS_BYTES) -> int:
 
 
 def _chunk_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, per_target: torch.Tensor):
-    """Summed cross-entropy of one chunk and its gradient with respect to the logits, for an
-    incoming gradient of ``per_target`` on each target's loss.
-
-    x: (c, d); weight: (V, d); targets: (c,). Returns (loss_sum, grad_logits (c, V) in x's dtype).
-    """
+    """Summed cross-entropy of one chunk and its gradient with respect to the logits, for an incoming
+    gradient of ``per_target`` on each target's loss. x: (c, d); weight: (V, d); targets: (c,).
+    Returns (loss_sum, grad_logits (c, V) in x's dtype)."""
     with torch.enable_grad():
         logits = (x @ weight.t()).detach().requires_grad_()  # (c, V)
         loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="sum")
@@ -56,14 +38,9 @@ def _chunk_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, pe
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum_c CE_sum(x[c] @ W^T, y[c]) / n, gradients made chunk by chunk in the forward.
-
-    The gradients are made for the incoming gradient ``scale`` (what the loss will be
-    backpropagated with: 1, or a micro-batch's ``loss_scale``), scaled before the products as
-    autograd scales the unchunked loss's (cross-entropy's backward gives each target
-    ``scale / n``), so one chunk's gradients are the unchunked ones bit for bit. A backward
-    with another incoming gradient rescales them.
-    """
+    """sum_c CE_sum(x[c] @ W^T, y[c]) / n, gradients made chunk by chunk in the forward for the
+    incoming gradient ``scale`` (1, or a micro-batch's ``loss_scale``); a backward with another
+    incoming gradient rescales them."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -104,12 +81,10 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                     rows: Optional[int] = None, grad_scale: float = 1.0) -> torch.Tensor:
     """Causal-LM loss of ``logits = x @ weight^T`` without materialising the logits.
 
-    x: (B, T, d) after ``ln_f``; weight: (V, d), the LM head (no bias); labels: (B, T) with
-    -100 for ignored targets. Shifts by one and averages over the targets kept, exactly as
-    :func:`~splitlearn.segments.loss_from_logits`. ``rows``: positions per chunk (default:
-    :func:`chunk_rows`). Differentiable in ``x`` and ``weight``; ``grad_scale``: the gradient
-    the loss will be backpropagated with (``(loss * s).backward()``: s), for exact gradients.
-    """
+    x: (B, T, d) after ``ln_f``; weight: (V, d), no bias; labels: (B, T), -100 ignored. Shifts
+    and averages as :func:`~splitlearn.segments.loss_from_logits`. ``rows``: positions per chunk
+    (default :func:`chunk_rows`); ``grad_scale``: the s of ``(loss * s).backward()``, for exact
+    gradients."""
     xs = x[:, :-1, :].reshape(-1, x.shape[-1])  # (B*(T-1), d)
     ys = labels[:, 1:].reshape(-1).to(x.device)  # (B*(T-1),)
     rows = rows or chunk_rows(weight.shape[0])
@@ -124,9 +99,8 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 def head_loss(top: nn.Module, h: torch.Tensor, labels: torch.Tensor,
               rows: Optional[int] = None, grad_scale: float = 1.0) -> torch.Tensor:
-    """The loss of a top (or full) segment from its last block's output ``h`` (B, T, d):
-    ``ln_f`` then :func:`chunked_lm_loss` on ``lm_head``'s weight (GPT-2's head has no bias).
-    A LoRA :class:`~splitlearn.lora.AdaptedSegment`'s head is its base's (adapters never target it)."""
+    """The loss of a top (or full) segment from its last block's output ``h`` (B, T, d): ``ln_f``
+    then :func:`chunked_lm_loss` on ``lm_head``'s weight (a LoRA segment's head is its base's)."""
     top = getattr(top, "base", top)
     if getattr(top.lm_head, "bias", None) is not None:
         raise ValueError("the chunked head loss needs an LM head without bias (GPT-2's has none)")

@@ -1,29 +1,8 @@
 """``IdlePoller``: keep a process's cores from sleeping between messages (``--poll-idle``).
 
-A split decode step is a relay: the client computes while the server's cores wait for the
-next request, then the server computes while the client's cores wait for the answer. A
-core with nothing to run goes idle, and on a virtual machine an idle vCPU halts: the
-hypervisor takes the core back, and giving it back when a packet arrives costs a fraction of
-a millisecond, on every message. Measured on this project's 2-core VM (AMD EPYC, KVM,
-``cpuidle-haltpoll``; ``POST /v1/echo`` of a decode step's body, client and server on cores
-of their own)::
-
-    echo round trip                                 median
-    back to back                                    0.27 ms
-    after the server sat idle 13 ms                 1.08 ms
-      ... with a poller on the server's core        0.62 ms
-      ... with pollers on both cores                0.54 ms
-
-The kernel's own remedy is ``idle=poll`` (or a longer ``haltpoll`` window): root, and the
-whole machine. This module does it for the cores of one process: one child process per core,
-pinned to it, scheduled ``SCHED_IDLE`` (it runs only when nothing else wants the core, and is
-preempted at once when something does), spinning. It costs energy and the core's idle
-time, never the process's own time; use it where the cores are the split's own (two
-devices, one side each), not on a laptop on battery or cores shared with other work.
-
-The pollers exit with their parent, even one killed with SIGKILL: each checks its parent
-every ~10 ms. Linux only (``os.sched_setaffinity``).
-"""
+One child process per core, pinned to it, ``SCHED_IDLE``, spinning; each exits with its parent
+(even after SIGKILL: it checks every ~10 ms). Linux only. Why, what it buys and what it costs:
+docs/INTERNALS.md, 'What a decode step pays for being a relay'."""
 from __future__ import annotations
 
 import os
@@ -56,12 +35,8 @@ def available() -> bool:
 
 
 class IdlePoller:
-    """Pollers on ``cores`` (default: every core this process may run on).
-
-    ``start()`` / ``stop()`` (or a ``with`` block); ``pause()`` / ``resume()`` (or ``with
-    poller.running():``) stop and continue them without a new process (SIGSTOP / SIGCONT),
-    for a benchmark's baseline.
-    """
+    """Pollers on ``cores`` (default: every core this process may run on). ``start()``/``stop()``
+    (or ``with``); ``pause()``/``resume()`` (or ``with poller.running():``) via SIGSTOP/SIGCONT."""
 
     def __init__(self, cores: Optional[Iterable[int]] = None):
         if not available():

@@ -1,7 +1,4 @@
-"""``load_model(source)``: a ``GPT2LMHeadModel`` from a hub id, a local directory, a JSON
-config, a ``GPT2Config`` or a model spec shipped in ``models/``.
-
-Sources, tried in this order:
+"""``load_model(source)``: a ``GPT2LMHeadModel`` from, tried in this order:
 
 ========================================  =====================================================
 ``GPT2LMHeadModel`` / ``GPT2Config``       the model itself / a random init from the config
@@ -11,11 +8,9 @@ an existing ``.json`` file                 a GPT-2 config: random init
 anything else                              a hub id, ``from_pretrained`` (needs the hub or its cache)
 ========================================  =====================================================
 
-Random inits are seeded (``seed=0`` by default), so two processes that load the same spec
-hold the same weights: that is how a client and a server agree on a model without moving it.
-Specs of real checkpoints (``gpt2``, ``gpt2-medium``, ...) carry ``"hub_id"``: their bare name
-means the hub checkpoint, ``random:gpt2`` the same shape with random weights.
-"""
+Random inits are seeded (``seed=0``), so two processes loading the same spec hold the same
+weights. A spec with ``"hub_id"`` (``gpt2``, ...) means the hub checkpoint by its bare name,
+``random:gpt2`` the same shape with random weights."""
 from __future__ import annotations
 
 import json
@@ -36,9 +31,7 @@ log = logging.getLogger(__name__)
 
 ModelSource = Union[str, Path, GPT2Config, GPT2LMHeadModel]
 
-# transformers' model construction is not safe from several threads of one process at once
-# (some fail with "Cannot copy out of meta tensor"), and anyone simulating many data owners
-# builds clients from threads: loads take turns.
+# model construction is not thread-safe (docs/INTERNALS.md, "transformers 5 and segments"): loads take turns
 _LOAD_LOCK = threading.RLock()
 
 
@@ -102,14 +95,9 @@ def random_model(config: GPT2Config, seed: int = 0) -> GPT2LMHeadModel:
 
 def load_model(source: ModelSource, *, dtype: Union[str, torch.dtype, None] = None,
                device: Union[str, torch.device, None] = None, seed: int = 0) -> GPT2LMHeadModel:
-    """Load a GPT-2 language model.
-
-    source: see the module docstring (hub id, directory, JSON config, GPT2Config, spec name).
-    dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype; None keeps float32.
-    device: ``"cpu"``, ``"cuda"``, ``"auto"``; None means cpu.
-    seed: the seed of random inits (ignored for checkpoints).
-    Returns a ``GPT2LMHeadModel`` in eval mode.
-    """
+    """Load a GPT-2 language model in eval mode. ``source``: see the module docstring; ``dtype``:
+    ``"float32"``, ``"bfloat16"``, ``"float16"`` or a torch dtype (None: float32); ``device``:
+    ``"cpu"``, ``"cuda"``, ``"auto"`` (None: cpu); ``seed``: of random inits."""
     torch_dtype = resolve_dtype(dtype)
     dev = resolve_device(device or "cpu")
     with _LOAD_LOCK:

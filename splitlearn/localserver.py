@@ -9,44 +9,18 @@ sends SIGTERM and waits (SIGKILL after a timeout).
 :class:`LocalServer` is ``python -m splitlearn.server`` with a fresh random token and a free
 loopback port (it checkpoints on SIGTERM if it has a --checkpoint-dir). This module imports
 neither Flask nor the server package.
-
-The fork server (opt-in: ``fork=True``, or ``SPLITLEARN_FORK_SERVERS=1`` in the environment,
-as the tests set it). A fresh ``python -m splitlearn.server`` spends ~9 CPU-seconds importing
-torch and transformers before it serves, and a test run starts dozens. Forked, a child
-``[sys.executable, "-m", MODULE, ARGS...]`` comes instead from a process that imported the
-server package once (:data:`PRELOAD`): multiprocessing's "forkserver", one per process that
-uses it (one per pytest-xdist worker), started on first use, gone when that process exits.
-It is a fresh interpreter of its own, never a fork of the caller, so the caller's threads
-(torch's pools, other servers) do not matter. The child (:func:`_run_as_main`) then does what
-``python -m`` does: the caller's working directory and environment (``os.environ`` + ``env``),
-``sys.argv``, a fresh interpreter's ``sys.path``, the module run as ``__main__`` (runpy), the
-``atexit`` handlers, its exit code; its stdout and stderr are the caller's open files, passed
-over the fork server's socket as a subprocess inherits them (stdin is /dev/null).
-:class:`ForkedProcess` is its ``subprocess.Popen`` (pid, poll, wait, returncode: minus the
-signal that killed it, signals). Where forking cannot match an exec it is not done: another
-command, ``stdout=PIPE``, or an ``env`` with ``PYTHON*`` variables start as a subprocess; a
-child whose environment differs from the fork server's in a variable read when the
-interpreter or a preloaded library starts (:data:`STARTUP_ENV`) exec's ``python -m`` in the
-forked process (same pid, only slower), save torch's thread count (:data:`THREAD_ENV`).
-Why multiprocessing's fork server, not one of our own: it already starts a clean preloaded
-interpreter, forks on request, passes open files and reports exit statuses; one step of its
-launch is changed (:class:`_Popen`), the rest is ``python -m``'s set-up, done in the child.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import runpy
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from typing import IO, Optional, Sequence, Union
+from typing import IO, Optional, Sequence
 
 from . import protocol as P
 from .errors import TransportError
@@ -58,254 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# -- the fork server -----------------------------------------------------------------------
-
-FORK_ENV = "SPLITLEARN_FORK_SERVERS"  # "1": ChildServer(fork=None) forks what it can
-
-# What the fork server imports once: this module first (it notes the fresh interpreter's
-# sys.path, below), then what ``python -m splitlearn.server`` imports (its __main__ -> .cli;
-# serve() -> .app, .frontdoor, ..idlepoll) and the fed server. A module that fails to import
-# is skipped by multiprocessing; a child then imports it itself (slower, same result). The
-# children run the code as it was when the fork server started: edits after that go unseen.
-PRELOAD = ("splitlearn.localserver", "splitlearn.server.cli", "splitlearn.server.app",
-           "splitlearn.server.frontdoor", "splitlearn.idlepoll", "splitlearn.server.fedavg")
-
-# Environment variables read when an interpreter or the preloaded libraries start (glibc's
-# malloc, OpenBLAS, libgomp, MKL, huggingface_hub's paths and switches, the locale...), not
-# when they are first used: where a forked child's value differs from the fork server's, it
-# exec's a fresh ``python -m`` (same process), except for torch's thread count (below).
-STARTUP_ENV = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "HOME", "TZ", "TMP", "TEMP",
-               "XDG_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "HF_", "HUGGINGFACE_",
-               "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "CUDA_", "NCCL_")
-# torch sizes its intra-op pool when imported, from these (MKL's order: the first set wins;
-# neither: one per core). A child asking for n threads where the fork server has m >= n
-# gets torch.set_num_threads(n): what a fresh import would have picked, as n is under the cap
-# that made m. Anything else starts fresh. (numpy's OpenBLAS keeps the fork server's count.)
-THREAD_ENV = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
-
-# In the fork server (which imports this module first): a fresh interpreter's sys.path, whose
-# first entry is the '' of ``python -c``; ``python -m`` has the working directory there.
-_START_PATH = tuple(sys.path)
-
-_fork_lock = threading.Lock()
-_fork_ctx = None
-#: the environment the fork server started with (its children whose startup variables differ from
-#: it start afresh: :func:`_start_plan`); None until the first forked child starts it
-fork_server_env: Optional[dict] = None
-
-
-def fork_wanted(fork: Optional[bool] = None) -> bool:
-    """``fork``, or when None, whether ``$SPLITLEARN_FORK_SERVERS`` is "1"."""
-    return os.environ.get(FORK_ENV) == "1" if fork is None else fork
-
-
-def can_fork(cmd: Sequence[str], env: Optional[dict] = None, stdout=None) -> bool:
-    """Whether ``cmd`` (with ``env`` over os.environ, and ``stdout``) can start forked: it is
-    ``[sys.executable, "-m", MODULE, ...]``, stdout is not a pipe to read, ``env`` sets no
-    ``PYTHON*`` variable, and this platform has a fork server."""
-    return (len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and bool(cmd[2])
-            and not cmd[2].startswith("-") and stdout != subprocess.PIPE
-            and not any(k.startswith("PYTHON") for k in (env or {}))
-            and _ForkServerProcess is not object)
-
-
-def _context():
-    """The multiprocessing forkserver context, preloading :data:`PRELOAD` (set once)."""
-    global _fork_ctx
-    with _fork_lock:
-        if _fork_ctx is None:
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(list(PRELOAD))
-            _fork_ctx = ctx
-        return _fork_ctx
-
-
-class _Fd:
-    """An open file descriptor of the caller, for the forked child: multiprocessing sends it
-    over the fork server's socket when it pickles the child's arguments; the child gets an int."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __reduce__(self):
-        from multiprocessing import reduction
-
-        return _Fd._detach, (reduction.DupFd(self.fd),)
-
-    @staticmethod
-    def _detach(dup) -> int:
-        return dup.detach()
-
-
-def _start_plan(env: dict) -> Optional[int]:
-    """In a forked child, before it takes ``env``: the torch threads to set for it to start as a
-    fresh ``python -m`` would (None: nothing to set); -1 if it must start fresh."""
-    if any(k.startswith(STARTUP_ENV) and k not in THREAD_ENV and env.get(k) != os.environ.get(k)
-           for k in set(env) | set(os.environ)):
-        return -1
-    if all(env.get(k) == os.environ.get(k) for k in THREAD_ENV) or "torch" not in sys.modules:
-        return None  # the same threads, or torch not imported yet: it reads env when it is
-    value = next((env[k] for k in THREAD_ENV if k in env), "")
-    n = int(value) if value.strip().isdigit() else 0
-    return n if 0 < n <= sys.modules["torch"].get_num_threads() else -1
-
-
-def _run_as_main(cmd: list, env: dict, cwd: str, stdout: Union[int, str], stderr: Union[int, str]):
-    """In the forked child: become ``cmd`` = ``python -m MODULE ARGS`` and run it to its exit."""
-    import multiprocessing
-
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            stream.flush()
-    for target, fd in ((stdout, 1), (stderr, 2)):
-        src = os.open(target, os.O_WRONLY) if isinstance(target, str) else target
-        if src != fd:
-            os.dup2(src, fd)
-            os.close(src)
-    os.chdir(cwd)
-    threads = _start_plan(env)
-    if threads == -1:  # a fresh interpreter after all, in this process (as Popen, no other fds)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        os.execve(cmd[0], cmd, env)
-    os.environ.clear()
-    os.environ.update(env)
-    if threads is not None:
-        sys.modules["torch"].set_num_threads(threads)
-    if sys.stdout is not None:  # python -m buffers stdout by lines on a terminal only
-        sys.stdout.reconfigure(line_buffering=sys.stdout.isatty())
-    me = multiprocessing.current_process()
-    me.name, me.daemon = "MainProcess", False  # as the main process of its own interpreter
-    sys.argv = ["-m", *cmd[3:]]  # runpy puts the module's path first, as python -m does
-    sys.path[:] = [os.getcwd(), *_START_PATH[1:]]
-    interrupted = False
-    try:
-        runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    except BaseException as e:  # noqa: BLE001 - what the interpreter does with it
-        sys.excepthook(type(e), e, e.__traceback__)
-        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
-    # what the interpreter does at exit, which multiprocessing's os._exit would skip: wait for
-    # the threads that are not daemons, then run the atexit handlers (the rest is multiprocessing's)
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    if interrupted:  # python exits killed by SIGINT after an uncaught KeyboardInterrupt
-        sys.stdout.flush(), sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    raise SystemExit(code)  # multiprocessing makes it the exit code, as the interpreter does
-
-
-try:
-    from multiprocessing import popen_forkserver as _popen_forkserver
-    from multiprocessing.context import ForkServerProcess as _ForkServerProcess
-except ImportError:  # a platform without a fork server (Windows): can_fork() says no
-    _ForkServerProcess = object
-else:
-    class _Popen(_popen_forkserver.Popen):
-        """multiprocessing's fork-server Popen, less one step: the child does not import the
-        caller's ``__main__`` (as ``__mp_main__``), which multiprocessing does for a target
-        defined there; ``python -m`` never would, and a script that starts servers at its top
-        level would start them again in each child."""
-
-        def _launch(self, process_obj):  # popen_forkserver.Popen._launch but for the pops
-            import io
-            from multiprocessing import context, forkserver, spawn, util
-
-            prep_data = spawn.get_preparation_data(process_obj._name)
-            prep_data.pop("init_main_from_path", None)
-            prep_data.pop("init_main_from_name", None)
-            buf = io.BytesIO()
-            context.set_spawning_popen(self)
-            try:
-                context.reduction.dump(prep_data, buf)
-                context.reduction.dump(process_obj, buf)
-            finally:
-                context.set_spawning_popen(None)
-            self.sentinel, w = forkserver.connect_to_new_process(self._fds)
-            _parent_w = os.dup(w)  # the child's sentinel of this process
-            self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
-            with open(w, "wb", closefd=True) as f:
-                f.write(buf.getbuffer())
-            self.pid = forkserver.read_signed(self.sentinel)
-
-
-class _ServerProcess(_ForkServerProcess):
-    """A ``multiprocessing`` process started by the fork server, through :class:`_Popen`."""
-
-    @staticmethod
-    def _Popen(process_obj):
-        return _Popen(process_obj)
-
-
-class ForkedProcess:
-    """``cmd`` = ``[sys.executable, "-m", MODULE, ARGS...]`` forked from the fork server: the
-    parts of ``subprocess.Popen`` that :class:`ChildServer` and its users need.
-
-    ``stdout``/``stderr``: None (this process's), ``subprocess.DEVNULL``, an fd or a file.
-    ``returncode`` is the exit code, or minus the signal that killed it; 255 if the fork
-    server itself was killed before it could say.
-    """
-
-    def __init__(self, cmd: Sequence[str], env: dict, stdout=None, stderr=None):
-        self.args = list(cmd)
-        self.stdout = None
-        self.returncode: Optional[int] = None
-        global fork_server_env
-        _context()
-        if fork_server_env is None:  # this start launches the fork server, with os.environ as it is now
-            fork_server_env = dict(os.environ)
-        self._process = _ServerProcess(
-            target=_run_as_main, name=" ".join(self.args[1:3]), daemon=True,  # daemon: ended at our exit
-            args=(self.args, dict(env), os.getcwd(), self._target(stdout, 1), self._target(stderr, 2)))
-        self._process.start()
-        self.pid: int = self._process.pid
-
-    @staticmethod
-    def _target(f, default_fd: int):
-        if f == subprocess.DEVNULL:
-            return os.devnull
-        if f is None:
-            return _Fd(default_fd)
-        if isinstance(f, int) and f >= 0:
-            return _Fd(f)
-        if hasattr(f, "fileno"):
-            return _Fd(f.fileno())
-        raise ValueError(f"a forked child's output goes to None, DEVNULL, an fd or a file, not {f!r}")
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            code = self._process.exitcode
-            if code is not None:
-                self.returncode = code
-                self._process.close()
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        if self.returncode is None:
-            self._process.join(timeout)
-            if self.poll() is None:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:  # exited meanwhile
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __repr__(self) -> str:
-        return f"<ForkedProcess {self.pid} returncode={self.returncode} args={self.args!r}>"
+#: How every :class:`ChildServer` starts its command: ``launch(cmd, env=..., stdout=...,
+#: stderr=...)`` returns a ``subprocess.Popen``, or an object with the same ``pid``, ``stdout``,
+#: ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate`` and ``kill``. The tests
+#: replace it with one that forks ``python -m`` children from a preloaded interpreter
+#: (tests/forkserver.py); everything else starts a plain subprocess.
+launch = subprocess.Popen
 
 
 class ChildServer:
@@ -315,15 +47,13 @@ class ChildServer:
     subclass whose child signals readiness otherwise (a line on stdout) overrides it, with
     ``stdout=subprocess.PIPE`` to read that line from ``self.proc.stdout``. ``capture_stderr``
     keeps the child's stderr in a temporary file, whose tail (:meth:`stderr_tail`) the errors
-    of :meth:`start` then quote; otherwise stderr is dropped (``quiet``) or inherited.
-    ``fork``: start a ``python -m`` command from the fork server (a :class:`ForkedProcess`, see
-    the module's doc) where it can; None: if ``$SPLITLEARN_FORK_SERVERS`` is "1".
+    of :meth:`start` then quote; otherwise stderr is dropped (``quiet``) or inherited. The
+    child starts through :data:`launch`.
     """
 
     def __init__(self, cmd: Sequence[str], port: int, *, health: str = P.HEALTH,
                  startup_timeout_s: float = 120.0, quiet: bool = True, env: Optional[dict] = None,
-                 stdout: Optional[int] = subprocess.DEVNULL, capture_stderr: bool = False,
-                 fork: Optional[bool] = None):
+                 stdout: Optional[int] = subprocess.DEVNULL, capture_stderr: bool = False):
         self.cmd = list(cmd)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -333,8 +63,7 @@ class ChildServer:
         self.env = env or {}
         self.stdout = stdout
         self.capture_stderr = capture_stderr
-        self.fork = fork
-        self.proc: Optional[Union[subprocess.Popen, ForkedProcess]] = None
+        self.proc: Optional[subprocess.Popen] = None  # or what launch() returned
         self._stderr: Optional[IO[bytes]] = None
 
     def start(self):
@@ -352,11 +81,7 @@ class ChildServer:
         """Start the child process (a subclass may start it otherwise)."""
         self._stderr = tempfile.TemporaryFile() if self.capture_stderr else None
         stderr = self._stderr or (subprocess.DEVNULL if self.quiet else None)
-        env = {**os.environ, **self.env}
-        if fork_wanted(self.fork) and can_fork(self.cmd, self.env, self.stdout):
-            self.proc = ForkedProcess(self.cmd, env, stdout=self.stdout, stderr=stderr)
-        else:
-            self.proc = subprocess.Popen(self.cmd, env=env, stdout=self.stdout, stderr=stderr)
+        self.proc = launch(self.cmd, env={**os.environ, **self.env}, stdout=self.stdout, stderr=stderr)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -429,12 +154,11 @@ class LocalServer(ChildServer):
     """``python -m splitlearn.server ARGS`` on a free loopback port with a fresh token."""
 
     def __init__(self, args: Sequence[str], *, port: Optional[int] = None, token: Optional[str] = None,
-                 startup_timeout_s: float = 120.0, quiet: bool = True, env: Optional[dict] = None,
-                 fork: Optional[bool] = None):
+                 startup_timeout_s: float = 120.0, quiet: bool = True, env: Optional[dict] = None):
         self.args = list(args)
         self.token = token or secrets.token_urlsafe(16)
         port = port or free_port()
         cmd = [sys.executable, "-m", "splitlearn.server", *self.args, "--host", "127.0.0.1",
                "--port", str(port)] + (["--log-level", "WARNING"] if quiet else [])
         super().__init__(cmd, port, startup_timeout_s=startup_timeout_s, quiet=quiet,
-                         env={**(env or {}), "SPLITLEARN_TOKEN": self.token}, fork=fork)
+                         env={**(env or {}), "SPLITLEARN_TOKEN": self.token})

@@ -1,22 +1,11 @@
-"""LoRA for GPT-2 segments: the configuration, a deterministic adapter init, and many
-adapters on one frozen segment with a per-row choice of adapter.
-
-LoRA (Hu et al. 2021, arXiv 2106.09685) freezes a weight ``W`` and trains a low-rank update::
+"""LoRA for GPT-2 segments: the configuration, a deterministic adapter init, and many adapters
+on one frozen segment with a per-row choice of adapter::
 
     y = base(x) + scale * dropout(x) @ A^T @ B^T        A: (r, in), B: (out, r), scale = alpha / r
 
-GPT-2's projections (``c_attn``, ``c_proj``, ``c_fc``) are ``transformers.pytorch_utils.Conv1D``
-layers whose weight is stored transposed, (in, out); peft handles them with
-``fan_in_fan_out=True`` and keeps ``lora_A`` (r, in) and ``lora_B`` (out, r) as ``nn.Linear``
-weights, which is the layout used here, so an adapter of this module is a peft adapter.
-
-One frozen segment serves many adapters (:class:`LoraRouter`): a forward hook on every target
-``Conv1D`` adds the delta of the adapter chosen for the current forward, or, for a batch of
-decode rows from sessions of different clients, of each row's own adapter. The base product
-``x @ W`` runs once for all rows and each adapter adds its delta to its rows only, as Punica
-(Chen et al. 2023, arXiv 2310.18547) and S-LoRA (Sheng et al. 2023, arXiv 2311.03285) batch
-requests of many adapters; the module tree and its state dict stay the base model's.
-"""
+``lora_A`` (r, in) and ``lora_B`` (out, r) are peft's layout for GPT-2's ``Conv1D``
+(``fan_in_fan_out=True``), so an adapter here is a peft adapter. :class:`LoraRouter` adds
+adapters by forward hooks, per forward or per row. See docs/LORA.md."""
 from __future__ import annotations
 
 import hashlib
@@ -103,13 +92,8 @@ def target_modules(module: nn.Module, spec: LoraSpec) -> dict[str, Conv1D]:
 
 def init_adapter_pair(seed: int, client_id: str, name: str, fan_in: int, fan_out: int,
                       r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (r, fan_in) and B (fan_out, r) for module ``name`` (Hugging Face name), float32.
-
-    A is peft's init, ``kaiming_uniform_(a=sqrt(5))`` = U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
-    drawn from a generator seeded by (seed, client_id, name), so any process (the server,
-    a test's peft reference) rebuilds the same adapter; B is zero, so a new adapter changes
-    nothing until it trains.
-    """
+    """A (r, fan_in) and B (fan_out, r) float32 for module ``name`` (Hugging Face name): A as peft's
+    ``kaiming_uniform_(a=sqrt(5))`` from a generator seeded by (seed, client_id, name), B zero."""
     digest = hashlib.sha256(f"{seed}/{client_id}/{name}".encode()).digest()
     g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     bound = 1.0 / math.sqrt(fan_in)
@@ -173,10 +157,8 @@ Plan = Union[None, Adapter, list[tuple[int, Optional[Adapter]]]]
 class LoraRouter:
     """Adds adapters to the target ``Conv1D`` layers of a frozen segment, chosen per forward.
 
-    ``plan`` is None (the base model), one :class:`Adapter` (every row), or a list of
-    (rows, adapter or None) groups in row order (a batch of decode rows from many sessions).
-    Set it with :meth:`use` / :meth:`per_rows` around a forward; hooks read it.
-    """
+    ``plan``: None (the base), one :class:`Adapter` (every row), or (rows, adapter or None) groups
+    in row order; set it with :meth:`use` / :meth:`per_rows` around a forward."""
 
     def __init__(self, segment: nn.Module, spec: LoraSpec):
         self.spec = spec
@@ -248,11 +230,8 @@ class LoraRouter:
 
 
 class AdaptedSegment(nn.Module):
-    """The shared frozen segment run with one adapter: what a client's training step calls.
-
-    Its parameters (and state dict) are the adapter's only; the segment is referenced, not
-    registered, so copying an ``AdaptedSegment`` copies the adapter and shares the base.
-    """
+    """The shared frozen segment run with one adapter: its parameters and state dict are the
+    adapter's only (the segment is referenced, not registered; a copy shares the base)."""
 
     def __init__(self, router: LoraRouter, adapter: Adapter):
         super().__init__()
@@ -317,9 +296,8 @@ def check_server(info: dict, spec: Optional[LoraSpec]) -> None:
 
 def inject_adapters(module: torch.nn.Module, spec: LoraSpec, mods, seed: int, init_id: str,
                     hf_name) -> list[torch.nn.Parameter]:
-    """peft's LoRA layers on ``module``'s target submodules ``mods`` (local names), each adapter
-    initialised by :func:`init_adapter_pair` under its Hugging Face name ``hf_name(local)``, as
-    the server initialises its own; returns the adapter parameters (A, B per module)."""
+    """peft's LoRA layers on ``module``'s target submodules ``mods`` (local names), initialised by
+    :func:`init_adapter_pair` under ``hf_name(local)``; returns the adapter parameters."""
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(spec.to_peft(), module, adapter_name=ADAPTER)

@@ -1,24 +1,9 @@
 """The server's API as an OpenAPI 3.1 document, built from :mod:`splitlearn.protocol`.
 
-``GET /v1/openapi.json`` answers :func:`document` of the server that serves it::
-
-    paths        every route of OPERATIONS whose constant protocol.py defines, for this kind of
-                 server ("segment", "offload"); methods as the Flask app registers them
-    requests     JSON bodies: JSON Schemas built from the message classes (ApplyRequest.FIELDS
-                 and its limits, the session and turn bodies); tensor bodies:
-                 ``application/octet-stream`` (safetensors), ``type: string, format: binary``,
-                 their tensor names and ``__metadata__`` keys (the dataclass fields of StepMeta,
-                 SessionStepMeta, SyncMeta) in the description and in ``x-safetensors``
-    responses    2xx bodies (JSON schemas or binary), ``X-Server-Time-Ms`` on tensor answers,
-                 and every error status the route can answer with the one error shape of
-                 :mod:`splitlearn.errors`: ``{"error": CODE, "message": TEXT}``
-    security     ``bearer`` (``Authorization: Bearer <token>``) on every route but the health probe
-
-The limits that depend on the server (``max_batch``, ``n_positions``, ``n_embd``) come from its
-``/v1/info``. A route constant protocol.py gains without an entry here fails
-tests/test_openapi.py (``test_every_route_constant_is_described``), and every route the app
-registers must be in the document and vice versa (``test_document_matches_the_app``).
-"""
+``GET /v1/openapi.json`` answers :func:`document` of the server that serves it ("segment" or
+"offload"), with the limits of its ``/v1/info``. What the document holds: docs/PROTOCOL.md,
+``GET /v1/openapi.json``. A route constant without an entry here, or a route the app registers
+that the document lacks (or vice versa), fails tests/test_openapi.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +39,6 @@ _COMMON = (401, 405, 408, 429, 500, 503)  # any route with a token: the front do
 def error_codes(status: int) -> list[str]:
     return sorted({c.code for c in _ERRORS if c.status == status} or {"bad_request"})
 
-
-# -- bodies -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Tensors:
@@ -121,8 +104,6 @@ def _json_object(props: Optional[dict] = None, required=(), extra: bool = True, 
         out["description"] = description
     return out
 
-
-# -- operations -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Op:
@@ -278,7 +259,7 @@ def flask_rule(route: str) -> str:
 
 def document(info: dict, kind: str = "segment") -> dict:
     """The OpenAPI 3.1 document of a server of ``kind`` ("segment", "offload", or "fed": the fed
-    server of splitlearn/server/fedavg.py) whose ``/v1/info`` is ``info`` (the fed server: ``{}``)."""
+    server of splitlearn/server/federation/fedserver.py) whose ``/v1/info`` is ``info`` (the fed server: ``{}``)."""
     paths: dict[str, dict] = {}
     for op in operations(info):
         route = getattr(P, op.route, None)

@@ -1,31 +1,10 @@
 """``PackedLinears``: few-row inference on oneDNN prepacked weights (CPU, float32).
 
-A decode step multiplies a few rows by every weight matrix of a segment. PyTorch's default
-CPU path for it (MKL ``sgemm`` through ``torch.addmm``, which GPT-2's ``Conv1D`` calls, or
-``F.linear``) is slow for such skinny products once there is more than one row, so a batch
-of 8 sessions cost 2.4x one session, not the ~1x that reading the same weights once should
-cost. oneDNN with the weight reordered once into its blocked layout ("prepacked", what
-``torch.compile``'s CPU backend does) is much flatter. Measured on this project's 2-core VM,
-one core, one thread, ms per product (``benchmarks/README.md``)::
-
-    rows                                        1      2      4      8
-    768 x 3072 (c_fc)     torch.addmm         0.44   0.71   0.98   1.07
-                          oneDNN prepacked    0.31   0.34   0.36   0.44
-    768 x 50257 (LM head) torch.addmm         5.7   11.3   12.4   15.9
-                          oneDNN prepacked    4.7    5.0    5.1    6.3
-
-It is the same float32 arithmetic summed in another order: outputs differ from
-``torch.addmm``'s by about 1e-6 relative (greedy tokens stay those of ``generate``; tested).
-
-:class:`PackedLinears` keeps a prepacked copy of the weight of every ``Conv1D`` and
-``nn.Linear`` of a module (a tied weight, the U-shape top's LM head, once) and, inside
-``with packed.active():``, sends those layers' no-grad forwards to it; with gradients on,
-they run as before. A weight changed since it was packed (an optimizer step bumps the
-tensor's version counter) is packed again before its next packed product. The cost is a second
-copy of those weights in memory, made on each weight's first packed product and shared by every ``PackedLinears`` of
-the process over the same weight tensor (clients built from one model object share it). Off (``PackedLinears.usable`` False)
-without oneDNN, off the CPU and for dtypes other than float32.
-"""
+Inside ``with packed.active():`` the no-grad forwards of every ``Conv1D`` and ``nn.Linear`` of
+a module run on a prepacked copy of their weight (repacked after the weight changes); with
+gradients on they run as before. Off (``PackedLinears.usable`` False) without oneDNN, off the
+CPU and for dtypes other than float32. Why, the measured speed-up and the memory cost:
+docs/INTERNALS.md, 'Small-batch matrix products on CPU'."""
 from __future__ import annotations
 
 import threading

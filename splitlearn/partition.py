@@ -1,21 +1,12 @@
-"""Cut a GPT-2 at block boundaries: ``partition(model, cuts)``.
-
-One cut ``c`` gives a 2-way split, two cuts ``c1 < c2`` the U-shape::
+"""Cut a GPT-2 at block boundaries: ``partition(model, cuts)``::
 
     2-way:    client [bottom: emb + h[0:c]]  ->  server [top: h[c:n] + ln_f + lm_head]
     U-shape:  client [bottom: emb + h[0:c1]] ->  server [trunk: h[c1:c2]]
               -> client [top: h[c2:n] + ln_f + lm_head]
 
-Every ``0 <= c1 < c2 <= n_layer`` is valid (a bottom of just the embeddings, a top of just
-``ln_f`` + ``lm_head``).
-
-The segments share the model's modules: no parameter is copied, so training a segment trains
-the model. GPT-2 ties ``lm_head.weight`` to ``wte.weight``; in one process the bottom's
-``wte`` and the top's ``lm_head`` are therefore the *same* tensor, still tied, and its gradient
-is the sum of both uses exactly as in the unsplit model. A segment exported alone
-(:mod:`splitlearn.export`) carries its own copy; :func:`splitlearn.load_segments` re-ties the
-two when it loads bottom and top together.
-"""
+Every ``0 <= c1 < c2 <= n_layer`` is valid. The segments share the model's modules (no copy;
+the tied ``wte``/``lm_head`` stays one tensor in one process): README.md, 'Cut a model, in one
+process'."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,11 +21,9 @@ from .segments import Segment, SegmentCache, labels_from_batch, loss_from_logits
 
 
 def validate_cuts(cuts: Sequence[int] | int, n_layer: int) -> tuple[int, ...]:
-    """Check cut points against a model of ``n_layer`` blocks; return them as a tuple.
-
-    Raises :class:`ConfigError` naming the problem: not integers, none or more than two,
-    out of ``[0, n_layer]``, unsorted or duplicated.
-    """
+    """Check cut points against ``n_layer`` blocks; return them as a tuple. Raises
+    :class:`ConfigError`: not integers, none or more than two, out of ``[0, n_layer]``, unsorted
+    or duplicated."""
     if isinstance(cuts, int):
         cuts = (cuts,)
     try:
@@ -126,12 +115,9 @@ class Partition:
 
 
 def partition(model: GPT2LMHeadModel, cuts: Sequence[int] | int) -> Partition:
-    """Cut ``model`` at block indices ``cuts``; the segments share the model's parameters.
-
-    model: a ``transformers.GPT2LMHeadModel`` (any size).
-    cuts: one cut ``c`` (bottom, top) or two cuts ``c1 < c2`` (bottom, trunk, top).
-    Returns a :class:`Partition` whose segments are ``nn.Module``s.
-    """
+    """Cut ``model`` (any ``GPT2LMHeadModel``) at ``cuts``: ``c`` (bottom, top) or ``c1 < c2``
+    (bottom, trunk, top). Returns a :class:`Partition` of ``nn.Module`` segments sharing the
+    model's parameters."""
     check_gpt2(model)
     cfg = model.config
     cuts = validate_cuts(cuts, cfg.n_layer)

@@ -49,8 +49,8 @@ CONTENT_TYPE = "application/octet-stream"
 SERVER_TIME_HEADER = "X-Server-Time-Ms"  # server compute time of the request, milliseconds
 
 HEALTH = "/v1/health"
-READY = "/v1/ready"  # readiness probe, no token (splitlearn/server/probes.py)
-METRICS = "/metrics"  # Prometheus text format, operator only (splitlearn/server/metrics.py)
+READY = "/v1/ready"  # readiness probe, no token (splitlearn/server/http/probes.py)
+METRICS = "/metrics"  # Prometheus text format, operator only (splitlearn/server/http/metrics.py)
 REQUEST_ID_HEADER = "X-Request-Id"  # a request's id in the access log; a client's own is kept if it fits [A-Za-z0-9_.:-]{1,64}
 INFO = "/v1/info"
 OPENAPI = "/v1/openapi.json"  # OpenAPI 3.1 document of the server's routes (splitlearn/openapi.py)
@@ -109,7 +109,9 @@ class StepMeta:
     micro: int = 0  # which micro-batch of the step this request carries (0-based)
     micros: int = 1  # micro-batches in the step; the server steps its optimizer after the last;
     # 0: open-ended (gradients accumulate piece by piece; POST TRAIN_APPLY steps the optimizer)
-    loss_scale: float = 1.0  # 2-way: this micro-batch's share of the step's loss (its target tokens / all)
+    loss_scale: float = 1.0  # 2-way: this micro-batch's share of the step's loss (its target tokens / all);
+    # an open-ended fused piece (TRAIN_STEP, micros=0): the gradient the client's loss sends into this piece's loss
+    apply: Optional["ApplyRequest"] = None  # the previous step's apply, carried (metadata "apply": its JSON body)
 
     def to_meta(self) -> dict[str, str]:
         # the server scopes client_id as "<tenant>:<id>"; the wire carries the id alone
@@ -145,8 +147,46 @@ class StepMeta:
             raise BadRequest(f"metadata field 'loss_scale' must be a number, got {meta['loss_scale']!r}") from None
         if not 0.0 < scale <= 1.0:
             raise BadRequest(f"metadata field 'loss_scale' must be in (0, 1], got {scale}")
-        return cls(client_id, _int_field(meta, "step", 1), check_wire_dtype(meta.get("wire_dtype", "float32")),
-                   version, micro, micros, scale)
+        step = _int_field(meta, "step", 1)
+        carried = carried_apply(meta["apply"], client_id, step, micros) if "apply" in meta else None
+        return cls(client_id, step, check_wire_dtype(meta.get("wire_dtype", "float32")),
+                   version, micro, micros, scale, carried)
+
+
+MAX_APPLY_CHARS = 512  # the JSON of a carried apply ({client_id, step, pieces, lr, clip}: ~120 characters)
+
+
+def carried_apply(raw, client_id: str, step: int, micros: int) -> "ApplyRequest":
+    """The ``apply`` metadata field of a training request: the previous step's ``POST
+    /v1/train/apply`` body as JSON, carried on the next step's first request(s) instead of a
+    request of its own. 400 unless it is a valid apply of the same client's step ``step - 1``
+    in an open-ended request (no ``discard``)."""
+    import json
+
+    if not isinstance(raw, str) or len(raw) > MAX_APPLY_CHARS:
+        raise BadRequest(f"metadata field 'apply' must be the JSON of an apply body (at most "
+                         f"{MAX_APPLY_CHARS} characters)")
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        raise BadRequest("metadata field 'apply' is not JSON: it carries the body of POST "
+                         f"{TRAIN_APPLY} ({{\"client_id\", \"step\", \"pieces\", \"lr\", \"clip\"}})") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("metadata field 'apply' must be a JSON object (the body of POST /v1/train/apply)")
+    try:
+        req = ApplyRequest.from_json(payload)
+    except BadRequest as e:
+        raise BadRequest(f"metadata field 'apply': {e.message}") from None
+    if micros != 0:
+        raise BadRequest("metadata field 'apply' rides on open-ended pieces (micros=0) only")
+    if req.discard:
+        raise BadRequest(f"metadata field 'apply' cannot discard: send {{\"discard\": true}} to {TRAIN_APPLY}")
+    if req.client_id != client_id:
+        raise BadRequest(f"metadata field 'apply' names client {req.client_id!r}, the request {client_id!r}")
+    if req.step != step - 1:
+        raise BadRequest(f"metadata field 'apply' names step {req.step}: a request of step {step} carries "
+                         f"the apply of step {step - 1}")
+    return req
 
 
 MAX_META_INT_CHARS = 20  # digits of an integer metadata field of a session step (int() of 10^4000 is slow)
@@ -313,7 +353,7 @@ def parse_token_line(line: str) -> Optional[tuple[str, str, bool]]:
 
 def read_token_file(path: str) -> tuple[str, ...]:
     """The lines of a token file that carry a token, whitespace-normalised (the format:
-    :mod:`splitlearn.server.tenants`; a client takes the token of the first line)."""
+    :mod:`splitlearn.server.engine.tenants`; a client takes the token of the first line)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:

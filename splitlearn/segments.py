@@ -18,6 +18,11 @@ mask (cumsum - 1), so left-padded rows get the same positions as in Hugging Face
 Blocks keep their global ``layer_idx``, so one :class:`SegmentCache` per segment (a
 ``DynamicCache`` with a slot for every model layer, of which the segment fills its own)
 lets each side decode token by token on its own.
+
+One block runner: :func:`run_blocks` (the causal mask against a slot the blocks hold, then the
+blocks) and :func:`embed` (token + position embeddings, dropout) are what both a
+:class:`Segment` (export, the server, the analyzer) and the split model classes
+(:class:`splitlearn.hf.modeling.SplitGPT2Model`) run their blocks and embeddings through.
 """
 from __future__ import annotations
 
@@ -34,19 +39,59 @@ from .errors import ConfigError
 KINDS = ("bottom", "trunk", "top", "full")
 
 
-class SegmentCache:
-    """The KV cache of one segment for one batch of sequences, plus the length seen so far.
+class SegmentCache(DynamicCache):
+    """The KV cache of one segment for one batch of sequences: the ``DynamicCache`` the split
+    model classes use too (a slot per model layer), plus the length seen so far.
 
-    The length is kept here (not asked of the ``DynamicCache``) because a bottom with no
-    blocks has no cache slot to ask.
+    The length is kept here (not asked of the cache) because a bottom with no blocks has no
+    cache slot to ask. ``kv`` is the cache itself (the server's sessions and batcher read and
+    operate on it under that name).
     """
 
     def __init__(self, config: GPT2Config):
-        self.kv = DynamicCache(config=config)
+        super().__init__(config=config)
         self.length = 0  # tokens already processed, padding included
+
+    @property
+    def kv(self) -> "SegmentCache":
+        return self
 
     def __repr__(self) -> str:
         return f"SegmentCache(length={self.length})"
+
+
+def embed(wte: nn.Module, wpe: nn.Module, drop: nn.Module, position_ids: torch.Tensor,
+          input_ids: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
+          token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GPT-2's embeddings, as ``GPT2Model`` computes them: ``wte(ids)`` (or ``inputs_embeds``)
+    + ``wpe(position_ids)`` (+ ``wte(token_type_ids)``), then dropout. (B, T, d)."""
+    if inputs_embeds is None:
+        inputs_embeds = wte(input_ids)
+    h = inputs_embeds + wpe(position_ids).to(inputs_embeds.device)
+    if token_type_ids is not None:
+        h = h + wte(token_type_ids)
+    return drop(h)
+
+
+def run_blocks(blocks, config: GPT2Config, layer_idx: int, hidden: torch.Tensor,
+               attention_mask: Optional[torch.Tensor] = None, cache=None,
+               position_ids: Optional[torch.Tensor] = None,
+               inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run ``blocks`` (consecutive ``GPT2Block``\\ s, the first with global ``layer_idx``) on the
+    new positions ``hidden`` (B, T, d): one 4-D causal mask from the 2-D ``attention_mask``
+    (B, past + T) or None, sized against slot ``layer_idx`` of ``cache`` (a transformers
+    ``Cache`` with a slot per model layer, read and extended, or None), then the blocks.
+    ``position_ids``: as ``GPT2Model`` passes them (the mask's packed-sequence check without a
+    cache). ``inputs_embeds``: what the mask takes its dtype from (default ``hidden``)."""
+    if not len(blocks):
+        return hidden
+    mask = create_causal_mask(config=config, inputs_embeds=hidden if inputs_embeds is None else inputs_embeds,
+                              attention_mask=attention_mask, cache=cache, position_ids=position_ids,
+                              layer_idx=layer_idx)
+    kw = {} if position_ids is None else {"position_ids": position_ids}
+    for block in blocks:
+        hidden = block(hidden, cache, mask, use_cache=cache is not None, **kw)  # (B, T, d)
+    return hidden
 
 
 def positions_from_mask(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -168,13 +213,8 @@ class Segment(nn.Module):
                 f"seen {past} and is given {T} new ones")
         if self.has_embeddings:
             x = self._embed(x, attention_mask, past, position_ids)  # (B, T, d)
-        if len(self.h):
-            kv = cache.kv if cache is not None else None
-            mask = create_causal_mask(
-                config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                cache=kv, layer_idx=self.start)
-            for block in self.h:
-                x = block(x, kv, mask, use_cache=kv is not None)  # (B, T, d)
+        x = run_blocks(self.h, self.config, self.start, x, attention_mask,
+                       cache.kv if cache is not None else None)  # (B, T, d)
         if cache is not None:
             cache.length = past + T
         if self.has_head and head:
@@ -194,5 +234,4 @@ class Segment(nn.Module):
         if int(position_ids.max()) >= self.config.n_positions:
             raise ConfigError(f"position {int(position_ids.max())} is past n_positions="
                              f"{self.config.n_positions}")
-        h = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, d)
-        return self.drop(h)
+        return embed(self.wte, self.wpe, self.drop, position_ids, input_ids)  # (B, T, d)

@@ -1,24 +1,13 @@
 """What a client accepts from a server: the split it pins, and every answer's tensors.
 
-A client shows the server what crosses the cut and nothing more, so it does not take the
-server's word for where the cut is, nor for what it answers (docs/SECURITY.md, "The client
-trusts the server no further than it pins"):
+- :class:`Pins` (``min_client_blocks``, ``expected_cuts``, ``shape``), checked against the
+  server's ``/v1/info`` by :func:`check_info` before anything private is sent: a server
+  outside them is a :class:`~splitlearn.errors.ConfigError`.
+- :func:`answer`, :func:`loss`, :func:`grad_norm`: the tensor asked for, of the expected
+  shape, a floating dtype, every value finite; a gradient norm finite and >= 0. Anything else
+  is an :class:`~splitlearn.errors.IntegrityError`, raised before it touches the client.
 
-- **The split**, checked on the server's ``/v1/info`` before anything private is sent. A
-  server started with ``--cut 0`` would receive the raw token embeddings (``wte + wpe`` of the
-  text: inverted by a nearest-neighbour lookup), and a 2-way server receives the labels.
-  :class:`Pins` are what the client accepts: ``min_client_blocks`` (default 1: cut 0 is
-  refused), ``expected_cuts``, ``shape`` (``"u"``: the labels stay on the client). Options of
-  the model classes' ``from_pretrained`` / ``split_model`` (:class:`~splitlearn.hf.remote.RemoteConfig`)
-  and of :class:`~splitlearn.client.ClientConfig`; a server outside them is a
-  :class:`~splitlearn.errors.ConfigError` raised by :func:`check_info`.
-- **Every answer** (:func:`answer`, :func:`loss`, :func:`grad_norm`): the tensor asked for, of
-  the shape the client expects (the rows, positions and width it sent; the vocabulary for
-  logits), a floating dtype, every value finite; the server's gradient norm a finite number
-  >= 0 (a NaN would make ``clip_grad_norm_`` turn every gradient of the client's into NaN).
-  Anything else is an :class:`~splitlearn.errors.IntegrityError`, raised before the answer
-  touches the client's state.
-"""
+Why: docs/SECURITY.md, 'The client trusts the server no further than it pins'."""
 from __future__ import annotations
 
 import math
@@ -105,9 +94,8 @@ def answer(tensors: dict, name: str, shape: Sequence[int], what: str) -> torch.T
 
 
 def _finite(x: torch.Tensor) -> bool:
-    """Every value finite. A NaN or an infinity makes the sum non-finite, so a finite sum (one
-    pass, no mask: ~7x cheaper than ``isfinite(x).all()``) settles it; a sum that overflowed is
-    checked value by value."""
+    """Every value finite: one sum settles it (a non-finite value makes it non-finite); a sum that
+    overflowed is checked value by value."""
     total = x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
     return bool(torch.isfinite(total)) or bool(torch.isfinite(x).all())
 

@@ -1,7 +1,6 @@
 """The wire format: safetensors bytes, never pickle.
 
-Every request and response body that carries tensors is one safetensors buffer
-(``Content-Type: application/octet-stream``)::
+Every body that carries tensors is one safetensors buffer (``application/octet-stream``)::
 
     +----------+---------------------------------+-------------------------------------+
     | N: u64le | header: N bytes of UTF-8 JSON   | data: the tensors' raw bytes,       |
@@ -11,22 +10,14 @@ Every request and response body that carries tensors is one safetensors buffer
     |          |         "data_offsets": [a, b]}}|                                     |
     +----------+---------------------------------+-------------------------------------+
 
-``__metadata__`` carries the message fields as strings (client id, step, wire dtype...).
-A tensor travels in one of four wire dtypes, chosen per request:
+``__metadata__`` carries the message fields as strings. Wire dtypes, chosen per request:
+``float32`` (F32), ``bfloat16`` (BF16), ``float16`` (F16): the tensor, cast; ``int8``
+(activations and gradients only): ``NAME`` is I8 and ``NAME.scale`` F32 of shape (..., 1),
+``scale = max|x| / 127`` per row, ``q = round(x / scale)``, ``x ~ q * scale``.
 
-- ``float32`` (F32), ``bfloat16`` (BF16), ``float16`` (F16): the tensor, cast;
-- ``int8`` (activations and gradients only): ``NAME`` is I8 and ``NAME.scale`` is F32 of
-  shape (..., 1), one absmax scale per row of the last dimension:
-  ``scale = max|x| / 127``, ``q = round(x / scale)``, ``x ~ q * scale`` (vector-wise absmax
-  quantisation, Dettmers et al. 2022, "LLM.int8()", section 3.1).
-
-So the bytes on the wire are the raw tensor bytes plus a header of a few hundred bytes.
-Encoding writes that layout itself, joining the header and each tensor's memory into the
-body in one copy (``safetensors.torch.save`` makes two, which halves the codec's
-throughput); decoding reads it with ``safetensors.torch.load``. Decoding checks the header
-before any tensor is built: malformed, truncated or unknown
-dtypes raise :class:`~splitlearn.errors.BadRequest`.
-"""
+Encoding writes the layout itself in one copy (docs/INTERNALS.md, 'Tensor codecs'); decoding
+checks the header before any tensor is built: malformed, truncated or unknown dtypes raise
+:class:`~splitlearn.errors.BadRequest`. See docs/PROTOCOL.md."""
 from __future__ import annotations
 
 import json

@@ -7,16 +7,21 @@ import itertools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the network in tests
-# Test servers (``python -m splitlearn.server ...`` through LocalServer/ChildServer) are forked
-# from a fork server that has imported torch and transformers once per xdist worker, instead of
-# each spending ~9 CPU-seconds importing them (splitlearn/localserver.py); 0 starts them fresh.
-os.environ.setdefault("SPLITLEARN_FORK_SERVERS", "1")
 
 import pytest
 import torch
 
 from splitlearn import ByteTokenizer, load_model
 from splitlearn.segments import positions_from_mask
+
+import forkserver
+
+# Test servers (``python -m splitlearn.server ...`` through LocalServer/ChildServer) are forked
+# from a fork server that has imported torch and transformers once per xdist worker, instead of
+# each spending ~9 CPU-seconds importing them (tests/forkserver.py); SPLITLEARN_FORK_SERVERS=0
+# starts them as plain subprocesses.
+if os.environ.get(forkserver.FORK_ENV, "1") == "1":
+    forkserver.install()
 
 torch.set_num_threads(1)  # tiny models; the CI machine's two cores are shared
 

@@ -95,6 +95,126 @@ class ServerProcess(LocalServer):
         return read_weights(self.checkpoint_dir, "server")
 
 
+# -- the same server in this process -------------------------------------------------------
+
+class _Web:
+    """``requests``' functions (``get``, ``post``, ``delete``, ``request``) and ``Session()``,
+    reaching ``inproc://`` URLs too (the tests' raw calls to an :class:`InprocServer`)."""
+
+    ConnectionError = requests.ConnectionError
+
+    @staticmethod
+    def Session() -> requests.Session:  # noqa: N802 - requests' name
+        from splitlearn.transport.inproc import InprocAdapter
+
+        s = requests.Session()
+        s.mount("inproc://", InprocAdapter())
+        return s
+
+    def request(self, method: str, url: str, **kw) -> requests.Response:
+        with self.Session() as s:
+            return s.request(method, url, **kw)
+
+    def get(self, url: str, **kw) -> requests.Response:
+        return self.request("GET", url, **kw)
+
+    def post(self, url: str, **kw) -> requests.Response:
+        return self.request("POST", url, **kw)
+
+    def delete(self, url: str, **kw) -> requests.Response:
+        return self.request("DELETE", url, **kw)
+
+
+web = _Web()
+
+
+class InprocServer:
+    """The app that ``python -m splitlearn.server ARGS`` serves, built in this process and
+    reached at an ``inproc://`` URL (splitlearn/transport/inproc.py) instead of a port: for
+    tests of what the server answers, not of the process or the HTTP server in front of it.
+    The parts of :class:`~splitlearn.localserver.LocalServer` the tests use (``url``,
+    ``token``, ``start``/``stop``, a context manager); ``app`` is the Flask app.
+    """
+
+    def __init__(self, args, *, token: str = TOKEN):
+        self.args, self.token = list(args), token
+        self.app = None
+        self.url: Optional[str] = None
+
+    def build(self):
+        """The app, built from ``args`` as the command builds it."""
+        import dataclasses
+
+        from splitlearn.server.http.app import create_app
+        from splitlearn.server.http.cli import parse_args
+
+        cfg = parse_args([*self.args, "--log-level", "WARNING"])
+        if "--token-file" not in self.args:  # LocalServer's $SPLITLEARN_TOKEN
+            cfg = dataclasses.replace(cfg, tokens=(self.token,), generated_token=False)
+        return create_app(cfg)
+
+    def start(self) -> "InprocServer":
+        from splitlearn.transport.inproc import serve_inproc
+
+        self.app = self.build()
+        name = None if self.url is None else self.url.split("://", 1)[1]  # restarted: the same URL
+        self.url = serve_inproc(self.app, name)
+        return self
+
+    def stop(self) -> int:
+        """What SIGTERM does (checkpoint), then the URL serves nothing; 0 as the process's exit."""
+        from splitlearn.transport.inproc import unserve
+
+        if self.app is not None:
+            rt, self.app = self.app.extensions.get("splitlearn"), None
+            unserve(self.url)
+            if rt is not None:  # a segment server's runtime
+                if hasattr(rt, "checkpoint"):
+                    rt.compute.run(rt.checkpoint)
+                rt.compute.close()
+        return 0
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class InprocFedServer(InprocServer):
+    """The app of ``python -m splitlearn.server.federation.fedserver ARGS`` in this process."""
+
+    def build(self):
+        from splitlearn.server.federation.fedserver import app_of, parse_args
+
+        return app_of(*parse_args(self.args))
+
+
+class InprocServerProcess(InprocServer):
+    """:class:`ServerProcess`'s server (the same flags) in this process."""
+
+    def __init__(self, cuts, *, optimizer: str = "adamw", lr: float = 1e-2,
+                 checkpoint_dir: Optional[Path] = None, extra=(), model: str = "tiny"):
+        args = ["--model", model, "--optimizer", optimizer, "--lr", str(lr), "--threads", "2"]
+        for c in cuts:
+            args += ["--cut", str(c)]
+        if checkpoint_dir is not None:
+            args += ["--checkpoint-dir", str(checkpoint_dir)]
+        super().__init__(args + list(extra))
+        self.checkpoint_dir = checkpoint_dir
+
+    def restart(self) -> "InprocServerProcess":
+        """:meth:`ServerProcess.restart`: checkpoint, then a new app from it at the same URL."""
+        assert self.stop() == 0
+        return self.start()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The server's segment weights now (Hugging Face names), via POST /v1/checkpoint."""
+        r = self.app.test_client().post(P.CHECKPOINT, json={}, headers=auth(self.token))
+        assert r.status_code == 200, r.get_data(as_text=True)
+        return read_weights(self.checkpoint_dir, "server")
+
+
 def run_threads(fns, timeout_s: float = 300.0) -> None:
     """Run each callable in its own thread at once; fail with every exception they raised."""
     import threading

@@ -7,7 +7,6 @@ codec round trips are exact and carry raw bytes plus a small header, the report 
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,18 @@ import torch
 from benchmarks import report
 from benchmarks.run import parse_args
 
+from forkserver import python_command
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory):
-    # A process of its own, as `make bench` runs it (torch.distributed.rpc starts once per process).
+    # A process of its own, as `make bench` runs it (torch.distributed.rpc starts once per process);
+    # its servers forked as the tests' own are (tests/forkserver.py).
     out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run([sys.executable, "benchmarks/run.py", "--quick", "--wire-dtypes", "float32,int8",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(python_command("benchmarks/run.py", "--quick", "--wire-dtypes", "float32,int8",
+                                         "--out", str(out)), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "wrote " in proc.stdout
     return out

@@ -112,7 +112,7 @@ def test_checkpoints_and_journals_are_readable_by_their_owner_only(tmp_path):
     import os
     import stat
 
-    from splitlearn.client.recovery import Entry, read_entries, write_entry
+    from splitlearn.hf.journal import RequestLog, Sent, read_log
 
     def mode(p):
         return stat.S_IMODE(p.stat().st_mode)
@@ -123,13 +123,18 @@ def test_checkpoints_and_journals_are_readable_by_their_owner_only(tmp_path):
     try:
         for _ in range(2):  # a second generation, and a file that existed is rewritten 0600
             gen = save_state(top, "client", segs, opt, {"n": 1})
-        write_entry(top, Entry(2, ids, None, torch.get_rng_state(), {"grad": torch.ones(2)}))
+        journal = RequestLog(True, top)
+        journal.note(2, {"ids": ids, "rng": torch.get_rng_state()})
+        journal.record(2, Sent("/v1/train/forward", {"hidden": torch.ones(2)}, {"step": "2"}), {"hidden": torch.ones(2)})
     finally:
         os.umask(old)
     assert [mode(d) for d in (tmp_path / "made", top, gen, top / "wal")] == [0o700] * 4
     files = [p for p in top.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"client.latest", "weights.safetensors", "state.json", "0000000002.safetensors"}
+    assert {p.name for p in files} >= {"client.latest", "weights.safetensors", "state.json",
+                                       "0000000002-00000001.safetensors", "0000000002-00000002.safetensors"}
     assert {p.name: mode(p) for p in files} == {p.name: 0o600 for p in files}
-    assert [e.step for e in read_entries(top, 1, torch.device("cpu"))] == [2]
+    records = read_log(top, 1)
+    assert [r.step for r in records] == [2, 2] and torch.equal(records[0].sent.tensors["ids"], ids)
+    assert torch.equal(records[1].answer["hidden"], torch.ones(2)) and records[1].sent.meta == {"step": "2"}
     _, fresh, fresh_opt, _ = trained_parts(0)
     assert load_state(top, "client", fresh, fresh_opt) == {"n": 1}

@@ -1,4 +1,6 @@
-"""SplitClient against a real ``python -m splitlearn.server`` process on loopback: training.
+"""SplitClient against the server: training. The server's app runs in this process
+(tests/serverproc.py's InprocServerProcess), except for the restarts, which SIGTERM a real
+``python -m splitlearn.server`` process on loopback and start it again.
 
 N split steps must leave every weight, on both sides, equal to N steps of the unsplit model
 with the same optimizer and data (float32 wire). In 2-way the server's LM head is its own copy
@@ -17,7 +19,7 @@ from splitlearn.client import SplitClient
 from splitlearn.errors import Conflict
 from splitlearn.segments import labels_from_batch, positions_from_mask
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -89,8 +91,8 @@ def assert_both_sides_equal(reference, client: SplitClient, server: ServerProces
                 ids=["2way-sgd", "2way-adamw", "u-sgd", "u-adamw"])
 def server(request, tmp_path_factory):
     cuts, optimizer = request.param
-    srv = ServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer],
-                        checkpoint_dir=tmp_path_factory.mktemp("server"))
+    srv = InprocServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer],
+                              checkpoint_dir=tmp_path_factory.mktemp("server"))
     srv.cuts, srv.optimizer = cuts, optimizer
     with srv:
         yield srv
@@ -193,7 +195,7 @@ def test_clients_built_from_many_threads_at_once_all_work():
     """Simulating many data owners in one process: construction is thread-safe."""
     import threading
 
-    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"]) as srv:
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"]) as srv:
         built, errors = [], []
 
         def build(i):

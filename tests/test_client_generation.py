@@ -1,8 +1,10 @@
-"""SplitClient generation against a real server process: equal to ``model.generate``.
+"""SplitClient generation against the server (its app in this process: tests/serverproc.py's
+InprocServerProcess): equal to ``model.generate``.
 
 ``SplitClient.generate`` is transformers' ``generate`` on the client's split model
-(``client.model``); greedy decoding of two rows or more where the server has cores of its own
-runs the pipelined decode (two row groups in flight), tested here with ``pipeline=True``.
+(``client.model``); two rows or more where the server has cores of its own run as two row
+groups in flight (``RemoteCache.row_groups``: two sessions, two transport lanes), tested here
+with ``pipeline=True``.
 
 The servers here are never trained, so they hold the seeded random init of
 models/tiny-varied.json (greedy tokens that vary: a drifting cache shows), the same weights as the
@@ -16,10 +18,9 @@ import torch
 
 from splitlearn.client import SplitClient
 from splitlearn.errors import ConfigError
-from splitlearn.generation import GreedyConfig
 
 from conftest import VARIED
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def tiny_model(varied_model):
 
 @pytest.fixture(scope="module", params=[(2,), (1, 3)], ids=["2way", "u"])
 def server(request):
-    with ServerProcess(request.param, model=VARIED) as srv:
+    with InprocServerProcess(request.param, model=VARIED) as srv:
         srv.cuts = request.param
         yield srv
 
@@ -112,89 +113,157 @@ def test_server_restart_mid_generation_changes_nothing(client, server, padded_ba
     want = client.generate(ids, mask, max_new_tokens=NEW)[:, ids.shape[1]:]
     stream = client.generate_stream(ids, mask, max_new_tokens=NEW)
     got = [next(stream) for _ in range(4)]
-    server.restart()  # SIGTERM and a new process on the same port: the session is gone
+    server.restart()  # as SIGTERM and a new process on the same port: the session is gone
     with caplog.at_level(logging.WARNING):
         got += list(stream)
     assert "session" in caplog.text and "replay" in caplog.text  # the client really had to replay
     assert torch.equal(torch.stack(got, dim=1), want)
 
 
-# -- the pipelined decoder: two row groups in flight ---------------------------------------
+# -- two row groups in flight ----------------------------------------------------------------
 
-def _pipelined(client, ids, mask, **kw):
-    from splitlearn.client.generation import RemoteDecoder
+class InFlight:
+    """Records the client's tensor calls on ``transport``: each start and finish with its lane,
+    and the most calls in flight at once (started, answer not yet read)."""
 
-    remote = RemoteDecoder(client.transport, client.segments, ids.shape[0], client.wire_dtype, client._local)
-    try:
-        new = list(remote.decode(ids, mask, GreedyConfig(**kw)))
-        assert len(remote.groups) == 2 and [g.rows for g in remote.groups] == [(ids.shape[0] + 1) // 2,
-                                                                                 ids.shape[0] // 2]
-    finally:
-        remote.close()
-    return torch.cat([ids] + [t[:, None] for t in new], dim=1)
+    def __init__(self, transport, monkeypatch):
+        self.events, self.now, self.most = [], 0, 0
+        start, finish = transport.start_call, transport.finish_call
+
+        def start_call(path, tensors, meta=None, lane=0):
+            call = start(path, tensors, meta, lane)
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.events.append(("start", lane))
+            return call
+
+        def finish_call(pending):
+            self.now -= 1
+            self.events.append(("finish", pending.lane))
+            return finish(pending)
+
+        monkeypatch.setattr(transport, "start_call", start_call)
+        monkeypatch.setattr(transport, "finish_call", finish_call)
+
+
+S0, S1, F0, F1 = ("start", 0), ("start", 1), ("finish", 0), ("finish", 1)
+
+
+def _pipelined(client, ids, mask, monkeypatch, **kw):
+    """``client.generate(..., pipeline=True)``, checking the order of its calls: the overlap."""
+    calls = InFlight(client.transport, monkeypatch)
+    out = client.generate(ids, mask, pipeline=True, **kw)
+    n, steps = out.shape[1] - ids.shape[1], kw["max_new_tokens"]  # forwards run, at most
+    assert calls.most == 2  # the two groups' steps in flight at once, never more
+    if kw.get("do_sample") or kw.get("num_beams", 1) > 1 or kw.get("repetition_penalty"):
+        # each forward: both groups sent (lanes 0 and 1), then both answers read in that order
+        assert calls.events == [S0, S1, F0, F1] * n
+    else:
+        # greedy: the first group's next step is sent as soon as its logits are known, before
+        # the second group's answer is read (the overlap crosses steps); never after the last
+        # step (one stays in flight when every row finished early: read and dropped at close)
+        body = [S0, S1, F0] + [S0, F1, S1, F0] * (n - 1)
+        assert calls.events == body + [F1] or (n < steps and calls.events == body + [S0, F1])
+    return out
 
 
 @pytest.mark.parametrize("eos", [None, 256])
-def test_pipelined_greedy_equals_hf_generate(client, tiny_model, padded_batch, eos):
+def test_pipelined_greedy_equals_hf_generate(client, tiny_model, padded_batch, eos, monkeypatch):
     ids, mask = padded_batch  # (3, 23): groups of 2 and 1 rows
-    got = _pipelined(client, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=256)
+    got = _pipelined(client, ids, mask, monkeypatch, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=256)
     want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                eos_token_id=eos, pad_token_id=256)
     assert torch.equal(got, want)
 
 
-def test_pipelined_group_that_finishes_first_pads_until_the_other_does(client, tiny_model, padded_batch):
+def test_pipelined_group_that_finishes_first_pads_until_the_other_does(client, tiny_model, padded_batch,
+                                                                       monkeypatch):
     ids, mask = padded_batch
     free = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
     T = ids.shape[1]
     eos = int(free[2, T])  # the last row (the second group, alone) stops at once
     assert eos not in free[:2, T:T + 2].tolist()[0]  # ... while the first group goes on
-    got = _pipelined(client, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    got = _pipelined(client, ids, mask, monkeypatch, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
     want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, want) and (got[2, T + 1:] == 0).all()
 
 
+def test_pipelined_sampling_and_beams_equal_hf_generate(client, tiny_model, padded_batch, monkeypatch):
+    """Every strategy gets the two groups now (the hand loop was greedy only)."""
+    ids, mask = padded_batch
+    for kw in (dict(do_sample=True, temperature=0.9, top_k=40, seed=11),
+               dict(num_beams=2, num_return_sequences=2, repetition_penalty=1.3)):
+        got = _pipelined(client, ids, mask, monkeypatch, max_new_tokens=6, pad_token_id=256, **kw)
+        seed = kw.pop("seed", None)
+        if seed is not None:
+            torch.manual_seed(seed)
+        want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=256, **kw)
+        assert torch.equal(got, want)
+
+
 def test_pipelined_survives_a_server_restart(client, server, tiny_model, padded_batch, caplog):
-    from splitlearn.client.generation import RemoteDecoder
+    from transformers.generation.streamers import BaseStreamer
+
+    class RestartAt4(BaseStreamer):  # inside generate, between two steps: both sessions are lost
+        puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 5:  # the prompt, then 4 tokens
+                server.restart()
+
+        def end(self):
+            pass
 
     ids, mask = padded_batch
     want = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-    remote = RemoteDecoder(client.transport, client.segments, 3, "float32", client._local)
-    stream = remote.decode(ids, mask, GreedyConfig(max_new_tokens=NEW))
-    got = [next(stream) for _ in range(4)]  # both groups' next steps are in flight now
-    server.restart()
     with caplog.at_level(logging.WARNING):
-        got += list(stream)
-    remote.close()
-    assert "generation session lost" in caplog.text
-    assert torch.equal(torch.cat([ids, torch.stack(got, dim=1)], dim=1), want)
+        got = client.generate(ids, mask, max_new_tokens=NEW, pipeline=True, streamer=RestartAt4())
+    lost = [r.getMessage() for r in caplog.records if "generation session" in r.getMessage()]
+    assert len(lost) == 2 and all("lost; replaying" in m for m in lost)  # each group replayed its own
+    assert torch.equal(got, want)
 
 
-def test_pipelining_is_on_only_where_the_server_has_cores_of_its_own(client, padded_batch, monkeypatch):
+@pytest.fixture(scope="module")
+def loopback_client(server):
+    """A client of a real server process of the same shape, on loopback: whether the server
+    has cores of its own is decided from the URL (loopback) and this process's affinity."""
+    with ServerProcess(server.cuts, model=VARIED) as srv, \
+            SplitClient(srv.url, VARIED, token=TOKEN, device="cpu") as c:
+        yield c
+
+
+def test_pipelining_is_on_only_where_the_server_has_cores_of_its_own(loopback_client, padded_batch,
+                                                                      monkeypatch):
     import os
 
-    from splitlearn.client.generation import shares_cores_with_server, use_pipeline
+    client = loopback_client
 
-    t = client.transport
+    from splitlearn.transport import shares_cores_with_server
+
+    model, t = client.model, client.transport
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(os.cpu_count() or 1)))
     assert shares_cores_with_server(t.cfg.url)  # loopback, every core: shared
-    assert not use_pipeline(t, 3)
+    model.overlap = None
+    assert not model.overlaps()
     if (os.cpu_count() or 1) >= 2:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned: the server has the others
-        assert use_pipeline(t, 3) and use_pipeline(t, 3, u_shape=True)
-        assert not use_pipeline(t, 3, u_shape=False)  # 2-way: the client's bottom alone hides nothing
-        assert use_pipeline(t, 3, pipeline=True, u_shape=False)  # asked for: done
-    assert not use_pipeline(t, 1, pipeline=True)  # one row: nothing to split
-    # the client takes the fast path for greedy rows only: sampling and options go to transformers
+        # U-shape: on; 2-way: the client's bottom alone hides nothing
+        assert model.overlaps() == client.u_shape
+    model.overlap = True  # asked for: done
+    assert model.overlaps()
+    model.overlap = False
+    assert not model.overlaps()
+    # one row (or one prompt's beams): nothing to split; two rows: two groups
     ids, mask = padded_batch
-    calls = []
-    monkeypatch.setattr(type(client), "_hf_generate", lambda self, *a: calls.append(a) or a[0])
-    client.generate(ids, mask, max_new_tokens=2, pipeline=True, do_sample=True)
-    client.generate(ids, mask, max_new_tokens=2, pipeline=True, num_beams=2)
-    assert len(calls) == 2
-    out = client.generate(ids, mask, max_new_tokens=2, pipeline=True)  # greedy: the two row groups
-    assert len(calls) == 2 and out.shape == (3, ids.shape[1] + 2)
+    for rows, kw, lanes in ((1, {}, {0}), (1, dict(num_beams=2), {0}), (2, {}, {0, 1})):
+        calls = InFlight(t, monkeypatch)
+        client.generate(ids[:rows], mask[:rows], max_new_tokens=2, pipeline=True, **kw)
+        assert {lane for _, lane in calls.events} == lanes
+    calls = InFlight(t, monkeypatch)
+    client.generate(ids, mask, max_new_tokens=2, pipeline=False)
+    assert calls.events == [S0, F0] * 2 and calls.most == 1
 
 
 def test_clients_generating_at_once_each_get_generates_tokens(server, tiny_model, padded_batch):

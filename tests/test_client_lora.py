@@ -7,7 +7,6 @@ checkpoint it writes on ``POST /v1/checkpoint``.
 """
 
 import pytest
-import requests
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -21,7 +20,7 @@ from splitlearn.lora import LoraSpec, init_adapter_pair
 from splitlearn.segments import labels_from_batch, positions_from_mask
 from splitlearn.wire import decode
 
-from serverproc import OTHER, TOKEN, ServerProcess, auth, run_threads, same_weights
+from serverproc import OTHER, TOKEN, InprocServerProcess, auth, run_threads, same_weights, web
 from test_client import BATCHES, LR, train_whole
 
 pytestmark = pytest.mark.slow
@@ -36,8 +35,8 @@ def peft_config() -> LoraConfig:
 
 
 def lora_server(cuts, optimizer="sgd", tmp_path=None, extra=()):
-    return ServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer], checkpoint_dir=tmp_path,
-                         extra=LORA_ARGS + list(extra))
+    return InprocServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer], checkpoint_dir=tmp_path,
+                               extra=LORA_ARGS + list(extra))
 
 
 def lora_client(srv, name, optimizer="sgd", token=TOKEN) -> SplitClient:
@@ -63,7 +62,7 @@ def peft_reference(client_id: str, optimizer: str, batches, init_id=None):
 
 
 def server_adapter(srv, client_id, token=TOKEN):
-    r = requests.get(srv.url + P.CLIENT_ADAPTER.format(client_id=client_id), headers=auth(token), timeout=30)
+    r = web.get(srv.url + P.CLIENT_ADAPTER.format(client_id=client_id), headers=auth(token), timeout=30)
     return r
 
 
@@ -191,10 +190,10 @@ def test_mixed_adapter_sessions_generate_what_each_exported_model_generates(tmp_
 
 
 def test_lora_and_plain_clients_and_servers_refuse_each_other_at_connect():
-    with ServerProcess((2,)) as plain:
+    with InprocServerProcess((2,)) as plain:
         with pytest.raises(ConfigError, match="without --lora-r"):
             lora_client(plain, "x")
-        r = requests.get(plain.url + P.CLIENT_ADAPTER.format(client_id="x"), headers=auth(), timeout=10)
+        r = web.get(plain.url + P.CLIENT_ADAPTER.format(client_id="x"), headers=auth(), timeout=10)
         assert r.status_code == 404
     with lora_server((2,)) as srv:
         with pytest.raises(ConfigError, match="LoRA"):
@@ -202,7 +201,7 @@ def test_lora_and_plain_clients_and_servers_refuse_each_other_at_connect():
         with pytest.raises(ConfigError, match="differ"):
             SplitClient(srv.url, "tiny", token=TOKEN, device="cpu",
                         lora=LoraConfig(r=8, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
-        assert requests.get(srv.url + P.INFO, headers=auth(), timeout=10).json()["lora"] == SPEC.to_dict()
+        assert web.get(srv.url + P.INFO, headers=auth(), timeout=10).json()["lora"] == SPEC.to_dict()
 
 
 def test_splitfed_averages_both_sides_adapters_and_nothing_else(tmp_path):

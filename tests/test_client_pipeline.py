@@ -6,7 +6,7 @@ from splitlearn.client import SplitClient
 from splitlearn.hf.pipeline import token_shares
 from splitlearn.errors import ConfigError
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess
 from test_client import LR
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def test_pipelined_steps_equal_unpipelined_steps(cuts, optimizer, tmp_path):
     results = {}
     for micros in (1, 3):
         d = tmp_path / f"m{micros}"
-        with ServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer], checkpoint_dir=d) as srv:
+        with InprocServerProcess(cuts, optimizer=optimizer, lr=LR[optimizer], checkpoint_dir=d) as srv:
             with SplitClient(srv.url, "tiny", token=TOKEN, optimizer=optimizer, lr=LR[optimizer], device="cpu",
                              micro_batches=micros) as c:
                 losses = [c.train_step(ids, mask) for ids, mask in batches()]

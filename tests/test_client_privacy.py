@@ -7,14 +7,14 @@ from splitlearn.client import SplitClient
 from splitlearn.privacy import GaussianNoise, NoPeek
 from splitlearn.wire import decode
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess((1, 3), optimizer="sgd", lr=0.1) as srv:
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=0.1) as srv:
         yield srv
 
 
@@ -109,7 +109,7 @@ def test_model_classes_send_only_defended_activations(server, shape, tmp_path):
     from splitlearn.hf import SplitGPT2LMHeadModel
 
     if shape == "2way":
-        srv = ServerProcess((2,), optimizer="sgd", lr=0.1).start()
+        srv = InprocServerProcess((2,), optimizer="sgd", lr=0.1).start()
     else:
         srv = server
     try:

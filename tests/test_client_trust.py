@@ -16,7 +16,6 @@ import json
 import threading
 
 import pytest
-import requests
 import torch
 
 from splitlearn import protocol as P
@@ -26,7 +25,7 @@ from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.trust import Pins, answer, check_info, grad_norm
 from splitlearn.wire import decode, encode
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess, web
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +47,8 @@ class LyingProxy:
             self.seen.append((request.method, path))
             headers = {k: v for k, v in request.headers.items()
                        if k in ("Authorization", "Content-Type", P.ROUTE_HEADER)}
-            r = requests.request(request.method, self.upstream + path, data=request.get_data(),
-                                 headers=headers, timeout=60)
+            r = web.request(request.method, self.upstream + path, data=request.get_data(),
+                            headers=headers, timeout=60)
             body = r.content
             lie = next((f for p, f in self.lies.items() if path.startswith(p)), None)
             if lie is not None and r.status_code == 200:
@@ -66,7 +65,7 @@ class LyingProxy:
 
 @pytest.fixture(scope="module", params=[(1, 3), (2,)], ids=["u", "2way"])
 def lying(request):
-    with ServerProcess(request.param) as srv:
+    with InprocServerProcess(request.param) as srv:
         proxy = LyingProxy(srv.url)
         proxy.u_shape = len(request.param) == 2
         yield proxy

@@ -115,7 +115,7 @@ def test_the_route_key_names_the_tenant_by_a_hash_and_never_carries_the_token():
 
 def _runtime(state_dir):
     from splitlearn.server.config import ServerConfig
-    from splitlearn.server.runtime import SegmentRuntime
+    from splitlearn.server.engine.runtime import SegmentRuntime
 
     return SegmentRuntime(ServerConfig(model="tiny", cuts=(2,), optimizer="adamw", lr=1e-2, tokens=(TOKEN,),
                                        lora=LoraSpec(4, 8.0, ("c_attn", "c_proj")), checkpoint_every=2,
@@ -229,7 +229,7 @@ def one_server():
     thread; one torch thread, as the replicas under OMP_NUM_THREADS=1)."""
     from waitress import create_server
 
-    from splitlearn.server.app import create_app
+    from splitlearn.server.http.app import create_app
     from splitlearn.server.config import ServerConfig
 
     cfg = ServerConfig(model="tiny", cuts=(1, 3), optimizer="adamw", lr=0.01, threads=4, torch_threads=1,

@@ -1,4 +1,4 @@
-"""SplitFed across replicas (splitlearn/server/collective.py): rounds over every replica's members,
+"""SplitFed across replicas (splitlearn/server/federation/collective.py): rounds over every replica's members,
 closed with torch.distributed (gloo) so every replica continues from the same weights.
 
 In-process first (no HAProxy): server runtimes in 2 spawned processes, a TCPStore hosted by the
@@ -28,7 +28,7 @@ import torch
 
 from splitlearn import protocol as P
 from splitlearn.localserver import ChildServer, free_port
-from splitlearn.server.collective import weights_sha256
+from splitlearn.server.federation.collective import weights_sha256
 from splitlearn.wire import decode
 
 from listening import of_pids, public_address
@@ -51,7 +51,7 @@ def _config(k=K, aggregation="fedavg", store=None, rank=0, world=1, timeout_s=5.
 
 def test_the_server_takes_a_place_in_the_group_only_for_splitfed_and_checks_it():
     from splitlearn.errors import ConfigError
-    from splitlearn.server.cli import parse_args
+    from splitlearn.server.http.cli import parse_args
 
     assert _config(store="127.0.0.1:29500", rank=1, world=2).fed_world_size == 2
     for bad in (dict(store="127.0.0.1"), dict(store="127.0.0.1:0"), dict(store="h:1", rank=2, world=2),
@@ -106,15 +106,15 @@ def _replica(rank, port, world, out, keys, aggregations, die_after_sync, linger,
     os.environ["OMP_NUM_THREADS"] = "1"
     from safetensors.torch import save_file
 
-    from splitlearn.server.runtime import SegmentRuntime
-    from splitlearn.server.strategy import make_strategy
+    from splitlearn.server.engine.runtime import SegmentRuntime
+    from splitlearn.server.federation.strategy import make_strategy
 
     rt = SegmentRuntime(_config(store=f"127.0.0.1:{port}", rank=rank, world=world, lora=lora))
     fed = rt.federation
     _wait(fed.group.ready.is_set, what="the group")
     if die_after_sync:  # this replica never contributes to a close: it dies first, however the
         # threads are scheduled (the round's collective could otherwise finish with it still alive)
-        fed._freeze_round = lambda number: threading.Event().wait()
+        fed.freeze_round = lambda number: threading.Event().wait()
     for n, aggregation in enumerate(aggregations or ["fedavg"], start=1):
         fed.strategy = make_strategy(aggregation, 5.0)  # (every replica switches between rounds)
         if aggregations:
@@ -147,8 +147,8 @@ def _store():
 
 def _reference(keys_in_order, aggregations, k=K, lora=False) -> list[dict]:
     """One server with every member, syncs in replica order; its weights after each round."""
-    from splitlearn.server.runtime import SegmentRuntime
-    from splitlearn.server.strategy import make_strategy
+    from splitlearn.server.engine.runtime import SegmentRuntime
+    from splitlearn.server.federation.strategy import make_strategy
 
     rt = SegmentRuntime(_config(k=k, lora=lora))
     try:
@@ -261,7 +261,7 @@ def one_splitfed_server():
     """The reference: one server with the replicas' options, in this process (its runtime at hand)."""
     from waitress import create_server
 
-    from splitlearn.server.app import create_app
+    from splitlearn.server.http.app import create_app
     from splitlearn.server.config import ServerConfig
 
     cfg = ServerConfig(model="tiny", cuts=(1, 3), optimizer="sgd", lr=0.1, threads=4, torch_threads=1,

@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 
 from splitlearn.localserver import free_port
-from splitlearn.server.strategy import capped_weights
+from splitlearn.server.federation.strategy import capped_weights
 
 pytestmark = pytest.mark.slow
 
@@ -19,12 +19,13 @@ def _replica(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from splitlearn.server.collective import _capped_here
+    from splitlearn.server.federation.collective import TorchCollective
+    from splitlearn.server.federation.rounds import capped_over
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        mine, total, capped = _capped_here(0.5, ROUND[rank])
+        mine, total, capped = capped_over(TorchCollective(), 0.5, ROUND[rank])
         with open(out, "w") as f:
             json.dump({"mine": mine, "total": total, "capped": capped}, f)
     finally:

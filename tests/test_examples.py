@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def example(name: str):
 
 @pytest.fixture(scope="module", params=[(1, 3), (2,)], ids=["u", "2way"])
 def server(request):
-    with ServerProcess(request.param) as srv:
+    with InprocServerProcess(request.param) as srv:
         srv.u_shape = len(request.param) == 2
         yield srv
 

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import all_cuts, hf_forward
+from test_generation import assert_same_choices
 from splitlearn import SegmentFileError, export_segments, load_segment, load_segments, partition
 from splitlearn.export import _sha256
-from splitlearn.generation import GreedyConfig, decode
 from splitlearn.segments import labels_from_batch, loss_from_logits
 
 ATOL = 1e-5
@@ -127,18 +127,10 @@ def test_cached_generation_through_loaded_segments(tiny_model, padded_batch, tmp
     ids, mask = padded_batch
     export_segments(tiny_model, cuts, tmp_path)
     segs = load_segments(tmp_path, kinds_of(cuts))
-    caches = [s.new_cache() for s in segs]
     eos = tiny_model.config.eos_token_id
-
-    @torch.no_grad()
-    def step(new, m):
-        return chain(segs, new, m, caches)[:, -1]
-
-    cfg = GreedyConfig(max_new_tokens=8, eos_token_id=eos, pad_token_id=eos)
-    out = torch.cat([ids] + [t[:, None] for t in decode(step, ids, mask, cfg)], dim=1)
     ref = tiny_model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                               eos_token_id=eos, pad_token_id=eos)
-    assert torch.equal(out, ref)
+    assert_same_choices(segs, ids, mask, ref, eos)  # step by step, each segment with its cache
 
 
 # -- files that do not match their spec --------------------------------------------------

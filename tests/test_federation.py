@@ -7,7 +7,6 @@ import random
 import time
 
 import pytest
-import requests
 import torch
 
 from splitlearn import protocol as P
@@ -16,7 +15,7 @@ from splitlearn.transport.fedsync import untied_weights
 from splitlearn.errors import Conflict
 from splitlearn.wire import decode, encode, pack
 
-from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth, run_threads
+from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, run_threads, web
 from test_client import BATCHES, LR, assert_both_sides_equal, unsplit_steps
 
 pytestmark = pytest.mark.slow
@@ -33,7 +32,7 @@ def same_batch(seed):
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
 def test_shared_mode_concurrent_clients_each_step_applied_once(cuts, tmp_path):
-    with ServerProcess(cuts, optimizer="adamw", lr=1e-3, extra=["--threads", "4"]) as srv:
+    with InprocServerProcess(cuts, optimizer="adamw", lr=1e-3, extra=["--threads", "4"]) as srv:
         names, steps = ["a", "b", "c", "d"], 5
         clients = [client_of(srv, n, "adamw") for n in names]
         rng = random.Random(0)
@@ -49,15 +48,15 @@ def test_shared_mode_concurrent_clients_each_step_applied_once(cuts, tmp_path):
 
         run_threads([train(c) for c in clients])
         for c in clients:
-            state = requests.get(srv.url + P.CLIENT_STATE.format(client_id=c.client_id),
-                                 headers=auth(), timeout=10).json()
+            state = web.get(srv.url + P.CLIENT_STATE.format(client_id=c.client_id),
+                            headers=auth(), timeout=10).json()
             assert state["step"] == steps and c.step == steps
             c.close()
 
 
 def test_a_client_that_vanishes_after_its_forward_blocks_others_only_until_the_lease_timeout():
-    with ServerProcess((1, 3), extra=["--lease-timeout", "2"]) as srv:
-        ghost = requests.Session()
+    with InprocServerProcess((1, 3), extra=["--lease-timeout", "2"]) as srv:
+        ghost = web.Session()
         ghost.headers.update({**auth(), "Content-Type": P.CONTENT_TYPE})
         h = torch.randn(2, 6, 32)
         meta = P.StepMeta("ghost", 1).to_meta()
@@ -75,8 +74,8 @@ def test_a_client_that_vanishes_after_its_forward_blocks_others_only_until_the_l
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
 def test_sequential_turns_equal_the_unsplit_model_in_the_servers_order(cuts, tmp_path):
     order = [("a", 0), ("a", 1), ("b", 2), ("c", 3), ("a", 0)]  # turns: a a | b | c | a
-    with ServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
-                       extra=["--federation", "sequential"]) as srv:
+    with InprocServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
+                             extra=["--federation", "sequential"]) as srv:
         clients = {n: client_of(srv, n) for n in "abc"}
         prev = None
         for name, b in order:
@@ -87,30 +86,30 @@ def test_sequential_turns_equal_the_unsplit_model_in_the_servers_order(cuts, tmp
         clients[prev].sync()
         reference, _ = unsplit_steps(cuts, "sgd", [BATCHES[b] for _, b in order])
         assert_both_sides_equal(reference, clients["a"], srv)
-        status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
         assert status["mode"] == "sequential" and status["version"] == 4 and status["turn"] is None
 
 
 def test_sequential_refuses_a_client_out_of_turn_and_reposting_the_turn_does_not_keep_it():
-    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
-                       extra=["--federation", "sequential", "--round-timeout", "2"]) as srv:
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
+                             extra=["--federation", "sequential", "--round-timeout", "2"]) as srv:
         with client_of(srv, "a") as a:
             a.train_step(*BATCHES[0])  # a holds the turn
-            s = requests.Session()
+            s = web.Session()
             s.headers.update({**auth(), "Content-Type": P.CONTENT_TYPE})
             meta = P.StepMeta("b", 1, fed_version=0).to_meta()
             r = s.post(srv.url + P.TRAIN_FORWARD, data=encode(pack(P.HIDDEN, torch.randn(1, 4, 32), "float32"), meta))
             assert r.status_code == 409 and r.json()["error"] == "not_your_turn"
-            turn = requests.post(srv.url + P.FEDERATION_TURN, json={"client_id": "b"}, headers=auth(), timeout=10)
+            turn = web.post(srv.url + P.FEDERATION_TURN, json={"client_id": "b"}, headers=auth(), timeout=10)
             assert turn.status_code == 503 and "holds the turn" in turn.json()["message"]
-            assert requests.post(srv.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("b", 1).to_meta()),
-                                 headers={**auth(), "Content-Type": P.CONTENT_TYPE}, timeout=10).status_code == 409
+            assert web.post(srv.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("b", 1).to_meta()),
+                            headers={**auth(), "Content-Type": P.CONTENT_TYPE}, timeout=10).status_code == 409
             # a keeps re-posting /turn but trains no more: the turn lapses after --round-timeout anyway
             t0 = time.monotonic()
             while True:
-                again = requests.post(srv.url + P.FEDERATION_TURN, json={"client_id": "a"}, headers=auth(), timeout=10)
+                again = web.post(srv.url + P.FEDERATION_TURN, json={"client_id": "a"}, headers=auth(), timeout=10)
                 assert again.status_code == 200 and again.json()["turn"] == "a"
-                taken = requests.post(srv.url + P.FEDERATION_TURN, json={"client_id": "b"}, headers=auth(), timeout=10)
+                taken = web.post(srv.url + P.FEDERATION_TURN, json={"client_id": "b"}, headers=auth(), timeout=10)
                 if taken.status_code == 200:
                     break
                 assert time.monotonic() - t0 < 60, "re-posting /turn kept the turn"
@@ -124,12 +123,12 @@ def test_splitfed_round_equals_one_unsplit_sgd_step_weighted_by_the_rows_the_ser
     weighted by the target tokens the server trained; no cap on a member's share), whatever
     samples they claim (10**12 is taken and ignored, 10**400 refused: it overflowed FedAvg's float sum)."""
     batches = [same_batch(10), (torch.cat([same_batch(11)[0], same_batch(12)[0]]), None)]  # (2, 12), (4, 12)
-    with ServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
-                       extra=["--federation", "splitfed", "--clients-per-round", "2", "--max-member-share", "1"]) as srv:
+    with InprocServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
+                             extra=["--federation", "splitfed", "--clients-per-round", "2", "--max-member-share", "1"]) as srv:
         clients = [client_of(srv, n) for n in "ab"]
         # (before a trains: a member's refused sync would be its failure of the round, issue 29 item 11)
-        huge = requests.post(srv.url + P.FEDERATION_SYNC, headers={**auth(), "Content-Type": P.CONTENT_TYPE},
-                             data=encode(untied_weights(clients[0].segments),
+        huge = web.post(srv.url + P.FEDERATION_SYNC, headers={**auth(), "Content-Type": P.CONTENT_TYPE},
+                        data=encode(untied_weights(clients[0].segments),
                                          {"client_id": "a", "samples": "1" + "0" * 400}), timeout=30)
         assert huge.status_code == 400 and "samples" in huge.json()["message"]
         clients[0].train_step(*batches[0])
@@ -143,7 +142,7 @@ def test_splitfed_round_equals_one_unsplit_sgd_step_weighted_by_the_rows_the_ser
         for c in clients:  # every client continues from the average; the server checkpoints (not deferred)
             assert c.federation.version == 1
             assert_both_sides_equal(reference, c, srv)
-        status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
         assert status["round"] == 2 and status["members"] == [] and status["version"] == 1
         # samples: the target tokens trained, 2 x 11 + 4 x 11 (FedAvg weights 1:2, as the rows)
         assert status["last_round"] == {"round": 1, "members": 2, "samples": 66, "server_clipped": 0, "client_clipped": 0,
@@ -152,8 +151,8 @@ def test_splitfed_round_equals_one_unsplit_sgd_step_weighted_by_the_rows_the_ser
 
 
 def test_splitfed_round_timeout_runs_from_the_first_member_and_made_up_ids_leave_the_round():
-    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
-                       extra=["--federation", "splitfed", "--clients-per-round", "2", "--round-timeout", "2"]) as srv:
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
+                             extra=["--federation", "splitfed", "--clients-per-round", "2", "--round-timeout", "2"]) as srv:
         a, b = client_of(srv, "a"), client_of(srv, "b")
         b.train_step(*same_batch(1))  # b trains but never syncs
         a.train_step(*same_batch(2))
@@ -172,7 +171,7 @@ def test_splitfed_round_timeout_runs_from_the_first_member_and_made_up_ids_leave
         c = client_of(srv, "c")
         c.train_step(*same_batch(5))  # ...until --round-timeout after its first member (b): they leave, c is in
         assert 1.9 < time.monotonic() - t0 < 60
-        status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
         assert status["version"] == 1 and status["round"] == 3 and status["members"] == ["c"]
         with pytest.raises(Conflict, match="not a member"):  # the ghost's late sync
             ghost.federation.sync(untied_weights(ghost.segments))
@@ -194,10 +193,10 @@ def bad_sync_bodies(client):
 
 
 def test_bad_sync_bodies_are_400_and_average_nothing():
-    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
-                       extra=["--federation", "splitfed", "--clients-per-round", "1"]) as srv:
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"],
+                             extra=["--federation", "splitfed", "--clients-per-round", "1"]) as srv:
         with client_of(srv, "a") as a:
-            s = requests.Session()
+            s = web.Session()
             s.headers.update({**auth(), "Content-Type": P.CONTENT_TYPE})
             a.train_step(*same_batch(1))
             assert s.post(srv.url + P.FEDERATION_SYNC, data=b"not safetensors").status_code == 400  # nobody's
@@ -227,14 +226,14 @@ def two_tenants(tmp_path_factory):
     """A splitfed server, K=2, tenants alice (TOKEN) and mallory (OTHER)."""
     d = tmp_path_factory.mktemp("splitfed-tenants")
     (d / "tokens").write_text("\n".join(TENANTS) + "\n")
-    with ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], extra=[
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], extra=[
             "--federation", "splitfed", "--clients-per-round", "2", "--max-update-norm", str(BOUND),
             "--token-file", str(d / "tokens")]) as srv:
         yield srv
 
 
 def shared_weights(srv) -> dict:
-    r = requests.get(srv.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=30)
+    r = web.get(srv.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=30)
     assert r.status_code == 200, r.text
     return decode(r.content)[0]
 
@@ -254,19 +253,19 @@ def test_one_members_upload_moves_the_model_by_at_most_the_bound_whatever_it_sen
     for i, (value, claimed) in enumerate(((3e38, 1), (50.0, 10**12))):
         a.train_step(*same_batch(40 + i))
         m.train_step(*same_batch(50 + i))
-        mine = requests.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
-        theirs = requests.get(srv.url + P.FEDERATION, headers=auth(OTHER), timeout=10).json()
+        mine = web.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
+        theirs = web.get(srv.url + P.FEDERATION, headers=auth(OTHER), timeout=10).json()
         assert (mine["members"], theirs["members"], mine["members_count"]) == (["a"], ["m"], 2)  # no other's ids
         evil = {k: torch.full_like(v, value) for k, v in before.items()}
-        r = requests.post(srv.url + P.FEDERATION_SYNC, headers={**auth(OTHER), "Content-Type": P.CONTENT_TYPE},
-                          data=encode(evil, P.SyncMeta("m", claimed).to_meta()), timeout=30)
+        r = web.post(srv.url + P.FEDERATION_SYNC, headers={**auth(OTHER), "Content-Type": P.CONTENT_TYPE},
+                     data=encode(evil, P.SyncMeta("m", claimed).to_meta()), timeout=30)
         assert r.status_code == 200, r.text
         a.sync()
         after = shared_weights(srv)
         assert all(bool(torch.isfinite(t).all()) for t in after.values())
         assert distance(after, before) <= BOUND * (1 + 1e-5)
         assert distance(after, evil) > 1.0
-        status = requests.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
+        status = web.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
         assert status["last_round"]["client_clipped"] == 1 and status["last_round"]["samples"] == 44  # 2 x 11 target tokens each
         before = after
     loss = a.train_step(*same_batch(60))  # on the new shared weights: a finite forward
@@ -280,7 +279,7 @@ def test_one_members_upload_moves_the_model_by_at_most_the_bound_whatever_it_sen
 def _federation(mode, k=2, timeout_s=60.0, **kw):
     from splitlearn import load_model, partition
     from splitlearn.checkpoint import make_optimizer
-    from splitlearn.server.federation import Federation, Replica
+    from splitlearn.server.federation.modes import Federation, Replica
 
     trunk = partition(load_model("tiny"), (1, 3)).trunk
     opt = lambda ps: make_optimizer(ps, "sgd", 0.1)  # noqa: E731
@@ -302,7 +301,7 @@ def test_status_shows_a_tenant_its_own_ids_and_counts_the_others():
 
 def test_sequential_with_a_fed_server_tickets_only_the_turn_holder():
     from splitlearn.errors import NotYourTurn
-    from splitlearn.server import tickets
+    from splitlearn.server.federation import tickets
 
     secret = b"k" * 32
     fed = _federation("sequential", client_weights_at="external", secret=secret)

@@ -19,7 +19,7 @@ from splitlearn.client import SplitClient
 from splitlearn.transport.fedsync import untied_weights
 from splitlearn.wire import decode, encode
 
-from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth, run_threads
+from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, run_threads, web
 from test_client import LR
 
 pytestmark = pytest.mark.slow
@@ -27,9 +27,9 @@ pytestmark = pytest.mark.slow
 ALICE, MALLORY = TOKEN, OTHER
 
 
-def splitfed(tmp_path, k: int, *extra) -> ServerProcess:
+def splitfed(tmp_path, k: int, *extra) -> InprocServerProcess:
     (tmp_path / "tokens").write_text("\n".join(TENANTS) + "\n")
-    return ServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], extra=[
+    return InprocServerProcess((1, 3), optimizer="sgd", lr=LR["sgd"], extra=[
         "--federation", "splitfed", "--clients-per-round", str(k), "--round-timeout", "300",
         "--token-file", str(tmp_path / "tokens"), *extra])
 
@@ -43,7 +43,7 @@ def batch(seed, rows=2, length=12):
 
 
 def session(token) -> requests.Session:
-    s = requests.Session()
+    s = web.Session()
     s.headers.update(auth(token))
     return s
 
@@ -53,7 +53,7 @@ def post(s, url, path, tensors, meta):
 
 
 def status(srv, token=ALICE) -> dict:
-    return requests.get(srv.url + P.FEDERATION, headers=auth(token), timeout=10).json()
+    return web.get(srv.url + P.FEDERATION, headers=auth(token), timeout=10).json()
 
 
 def test_forward_only_pieces_and_one_token_rows_buy_no_weight_and_one_member_holds_at_most_the_cap(tmp_path):
@@ -83,7 +83,7 @@ def test_forward_only_pieces_and_one_token_rows_buy_no_weight_and_one_member_hol
         run_threads([b.sync, a.sync])  # a member's sync returns once its round closed
         last = status(srv)["last_round"]
         assert (last["members"], last["samples"], last["share_capped"]) == (3, 22 + 22 + 960, 1)
-        r = requests.get(srv.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=30)
+        r = web.get(srv.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=30)
         shared = decode(r.content)[0]
         for k in shared:
             want = 0.25 * w_a[k].double() + 0.25 * w_b[k].double() + 0.5 * w_m[k].double()
@@ -106,7 +106,7 @@ def test_bad_json_is_a_4xx_and_a_409_names_the_client_as_sent(tmp_path):
         for r in refused:
             assert r.status_code == 409, r.text
             assert "'m'" in r.json()["message"] and "mallory" not in r.text, r.text
-        assert requests.get(srv.url + P.HEALTH, timeout=10).status_code == 200
+        assert web.get(srv.url + P.HEALTH, timeout=10).status_code == 200
 
 
 def test_a_refused_sync_is_the_members_failure_and_the_round_closes_with_the_others(tmp_path):

@@ -8,7 +8,6 @@ give the unsplit model's logits to float32 rounding.
 import threading
 
 import pytest
-import requests
 import torch
 from transformers import DynamicCache
 
@@ -18,11 +17,11 @@ from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import BadRequest, NotFound
 from splitlearn.hf.cache import RemoteCache
 from splitlearn.segments import positions_from_mask
-from splitlearn.server.batching import DecodeItem, batched_decode
-from splitlearn.server.sessions import CacheOps, Session
+from splitlearn.server.engine.batching import DecodeItem, batched_decode
+from splitlearn.server.engine.sessions import CacheOps, Session
 from splitlearn.wire import decode, encode
 
-from serverproc import OTHER, TENANTS, TOKEN, auth
+from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +38,7 @@ def server(request, tmp_path_factory):
     (d / "tokens").write_text("\n".join(TENANTS) + "\n")
     extra = ["--token-file", str(d / "tokens"), "--max-batch", str(MAX_BATCH),
              "--max-tokens-per-client", str(MAX_TOKENS)]
-    with ServerProcess(request.param, extra=extra) as srv:
+    with InprocServerProcess(request.param, extra=extra) as srv:
         srv.cuts = request.param
         srv.u_shape = len(request.param) == 2
         yield srv
@@ -193,7 +192,7 @@ def test_two_way_answers_the_logits_asked_for(server, transport, parts, tiny_mod
         h = parts.bottom(ids, mask, None)
         assert answer(post_step(server, sid, {P.HIDDEN: h}, {"position": 0})).shape == (2, VOCAB)
     finally:
-        requests.delete(server.url + P.SESSION.format(session_id=sid), headers=auth(), timeout=10)
+        web.delete(server.url + P.SESSION.format(session_id=sid), headers=auth(), timeout=10)
 
 
 def test_a_lost_session_is_replayed_with_the_operations(server, transport, parts, tiny_model, padded_batch):
@@ -232,8 +231,8 @@ def test_close_deletes_the_session_and_gc_too(server, transport, parts, tiny_mod
 
 def test_concurrent_sessions_with_operations_batch_and_stay_exact(server, transport, parts, tiny_model):
     """Decode steps of sessions whose caches were reordered and cropped share the server's
-    forwards (splitlearn/server/batching.py) and still give the unsplit model's logits."""
-    before = requests.get(server.url + P.INFO, headers=auth(), timeout=10).json()["generation"]
+    forwards (splitlearn/server/engine/batching.py) and still give the unsplit model's logits."""
+    before = web.get(server.url + P.INFO, headers=auth(), timeout=10).json()["generation"]
 
     def run(seed):
         t = Transport(TransportConfig(server.url, TOKEN))
@@ -257,7 +256,7 @@ def test_concurrent_sessions_with_operations_batch_and_stay_exact(server, transp
     for th in threads:
         th.join(120)
     assert not errors, errors
-    after = requests.get(server.url + P.INFO, headers=auth(), timeout=10).json()["generation"]
+    after = web.get(server.url + P.INFO, headers=auth(), timeout=10).json()["generation"]
     assert after["decode_steps"] - before["decode_steps"] == 3 * 6
 
 
@@ -321,8 +320,8 @@ class LocalSegment:
 
 def post_step(server, sid, tensors, meta, token=TOKEN):
     body = encode(tensors, {k: str(v) for k, v in meta.items()})
-    return requests.post(server.url + P.SESSION_STEP.format(session_id=sid), data=body, timeout=30,
-                         headers={**auth(token), "Content-Type": P.CONTENT_TYPE})
+    return web.post(server.url + P.SESSION_STEP.format(session_id=sid), data=body, timeout=30,
+                    headers={**auth(token), "Content-Type": P.CONTENT_TYPE})
 
 
 def answer(resp):
@@ -332,7 +331,7 @@ def answer(resp):
 
 
 def open_raw(server, rows, token=TOKEN):
-    r = requests.post(server.url + P.SESSIONS, json={"rows": rows}, headers=auth(token), timeout=10)
+    r = web.post(server.url + P.SESSIONS, json={"rows": rows}, headers=auth(token), timeout=10)
     assert r.status_code == 201, r.text
     return r.json()["session_id"]
 
@@ -369,7 +368,7 @@ def test_operations_on_the_server_equal_hf_operations_on_its_segment(server, par
         local.crop(0)
         assert torch.allclose(out, local(h, torch.ones(1, 3, dtype=torch.long)), atol=1e-5)
     finally:
-        requests.delete(server.url + P.SESSION.format(session_id=sid), headers=auth(), timeout=10)
+        web.delete(server.url + P.SESSION.format(session_id=sid), headers=auth(), timeout=10)
 
 
 # -- (c) hostile requests: 4xx JSON, nothing changed ------------------------------------------
@@ -425,7 +424,7 @@ def test_hostile_operations_are_refused_and_change_nothing(server, transport, pa
         assert last.status_code == 200 and answer(last).shape[:2] == (3, 1)
         # another tenant: the session does not exist for it
         assert_refused(post_step(server, sid, {P.HIDDEN: h(3)}, meta, token=OTHER), 404, "no generation session")
-        r = requests.delete(server.url + P.SESSION.format(session_id=sid), headers=auth(OTHER), timeout=10)
+        r = web.delete(server.url + P.SESSION.format(session_id=sid), headers=auth(OTHER), timeout=10)
         assert_refused(r, 404)
         # the session is intact: the next steps equal the unsplit model
         pair.reorder(torch.tensor([2, 2, 1]))
@@ -470,7 +469,7 @@ def test_session_step_meta_carries_the_operations():
 
 def test_cached_tokens_are_counted_after_crop_and_reorder():
     from serverproc import post_tensors
-    from splitlearn.server.app import create_app
+    from splitlearn.server.http.app import create_app
     from splitlearn.server.config import ServerConfig
 
     client = create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS, max_tokens_per_client=24)).test_client()

@@ -1,4 +1,5 @@
-"""Speculative decoding across the split (splitlearn/hf/draft.py) against real server processes.
+"""Speculative decoding across the split (splitlearn/hf/draft.py) against the server in this process
+(tests/serverproc.py's InprocServerProcess).
 
 Every draft kind (prompt lookup, an assistant model, the U-shape's free draft), with
 transformers' own draft length and with the link-aware one, must give exactly the unsplit
@@ -19,7 +20,7 @@ from splitlearn.hf.draft import (DEFAULT_RTT_MS, CountingRemoteCache, LinkAwareP
                                  measured_rtt_ms)
 
 from conftest import VARIED
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ def tiny_model(varied_model):
 def split_lm(request):
     from splitlearn.hf.modeling import SplitGPT2LMHeadModel
 
-    with ServerProcess(request.param, model=VARIED) as srv:
+    with InprocServerProcess(request.param, model=VARIED) as srv:
         model = SplitGPT2LMHeadModel.from_pretrained(VARIED, server=srv.url, token=TOKEN)
         yield model
         model.transformer.remote.close()

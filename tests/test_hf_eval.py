@@ -1,5 +1,6 @@
 """Real clients, unchanged, on the split model (issue 33, item 4): ``transformers.pipeline``
-and lm-evaluation-harness' ``HFLM``, against real server processes, offline.
+and lm-evaluation-harness' ``HFLM``, against the server in this process
+(tests/serverproc.py's InprocServerProcess), offline.
 
 One server per shape (U-shape cuts (1, 3), 2-way cut 2) holding the seeded init of
 models/tiny-varied.json (its outputs vary); the unsplit reference is that model. The tokenizer
@@ -17,7 +18,7 @@ from transformers.testing_utils import CaptureLogger
 from splitlearn.hf import SplitGPT2LMHeadModel
 
 from conftest import VARIED
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess
 from test_hf_generation import byte_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # lm-eval loads its task's data with `datasets`
 # lm-eval sets HF_XET_HIGH_PERFORMANCE when imported: import it here, at collection (before any
 # test server's fork server starts in this worker), so the environment the fork server was
-# started with stays the one its children ask for (splitlearn/localserver.py starts a child whose
+# started with stays the one its children ask for (tests/forkserver.py starts a child whose
 # startup environment differs afresh, and tests/test_localserver.py checks the preloaded path)
 lm_eval = pytest.importorskip("lm_eval")
 import lm_eval.evaluator  # noqa: E402,F401
@@ -44,7 +45,7 @@ def tok():
 
 @pytest.fixture(scope="module", params=[(1, 3), (2,)], ids=["u", "2way"])
 def split_lm(request):
-    with ServerProcess(request.param, model=VARIED) as srv:
+    with InprocServerProcess(request.param, model=VARIED) as srv:
         model = SplitGPT2LMHeadModel.from_pretrained(VARIED, server=srv.url, token=TOKEN)
         yield model
         model.remote.close()

@@ -7,7 +7,6 @@ unsplit steps in turn order, the stale weights and the lapsed turn handled by th
 import types
 
 import pytest
-import requests
 import torch
 
 from splitlearn import protocol as P
@@ -15,7 +14,7 @@ from splitlearn.errors import ConfigError
 from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.hf.federation import client_weights
 
-from serverproc import TOKEN, ServerProcess, auth, run_threads
+from serverproc import TOKEN, InprocServerProcess, auth, run_threads, web
 from test_client import BATCHES, LR, assert_both_sides_equal, unsplit_steps
 from test_federation import same_batch
 
@@ -45,8 +44,8 @@ def as_client(model):
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
 def test_a_splitfed_round_of_model_classes_equals_one_unsplit_step(cuts, tmp_path):
     batches = [same_batch(10), (torch.cat([same_batch(11)[0], same_batch(12)[0]]), None)]  # 2 and 4 rows
-    with ServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,  # 2 vs 4 rows: no share cap
-                       extra=["--federation", "splitfed", "--clients-per-round", "2", "--max-member-share", "1"]) as srv:
+    with InprocServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,  # 2 vs 4 rows: no share cap
+                             extra=["--federation", "splitfed", "--clients-per-round", "2", "--max-member-share", "1"]) as srv:
         models = [member(srv, n) for n in "ab"]
         opts = [torch.optim.SGD(m.parameters(), lr=LR["sgd"]) for m in models]
 
@@ -58,7 +57,7 @@ def test_a_splitfed_round_of_model_classes_equals_one_unsplit_step(cuts, tmp_pat
         for m in models:  # both continue from the average
             assert m.remote.federation.version == 1
             assert_both_sides_equal(reference, as_client(m), srv)
-        status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
         assert status["last_round"]["members"] == 2 and status["last_round"]["samples"] == 66  # target tokens
         # a copy that fell behind (as if another member's sync closed a round without it): the
         # server refuses its step's first forward; the model loads the shared weights, runs again
@@ -85,8 +84,8 @@ def test_sequential_turns_in_a_plain_loop_equal_the_unsplit_steps(tmp_path):
     weights before computing anything), then a again (the same, with b's)."""
     order = [("a", 0), ("a", 1), ("b", 2), ("a", 3)]
     cuts = (1, 3)
-    with ServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
-                       extra=["--federation", "sequential"]) as srv:
+    with InprocServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,
+                             extra=["--federation", "sequential"]) as srv:
         models = {n: member(srv, n) for n in "ab"}
         opts = {n: torch.optim.SGD(m.parameters(), lr=LR["sgd"]) for n, m in models.items()}
         prev = None
@@ -98,7 +97,7 @@ def test_sequential_turns_in_a_plain_loop_equal_the_unsplit_steps(tmp_path):
         models[prev].sync()
         reference, _ = unsplit_steps(cuts, "sgd", [BATCHES[b] for _, b in order])
         assert_both_sides_equal(reference, as_client(models["a"]), srv)
-        status = requests.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
         assert status["version"] == 3 and status["turn"] is None
         with pytest.raises(ConfigError, match="between optimizer steps"):
             models["a"].train()(input_ids=BATCHES[0][0], labels=BATCHES[0][0]).loss.backward()

@@ -15,7 +15,7 @@ from splitlearn.errors import Conflict
 from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.hf.journal import RequestLog, Sent, digest
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess, ServerProcess
 from test_recovery import assert_identical  # every loss and every weight, bit for bit
 
 pytestmark = pytest.mark.slow
@@ -32,8 +32,10 @@ def run(cuts, tmp, kill_at=None, restart_from=None, micro_batches=1):
     """Train; ``kill_at`` = (step, what) with what in "before" (before the step's first
     forward), "backward" (before piece 1's backward), "apply" (before the step's apply): the
     server is killed there and restarted 1 s later. Returns (losses, client, server weights,
-    the model's recoveries)."""
-    srv = ServerProcess(cuts, lr=LR, checkpoint_dir=tmp, extra=["--checkpoint-every", str(EVERY)])
+    the model's recoveries). Undisturbed (no ``kill_at``), the server is the same app in this
+    process (tests/serverproc.py's InprocServerProcess: the same answers, bit for bit)."""
+    server = ServerProcess if kill_at else InprocServerProcess
+    srv = server(cuts, lr=LR, checkpoint_dir=tmp, extra=["--checkpoint-every", str(EVERY)])
     with srv:
         model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, client_id="c",
                                                      retries=1, micro_batches=micro_batches).train()
@@ -98,7 +100,7 @@ def test_server_killed_between_steps_replays_the_lost_ones(reference, tmp_path, 
     out = run(cuts, tmp_path, kill_at=(6, "before"))
     assert_identical(out, reference[cuts])
     # steps 4 and 5 were after the checkpoint of step 3: two steps of 2 pieces (fwd + bwd) + apply
-    assert out[3] == [{"server_step": 3, "replayed": 2 * (2 * PIECES + 1)}], out[3]
+    assert out[3] == [{"server_step": 3, "replayed": 2 * (2 * PIECES + 1), "steps": 2}], out[3]
 
 
 @pytest.mark.parametrize("cuts,what", [((1, 3), "backward"), ((2,), "apply")], ids=["u-backward", "2way-apply"])
@@ -107,7 +109,7 @@ def test_server_killed_inside_a_step(reference, tmp_path, cuts, what):
     out = run(cuts, tmp_path, kill_at=(5, what))
     assert_identical(out, reference[cuts])
     done = 2 * PIECES if what == "apply" else PIECES + 1  # step 5's requests before the kill
-    assert out[3] == [{"server_step": 3, "replayed": (2 * PIECES + 1) + done}], out[3]
+    assert out[3] == [{"server_step": 3, "replayed": (2 * PIECES + 1) + done, "steps": 1}], out[3]
 
 
 def test_server_killed_inside_a_pipelined_step(tmp_path):
@@ -147,3 +149,59 @@ def test_the_log_keeps_only_what_is_not_durable_and_checks_answers():
     off.record(1, Sent(P.TRAIN_FORWARD, t, {}))
     assert off.steps == {}
     assert digest({"a": torch.zeros(2)}) != digest({"a": torch.zeros(2, 1)}) != digest({"b": torch.zeros(2)})
+
+
+# -- the client killed: the journal on disk (journal_dir), model.resume(optimizer) -------------
+
+def train(model, opt, start=1, stop=STEPS + 1):
+    """The plain loop of ``run`` over steps ``start`` .. ``stop - 1``; returns the losses."""
+    losses = []
+    for step, batch in enumerate(pieces(), start=1):
+        if start <= step < stop:
+            for ids in batch:
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / PIECES).backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+@pytest.mark.parametrize("crash", ["between-steps", "mid-step"])
+def test_a_model_class_killed_mid_training_resumes_exactly(tmp_path, cuts, crash):
+    """The process dies (nothing more sent, nothing flushed) after step 5, or inside step 6
+    with one piece on the server; a new model with the same journal_dir resumes at its client
+    checkpoint, the steps the server has applied are answered from the journal, and the run
+    ends bit-identical to an undisturbed one on both sides."""
+    results = {}
+    for name in ("undisturbed", "killed"):
+        d = tmp_path / name
+        with ServerProcess(cuts, lr=LR, checkpoint_dir=d / "server", extra=["--checkpoint-every", str(EVERY)]) as srv:
+            def make():
+                m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, client_id="c",
+                                                         journal_dir=d / "client").train()
+                return m, m.attach_optimizer(torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.0))
+
+            torch.manual_seed(0)
+            model, opt = make()
+            if name == "undisturbed":
+                losses = train(model, opt)
+            else:
+                losses = train(model, opt, stop=6)
+                if crash == "mid-step":  # step 6's first piece reaches the server, then the process dies
+                    ids = pieces()[5][0]
+                    (model(input_ids=ids, labels=ids).loss / PIECES).backward()
+                assert list((d / "client" / "wal").glob("*.safetensors"))  # the steps after the checkpoint
+                model, opt = make()  # (the dead one is never used again)
+                start = model.resume(opt)
+                assert 1 < start < 6 and model.remote.step == start  # the checkpoint is behind the server
+                calls = model.remote.stats.calls
+                redone = train(model, opt, start=start, stop=6)
+                assert redone and redone == losses[len(losses) - len(redone):]  # the same losses, from the journal
+                assert model.remote.stats.calls == calls and not model.remote._redo  # and no request
+                losses += train(model, opt, start=6)
+            client = {k: v.clone() for k, v in model.state_dict().items() if "remote." not in k}
+            results[name] = (losses, client, srv.weights())
+            model.remote.close()
+    assert_identical(results["killed"], results["undisturbed"])

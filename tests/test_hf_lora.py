@@ -3,7 +3,6 @@
 single-process peft with the same adapter initialisation, on both sides of the cut; the
 server's base weights never change; a model without LoRA is refused by a LoRA server."""
 import pytest
-import requests
 import torch
 from peft import get_peft_model_state_dict
 
@@ -12,7 +11,7 @@ from splitlearn.errors import ConfigError
 from splitlearn.hf import SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel
 from splitlearn.wire import decode
 
-from serverproc import TOKEN, ServerProcess, auth, same_weights
+from serverproc import TOKEN, InprocServerProcess, auth, same_weights, web
 from test_client_lora import LORA_ARGS, peft_config, peft_model
 
 pytestmark = pytest.mark.slow
@@ -41,7 +40,7 @@ def sgd_losses(model, data) -> list[float]:
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
 def test_lora_plain_loop_equals_peft(cuts, tmp_path):
-    with ServerProcess(cuts, optimizer="sgd", lr=LR, checkpoint_dir=tmp_path / "ckpt", extra=LORA_ARGS) as srv:
+    with InprocServerProcess(cuts, optimizer="sgd", lr=LR, checkpoint_dir=tmp_path / "ckpt", extra=LORA_ARGS) as srv:
         base = srv.weights()
         with pytest.raises(ConfigError, match="LoRA"):  # a LoRA server refuses a model without adapters
             SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, client_id="bob")
@@ -55,7 +54,7 @@ def test_lora_plain_loop_equals_peft(cuts, tmp_path):
         ref_losses = sgd_losses(ref, data)
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         want = get_peft_model_state_dict(ref)
-        r = requests.get(srv.url + P.CLIENT_ADAPTER.format(client_id="alice"), headers=auth(), timeout=30)
+        r = web.get(srv.url + P.CLIENT_ADAPTER.format(client_id="alice"), headers=auth(), timeout=30)
         assert r.status_code == 200, r.text
         got = decode(r.content)[0]  # the server's adapter for alice, peft names
         for name, m in model.named_modules():
@@ -70,7 +69,7 @@ def test_lora_plain_loop_equals_peft(cuts, tmp_path):
 
 
 def test_lora_classification_trains_its_head_and_adapters():
-    with ServerProcess((1, 3), optimizer="sgd", lr=LR, extra=LORA_ARGS) as srv:
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR, extra=LORA_ARGS) as srv:
         model = SplitGPT2ForSequenceClassification.from_pretrained(
             "tiny", server=srv.url, token=TOKEN, client_id="carol", num_labels=2, pad_token_id=256,
             lora="server").train()

@@ -11,9 +11,9 @@ import copy
 import json
 
 import pytest
-import requests
 import torch
 from torch import nn
+from torch.optim import optimizer as optimizer_hooks
 
 from splitlearn import load_model
 from splitlearn import protocol as P
@@ -24,7 +24,7 @@ from splitlearn.hf import (SplitGPT2ForSequenceClassification, SplitGPT2LMHeadMo
 from splitlearn.partition import partition
 from transformers import GPT2ForSequenceClassification
 
-from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth
+from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,8 @@ ATOL, RTOL = 2e-5, 1e-4
 def server(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("hf-modeling")
     (d / "tokens").write_text("\n".join(TENANTS) + "\n")
-    with ServerProcess(request.param, lr=LR, checkpoint_dir=d / "ckpt",
-                       extra=["--token-file", str(d / "tokens")]) as srv:
+    with InprocServerProcess(request.param, lr=LR, checkpoint_dir=d / "ckpt",
+                             extra=["--token-file", str(d / "tokens")]) as srv:
         srv.cuts, srv.u_shape = request.param, len(request.param) == 2
         yield srv
 
@@ -61,7 +61,7 @@ def batches(n: int, seed: int = 0, rows: int = 2, T: int = 12):
 def reference(srv):
     """The unsplit model as the split one is now: client side from the spec, the server's
     segment and its AdamW state from the server's checkpoint. Returns (model, {name: state})."""
-    r = requests.post(srv.url + P.CHECKPOINT, json={}, headers=auth(), timeout=60)
+    r = web.post(srv.url + P.CHECKPOINT, json={}, headers=auth(), timeout=60)
     assert r.status_code == 200, r.text
     ref = load_model("tiny")
     if not srv.u_shape:  # 2-way: the server's LM head is its own copy of wte
@@ -172,6 +172,59 @@ def test_plain_loop_equals_unsplit(server):
     assert any(clipped), "the clip never acted: the test proves nothing about it"
     assert model.remote.step == model.remote.applies + 1
     assert_weights_equal(model, ref, server)
+
+
+class OwnZeroGrad(torch.optim.AdamW):
+    """An optimizer whose ``zero_grad`` is its own (it never calls torch's)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+def test_an_optimizer_with_its_own_zero_grad_and_nothing_of_torch_patched(server):
+    """The optimizer is found and hooked per instance (torch.optim is left as it is); a
+    zero_grad of the optimizer's own class between a backward and the step still discards
+    the server's pending pieces (seen as the proxy's gradient gone at the next forward)."""
+    zero_grad, step_hooks = torch.optim.Optimizer.zero_grad, dict(optimizer_hooks._global_optimizer_post_hooks)
+    model = split_lm(server)
+    ref, state = reference(server)
+    ref.train()
+    opt, ref_opt = OwnZeroGrad(model.parameters(), lr=LR, weight_decay=0.0), adamw_with(ref, state)
+    thrown = batches(1, seed=11)[0]
+    for step, (ids, mask, labels) in enumerate(batches(3, seed=12)):
+        if step == 1:  # a backward thrown away by the optimizer's own zero_grad
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(input_ids=thrown[0], attention_mask=thrown[1], labels=thrown[2]).loss.backward()
+                o.zero_grad()
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            o.step()
+            o.zero_grad()
+        assert model.remote.last_apply["pieces"] == 1
+    assert model.remote.applies == 3 and model.remote.step == 4
+    assert_weights_equal(model, ref, server)
+    assert torch.optim.Optimizer.zero_grad is zero_grad and zero_grad.__module__.startswith("torch.")
+    assert dict(optimizer_hooks._global_optimizer_post_hooks) == step_hooks
+    model.remote.close()
+
+
+def test_an_optimizer_made_after_the_first_backward_still_steps_the_server(server):
+    """Not found at the backward (it did not exist): its step moved the proxy, and the next
+    forward finds it and applies that step before the new one starts."""
+    model = split_lm(server)
+    ids, mask, labels = batches(1, seed=13)[0]
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt.step()
+    opt.zero_grad()
+    assert model.remote.applies == 0  # no hook yet
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert model.remote.applies == 1 and model.remote.last_apply["pieces"] == 1 and model.remote.step == 2
+    opt.step()  # hooked now: applied at once
+    assert model.remote.applies == 2 and model.remote.step == 3
+    model.remote.close()
 
 
 def _flat_update(after: dict, before: dict, names) -> torch.Tensor:
@@ -286,8 +339,8 @@ def test_sequence_classification_equals_unsplit(server):
 # -- (e) refused applies change nothing; tenants ------------------------------------------------
 
 def post_apply(srv, payload, token=TOKEN):
-    return requests.post(srv.url + P.TRAIN_APPLY, data=json.dumps(payload),
-                         headers={**auth(token), "Content-Type": "application/json"}, timeout=30)
+    return web.post(srv.url + P.TRAIN_APPLY, data=json.dumps(payload),
+                    headers={**auth(token), "Content-Type": "application/json"}, timeout=30)
 
 
 def test_bad_applies_change_nothing(server):
@@ -308,8 +361,8 @@ def test_bad_applies_change_nothing(server):
         r = post_apply(server, bad)
         assert r.status_code == status, (bad, r.text)
         assert set(r.json()) == {"error", "message"} and words.lower() in r.json()["message"].lower(), r.json()
-    r = requests.post(server.url + P.TRAIN_APPLY, data=b'{"lr": NaN, "client_id": "x"}',
-                      headers={**auth(), "Content-Type": "application/json"}, timeout=30)
+    r = web.post(server.url + P.TRAIN_APPLY, data=b'{"lr": NaN, "client_id": "x"}',
+                 headers={**auth(), "Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"] == "bad_request"
     # another tenant cannot apply (or discard) this step: its "cid" is a client of its own
     r = post_apply(server, good, token=OTHER)

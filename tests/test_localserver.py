@@ -1,7 +1,7 @@
 """ChildServer starts a real child command, waits until it is ready, and stops it; a child that
-exits or never gets ready fails ``start()`` with a TransportError that says why. A ``python -m``
-child can be forked from the fork server instead (``fork=True``, or $SPLITLEARN_FORK_SERVERS=1
-as conftest sets it): it behaves as the exec'd one."""
+exits or never gets ready fails ``start()`` with a TransportError that says why. The tests' own
+launcher (tests/forkserver.py, which conftest installs) forks a ``python -m`` child from a fork
+server instead: it behaves as the exec'd one."""
 import os
 import signal
 import subprocess
@@ -11,9 +11,11 @@ import urllib.request
 
 import pytest
 
+import forkserver
+from forkserver import ForkedProcess, can_fork
 from splitlearn import localserver, protocol as P
 from splitlearn.errors import TransportError
-from splitlearn.localserver import ChildServer, ForkedProcess, LocalServer, can_fork, fork_wanted, free_port
+from splitlearn.localserver import ChildServer, LocalServer, free_port
 
 
 def http_server(port: int, **kw) -> ChildServer:
@@ -68,7 +70,12 @@ def test_ready_can_be_overridden():
     assert srv.proc.returncode == -signal.SIGTERM
 
 
-# -- the fork server (splitlearn/localserver.py): python -m children forked, not exec'd ------
+# -- the tests' fork server (tests/forkserver.py): python -m children forked, not exec'd -------
+
+@pytest.fixture
+def forked(monkeypatch):
+    """ChildServer starts through the tests' launcher (whatever $SPLITLEARN_FORK_SERVERS says)."""
+    monkeypatch.setattr(localserver, "launch", forkserver.launch)
 
 TINY = ["--model", "tiny", "--cut", "1", "--cut", "3", "--threads", "2"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -84,8 +91,8 @@ def get(url: str, token=None) -> int:
         return e.code
 
 
-def test_a_forked_server_serves_its_token_and_checkpoints_on_sigterm(tmp_path):
-    srv = LocalServer([*TINY, "--checkpoint-dir", str(tmp_path)], env=ONE_THREAD, fork=True).start()
+def test_a_forked_server_serves_its_token_and_checkpoints_on_sigterm(tmp_path, forked):
+    srv = LocalServer([*TINY, "--checkpoint-dir", str(tmp_path)], env=ONE_THREAD).start()
     try:
         assert isinstance(srv.proc, ForkedProcess) and srv.proc.stdout is None
         assert srv.proc.poll() is None and srv.proc.returncode is None
@@ -100,16 +107,16 @@ def test_a_forked_server_serves_its_token_and_checkpoints_on_sigterm(tmp_path):
     assert srv.stop() == 0 and srv.proc.wait(0) == 0
 
 
-def test_a_forked_server_killed_says_minus_sigkill():
-    srv = LocalServer(TINY, env=ONE_THREAD, fork=True).start()
+def test_a_forked_server_killed_says_minus_sigkill(forked):
+    srv = LocalServer(TINY, env=ONE_THREAD).start()
     assert srv.kill() == -signal.SIGKILL
     assert srv.proc.poll() == -signal.SIGKILL
 
 
-def test_a_forked_server_that_fails_at_start_quotes_its_stderr():
+def test_a_forked_server_that_fails_at_start_quotes_its_stderr(forked):
     port = free_port()
     cmd = [sys.executable, "-m", "splitlearn.server", *TINY, "--port", str(port), "--no-such-flag"]
-    srv = ChildServer(cmd, port, startup_timeout_s=60, capture_stderr=True, fork=True)
+    srv = ChildServer(cmd, port, startup_timeout_s=60, capture_stderr=True)
     with pytest.raises(TransportError, match="exited with code 2(.|\n)*unrecognized arguments: --no-such-flag"):
         srv.start()
     assert isinstance(srv.proc, ForkedProcess)
@@ -132,11 +139,11 @@ def test_a_forked_child_starts_as_python_dash_m_would(tmp_path, monkeypatch):
     (tmp_path / "probe_mod.py").write_text(PROBE)
     monkeypatch.chdir(tmp_path)
     cmd = [sys.executable, "-m", "probe_mod", "a", "b"]
-    if localserver.fork_server_env is None:  # start the fork server with this worker's environment
+    if forkserver.fork_server_env is None:  # start the fork server with this worker's environment
         assert ForkedProcess(cmd, dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait(60) == 7
     # the fork server's own environment: libraries imported by earlier tests (lm-eval, tokenizers)
     # set startup variables since, and a child that differs there is started afresh, not forked
-    env = {**localserver.fork_server_env, "PROBE": "p", **ONE_THREAD}
+    env = {**forkserver.fork_server_env, "PROBE": "p", **ONE_THREAD}
     with open(tmp_path / "forked.out", "wb") as out:
         assert ForkedProcess(cmd, env, stdout=out, stderr=out).wait(60) == 7
     exec_ = subprocess.run(cmd, env=env, capture_output=True, timeout=60)
@@ -147,21 +154,34 @@ def test_a_forked_child_starts_as_python_dash_m_would(tmp_path, monkeypatch):
 
 
 def test_fork_only_where_it_can_and_is_asked_to(monkeypatch):
-    monkeypatch.setenv("SPLITLEARN_FORK_SERVERS", "1")
-    assert fork_wanted() and fork_wanted(True) and not fork_wanted(False)
-    monkeypatch.setenv("SPLITLEARN_FORK_SERVERS", "0")
-    assert not fork_wanted() and fork_wanted(True)
-    m = [sys.executable, "-m", "http.server"]
-    assert can_fork(m) and can_fork(m, {"OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
+    m, env = [sys.executable, "-m", "http.server"], dict(os.environ)
+    assert can_fork(m) and can_fork(m, {**env, "OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
     assert not can_fork(m, stdout=subprocess.PIPE)  # a pipe to read: a subprocess
-    assert not can_fork(m, {"PYTHONPATH": "/x"})  # changes how the interpreter starts
+    assert not can_fork(m, {**env, "PYTHONPATH": "/x"})  # changes how the interpreter starts
     assert not can_fork([sys.executable, "-c", "pass"]) and not can_fork(["python3", "-m", "http.server"])
-    port = free_port()
-    with http_server(port, fork=False) as srv:  # fork=False: exec'd, whatever the environment says
+    monkeypatch.setattr(localserver, "launch", subprocess.Popen)  # the library's own: exec'd
+    with http_server(free_port()) as srv:
         assert isinstance(srv.proc, subprocess.Popen)
-    monkeypatch.setenv("SPLITLEARN_FORK_SERVERS", "1")
-    with http_server(free_port()) as srv:  # fork=None: $SPLITLEARN_FORK_SERVERS
+    forkserver.install()  # what conftest does (monkeypatch puts the launcher back after)
+    assert localserver.launch is forkserver.launch
+    with http_server(free_port()) as srv:
         assert isinstance(srv.proc, ForkedProcess)
         with pytest.raises(subprocess.TimeoutExpired):
             srv.proc.wait(0.1)
     assert srv.proc.returncode == -signal.SIGTERM
+
+
+def test_python_command_runs_a_script_or_module_whose_servers_fork_too(tmp_path, monkeypatch):
+    """What a test runs in a subprocess that starts servers (the benchmarks) gets the launcher."""
+    monkeypatch.delenv(forkserver.FORK_ENV, raising=False)
+    (tmp_path / "probe_script.py").write_text(
+        "import sys\nfrom splitlearn import localserver\n"
+        "print(localserver.launch.__module__, sys.argv[1:], __name__)\n")
+    for args in ((str(tmp_path / "probe_script.py"), "x"), ("-m", "probe_script", "x")):
+        cmd = forkserver.python_command(*args)
+        assert cmd[:2] == [sys.executable, "-c"]
+        out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n")[0] == "forkserver ['x'] __main__"
+    monkeypatch.setenv(forkserver.FORK_ENV, "0")
+    assert forkserver.python_command("-m", "probe_script", "x") == [sys.executable, "-m", "probe_script", "x"]

@@ -8,8 +8,8 @@ from peft import get_peft_model
 import splitlearn as sl
 from splitlearn.errors import ConfigError
 from splitlearn.lora import AdaptedSegment, LoraRouter, LoraSpec, init_adapter_pair, lora_scope
-from splitlearn.server.batching import DecodeItem, batched_decode
-from splitlearn.server.cli import main as server_main
+from splitlearn.server.engine.batching import DecodeItem, batched_decode
+from splitlearn.server.http.cli import main as server_main
 
 SPEC = LoraSpec(r=4, alpha=8.0, targets=("c_attn", "c_proj", "c_fc"))
 

@@ -1,6 +1,13 @@
-"""Masked offload against a real ``python -m splitlearn.server --model tiny --offload`` process:
-tokens equal the unsplit model's, what the server receives is uncorrelated with the true
-activations, a tampering server is caught, pads are never reused, bad requests get 4xx."""
+"""Masked offload against a real ``python -m splitlearn.server --model tiny --offload`` server
+(its app behind its front door on a loopback port, in this process, with two test hooks in a
+runtime subclass): tokens equal the unsplit model's, what the server receives is uncorrelated
+with the true activations, a tampering server is caught, pads are never reused, bad requests
+get 4xx."""
+import dataclasses
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import requests
@@ -10,27 +17,77 @@ import splitlearn as sl
 from splitlearn import OffloadGPT2LMHeadModel
 from splitlearn import protocol as P
 from splitlearn.errors import ConfigError, IntegrityError
-from splitlearn.localserver import LocalServer
+from splitlearn.localserver import free_port
 from splitlearn.offload import field as F
 from splitlearn.offload.layers import QuantisedLayers
 from splitlearn.server.config import ServerConfig
+from splitlearn.server.engine.offload import OffloadRuntime
 from splitlearn.wire import decode, encode
 
 from serverproc import TOKEN, auth
 
-HOOKS = {"SPLITLEARN_TEST_HOOKS": "1", "OMP_NUM_THREADS": "1"}
 LOGIT_TOL = 1e-4  # stated in docs/OFFLOAD.md for tiny (measured ~1e-6)
 
 
-def offload_server(*extra) -> LocalServer:
-    return LocalServer(["--model", "tiny", "--offload", "--threads", "2", *extra], token=TOKEN, env=HOOKS)
+class HookedOffload(OffloadRuntime):
+    """The offload server's runtime with the tests' hooks: ``record`` (a directory) keeps every
+    input it receives, one file per request; ``tamper`` (N) alters one element of every answer
+    from the N-th product on (0: never)."""
+
+    def __init__(self, cfg: ServerConfig, record: Optional[Path] = None, tamper: int = 0):
+        self.record, self.tamper, self.recorded = record, tamper, 0
+        super().__init__(cfg)
+
+    def validate(self, tensors: dict, meta: dict):
+        scheme, items = super().validate(tensors, meta)
+        if self.record is not None:
+            with self.lock:
+                self.recorded += 1
+                seq = self.recorded
+            data = encode({f"x.{k}": x for k, (_, x) in enumerate(items)},
+                          {"layers": ",".join(n for n, _ in items), "scheme": scheme, "seq": str(seq)})
+            (self.record / f"{seq:07d}.safetensors").write_bytes(data)
+        return scheme, items
+
+    def product(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        z = super().product(name, x)  # (products run on the one compute thread, in order)
+        if self.tamper and self.served >= self.tamper:
+            z[0, 0, 0] = (int(z[0, 0, 0]) + 1) % F.PRIMES[0]
+        return z
+
+
+@contextmanager
+def offload_server(*extra, record: Optional[Path] = None, tamper: int = 0):
+    """``python -m splitlearn.server --model tiny --offload EXTRA`` on a loopback port, its
+    runtime a :class:`HookedOffload`; yields an object with ``url``."""
+    from splitlearn.server import create_app
+    from splitlearn.server.http.cli import parse_args
+    from splitlearn.server.http.frontdoor import make_server
+
+    cfg = parse_args(["--model", "tiny", "--offload", "--threads", "2", "--port", str(free_port()),
+                      "--log-level", "WARNING", *extra])
+    cfg = dataclasses.replace(cfg, tokens=(TOKEN,), generated_token=False)
+    rt = HookedOffload(cfg, record, tamper)
+    app = create_app(runtime=rt)
+    server = make_server(app, cfg.tenants, host=cfg.host, port=cfg.port, threads=cfg.threads,
+                         max_body_bytes=cfg.max_body_bytes, limits=cfg.door_limits())
+    loop = threading.Thread(target=server.run, daemon=True)
+    loop.start()
+    srv = type("OffloadServer", (), {})()
+    srv.url, srv.token, srv.record = f"http://{cfg.host}:{cfg.port}", TOKEN, record
+    try:
+        yield srv
+    finally:  # closed on its loop's thread, which then returns
+        from waitress import wasyncore
+        server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+        loop.join(10)
+        server.task_dispatcher.shutdown()
+        rt.compute.close()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    rec = tmp_path_factory.mktemp("record")
-    with offload_server("--offload-plain", "--offload-record", str(rec)) as srv:
-        srv.record = rec
+    with offload_server("--offload-plain", record=tmp_path_factory.mktemp("record")) as srv:
         yield srv
 
 
@@ -123,7 +180,7 @@ def test_what_the_server_receives_is_uncorrelated_with_the_activations(server, r
 def hostile():
     """A server of other weights (seed 1) that alters every answer from its 30th product on,
     with 1 MiB per request and no plain products."""
-    with offload_server("--seed", "1", "--offload-tamper", "30", "--max-request-memory-gb", "0.001") as srv:
+    with offload_server("--seed", "1", "--max-request-memory-gb", "0.001", tamper=30) as srv:
         yield srv
 
 
@@ -195,13 +252,12 @@ def test_plain_products_need_the_servers_consent_and_memory_is_capped(hostile):
     assert post(hostile, body({"x.0": big})).status_code == 413
 
 
-def test_offload_configuration_is_checked(monkeypatch):
+def test_offload_configuration_is_checked():
     base = dict(model="tiny", tokens=(TOKEN,))
     with pytest.raises(ConfigError, match="no --cut"):
         ServerConfig(**base, offload=True, cuts=(2,))
     with pytest.raises(ConfigError, match="need --offload"):
         ServerConfig(**base, cuts=(2,), offload_plain=True)
-    monkeypatch.delenv("SPLITLEARN_TEST_HOOKS", raising=False)
-    with pytest.raises(ConfigError, match="SPLITLEARN_TEST_HOOKS"):
+    with pytest.raises(TypeError):  # the tests' hooks are no configuration (HookedOffload)
         ServerConfig(**base, offload=True, offload_tamper=3)
     assert ServerConfig(**base, offload=True).cuts == ()

@@ -4,24 +4,23 @@ the routes the Flask app registers, and schemathesis run from it against a real 
 import dataclasses
 
 import pytest
-import requests
 
 from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, assert_error, auth, post_tensors
 from splitlearn import openapi
 from splitlearn import protocol as P
-from splitlearn.server.app import create_app
+from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 
 SERVERS = {"u": dict(cuts=(1, 3)), "2-way": dict(cuts=(2,)), "offload": dict(offload=True)}
 
 
 def app_of(kind: str):
-    if kind == "fed":  # the fed server (python -m splitlearn.server.fedavg)
+    if kind == "fed":  # the fed server (python -m splitlearn.server.federation.fedserver)
         from splitlearn.loading import load_config
-        from splitlearn.server.clientside import ClientSide
-        from splitlearn.server.fedavg import FedConfig, FedRounds, create_fedavg_app
-        from splitlearn.server.strategy import make_strategy
-        from splitlearn.server.tenants import Tenants
+        from splitlearn.server.federation.clientside import ClientSide
+        from splitlearn.server.federation.fedserver import FedConfig, FedRounds, create_fedavg_app
+        from splitlearn.server.federation.strategy import make_strategy
+        from splitlearn.server.engine.tenants import Tenants
         cfg = FedConfig("tiny", (1, 3), b"s" * 44, "splitfed")
         rounds = FedRounds(cfg, ClientSide(load_config("tiny"), (1, 3), model="tiny"), make_strategy("fedavg", None))
         return create_fedavg_app(rounds, Tenants(TENANTS))

@@ -1,7 +1,9 @@
 """kill -9 of the server at any moment: the client recovers by itself, bit-identical (float32 wire).
 
 Each test trains one run undisturbed and one with the server killed (SIGKILL) and restarted
-from its checkpoint directory, and compares every loss and every weight exactly.
+from its checkpoint directory, and compares every loss and every weight exactly. The killed
+server is a real process; the undisturbed runs' server is the same app in this process
+(tests/serverproc.py's InprocServerProcess: the same answers, bit for bit).
 """
 import threading
 import time
@@ -13,7 +15,7 @@ from splitlearn import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.errors import TransportError
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, InprocServerProcess, ServerProcess
 from test_client import LR
 
 pytestmark = pytest.mark.slow
@@ -28,9 +30,10 @@ def batches(n=STEPS):
 
 def run(cuts, tmp, *, every=5, kill_after=None, kill_in_backward=False, reconnect_timeout_s=60.0):
     """Train STEPS steps; kill -9 the server after step ``kill_after`` (or during the backward
-    of the next step); restart it 1 s later. Returns (losses, client weights, server weights)."""
-    srv = ServerProcess(cuts, optimizer="adamw", lr=LR["adamw"], checkpoint_dir=tmp,
-                        extra=["--checkpoint-every", str(every)])
+    of the next step); restart it 1 s later. Returns (losses, client weights, server weights).
+    Undisturbed (no ``kill_after``), the server runs in this process."""
+    server = ServerProcess if kill_after is not None else InprocServerProcess
+    srv = server(cuts, optimizer="adamw", lr=LR["adamw"], checkpoint_dir=tmp, extra=["--checkpoint-every", str(every)])
     with srv:
         client = SplitClient(srv.url, "tiny", token=TOKEN, optimizer="adamw", lr=LR["adamw"], device="cpu",
                              client_id="c", reconnect_timeout_s=reconnect_timeout_s, retries=1)
@@ -136,14 +139,15 @@ def cli_train(srv, save, steps, *extra):
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), save
 
 
-def test_a_client_killed_mid_training_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+def test_a_client_killed_mid_training_resumes_exactly(tmp_path, cuts):
     """kill -9 of the client CLI after a few steps; `train --resume` ends where an undisturbed run ends."""
     import signal
 
     results = {}
     for name in ("undisturbed", "killed"):
         d = tmp_path / name
-        with ServerProcess((1, 3), checkpoint_dir=d / "server", extra=["--checkpoint-every", "4"]) as srv:
+        with ServerProcess(cuts, checkpoint_dir=d / "server", extra=["--checkpoint-every", "4"]) as srv:
             proc, save = cli_train(srv, d / "client", 14, "--save", str(d / "client"))
             if name == "killed":
                 deadline = time.monotonic() + 120

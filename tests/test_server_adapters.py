@@ -1,4 +1,4 @@
-"""splitlearn.server.adapters: the bank (tenant-scoped keys, checkpoints), LoRA federation, the routes in-process."""
+"""splitlearn.server.engine.adapters: the bank (tenant-scoped keys, checkpoints), LoRA federation, the routes in-process."""
 import json
 
 import pytest
@@ -9,8 +9,8 @@ import splitlearn as sl
 from splitlearn import protocol as P
 from splitlearn.errors import NotFound
 from splitlearn.lora import LoraSpec
-from splitlearn.server.adapters import GLOBAL, AdapterBank, LoraFederation
-from splitlearn.server.app import create_app
+from splitlearn.server.engine.adapters import GLOBAL, AdapterBank, LoraFederation
+from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import decode
 
@@ -74,7 +74,7 @@ def test_a_client_id_is_scoped_to_its_tenant_and_seeded_by_the_id_alone():
 def test_splitfed_averages_adapters_only_and_never_copies_the_base():
     trunk, bank = _bank("sgd")
     base = snapshot(trunk)
-    from splitlearn.server.strategy import make_strategy
+    from splitlearn.server.federation.strategy import make_strategy
 
     fed = LoraFederation(bank, "splitfed", 2, 60.0, strategy=make_strategy(max_share=None))  # weights 1:3, uncapped
     reps = [fed.replica_for(c, 0) for c in ("a", "b")]

@@ -1,4 +1,4 @@
-"""splitlearn.server.app through Flask's test client: auth, refused requests, exactly-once steps.
+"""splitlearn.server.http.app through Flask's test client: auth, refused requests, exactly-once steps.
 
 Every refused request must answer a 4xx JSON error naming the problem, leave the segment's
 weights bit-for-bit unchanged, and leave the server answering.
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from splitlearn import protocol as P
-from splitlearn.server.app import create_app
+from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import encode, pack
 

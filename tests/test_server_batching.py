@@ -7,8 +7,8 @@ import torch
 
 import splitlearn as sl
 from splitlearn.errors import Conflict
-from splitlearn.server.batching import DecodeBatcher, DecodeItem, batched_decode
-from splitlearn.server.compute import ComputeThread
+from splitlearn.server.engine.batching import DecodeBatcher, DecodeItem, batched_decode
+from splitlearn.server.engine.compute import ComputeThread
 
 # measures time or fairness: `make test` runs it after the parallel phase, alone (pytest.ini)
 pytestmark = pytest.mark.serial

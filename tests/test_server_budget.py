@@ -1,4 +1,4 @@
-"""splitlearn.server.budget: the memory one request may cost, priced before allocating.
+"""splitlearn.server.engine.budget: the memory one request may cost, priced before allocating.
 
 The cost model against what autograd really keeps and what a route really peaks at; every
 route that allocates by request size answering 413 (naming the limit and the flag) and
@@ -21,9 +21,9 @@ from splitlearn.errors import ConfigError, PayloadTooLarge
 from splitlearn.loading import config_from_dict, load_model, read_spec
 from splitlearn.localserver import LocalServer
 from splitlearn.partition import partition
-from splitlearn.server import budget as bm
-from splitlearn.server.app import create_app
-from splitlearn.server.cli import parse_args
+from splitlearn.server.engine import budget as bm
+from splitlearn.server.http.app import create_app
+from splitlearn.server.http.cli import parse_args
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import decode, encode
 
@@ -145,7 +145,7 @@ def test_derived_limit_is_half_of_what_the_training_state_leaves():
 
 
 def test_available_memory_honours_an_address_space_limit():
-    code = ("import resource, torch; from splitlearn.server import budget as b\n"
+    code = ("import resource, torch; from splitlearn.server.engine import budget as b\n"
             "size = b._status_kib('VmSize'); hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
             "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), hard))\n"
             "print(*b.available_memory(torch.device('cpu')), sep='|')")

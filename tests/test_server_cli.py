@@ -6,7 +6,7 @@ import pytest
 import requests
 
 from splitlearn import protocol as P
-from splitlearn.server.cli import parse_args
+from splitlearn.server.http.cli import parse_args
 
 from serverproc import TOKEN, ServerProcess, auth
 
@@ -72,3 +72,29 @@ def test_weak_tokens_stop_the_server_unless_forced(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="3 words") as e:
         parse_args(["--model", "tiny", "--cut", "1", "--token-file", str(f)])
     assert TOKEN not in str(e.value)
+
+
+def test_the_command_line_is_the_config_fields():
+    """Every option is a field of the config (its default written once, there), with help text;
+    an option not given is the field's default, and units convert (MiB, GiB, 'none')."""
+    import dataclasses
+
+    from splitlearn.server.config import GROUPS, ServerConfig
+    from splitlearn.server.http.cli import parser
+    from splitlearn.server.options import flag_of, options
+
+    actions = {a.option_strings[0]: a for a in parser()._actions if a.option_strings and a.dest != "help"}
+    flags = [flag_of(f) for group in GROUPS for f in options(group)]
+    assert sorted(actions) == sorted(flags) and len(flags) > 60
+    assert all(actions[f].help for f in flags)
+    assert {"--cut", "--token-file", "--max-body-mb", "--no-batching", "--fed-secret-file", "--session-ttl",
+            "--lora-r", "--log-level", "--offload-plain"} <= set(flags)
+    assert not any("offload-record" in f or "offload-tamper" in f for f in flags)  # test hooks are no options
+    cfg = parse_args(["--model", "tiny", "--cut", "1"])
+    for f in dataclasses.fields(ServerConfig):
+        if f.name not in ("model", "cuts", "tokens", "generated_token"):
+            assert getattr(cfg, f.name) == f.default, f.name
+    cfg = parse_args(["--model", "tiny", "--cut", "1", "--max-body-mb", "0.5", "--max-memory-gb", "2",
+                      "--max-update-norm", "none", "--no-batching", "--round-timeout", "7"])
+    assert (cfg.max_body_bytes, cfg.max_memory_bytes, cfg.max_update_norm) == (1 << 19, 2 << 30, None)
+    assert cfg.batching is False and cfg.round_timeout_s == 7.0

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from splitlearn.server.compute import ComputeThread
+from splitlearn.server.engine.compute import ComputeThread
 
 
 def test_run_executes_on_one_thread_and_returns():

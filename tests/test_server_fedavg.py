@@ -1,14 +1,13 @@
-"""The fed server (splitlearn.server.fedavg): only the segment server's round members, bound
+"""The fed server (splitlearn.server.federation.fedserver): only the segment server's round members, bound
 to their tenants, with their own tokens, in the fed server's own schema (issue 19, item 5).
 
-A real segment server (``--client-weights external``) and a real fed server, two tenants
-(alice, mallory), shared by the tests of this module; the round and ticket rules in-process.
+A segment server (``--client-weights external``) and a fed server, their apps in this process
+(tests/serverproc.py's InprocServerProcess, InprocFedServer), two tenants (alice, mallory),
+shared by the tests of this module; the round and ticket rules on their own.
 """
-import sys
 import time
 
 import pytest
-import requests
 import torch
 
 from splitlearn import SplitClient
@@ -17,16 +16,15 @@ from splitlearn.transport.fedsync import untied_weights
 from splitlearn.client.lora import client_adapter_tensors
 from splitlearn.errors import BadRequest, ConfigError, Conflict, Forbidden
 from splitlearn.loading import load_config
-from splitlearn.localserver import ChildServer, free_port
 from splitlearn.lora import LoraSpec
-from splitlearn.server import tickets
-from splitlearn.server.clientside import ClientSide
+from splitlearn.server.federation import tickets
+from splitlearn.server.federation.clientside import ClientSide
 from splitlearn.server.config import ServerConfig
-from splitlearn.server.fedavg import FedConfig, FedRounds
-from splitlearn.server.strategy import make_strategy
+from splitlearn.server.federation.fedserver import FedConfig, FedRounds
+from splitlearn.server.federation.strategy import make_strategy
 from splitlearn.wire import decode, encode
 
-from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth, run_threads
+from serverproc import OTHER, TENANTS, TOKEN, InprocFedServer, InprocServerProcess, auth, run_threads, web
 from test_client import LR, assert_both_sides_equal, unsplit_steps
 
 SECRET = b"s" * 20 + b"3c9e1f7a5b2d4c6e8f0a1b2c"  # 44 bytes
@@ -44,12 +42,9 @@ def servers(tmp_path_factory):
     (d / "secret").write_bytes(SECRET)
     (d / "tokens").write_text("\n".join(TENANTS) + "\n")
     (d / "fed-tokens").write_text(f"alice {FED_ALICE}\nmallory {FED_MALLORY}\n")
-    port = free_port()
-    fed = ChildServer([sys.executable, "-m", "splitlearn.server.fedavg", "--model", "tiny", "--cut", "1", "--cut", "3",
-                       "--mode", "splitfed", "--fed-secret-file", str(d / "secret"), "--token-file", str(d / "fed-tokens"),
-                       "--port", str(port), "--log-level", "WARNING"], port, capture_stderr=True,
-                      env={"OMP_NUM_THREADS": "1"})
-    seg = ServerProcess(CUTS, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=d / "ckpt", extra=[
+    fed = InprocFedServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--mode", "splitfed",
+                           "--fed-secret-file", str(d / "secret"), "--token-file", str(d / "fed-tokens")])
+    seg = InprocServerProcess(CUTS, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=d / "ckpt", extra=[
         "--federation", "splitfed", "--clients-per-round", "2", "--client-weights", "external",
         "--fed-secret-file", str(d / "secret"), "--token-file", str(d / "tokens")])
     with fed, seg:
@@ -76,11 +71,11 @@ def test_a_round_through_the_fed_server_equals_one_unsplit_step_and_needs_the_fe
         assert c.federation.version == 1
         assert_both_sides_equal(reference, c, seg)
     # the segment server holds none of them, and its token opens nothing on the fed server
-    assert requests.get(seg.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10).status_code == 404
-    assert requests.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(TOKEN), timeout=10).status_code == 401
-    r = requests.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(FED_MALLORY), timeout=10)
+    assert web.get(seg.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10).status_code == 404
+    assert web.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(TOKEN), timeout=10).status_code == 401
+    r = web.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(FED_MALLORY), timeout=10)
     assert r.status_code == 200 and r.headers["Content-Type"] == P.CONTENT_TYPE
-    status = requests.get(fed.url + P.FEDERATION, headers=auth(FED_ALICE), timeout=10).json()
+    status = web.get(fed.url + P.FEDERATION, headers=auth(FED_ALICE), timeout=10).json()
     assert status["version"] == 1 and status["last_round"]["members"] == 2 and status["last_round"]["samples"] == 44  # target tokens: 2 x 11 each
 
 
@@ -89,8 +84,8 @@ def test_the_fed_server_takes_only_a_ticketed_member_of_its_tenant_in_its_own_sc
     seg, fed = servers
     a = client(seg, fed, TOKEN, "a2", FED_ALICE)
     a.train_step(*batch(30))
-    seg_sync = requests.post(seg.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("a2", 2).to_meta()),
-                             headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE}, timeout=30)
+    seg_sync = web.post(seg.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("a2", 2).to_meta()),
+                        headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE}, timeout=30)
     assert seg_sync.status_code == 200, seg_sync.text
     ticket = seg_sync.json()["ticket"]
     assert seg_sync.json()["members"] == ["a2"]  # alice sees her own ids only
@@ -98,11 +93,11 @@ def test_the_fed_server_takes_only_a_ticketed_member_of_its_tenant_in_its_own_sc
     name = next(iter(good))
     other_secret = tickets.sign(b"x" * 40, tickets.verify(SECRET, ticket, tickets.Ticket))
     flipped = ticket[:-1] + ("0" if ticket[-1] != "0" else "1")
-    before = requests.get(fed.url + P.FEDERATION, headers=auth(FED_ALICE), timeout=10).json()
+    before = web.get(fed.url + P.FEDERATION, headers=auth(FED_ALICE), timeout=10).json()
 
     def upload(weights, meta, token=FED_ALICE):
-        return requests.post(fed.url + P.FEDERATION_SYNC, data=encode(weights, meta),
-                             headers={**auth(token), "Content-Type": P.CONTENT_TYPE}, timeout=30)
+        return web.post(fed.url + P.FEDERATION_SYNC, data=encode(weights, meta),
+                        headers={**auth(token), "Content-Type": P.CONTENT_TYPE}, timeout=30)
 
     refused = {
         "no ticket": (upload(good, P.SyncMeta("a2", 2).to_meta()), 400),
@@ -115,33 +110,33 @@ def test_the_fed_server_takes_only_a_ticketed_member_of_its_tenant_in_its_own_sc
     for what, (r, code) in refused.items():
         assert r.status_code == code, (what, r.status_code, r.text)
         assert set(r.json()) == {"error", "message"}, what
-    forged_close = requests.post(fed.url + P.FEDERATION_CLOSE, headers=auth(FED_ALICE), timeout=10,
-                                 json={"record": tickets.sign(b"y" * 40, tickets.Close("splitfed", 2, 9, 1))})
+    forged_close = web.post(fed.url + P.FEDERATION_CLOSE, headers=auth(FED_ALICE), timeout=10,
+                            json={"record": tickets.sign(b"y" * 40, tickets.Close("splitfed", 2, 9, 1))})
     assert forged_close.status_code == 403
     for body in ("[" * 100000, '{"record": ' * 50000, "\xff\xfe", '{"record": ["x"]}'):  # issue 29, item 10
-        r = requests.post(fed.url + P.FEDERATION_CLOSE, data=body.encode("utf-8", "surrogateescape"),
-                          headers=auth(FED_ALICE), timeout=10)
+        r = web.post(fed.url + P.FEDERATION_CLOSE, data=body.encode("utf-8", "surrogateescape"),
+                     headers=auth(FED_ALICE), timeout=10)
         assert r.status_code in (400, 413) and set(r.json()) == {"error", "message"}, (body[:10], r.text)
-    after = requests.get(fed.url + P.FEDERATION, headers=auth(FED_ALICE), timeout=10).json()
+    after = web.get(fed.url + P.FEDERATION, headers=auth(FED_ALICE), timeout=10).json()
     assert after == before  # nothing of the refused ones counted
     ok = upload(good, P.SyncMeta("a2", 2, ticket).to_meta())
     assert ok.status_code == 200 and ok.json()["synced"] == ["a2"] and ok.json()["round"] == 2
     again = upload(good, P.SyncMeta("a2", 2, ticket).to_meta())  # a retry: counted once
     assert again.status_code == 200 and again.json()["synced_count"] == 1
-    assert requests.get(fed.url + P.FEDERATION, headers=auth(FED_MALLORY), timeout=10).json()["synced"] == []
+    assert web.get(fed.url + P.FEDERATION, headers=auth(FED_MALLORY), timeout=10).json()["synced"] == []
     # a ticketed member's upload not in the schema is refused, and is its failure of the round
     # (issue 29, item 11; the in-process test below shows the round closing without it)
     m = client(seg, fed, OTHER, "m2", FED_MALLORY)
     m.train_step(*batch(31))
-    r = requests.post(seg.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("m2", 2).to_meta()),
-                      headers={**auth(OTHER), "Content-Type": P.CONTENT_TYPE}, timeout=30)
+    r = web.post(seg.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("m2", 2).to_meta()),
+                 headers={**auth(OTHER), "Content-Type": P.CONTENT_TYPE}, timeout=30)
     assert r.status_code == 200, r.text
     theirs = r.json()["ticket"]
     for bad in ({"x": torch.ones(3)}, {**good, name: good[name].half()},
                 {**good, name: torch.full_like(good[name], float("nan"))}):
         r = upload(bad, P.SyncMeta("m2", 2, theirs).to_meta(), FED_MALLORY)
         assert r.status_code == 400 and set(r.json()) == {"error", "message"}, r.text
-    st = requests.get(fed.url + P.FEDERATION, headers=auth(FED_MALLORY), timeout=10).json()
+    st = web.get(fed.url + P.FEDERATION, headers=auth(FED_MALLORY), timeout=10).json()
     assert (st["synced_count"], st["failed_count"]) == (1, 1)
     assert upload(good, P.SyncMeta("m2", 2, theirs).to_meta(), FED_MALLORY).status_code == 409
 
@@ -240,21 +235,69 @@ def test_lora_with_a_fed_server_says_external_and_its_clients_train_through_it(t
     (tmp_path / "tokens").write_text(f"alice {TOKEN}\n")
     (tmp_path / "fed-tokens").write_text(f"alice {FED_ALICE}\n")
     lora = ["--lora-r", "2", "--lora-alpha", "4"]
-    port = free_port()
-    fed = ChildServer([sys.executable, "-m", "splitlearn.server.fedavg", "--model", "tiny", "--cut", "1", "--cut", "3",
-                       *lora, "--fed-secret-file", str(tmp_path / "secret"), "--token-file", str(tmp_path / "fed-tokens"),
-                       "--port", str(port), "--log-level", "WARNING"], port, env={"OMP_NUM_THREADS": "1"})
-    with fed, ServerProcess(CUTS, optimizer="sgd", lr=0.1, extra=[
+    fed = InprocFedServer(["--model", "tiny", "--cut", "1", "--cut", "3", *lora,
+                           "--fed-secret-file", str(tmp_path / "secret"), "--token-file", str(tmp_path / "fed-tokens")])
+    with fed, InprocServerProcess(CUTS, optimizer="sgd", lr=0.1, extra=[
             "--federation", "splitfed", "--clients-per-round", "1", "--client-weights", "external", *lora,
             "--fed-secret-file", str(tmp_path / "secret"), "--token-file", str(tmp_path / "tokens")]) as seg:
-        assert requests.get(seg.url + P.FEDERATION, headers=auth(), timeout=10).json()["client_weights"] == "external"
+        assert web.get(seg.url + P.FEDERATION, headers=auth(), timeout=10).json()["client_weights"] == "external"
         c = SplitClient(seg.url, "tiny", token=TOKEN, lora="server", client_id="a", device="cpu", optimizer="sgd",
                         lr=0.1, fed_url=fed.url, fed_token=FED_ALICE)
         c.train_step(*batch(70))
         assert c.sync()["version"] == 1
-        r = requests.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(FED_ALICE), timeout=10)
+        r = web.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(FED_ALICE), timeout=10)
         shared, mine = decode(r.content)[0], client_adapter_tensors(c.segments)
         side = ClientSide(load_config("tiny"), CUTS, model="tiny", lora=LoraSpec(r=2, alpha=4.0))
         assert set(shared) == set(mine) == set(side.schema)  # adapters only, in the fed server's own schema
         assert all(torch.equal(shared[k], mine[k]) for k in mine)  # one member: the average is its adapters
         c.close()
+
+
+@pytest.mark.slow
+def test_the_model_classes_train_lora_in_a_round_through_a_fed_server_as_split_client_does(tmp_path):
+    """LoRA + splitfed + a separate fed server on SplitGPT2LMHeadModel (from_pretrained(lora=...,
+    fed_url=..., fed_token=...)): the round's upload is its adapters in the fed server's schema,
+    equal to what SplitClient uploads for the same step."""
+    from splitlearn.hf import SplitGPT2LMHeadModel
+    from splitlearn.hf.lora import adapter_tensors
+
+    (tmp_path / "secret").write_bytes(SECRET)
+    (tmp_path / "tokens").write_text(f"alice {TOKEN}\n")
+    (tmp_path / "fed-tokens").write_text(f"alice {FED_ALICE}\n")
+    lora = ["--lora-r", "2", "--lora-alpha", "4"]
+    uploads = {}
+    for kind in ("SplitClient", "model"):
+        fed = InprocFedServer(["--model", "tiny", "--cut", "1", "--cut", "3", *lora, "--fed-secret-file",
+                               str(tmp_path / "secret"), "--token-file", str(tmp_path / "fed-tokens")])
+        with fed, InprocServerProcess(CUTS, optimizer="sgd", lr=0.1, extra=[
+                "--federation", "splitfed", "--clients-per-round", "1", "--client-weights", "external", *lora,
+                "--fed-secret-file", str(tmp_path / "secret"), "--token-file", str(tmp_path / "tokens")]) as seg:
+            if kind == "SplitClient":
+                c = SplitClient(seg.url, "tiny", token=TOKEN, lora="server", client_id="a", device="cpu",
+                                optimizer="sgd", lr=0.1, fed_url=fed.url, fed_token=FED_ALICE)
+                c.train_step(*batch(70))
+                assert c.sync()["version"] == 1
+                mine = client_adapter_tensors(c.segments)
+            else:
+                with pytest.raises(ConfigError, match="fed_token"):
+                    SplitGPT2LMHeadModel.from_pretrained("tiny", server=seg.url, token=TOKEN, fed_url=fed.url)
+                c = SplitGPT2LMHeadModel.from_pretrained("tiny", server=seg.url, token=TOKEN, lora="server",
+                                                         client_id="a", fed_url=fed.url, fed_token=FED_ALICE).train()
+                opt = torch.optim.SGD([p for p in c.parameters() if p.requires_grad], lr=0.1)
+                ids = batch(70)[0]
+                c(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                assert c.sync()["version"] == 1
+                mine = adapter_tensors(c)
+                c = c.remote
+            r = web.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(FED_ALICE), timeout=10)
+            shared = decode(r.content)[0]
+            side = ClientSide(load_config("tiny"), CUTS, model="tiny", lora=LoraSpec(r=2, alpha=4.0))
+            assert set(shared) == set(mine) == set(side.schema)  # adapters only, in the fed server's own schema
+            assert all(torch.equal(shared[k], mine[k]) for k in mine)  # one member: the average is its adapters
+            assert web.get(seg.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10).status_code == 404
+            uploads[kind] = shared
+            c.close()
+    a, b = uploads["SplitClient"], uploads["model"]
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=1e-5) for k in a)

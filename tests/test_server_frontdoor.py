@@ -1,4 +1,4 @@
-"""The front door (splitlearn/server/frontdoor.py) against real server processes: no token, no
+"""The front door (splitlearn/server/http/frontdoor.py) against real server processes: no token, no
 cost; slow senders and clients that never read are cut off; the echo cap; the generated token
 and the checkpoints only their owner can read; the fed server behind the same door."""
 import json
@@ -18,7 +18,7 @@ from splitlearn import protocol as P
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import Unauthorized
 from splitlearn.localserver import ChildServer, free_port
-from splitlearn.server.frontdoor import LINGER_S
+from splitlearn.server.http.frontdoor import LINGER_S
 
 from serverproc import TOKEN
 
@@ -233,8 +233,8 @@ def test_a_wsgi_thread_blocked_on_an_unread_answer_is_freed_by_the_send_deadline
     """waitress blocks a WSGI thread when an unread answer passes its 16 MiB high watermark with
     another request behind it on the connection (2 such clients stopped a 2-thread server for
     good); the send deadline disconnects them, which wakes the thread."""
-    from splitlearn.server.frontdoor import DoorLimits, make_server
-    from splitlearn.server.tenants import Tenants
+    from splitlearn.server.http.frontdoor import DoorLimits, make_server
+    from splitlearn.server.engine.tenants import Tenants
 
     big = b"x" * (24 << 20)
 
@@ -311,7 +311,7 @@ def test_the_fed_server_has_the_same_door(tmp_path):
     secret = tmp_path / "fed.secret"
     secret.write_text("s" * 48)
     port = free_port()
-    fed = ChildServer([sys.executable, "-m", "splitlearn.server.fedavg", "--model", "tiny", "--cut", "1",
+    fed = ChildServer([sys.executable, "-m", "splitlearn.server.federation.fedserver", "--model", "tiny", "--cut", "1",
                        "--cut", "3", "--fed-secret-file", str(secret), "--port", str(port)], port,
                       env={"SPLITLEARN_FED_TOKEN": token, "OMP_NUM_THREADS": "1"})
     with fed:
@@ -329,7 +329,7 @@ def test_the_fed_server_has_the_same_door(tmp_path):
 
 def test_token_out_names_the_file_and_an_unwritable_one_is_a_config_error(tmp_path, monkeypatch):
     from splitlearn.errors import ConfigError
-    from splitlearn.server.cli import parse_args, write_generated_token
+    from splitlearn.server.http.cli import parse_args, write_generated_token
 
     monkeypatch.delenv("SPLITLEARN_TOKEN", raising=False)
     cfg = parse_args(["--model", "tiny", "--cut", "1", "--token-out", str(tmp_path / "new" / "tok")])

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from splitlearn import protocol as P
-from splitlearn.server import guard
-from splitlearn.server.app import create_app
+from splitlearn.server.engine import guard
+from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.errors import BadRequest
 from splitlearn.wire import pack

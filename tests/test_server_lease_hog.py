@@ -3,7 +3,7 @@
 The attack: a tenant (mallory, two client ids) sends forwards and never their backward, and
 asks again at once whenever its forward was dropped, so that it holds the shared segment for
 ``--lease-timeout`` each time (another owner made 56 steps in 20 s against ~3,600 alone). The
-bound (splitlearn/server/lease.py): a lapsing owner is demoted for timeout x 2^k after its k-th
+bound (splitlearn/server/engine/lease.py): a lapsing owner is demoted for timeout x 2^k after its k-th
 lapse, so in D seconds it holds the segment against a busy owner at most 1 + log2(D / timeout)
 times; here (D = 8 s, timeout 1 s) the honest owner keeps at least half its steps alone.
 """

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from splitlearn.errors import Conflict, TooManyRequests
-from splitlearn.server.ledger import APPLIED, CHECKPOINT_ANSWER_BYTES, Answer, Pending, StepLedger, digest_of
-from splitlearn.server.memory import MemoryAccount
+from splitlearn.server.engine.ledger import APPLIED, CHECKPOINT_ANSWER_BYTES, Answer, Pending, StepLedger, digest_of
+from splitlearn.server.engine.memory import MemoryAccount
 
 
 def answer(x: float) -> Answer:

@@ -12,15 +12,15 @@ import torch
 
 from splitlearn import protocol as P
 from splitlearn.lora import LoraSpec
-from splitlearn.server.app import create_app
+from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import decode, encode
 
-from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, auth
+from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web
 
 pytestmark = pytest.mark.slow
 
-SERVER_LR = 1e-2  # ServerProcess's --lr (AdamW: a first step moves each weight by about this)
+SERVER_LR = 1e-2  # InprocServerProcess's --lr (AdamW: a first step moves each weight by about this)
 ATTACK_LR = P.MAX_LR  # the largest lr the protocol takes
 
 
@@ -47,14 +47,14 @@ def open_ended_step(session, url: str, lr: float, fed_version=None) -> dict:
 
 def evaluation(url: str) -> torch.Tensor:
     """Alice's evaluation of fixed activations (what the victim sees of the shared segment)."""
-    r = requests.post(url + P.FORWARD, data=encode({P.HIDDEN: hidden(3)}), timeout=30,
-                      headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE})
+    r = web.post(url + P.FORWARD, data=encode({P.HIDDEN: hidden(3)}), timeout=30,
+                 headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE})
     assert r.status_code == 200, r.text
     return decode(r.content)[0][P.HIDDEN]
 
 
 def mallory() -> requests.Session:
-    s = requests.Session()
+    s = web.Session()
     s.headers.update(auth(OTHER))
     return s
 
@@ -70,7 +70,7 @@ def test_a_tenants_lr_10_moves_the_shared_segment_as_an_honest_step_at_the_serve
     """shared mode (the default): two identical servers, the same step from mallory at lr 10 on
     one and at the server's lr on the other; alice's evaluations are bit-identical, and differ
     from before (the step was applied)."""
-    servers = [ServerProcess((1, 3), lr=SERVER_LR, extra=["--token-file", token_file]) for _ in range(2)]
+    servers = [InprocServerProcess((1, 3), lr=SERVER_LR, extra=["--token-file", token_file]) for _ in range(2)]
     with servers[0] as attacked, servers[1] as honest:
         before = evaluation(attacked.url)
         assert torch.equal(before, evaluation(honest.url))  # the same seed: the same segment
@@ -92,8 +92,8 @@ def test_a_tenants_lr_10_moves_the_shared_segment_as_an_honest_step_at_the_serve
 
 def test_the_turn_holders_lr_cannot_pass_the_servers_on_the_sequential_segment(tmp_path, token_file):
     """sequential mode: every weight moves by at most the server's lr (one AdamW step), not by 10."""
-    with ServerProcess((1, 3), lr=SERVER_LR, checkpoint_dir=tmp_path / "ckpt",
-                       extra=["--federation", "sequential", "--token-file", token_file]) as srv:
+    with InprocServerProcess((1, 3), lr=SERVER_LR, checkpoint_dir=tmp_path / "ckpt",
+                             extra=["--federation", "sequential", "--token-file", token_file]) as srv:
         before = srv.weights()
         s = mallory()
         assert s.post(srv.url + P.FEDERATION_TURN, json={"client_id": "m"}, timeout=30).status_code == 200
@@ -127,7 +127,7 @@ def test_a_model_class_client_above_the_servers_lr_is_told_once(caplog):
     answer says which lr was applied, and the model warns once."""
     from splitlearn import SplitGPT2LMHeadModel
 
-    with ServerProcess((1, 3), lr=SERVER_LR) as srv:
+    with InprocServerProcess((1, 3), lr=SERVER_LR) as srv:
         model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN).train()
         opt = torch.optim.SGD(model.parameters(), lr=10 * SERVER_LR)
         ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))

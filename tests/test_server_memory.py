@@ -1,4 +1,4 @@
-"""splitlearn.server.memory: what the server holds for its tenants, against a real server process.
+"""splitlearn.server.engine.memory: what the server holds for its tenants, against a real server process.
 
 Issue 29, item 2: with ``--max-request-memory-gb 0.1`` a tenant could hold many times the
 per-request limit: one large open-ended piece followed by small ones (the waiting graphs
@@ -15,7 +15,7 @@ import requests
 import torch
 
 from splitlearn import protocol as P
-from splitlearn.server import budget as bm
+from splitlearn.server.engine import budget as bm
 from splitlearn.wire import decode, encode
 
 from serverproc import OTHER, TOKEN, ServerProcess, auth
@@ -244,9 +244,9 @@ def test_steps_without_a_lease_are_bounded_by_the_budget_not_only_their_count(tm
 
 def test_the_flags_and_their_defaults():
     from splitlearn.errors import ConfigError
-    from splitlearn.server.cli import parse_args
+    from splitlearn.server.http.cli import parse_args
     from splitlearn.server.config import ServerConfig
-    from splitlearn.server.memory import default_limits
+    from splitlearn.server.engine.memory import default_limits
 
     cfg = parse_args(["--model", "tiny", "--cut", "1", "--max-memory-gb", "0.5", "--max-tenant-memory-gb", "0.25"])
     assert (cfg.max_memory_bytes, cfg.max_tenant_memory_bytes) == (GiB // 2, GiB // 4)

@@ -1,4 +1,4 @@
-"""Metrics, access lines and readiness (splitlearn/server/metrics.py, accesslog.py, probes.py).
+"""Metrics, access lines and readiness (splitlearn/server/http/metrics.py, accesslog.py, probes.py).
 
 In-process through Flask's test client, except the last test: ``--metrics-port`` and
 ``--log-format json`` on a real server process.
@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitlearn import protocol as P
 from splitlearn.localserver import free_port
-from splitlearn.server import accesslog
-from splitlearn.server.app import create_app
-from splitlearn.server.cli import parse_args
+from splitlearn.server.http import accesslog
+from splitlearn.server.http.app import create_app
+from splitlearn.server.http.cli import parse_args
 from splitlearn.server.config import ServerConfig
-from splitlearn.server.tenants import digest_of
+from splitlearn.server.engine.tenants import digest_of
 from splitlearn.errors import ConfigError
 
 from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, assert_error, auth, post_tensors, tensors_of
@@ -72,7 +72,7 @@ def access(app):
     buf, handler = io.StringIO(), logging.StreamHandler()
     handler.stream = buf
     handler.setFormatter(accesslog.JsonFormatter())
-    logger = logging.getLogger("splitlearn.server.accesslog")
+    logger = logging.getLogger("splitlearn.server.http.accesslog")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -158,7 +158,7 @@ def test_one_json_access_line_per_request_with_its_fields(app, access):
         ("GET", P.INFO, 200, "mallory"), ("GET", P.INFO, 401, "-")]
     step = lines[0]
     assert step["bytes_in"] > 2 * 6 * D * 4 and step["bytes_out"] > 2 * 6 * D * 4 and step["ms"] > 0
-    assert step["level"] == "INFO" and step["logger"] == "splitlearn.server.accesslog"
+    assert step["level"] == "INFO" and step["logger"] == "splitlearn.server.http.accesslog"
     assert "incident" not in step
     assert lines[1]["request_id"] == mine.headers[P.REQUEST_ID_HEADER] == "trace-42:a"  # the client's id, kept
     assert re.fullmatch(r"[0-9a-f]{16}", lines[2]["request_id"]) and bad_id.headers[P.REQUEST_ID_HEADER] == lines[2]["request_id"]

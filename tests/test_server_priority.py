@@ -1,4 +1,4 @@
-"""splitlearn.server.priority: decode steps run inside a training step's forward and backward,
+"""splitlearn.server.engine.priority: decode steps run inside a training step's forward and backward,
 and the training step is exactly what it would have been without them."""
 import copy
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import splitlearn as sl
-from splitlearn.server.batching import DecodeBatcher, DecodeItem
-from splitlearn.server.compute import ComputeThread
-from splitlearn.server.priority import Preemptor, QueueWaits, heavy_modules
+from splitlearn.server.engine.batching import DecodeBatcher, DecodeItem
+from splitlearn.server.engine.compute import ComputeThread
+from splitlearn.server.engine.priority import Preemptor, QueueWaits, heavy_modules
 
 # measures time or fairness: `make test` runs it after the parallel phase, alone (pytest.ini)
 pytestmark = pytest.mark.serial

@@ -6,7 +6,7 @@ cropping its caches to stay under its token cap, while another owner (alice) tra
 every preemption point ran the whole queued batch, alice's training step became 6.9x slower.
 Now a point runs at most ``--decode-rows`` rows, taken from the tenants in turn, and only
 while the decode budget (``--decode-share`` seconds per second of training) lasts
-(splitlearn/server/priority.py). The bound tested: alice's step with the hog is at most
+(splitlearn/server/engine/priority.py). The bound tested: alice's step with the hog is at most
 :data:`BOUND` x her step alone (the points add at most ``share`` = 0.5 of it, the drain
 queued before each request one batch of 256 rows; the rest is the hog's HTTP handling on the
 same two cores). The unbounded setting (``--decode-rows`` and ``--decode-share`` huge) is

@@ -1,4 +1,4 @@
-"""Generation sessions on the server (splitlearn.server.sessions through the app's test client).
+"""Generation sessions on the server (splitlearn.server.engine.sessions through the app's test client).
 
 A session step carries the hidden states of the new positions and the attention mask of those
 new positions only; the server keeps the KV cache and the mask of everything before. Its
@@ -9,7 +9,7 @@ import torch
 
 from splitlearn import partition
 from splitlearn import protocol as P
-from splitlearn.server.app import create_app
+from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 
 from serverproc import TENANTS, OTHER, TOKEN, assert_error, auth, post_tensors, tensors_of

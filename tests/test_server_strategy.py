@@ -1,11 +1,11 @@
-"""splitlearn.server.strategy: bounded updates, FedAvg / median / trimmed mean, float32 results."""
+"""splitlearn.server.federation.strategy: bounded updates, FedAvg / median / trimmed mean, float32 results."""
 import math
 
 import pytest
 import torch
 
 from splitlearn.errors import BadRequest, ConfigError
-from splitlearn.server.strategy import (FedAvg, FedMedian, FedTrimmedAvg, capped_weights, coordinate_median,
+from splitlearn.server.federation.strategy import (FedAvg, FedMedian, FedTrimmedAvg, capped_weights, coordinate_median,
                                         make_strategy, update_norm)
 
 REF = {"w": torch.tensor([1.0, 2.0, 3.0]), "step": torch.tensor([7])}  # a float tensor and an int buffer

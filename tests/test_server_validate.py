@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from splitlearn.errors import BadRequest
-from splitlearn.server import validate
+from splitlearn.server.http import validate
 from splitlearn.wire import pack
 
 D, MAX_B, MAX_T, V = 8, 4, 16, 257

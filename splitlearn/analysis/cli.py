@@ -1,16 +1,6 @@
 """``analyze_model_performance``: the command line (also ``analysis/analyze_model_performance.py``).
 
-Examples::
-
-    analyze_model_performance --model random:gpt2 --cut 2 --cut 10 --batch-size 1 --seq-len 6
-    analyze_model_performance --model random:gpt2 --sweep --seq-len 128 \\
-        --link-mbps 100 --rtt-ms 20 --plot sweep.png
-    python -m splitlearn.client diagnose --server URL --json > link.json
-    analyze_model_performance --model gpt2 --sweep --mode train --link-from link.json   # the measured link
-
-Bad input (a cut out of range, a sequence longer than n_positions, ``--device cuda`` without
-a GPU, ...) prints one line on stderr and exits with status 2.
-"""
+Examples: docs/ANALYSIS.md. Bad input prints one line on stderr and exits with status 2."""
 from __future__ import annotations
 
 import argparse
@@ -35,9 +25,8 @@ PROG = "analyze_model_performance"
 def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
                  do_sweep: bool = False, model: Optional[torch.nn.Module] = None,
                  privacy: Optional[PrivacyConfig] = None) -> dict:
-    """The data the command writes as JSON: :func:`~.core.analyze`'s report for
-    ``config.cuts`` (if any) plus, with ``do_sweep``, a "sweep" entry (see :mod:`.sweep`);
-    with ``privacy``, leakage and perplexity per cut (see :mod:`.leakage`)."""
+    """The data the command writes as JSON: :func:`~.core.analyze`'s report for ``config.cuts`` (if
+    any), with ``do_sweep`` a "sweep" entry, with ``privacy`` leakage and perplexity per cut."""
     model, part, device = prepare_model(config, model)
     if part is not None:
         out = analyze_partition(model, part, device, config)

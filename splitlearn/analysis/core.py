@@ -1,19 +1,9 @@
 """``analyze(config)``: what each segment of a split GPT-2 costs, as one JSON-able dict.
 
-For every segment (bottom, trunk, top) and each of its submodules (wte, wpe, drop, every
-block, and inside a block ln_1, attn, ln_2, mlp; ln_f, lm_head) it reports parameters, MACs
-and FLOPs, latency (median and p90, from the same timed runs), peak memory and output bytes;
-for every cut, the bytes that cross it per wire dtype; per operator, the roofline class.
-
-Segments run on their *real* inputs: random token ids go through the partition, and each
-segment gets the activations the one before it produced. The modes:
-
-- ``prefill``: the segment on T new tokens, no cache;
-- ``decode``: one new token with a KV cache of T tokens (the cache built by a real prefill);
-- ``train``: forward + backward of T tokens; the top's loss is the causal-LM loss, the other
-  segments backpropagate a fixed random gradient (what the next segment would send back).
-  Dropout is off (eval mode), so runs are repeatable.
-"""
+Per segment and submodule: parameters, MACs/FLOPs, latency, peak memory, output bytes; per cut
+the bytes crossing it; per operator the roofline class. Modes ``prefill``, ``decode``,
+``train``; each segment runs on the activations the one before it produced. The report's
+layout and how each figure is measured: docs/ANALYSIS.md."""
 from __future__ import annotations
 
 import logging
@@ -85,8 +75,6 @@ def check_shapes(cfg, config: AnalysisConfig) -> None:
         raise ConfigError(f"sequence of {need} tokens ({config.mode}) is longer than the model's "
                           f"n_positions={cfg.n_positions}")
 
-
-# -- inputs -----------------------------------------------------------------------------------
 
 def segment_inputs(part: Partition, config: AnalysisConfig, device: torch.device) -> list[tuple]:
     """The real arguments of each segment's :class:`SegmentRunner` call, in order."""
@@ -161,8 +149,6 @@ def make_run(seg: Segment, args: tuple, mode: str, seed: int):
     return prepare, run
 
 
-# -- one segment ------------------------------------------------------------------------------
-
 def output_shapes(seg: Segment, args: tuple, subs: dict) -> dict[str, tuple]:
     """Shape and element size of every submodule's output (one forward with hooks)."""
     shapes, handles = {}, []
@@ -230,8 +216,6 @@ def analyze_segment(seg: Segment, args: tuple, config: AnalysisConfig, device: t
     return out
 
 
-# -- the whole report -------------------------------------------------------------------------
-
 def prepare_model(config: AnalysisConfig, model: Optional[nn.Module] = None):
     """(model, partition, device) for ``config``; raises ConfigError on anything unusable."""
     device = resolve_device(config.device)
@@ -246,12 +230,8 @@ def prepare_model(config: AnalysisConfig, model: Optional[nn.Module] = None):
 
 
 def analyze(config: AnalysisConfig, model: Optional[nn.Module] = None) -> dict:
-    """Analyse ``config.model`` cut at ``config.cuts``; returns the report documented in
-    docs/ANALYSIS.md (top-level "segments", "cuts", "tied_parameters", ...).
-
-    model: an already loaded ``GPT2LMHeadModel`` to use instead of loading ``config.model``.
-    Raises :class:`~splitlearn.errors.ConfigError` on unusable input.
-    """
+    """Analyse ``config.model`` cut at ``config.cuts`` (or ``model``, already loaded); returns the
+    report of docs/ANALYSIS.md. Raises :class:`~splitlearn.errors.ConfigError` on unusable input."""
     model, part, device = prepare_model(config, model)
     if part is None:
         raise ConfigError("analyze needs at least one cut (config.cuts is empty)")

@@ -1,28 +1,9 @@
-"""Multiply-accumulates of a segment and of each of its submodules, counted three ways.
+"""Multiply-accumulates of a segment and of each of its submodules, counted three ways: fvcore
+(the number reported), ``torch.utils.flop_counter`` and the analytic formulas (cross-checks).
 
-1. **fvcore** (the number reported): ``FlopCountAnalysis`` traces the segment and counts one
-   multiply-add as one "flop", i.e. MACs. It has no handler for
-   ``aten::scaled_dot_product_attention`` (it warns and leaves attention out), so one is
-   registered here; Hugging Face ``Cache`` objects never reach the traced outputs because a
-   wrapper builds the cache inside the trace and returns the output tensor only (docs/INTERNALS.md, "fvcore").
-2. **torch.utils.flop_counter** (cross-check): counts 2 FLOPs per multiply-add; on CPU it does
-   not know ``aten._scaled_dot_product_flash_attention_for_cpu`` (nor its backward), mapped here.
-3. **Analytic** (cross-check), for S new tokens attending to T keys, width d, MLP width f=4d:
-
-   ===========  ===========================  =============================================
-   attn         4·B·S·d² + 2·B·S·T·d          c_attn 3·B·S·d², QKᵀ and AV B·S·T·d each,
-                                              c_proj B·S·d² (Vaswani et al. 2017, §3.2)
-   mlp          2·B·S·d·f  (= 8·B·S·d²)       c_fc + c_proj
-   block        12·B·S·d² + 2·B·S·T·d         (Kaplan et al. 2020, Table 1, per token)
-   lm_head      B·S·d·V
-   ===========  ===========================  =============================================
-
-MACs here are those of the matrix products (linear layers, attention); the elementwise work
-(LayerNorm, GELU, softmax, residual adds) is left out of every counter alike so that the three
-agree, and shows up in :mod:`.roofline` instead. 1 MAC = 2 FLOPs. Training counts forward +
-backward = 3 x forward (the backward of a product is two products of the same size; Kaplan et
-al. 2020, §2.1), checked against flop_counter on a real backward.
-"""
+Matrix products only; 1 MAC = 2 FLOPs; training = 3 x forward. The formulas, the handlers
+added to each counter and their sources: docs/ANALYSIS.md, 'What is measured, and how', and
+docs/INTERNALS.md, 'fvcore'."""
 from __future__ import annotations
 
 import logging
@@ -39,12 +20,11 @@ TOLERANCE = 0.01  # relative mismatch above which a cross-check is reported
 
 
 class SegmentRunner(nn.Module):
-    """Calls a segment with a KV cache built *inside* the call from plain tensors, and returns
-    the output tensor only, so tracers and timers see tensors in and tensors out.
+    """Calls a segment with a KV cache built *inside* the call and returns the output tensor only,
+    so tracers and timers see tensors in and out.
 
-    forward(x, *kv): x is input ids (B, S) or hidden (B, S, d); kv is (k0, v0, k1, v1, ...)
-    of shape (B, H, T, d/H), one pair per block of the segment, or nothing (no cache).
-    """
+    forward(x, *kv): x is input ids (B, S) or hidden (B, S, d); kv is (k0, v0, k1, v1, ...) of
+    shape (B, H, T, d/H), one pair per block of the segment, or nothing (no cache)."""
 
     def __init__(self, seg: Segment):
         super().__init__()
@@ -63,8 +43,6 @@ class SegmentRunner(nn.Module):
 def past_length(seg: Segment, kv: tuple) -> int:
     return int(kv[0].shape[2]) if kv else 0
 
-
-# -- fvcore ---------------------------------------------------------------------------------
 
 def _sdpa_macs_jit(inputs, outputs) -> int:
     """fvcore handler: q (B, H, S, e), k (B, H, T, e), v (B, H, T, ev) -> B·H·S·T·(e + ev)."""
@@ -105,8 +83,6 @@ def _strip(name: str, root: str) -> str:
     return "" if name == root else name.removeprefix(root + ".")
 
 
-# -- torch.utils.flop_counter -----------------------------------------------------------------
-
 def _cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
 
@@ -140,9 +116,8 @@ def flop_counter_macs(seg: Segment, args: tuple) -> dict[str, int]:
 
 
 def flop_counter_train_macs(seg: Segment, args: tuple) -> int:
-    """MACs of a real forward + backward of ``seg`` (all parameters trainable, the output's
-    gradient all ones), from ``FlopCounterMode``. Only the total: its module tracker does not
-    attribute backward work to submodules reliably."""
+    """MACs of a real forward + backward of ``seg`` (all parameters trainable, the output's gradient
+    all ones), from ``FlopCounterMode``: the total only."""
     mode = fc.FlopCounterMode(display=False, custom_mapping=_custom_mapping())
     with mode, torch.enable_grad():
         out = SegmentRunner(seg)(*args)
@@ -150,8 +125,6 @@ def flop_counter_train_macs(seg: Segment, args: tuple) -> int:
     seg.zero_grad(set_to_none=True)
     return mode.get_total_flops() // 2
 
-
-# -- analytic ---------------------------------------------------------------------------------
 
 def analytic_macs(seg: Segment, batch: int, new_tokens: int, keys: int) -> dict[str, int]:
     """The module docstring's formulas for every submodule of ``seg`` (forward only)."""
@@ -172,8 +145,6 @@ def analytic_macs(seg: Segment, batch: int, new_tokens: int, keys: int) -> dict[
     out[""] = sum(v for k, v in out.items() if k.count(".") <= 1 and not k.endswith(("attn", "mlp")))
     return out
 
-
-# -- the three together -----------------------------------------------------------------------
 
 @dataclass
 class Mismatch:
@@ -198,12 +169,8 @@ class Counts:
 
 def count_segment(seg: Segment, args: tuple, batch: int, new_tokens: int, keys: int,
                   train: bool = False) -> Counts:
-    """Count ``seg`` run on ``args`` (see :class:`SegmentRunner`) all three ways.
-
-    With ``train`` every figure is forward + backward: fvcore and analytic as 3 x forward,
-    flop_counter per submodule likewise, and its segment total from a real backward.
-    Mismatches above 1% are logged and returned, never dropped.
-    """
+    """Count ``seg`` run on ``args`` (see :class:`SegmentRunner`) all three ways; with ``train``
+    forward + backward. Mismatches above 1% are logged and returned."""
     mult = 3 if train else 1
     fv = {k: v * mult for k, v in fvcore_macs(seg, args).items()}
     ref = {k: v * mult for k, v in flop_counter_macs(seg, args).items()}

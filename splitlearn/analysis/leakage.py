@@ -1,14 +1,5 @@
-"""``--privacy``: token recovery and perplexity per cut next to the cost, and the cheapest
-cut that keeps leakage under ``--max-leakage``.
-
-Leakage of a configuration is what the server can read back (see
-:func:`splitlearn.privacy.measure_leakage`): for a U-shape pair, the best attack's token
-recovery from the activations at the first cut (the second is the server's own output);
-for a 2-way cut the same in prefill/decode, but 1.0 in train mode, because the labels (the
-text itself) are sent to the server for the loss. Each first cut is measured once per
-defense strength (no defense, then ``GaussianNoise(sigma, clip)`` per ``--noise-sigma``) and
-shared by every configuration that starts with it.
-"""
+"""``--privacy``: token recovery and perplexity per cut next to the cost, and the cheapest cut
+that keeps leakage under ``--max-leakage`` (docs/PRIVACY.md, 'Choosing a cut')."""
 from __future__ import annotations
 
 import logging
@@ -121,9 +112,9 @@ def _cost(p: dict) -> tuple:
 
 
 def recommend_private(sweep: dict, max_leakage: float) -> dict:
-    """The cheapest configuration (2-way or U-shape) with a defense strength whose leakage is
-    at most ``max_leakage``; for it, the weakest such defense (the lowest perplexity).
-    Cost: the estimated step time when a link was given, else the client's time."""
+    """The cheapest configuration (2-way or U-shape) with a defense whose leakage is at most
+    ``max_leakage``, with the weakest such defense; cost: the estimated step time given a link,
+    else the client's time."""
     options = []
     for p in sweep["points"] + sweep.get("u_points", []):
         ok = [s for s in p.get("privacy", []) if s["leakage"] <= max_leakage]
@@ -145,9 +136,3 @@ def recommend_private(sweep: dict, max_leakage: float) -> dict:
                              if sweep["mode"] == "train" else ""))
     return {"cuts": cuts, "defense": d, metric: p[metric], "leakage": s["leakage"],
             "perplexity": s["perplexity"], "reason": reason}
-
-
-def privacy_for_cuts(model, cuts: tuple[int, ...], pconf: PrivacyConfig,
-                     meter: Optional[Meter] = None) -> list[dict]:
-    """The meter's rows for the analysed cuts (no defense, then each sigma)."""
-    return (meter or Meter(model, pconf)).rows(tuple(cuts))

@@ -1,17 +1,7 @@
-"""Peak memory of a segment run and of each submodule inside it.
-
-``peak_memory_bytes`` of a module = the bytes of its parameters and buffers (resident) + the
-most memory that was allocated *on top of what was live when it started* during one call
-(activations, KV cache growth, gradients in train mode).
-
-On CUDA the segment's peak comes from the caching allocator
-(``torch.cuda.max_memory_allocated``). CPU has no such counter, so a
-``TorchDispatchMode`` follows every tensor an operator returns: its storage's bytes count as
-live from the operator until the last Python tensor viewing that storage is collected. This
-sees what Python can see: a tensor autograd saves for backward after Python dropped it is
-missed, so train-mode CPU peaks are lower bounds. Submodule peaks use the same tracker on
-every device (forward hooks open and close a frame per submodule).
-"""
+"""Peak memory of a segment run and of each submodule inside it: resident parameter and buffer
+bytes + the most allocated on top of what was live when the call started. CUDA: the caching
+allocator's peak; CPU and submodules: a ``TorchDispatchMode`` tracker of operator outputs
+(train-mode CPU peaks are lower bounds; docs/ANALYSIS.md, 'What is measured, and how')."""
 from __future__ import annotations
 
 import weakref
@@ -84,11 +74,8 @@ class _Tracker(TorchDispatchMode):
 
 def measure_peaks(run: Callable[[], None], modules: dict[str, nn.Module],
                   device: torch.device) -> tuple[int, dict[str, int]]:
-    """Run ``run()`` once; return (the run's peak extra bytes, {module name: peak extra bytes}).
-
-    "Extra" means above what was allocated when the run (or the module's call) began; add
-    :func:`resident_bytes` for the module's own weights.
-    """
+    """Run ``run()`` once; return (the run's peak extra bytes, {module name: peak extra bytes}),
+    "extra" above what was allocated when the call began (add :func:`resident_bytes`)."""
     tracker = _Tracker()
     handles = []
     for name, mod in modules.items():

@@ -1,10 +1,6 @@
-"""PNG plots of a report (matplotlib, Agg backend: no display needed).
-
-- :func:`plot_segments`: per segment, parameters, GMACs and latency side by side, and the
-  latency of each segment split into its direct submodules (stacked);
-- :func:`plot_sweep`: per cut, each side's GMACs against the bytes crossing the cut, and the
-  estimated step time when a link was given.
-"""
+"""PNG plots of a report (matplotlib, Agg): :func:`plot_segments` (per segment parameters, GMACs,
+latency and its submodules stacked) and :func:`plot_sweep` (per cut, each side's GMACs, the
+bytes crossing and the estimated step time)."""
 from __future__ import annotations
 
 from pathlib import Path

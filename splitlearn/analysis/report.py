@@ -1,7 +1,4 @@
-"""The report as text: a terminal table, JSON, CSV and Markdown (plots: :mod:`.plots`).
-
-All of them render the dict :func:`splitlearn.analysis.analyze` returns (docs/ANALYSIS.md).
-"""
+"""The report of :func:`splitlearn.analysis.analyze` as a terminal table, JSON, CSV and Markdown."""
 from __future__ import annotations
 
 import csv

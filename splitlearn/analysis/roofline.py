@@ -1,18 +1,6 @@
-"""Per-operator arithmetic intensity, and compute-bound vs memory-bound (the roofline model).
-
-For every ATen operator a run executes, a ``TorchDispatchMode`` records
-
-- FLOPs: for matrix products (mm, addmm, bmm, attention...) ``torch.utils.flop_counter``'s
-  formula (2 per multiply-add); for anything else one FLOP per output element (LayerNorm,
-  GELU and softmax do a few per element; this is the usual lower estimate);
-- bytes: the sizes of its tensor inputs and outputs (each storage once): what it must move
-  to or from memory at least.
-
-Arithmetic intensity I = FLOPs / bytes. The device's ridge point R = peak FLOP/s ÷ memory
-bandwidth (B/s); an operator with I < R cannot keep the arithmetic units busy and is
-memory-bound, otherwise compute-bound (Williams, Waterman & Patterson 2009, "Roofline").
-Peaks are measured here (a large matmul, a large copy) unless the user gives them.
-"""
+"""Per-operator arithmetic intensity (FLOPs / bytes moved) and compute- vs memory-bound against
+the device's ridge point (peak FLOP/s / bandwidth, measured unless given). How FLOPs and bytes
+are counted: docs/ANALYSIS.md, 'What is measured, and how'."""
 from __future__ import annotations
 
 import logging

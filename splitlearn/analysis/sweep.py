@@ -1,22 +1,11 @@
 """Every cut point at once, and which one to use.
 
-The whole model is counted and timed once, as one ``full`` segment with a hook on every
-block (see :mod:`.timing`); a 2-way cut after block c then puts the embeddings and blocks
-[0, c) on the client and blocks [c, n) + ln_f + lm_head on the server, and each side's
-MACs and latency are sums of the parts it holds. A GPT-2 cut always carries a (B, S, d)
-hidden state, so the bytes crossing are the same at every cut; what moves is the compute.
-
-Step time of cut c, given a link (``link_mbps``, ``rtt_ms``) and how much faster the server
-is than this machine (``server_speedup``)::
+The whole model is counted and timed once (a hook per block); each 2-way cut's sides are sums
+of the parts they hold. Given a link::
 
     step = client_ms(c) + server_ms(c) / server_speedup + rtt_ms + 8 · bytes / link_bps
 
-where bytes are the activations (+ the labels, B·S int64, and the gradient coming back in
-train mode) in the chosen wire dtype: one request and one response per step. The
-recommended cut minimises the step time among cuts that keep at least
-``min_client_blocks`` blocks on the client (a cut right after the embeddings sends a
-hidden state from which the tokens can be read back exactly, so privacy wants >= 1).
-"""
+The recommendation and why bytes do not depend on the cut: docs/ANALYSIS.md, 'Sweep and advice'."""
 from __future__ import annotations
 
 import logging
@@ -68,9 +57,8 @@ class LinkConfig:
 
 
 def sweep_cuts(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
-    """Analyse every 2-way cut of ``model`` (already on ``device``); JSON-able dict with
-    "points" (one per cut), "u_points" (one per U-shape pair, :func:`u_shape_points`) and,
-    given a link, "recommendation" (among the 2-way cuts)."""
+    """Analyse every 2-way cut of ``model`` (already on ``device``): a dict with "points", "u_points"
+    (:func:`u_shape_points`) and, given a link, "recommendation"."""
     check_shapes(model.config, config)
     seg = whole(model)
     n = model.config.n_layer
@@ -116,10 +104,9 @@ def sweep_cuts(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
 
 
 def u_shape_points(n: int, mac: dict, ms: dict, per_dir: dict, mode: str, link: LinkConfig) -> list[dict]:
-    """Every U-shape pair c1 < c2: the client holds the embeddings, blocks [0, c1), blocks
-    [c2, n), ln_f and lm_head; the server blocks [c1, c2). Activations cross twice (at c1 to
-    the server, at c2 back); in train mode the gradients cross back twice as well, in a
-    second round trip, and no labels travel (the loss stays on the client)."""
+    """Every U-shape pair c1 < c2 (client: embeddings, blocks [0, c1) and [c2, n), ln_f, lm_head;
+    server: blocks [c1, c2)): activations cross twice; in train mode gradients cross back twice
+    in a second round trip, and no labels travel."""
     emb, head = ("wte", "wpe", "drop"), ("ln_f", "lm_head")
     trips = 2 if mode == "train" else 1
     out = []

@@ -1,16 +1,6 @@
-"""Latency of a segment and of its submodules, measured in the *same* runs.
-
-Every submodule gets a forward pre-hook and a forward hook that read a clock; in train mode
-also a backward pre-hook and backward hook. The segment's own time is read around the whole
-call in the same run. So the submodule times and the segment time come from identical
-warm-up and identical runs, and their sum can be checked against the total: the published
-table this tool replaces summed to ~35 ms for a 3.62 ms segment because each part was timed
-cold on its own.
-
-On CUDA the clock is a pair of ``torch.cuda.Event(enable_timing=True)`` per interval, read
-after a ``synchronize`` at the end of each run; on CPU it is ``time.perf_counter``.
-Medians and 90th percentiles are over ``repeats`` runs after ``warmup`` untimed ones.
-"""
+"""Latency of a segment and of its submodules, measured in the *same* runs (forward hooks, and
+backward hooks in train mode; CUDA events, else ``time.perf_counter``): medians and 90th
+percentiles over ``repeats`` runs after ``warmup``. Why: docs/ANALYSIS.md, 'What is measured, and how'."""
 from __future__ import annotations
 
 import logging
@@ -128,12 +118,9 @@ def time_runs(run: Callable[[], None], modules: dict[str, nn.Module], device: to
               prepare: Callable[[], None] = lambda: None,
               max_seconds: Optional[float] = None) -> Timing:
     """Call ``run()`` ``warmup + repeats`` times with hooks on ``modules`` (name -> module);
-    ``prepare()`` runs before each call, outside the timed interval (fresh caches, zeroed
-    gradients). Returns the total and per-module latencies of the timed runs.
-
-    ``max_seconds`` bounds slow runs (like ``timeit``'s autorange): warm-up stops after one
-    run once it has used a quarter of it, timing once it is used and :data:`MIN_RUNS` runs
-    are in. The number of runs taken is in each :class:`Latency`."""
+    ``prepare()`` runs before each call, untimed. Returns the total and per-module latencies.
+    ``max_seconds`` bounds slow runs: warm-up stops after one run once a quarter of it is used,
+    timing once it is used and :data:`MIN_RUNS` runs are in."""
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     clock = _Clock(device)

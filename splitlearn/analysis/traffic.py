@@ -1,25 +1,8 @@
 """Bytes that cross each cut, bytes each side keeps (KV cache), and weights both sides hold.
 
-A cut after block c carries the hidden state (B, S, d): forward as activations, and in
-training back again as their gradient. Per wire dtype (:mod:`splitlearn.wire`):
-
-=========  ==========================================================================
-float32    4 bytes per element
-bfloat16   2 bytes per element
-float16    2 bytes per element
-int8       1 byte per element + one float32 scale per row of d (B·S rows): n + 4·B·S
-           (vector-wise absmax, Dettmers et al. 2022, "LLM.int8()", §3.1)
-=========  ==========================================================================
-
-These are tensor bytes; the safetensors header adds a few hundred bytes per message.
-
-The KV cache of a segment holds, for each of its blocks, K and V of shape (B, H, T, d/H):
-2 · blocks · B · T · d elements in the compute dtype.
-
-GPT-2 ties ``lm_head.weight`` to ``wte.weight``. When the bottom and the top are different
-processes each needs the matrix, so each segment that holds it counts it in its parameters;
-:func:`tied_parameters` lists every such shared tensor so the report can say so.
-"""
+A cut carries (B, S, d) forward and, in training, its gradient back. Tensor bytes per wire
+dtype: float32 4, bfloat16/float16 2, int8 1 per element + one float32 scale per row of d
+(n + 4·B·S). KV cache: 2 · blocks · B · T · d elements. See docs/ANALYSIS.md."""
 from __future__ import annotations
 
 from ..partition import Partition
@@ -34,10 +17,8 @@ def wire_bytes(batch: int, tokens: int, width: int) -> dict[str, int]:
 
 
 def cut_traffic(part: Partition, batch: int, tokens: int, mode: str) -> list[dict]:
-    """One entry per cut: where it is, and the bytes crossing it per direction and wire dtype.
-
-    ``tokens`` is the new tokens per step (1 in decode). Gradients only cross in train mode.
-    """
+    """One entry per cut: where it is, and the bytes crossing it per direction and wire dtype
+    (``tokens``: new tokens per step; gradients only in train mode)."""
     d = part.config.n_embd
     out = []
     for i, c in enumerate(part.cuts):

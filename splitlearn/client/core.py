@@ -17,18 +17,19 @@ split steps equal N unsplit steps (float32 wire). In 2-way the server's LM head 
 copy of the tied ``wte`` weight (the two live in different processes), so 2-way training
 equals an unsplit model with untied embeddings; the U-shape keeps them tied.
 
-What this class adds to the model: the waits and redos of the federation modes, the crash
-journal (:mod:`.recovery`; a journaled step is redone through the same model with the
-server's stored answers), ``save``/``load``, the greedy two-group decode fast path, the
-command line's options (:class:`~.config.ClientConfig`).
+Everything else is the model's: the handshake and the pins (:class:`~splitlearn.hf.remote.RemoteSegment`),
+LoRA (:mod:`splitlearn.hf.lora`), the federation modes and a separate fed server
+(:mod:`splitlearn.hf.federation`), the crash journal (the model's request log,
+:mod:`splitlearn.hf.journal`: on disk with ``journal_dir``). What this class adds: a batch in,
+one step out (the redos of a refused step, its batch noted in the journal so that :meth:`load`
+runs it again), ``save``/``load`` of its segments, the command line's options
+(:class:`~.config.ClientConfig`).
 """
 from __future__ import annotations
 
 import copy
 import logging
-import os
 import time
-import uuid
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -39,25 +40,43 @@ from transformers import StoppingCriteriaList
 from .. import protocol as P
 from ..checkpoint import has_state, load_state, make_optimizer, save_state, unique_parameters
 from ..devices import resolve_device
-from ..errors import (ConfigError, Conflict, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights,
-                      TransportError)
+from ..errors import ConfigError, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights
 from ..export import load_segments
-from ..generation import GreedyConfig
 from ..loading import load_model
 from ..partition import partition
 from ..segments import Segment, labels_from_batch, positions_from_mask
-from ..trust import check_info
-from . import lora as client_lora
-from ..transport.fedsync import FederationState, untied_weights, wait_while_busy
+from ..hf.federation import federation_of, shared_weights
+from ..hf.lora import apply_lora, export_adapter
+from ..hf.modeling import _check_config, split_model
+from ..hf.remote import RemoteConfig, RemoteSegment
+from ..transport.fedsync import wait_while_busy
 from ..idlepoll import IdlePoller
 from ..packed import PackedLinears
 from .config import ClientConfig
-from .recovery import (Entry, Redo as _Redo, Journal, Snapshot, load_snapshot, prune_entries, read_entries, snapshot_of,
-                       write_entry)
-from .generation import RemoteDecoder, stream_tokens, use_pipeline
-from ..transport import Transport, TransportConfig
+from ..hf.journal import Redo as _Redo, RequestLog
+from .generation import stream_tokens
 
 log = logging.getLogger(__name__)
+
+
+def _model_over(segments: list[Segment], remote: RemoteSegment, u_shape: bool):
+    """``segments`` as a :class:`~splitlearn.hf.modeling.SplitGPT2LMHeadModel` over ``remote``:
+    the segments' embeddings, blocks, ``ln_f`` and head themselves (no copy)."""
+    from transformers import GPT2LMHeadModel
+
+    config = copy.deepcopy(segments[0].config)
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(config)
+    t = hf.transformer
+    t.wte, t.wpe, t.drop = segments[0].wte, segments[0].wpe, segments[0].drop
+    for seg in segments:
+        for j, block in enumerate(seg.h):
+            t.h[seg.start + j] = block
+    if u_shape:
+        t.ln_f, hf.lm_head = segments[1].ln_f, segments[1].lm_head
+    model = split_model(hf, remote=remote)
+    model.packed_weights = False  # the client's own prepacked weights (SplitClient._packed) serve it
+    return model
 
 
 class SplitClient:
@@ -70,94 +89,84 @@ class SplitClient:
         option may also be given as a keyword (it overrides the config's field). Bad options
         raise ``ConfigError`` before the client contacts the server.
 
-    The options (``ClientConfig``'s fields):
-
-    token: bearer token (default ``$SPLITLEARN_TOKEN``).
-    optimizer, lr, weight_decay: the client's optimizer (``adamw`` or ``sgd``).
-    device: ``auto``, ``cpu`` or ``cuda``. wire_dtype: ``float32``, ``bfloat16``,
-    ``float16`` or ``int8`` for the tensors this client sends and asks for.
-    client_id: this data owner's name on the server (1-64 of ``[A-Za-z0-9_.-]``; default
-    random). wait_timeout_s: the longest this client waits for a busy segment, a
-    sequential turn or a splitfed round before raising ``ServiceUnavailable``.
-    defense: a :class:`splitlearn.privacy.Defense` (``GaussianNoise``, ``NoPeek``) applied to
-    every activation this client sends, in training, evaluation and generation.
-    fed_url: a separate fed server (``python -m splitlearn.server.fedavg``) that averages the
-    client-side weights, so the segment server never sees them (its ``--client-weights external``).
-    fed_token: the fed server's own bearer token for this client's tenant (default
-    ``$SPLITLEARN_FED_TOKEN``); the segment server's token is never sent to the fed server, so
-    the segment server's operator cannot download the client-side weights with it.
-    micro_batches: split each training batch into this many micro-batches and keep requests in
-    flight so client and server compute at once (GPipe; see :mod:`splitlearn.hf.pipeline`).
-    reconnect_timeout_s: how long a training step waits for a crashed server to come back
-    before raising ``TransportError``; then the client replays the steps the server lost
-    (see :mod:`splitlearn.client.recovery` for what it keeps to do so).
-    lora: per-client LoRA adapters on a server started with ``--lora-r`` (a ``peft.LoraConfig``
-    or :class:`splitlearn.lora.LoraSpec` of the server's options, or ``"server"`` to take them
-    from the server); see :mod:`splitlearn.client.lora`.
-    packed_weights: generate on oneDNN prepacked copies of the client's linear weights (CPU
-    float32; faster for a few rows, a second copy of those weights in memory; see
-    :mod:`splitlearn.packed`).
-    poll_idle: keep this process's cores polling instead of sleeping while the server works
-    (:class:`splitlearn.idlepoll.IdlePoller`, Linux): less latency per step, for the cores'
-    idle time; stopped by :meth:`close`.
-    seed: seeds a spec model's weights (use the server's). timeout_s, retries: one call's read
-    timeout and its retries on a broken connection. journal_dir: where the crash journal is
-    kept so a crashed client can resume (:meth:`load`; docs/RECOVERY.md).
-    min_client_blocks (default 1: a server cut at 0, which would get the raw embeddings, is
-    refused), expected_cuts, shape (``"u"``: a 2-way server, which would get the labels, is
-    refused): the splits this client accepts, checked on the server's ``/v1/info`` before
-    anything is sent (:mod:`splitlearn.trust`, which also checks every answer).
+    The options are :class:`~splitlearn.client.config.ClientConfig`'s fields: the connection
+    (``token``, ``timeout_s``, ``retries``, ``wait_timeout_s``, ``reconnect_timeout_s``), the
+    client's optimizer (``optimizer``, ``lr``, ``weight_decay``), ``device``, ``wire_dtype``,
+    ``client_id``, ``seed`` (a spec model's weights: use the server's), the model's features
+    (``defense``, ``micro_batches``, ``lora``, ``fed_url``/``fed_token``: see
+    :class:`~splitlearn.hf.modeling.SplitGPT2LMHeadModel`), ``journal_dir`` (the crash journal
+    on disk, for :meth:`load`; docs/RECOVERY.md), ``packed_weights`` (generation on oneDNN
+    prepacked weights, :mod:`splitlearn.packed`), ``poll_idle``
+    (:class:`splitlearn.idlepoll.IdlePoller` until :meth:`close`) and the pins
+    (``min_client_blocks``, ``expected_cuts``, ``shape``: :mod:`splitlearn.trust`).
     """
 
     def __init__(self, url: str, model, config: Optional[ClientConfig] = None, **options):
         c = self.config = ClientConfig.of(config, **options)  # validated before any call
         self.poller: Optional[IdlePoller] = None
-        self.transport = Transport(TransportConfig(url, c.token or os.environ.get("SPLITLEARN_TOKEN"),
-                                                   read_timeout_s=c.timeout_s, retries=c.retries))
-        self.info = self.transport.get_json(P.INFO)
-        self.cuts = check_info(self.info, c.pins, f"the server at {url}")  # splitlearn.trust: before anything is sent
-        self.u_shape = len(self.cuts) == 2
         self.device = resolve_device(c.device)
         self.wire_dtype = c.wire_dtype
-        self.segments = self._own_segments(model, c.seed)
-        self.bottom = self.segments[0]
-        self.top: Optional[Segment] = self.segments[1] if self.u_shape else None
-        self.optimizer = make_optimizer(unique_parameters(self.segments), c.optimizer, c.lr, c.weight_decay)
-        self.client_id = c.client_id or uuid.uuid4().hex[:16]  # ClientConfig checked a given one
-        self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))  # replicas: docs/CLUSTER.md
+        # the model classes' handshake: /v1/info, the pins (splitlearn.trust), the fed server's token
+        remote = RemoteSegment(RemoteConfig(url, c.token, c.client_id, c.wire_dtype, c.timeout_s, c.retries,
+                                            c.wait_timeout_s, c.reconnect_timeout_s, c.pins, c.fed_url, c.fed_token),
+                               state={"step": 0})
+        try:
+            self.transport, self.info, self.cuts, self.u_shape = remote.transport, remote.info, remote.cuts, remote.u_shape
+            self.segments = self._own_segments(model, c.seed)
+            self.bottom = self.segments[0]
+            self.top: Optional[Segment] = self.segments[1] if self.u_shape else None
+            self._model = _model_over(self.segments, remote, self.u_shape)  # the same modules, no copy
+            self.defense, self.micro_batches = c.defense, c.micro_batches  # see :attr:`model`
+            lora = apply_lora(self._model, c.lora, seed=c.seed)  # peft adapters; the optimizer trains them alone
+            self.lora = getattr(self._model, "lora_spec", None)
+            self.optimizer = make_optimizer(lora or unique_parameters(self.segments), c.optimizer, c.lr,
+                                            c.weight_decay)
+            self.federation = federation_of(self._model)  # the modes' waits and weights (transport.fedsync)
+        except BaseException:
+            remote.close()
+            raise
         self.step = 0  # last training step applied on both sides
         self.wait_timeout_s = c.wait_timeout_s  # longest wait for a busy segment, a turn or a round
-        fed = None if c.fed_url is None else Transport(TransportConfig(
-            c.fed_url, self._fed_token(c.fed_token), read_timeout_s=c.timeout_s, retries=c.retries))
-        self.federation = FederationState(self.transport, self.client_id, self.segments, c.wait_timeout_s, fed)
         self.reconnect_timeout_s = c.reconnect_timeout_s  # longest wait for a restarting server
-        self.lora = client_lora.setup(self, c.lora, c.seed)  # peft adapters; the optimizer trains them alone
-        self.defense = c.defense  # splitlearn.privacy.Defense: applied to every activation sent
-        self.micro_batches = c.micro_batches  # pipelined training (see .pipeline)
-        self.journal = Journal(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
         self.journal_dir = Path(c.journal_dir) if c.journal_dir is not None else None  # survives a client crash
-        self.journal.start(self._snapshot)
-        if self.journal_dir is not None and not has_state(self.journal_dir, "client"):
-            self._persist()  # step 0: a resume without a later snapshot starts here
-        self.recoveries: list[dict] = []  # one entry per recovery: the server's step, steps replayed
         # generation's linear layers on prepacked weights (packed on their first product)
         self._packed = PackedLinears(torch.nn.ModuleList(self.segments)) if c.packed_weights else None
-        self._model = None  # self.model: these segments as a SplitGPT2LMHeadModel, made on first use
+        self._snap_step = 0  # the step of the client checkpoint in journal_dir
+        if self.journal_dir is not None:  # the model's request log is the journal
+            remote.log.open(self.journal_dir)
+            if not has_state(self.journal_dir, "client"):
+                self._persist()  # step 0: a resume without a later checkpoint starts here
         if c.poll_idle:  # last: a failed set-up leaves no pollers behind
             self.poller = IdlePoller().start()
 
     # -- set-up ------------------------------------------------------------------------
 
-    def _fed_token(self, fed_token: Optional[str]) -> str:
-        """The fed server's token: given, or ``$SPLITLEARN_FED_TOKEN``; never the segment server's."""
-        fed_token = fed_token or os.environ.get("SPLITLEARN_FED_TOKEN")
-        if not fed_token:
-            raise ConfigError("fed_url needs the fed server's own token: fed_token=... or $SPLITLEARN_FED_TOKEN "
-                              "(the segment server's token is never sent to the fed server)")
-        if fed_token == self.transport.cfg.token:
-            raise ConfigError("fed_token is the segment server's token: the fed server needs a token of its "
-                              "own, or the segment server's operator could download the client-side weights")
-        return fed_token
+    @property
+    def client_id(self) -> str:
+        return self._model.remote.client_id
+
+    @client_id.setter
+    def client_id(self, client_id: str) -> None:  # load(): the saved one
+        self._model.remote.client_id = self.federation.client_id = client_id
+        self.transport.set_route(P.route_key(self.transport.cfg.token, client_id))  # replicas: docs/CLUSTER.md
+
+    @property
+    def defense(self):
+        """A :class:`splitlearn.privacy.Defense` on every activation sent (the model's)."""
+        return self._model.defense
+
+    @defense.setter
+    def defense(self, defense) -> None:
+        self._model.defense = defense
+
+    @property
+    def micro_batches(self) -> int:
+        """Each training batch in this many pipelined micro-batches (the model's)."""
+        return self._model.micro_batches
+
+    @micro_batches.setter
+    def micro_batches(self, m: int) -> None:
+        self._model.micro_batches = m
 
     def _own_segments(self, model, seed: int) -> list[Segment]:
         kinds = ["bottom", "top"] if self.u_shape else ["bottom"]
@@ -165,19 +174,12 @@ class SplitClient:
             segs = [s.to(self.device) for s in load_segments(model, kinds)]
         else:
             m = load_model(model, device=self.device, seed=seed)
-            self._check_config(m.config)
+            _check_config(m.config, self.info)
             parts = partition(m, self.cuts)
             segs = [parts.bottom, parts.top] if self.u_shape else [parts.bottom]
             # The server's segment dies with `m` and `parts`: the client keeps only its own.
-        self._check_config(segs[0].config)
+        _check_config(segs[0].config, self.info)
         return segs
-
-    def _check_config(self, cfg) -> None:
-        server = self.info["model_config"]
-        for key in ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"):
-            if server.get(key) != getattr(cfg, key):
-                raise ConfigError(f"the local model's {key}={getattr(cfg, key)} differs from the "
-                                  f"server's {server.get(key)}: load the same model on both sides")
 
     @property
     def stats(self):
@@ -186,6 +188,8 @@ class SplitClient:
 
     def close(self) -> None:
         self.transport.close()
+        if self._model.remote.fed is not None:
+            self._model.remote.fed.close()
         if self.poller is not None:
             self.poller.stop()
 
@@ -196,10 +200,6 @@ class SplitClient:
         self.close()
 
     # -- calls -------------------------------------------------------------------------
-
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = next(self.bottom.parameters()).dtype
-        return x.to(device=self.device, dtype=dtype)
 
     def _batch(self, input_ids, attention_mask):
         ids = torch.as_tensor(input_ids).to(self.device)
@@ -218,150 +218,83 @@ class SplitClient:
         apply it as sent (stale client-side weights, a forward dropped after the lease
         timeout): the step is applied exactly once, on the current weights. If the server
         crashed and restarted behind this client, waits for it (``reconnect_timeout_s``) and
-        replays the steps it lost (:mod:`.recovery`).
+        replays the steps it lost (the model's request log, :mod:`splitlearn.hf.journal`).
         """
         ids, mask = self._batch(input_ids, attention_mask)
         return self._step(ids, mask, torch.get_rng_state())
 
-    def _step(self, ids, mask, rng: torch.Tensor) -> float:
+    def _step(self, ids, mask, rng: torch.Tensor, noted: bool = False) -> float:
         labels = labels_from_batch(ids, mask)
+        remote = self.model.remote
+        if not noted:  # journal_dir: the batch, so that a resumed client can run this step again
+            remote.log.note(self.step + 1, {"ids": ids, "rng": rng, **({"mask": mask} if mask is not None else {})})
         deadline = time.monotonic() + self.wait_timeout_s
         while True:
             try:
                 self.federation.before_step()
-                loss, answers, durable = wait_while_busy(lambda: self._attempt(ids, mask, labels, rng),
-                                                         "the segment", max(deadline - time.monotonic(), 0.0))
+                loss = wait_while_busy(lambda: self._attempt(ids, mask, labels, rng),
+                                       "the segment", max(deadline - time.monotonic(), 0.0))
                 break
             except (StaleWeights, NotYourTurn) as e:
                 log.info("step %d redone: %s", self.step + 1, e.message)
                 self.federation.stale()
             except _Redo as e:
                 log.warning("step %d redone: %s", self.step + 1, e)
-            except TransportError as e:
-                log.warning("server unreachable (%s); waiting up to %gs", e.message, self.reconnect_timeout_s)
-                self.transport.wait_until_up(time.monotonic() + self.reconnect_timeout_s, self.reconnect_timeout_s)
-                self.recover()
-            except Conflict as e:  # out of order: the server restarted behind this client
-                if not self.journal.enabled:
-                    raise
-                log.warning("step %d refused (%s); recovering", self.step + 1, e.message)
-                self.recover()
+            remote.log.drop(self.step + 1)  # what was logged of the refused attempt
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(f"step {self.step + 1} could not be applied within "
                                          f"{self.wait_timeout_s:g}s")
         self.optimizer.step()
         self.step += 1
         self.federation.samples += ids.shape[0]
-        entry = Entry(self.step, ids, mask, rng, answers)
-        self.journal.record(entry)
-        if self.journal_dir is not None and self.journal.enabled:
-            write_entry(self.journal_dir, entry)
-        if durable is not None:
-            moved = self.journal.snapshot.step if self.journal.snapshot else None
-            self.journal.durable(durable, self.step, self._snapshot, self._roll)
-            if self.journal_dir is not None and durable == self.step and durable != moved:
-                self._persist()  # the live state is the new snapshot
+        if self.journal_dir is not None and remote.log.enabled and remote.log.durable_step > self._snap_step:
+            self._persist()  # the server's checkpoint moved past ours: the log before it can go
         return loss
 
-    def _attempt(self, ids, mask, labels, rng: torch.Tensor, replay: Optional[dict] = None):
-        """Run the step once through :attr:`model` -> (loss, the server's answers, its durable
-        step); on success only ``optimizer.step()`` is left to do. The step is a closed one
-        (:meth:`RemoteSegment.closed_step <splitlearn.hf.remote.RemoteSegment.closed_step>`): the
-        server applies it, at its own learning rate, with the last backward. ``replay``: the
-        answers of a journaled step, to redo it here without a request."""
+    def _attempt(self, ids, mask, labels, rng: torch.Tensor):
+        """Run the step once through :attr:`model` -> its loss; on success only
+        ``optimizer.step()`` is left to do. The step is a closed one (:meth:`RemoteSegment.closed_step
+        <splitlearn.hf.remote.RemoteSegment.closed_step>`): the server applies it, at its own
+        learning rate, with the last backward (after a :meth:`load`, a step the server has is
+        answered from the journal)."""
         model = self.model
-        remote = model.remote  # this client's settings now (load() may have changed the id)
-        remote.client_id, remote.defense, model.micro_batches = self.client_id, self.defense, self.micro_batches
         torch.set_rng_state(rng)  # every attempt draws the same dropout masks
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         pos = None if mask is None else positions_from_mask(mask, ids.shape[1])  # left padding as generate's
-        with model.remote.closed_step(self.step + 1, self.federation.version, replay) as step:
+        with model.remote.closed_step(self.step + 1, self.federation.version):
             out = model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=pos)
             out.loss.backward()
         extra = model.transformer.defense_loss  # the defense's own term (NoPeek) is not the task's loss
-        loss = float(out.loss.detach()) - (float(extra.detach()) if extra is not None else 0.0)
-        return loss, step.answers, step.durable
+        return float(out.loss.detach()) - (float(extra.detach()) if extra is not None else 0.0)
 
-    def _defend_sent(self, h: torch.Tensor) -> torch.Tensor:
-        """The defense's version of an activation ``h`` (B, T, d) sent while generating."""
-        return h if self.defense is None else self.defense.apply(h)
+    # -- crash recovery: the model's request log (splitlearn.hf.journal) -----------------
 
-    # -- crash recovery (see .recovery) ----------------------------------------------------
-
-    def _snapshot(self) -> Snapshot:
-        return snapshot_of(self.step, self.segments, self.optimizer)
-
-    def _apply_local(self, e: Entry) -> None:
-        """Redo step ``e`` on this side with the server's stored answers (no request)."""
-        self.step = e.step - 1
-        self._attempt(e.ids, e.mask, labels_from_batch(e.ids, e.mask), e.rng, replay=e.answers)
-        self.optimizer.step()
-        self.step = e.step
-
-    def _roll(self, snap: Snapshot, entries: list) -> Snapshot:
-        """``snap`` moved forward through ``entries`` (the live state is left as it was)."""
-        live = self._snapshot()
-        load_snapshot(snap, self.segments, self.optimizer)
-        self.step = snap.step
-        for e in entries:
-            self._apply_local(e)
-        moved = self._snapshot()
-        if self.journal_dir is not None:
-            self._persist()  # the live segments hold the moved snapshot right now
-        load_snapshot(live, self.segments, self.optimizer)
-        self.step = live.step
-        return moved
+    @property
+    def recoveries(self) -> list[dict]:
+        """One entry per recovery from a server restart: ``{"server_step", "replayed"}`` (steps
+        replayed; ``"requests"``: how many requests that took)."""
+        return [{"server_step": r["server_step"], "replayed": r["steps"], "requests": r["replayed"]}
+                for r in self.model.remote.recoveries]
 
     def _persist(self) -> None:
-        """Write the live state (which is the journal's snapshot) to ``journal_dir``."""
+        """Write the live state to ``journal_dir`` as its client checkpoint; drop the log before
+        the server's durable step (it holds those steps, and so does the checkpoint)."""
         save_state(self.journal_dir, "client", self.segments, self.optimizer,
                    {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
-        prune_entries(self.journal_dir, self.step)
+        self._snap_step = self.step
+        log = self.model.remote.log
+        log.prune(min(log.durable_step, self.step))
 
     def recover(self) -> int:
-        """Bring this client back in step with a server that restarted from its checkpoint:
-        return to the server's step using the journal, then replay the steps it lost.
-        Returns the number of steps replayed."""
-        state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
-        server = state["step"]
-        # what the server holds may be more than its checkpoint: a replica that kept this
-        # client's later steps in memory (docs/CLUSTER.md); the journal moves to the durable one
-        durable = min(int(state.get("durable", server)), server)
-        if server == self.step:  # the server's checkpoint holds every step: nothing to replay
-            self.recoveries.append({"server_step": server, "replayed": 0})
-            return 0
-        if server == self.step + 1:
-            # it applied (and saved) the step whose answer this client never got: the retry of
-            # that step gets the stored answer from its ledger, nothing is applied twice
-            self.recoveries.append({"server_step": server, "replayed": 0})
-            return 0
-        if server > self.step:
-            raise Conflict(f"the server has applied step {server} for client {self.client_id!r}, "
-                           f"ahead of this client's {self.step}: resume this client with load()")
-        if not self.journal.covers(server):
-            kept = self.journal.snapshot.step if self.journal.snapshot else None
-            raise Conflict(f"the server restarted at step {server} of client {self.client_id!r}, "
-                           f"before the oldest state this client keeps ({kept}); this client is at "
-                           f"{self.step}")
-        snap, entries = self.journal.snapshot, list(self.journal.entries)
-        load_snapshot(snap, self.segments, self.optimizer)
-        self.step = snap.step
-        for e in entries:
-            if e.step <= max(durable, snap.step):
-                self._apply_local(e)
-        self.journal.start(self._snapshot)
-        for e in entries:  # held by the server, not yet durable there: kept in the journal
-            if max(durable, snap.step) < e.step <= server:
-                self._apply_local(e)
-                self.journal.record(e)
-        lost = [e for e in entries if e.step > server]
-        log.warning("server is at step %d of %d: replaying %d steps", server, entries[-1].step if entries else server,
-                    len(lost))
-        for e in lost:  # each sets the RNG state it started with: the same dropout masks
-            self._step(e.ids, e.mask, e.rng)
-        self.recoveries.append({"server_step": server, "replayed": len(lost)})
-        return len(lost)
+        """Bring a server that restarted from its checkpoint back to this client's step: send
+        again the logged requests of the steps it lost. Returns the number of steps replayed
+        (training calls this by themselves when the server goes away)."""
+        remote = self.model.remote
+        before = len(remote.recoveries)
+        remote.step = max(remote.step, self.step + 1)
+        remote._recover()
+        return sum(r["steps"] for r in remote.recoveries[before:])
 
     def sync(self) -> dict:
         """End of a turn (sequential) or round (splitfed): share the client-side weights.
@@ -371,12 +304,9 @@ class SplitClient:
         clients have synced, and continues from the average. shared: a no-op. Returns the
         server's federation status (``GET /v1/federation``).
         """
-        if self.lora is not None:  # LoRA: only the client-side adapters are shared (SplitLoRA)
-            status = self.federation.sync(client_lora.client_adapter_tensors(self.segments))
-        else:
-            status = self.federation.sync(untied_weights(self.segments))
-        if not self.federation.shared:
-            self.journal.start(self._snapshot)  # the server checkpoints at a sync and a round's end
+        status = self.federation.sync(shared_weights(self.model))  # LoRA: the adapters alone (SplitLoRA)
+        if not self.federation.shared and self.journal_dir is not None and self.model.remote.log.enabled:
+            self._persist()  # the server checkpoints at a sync and a round's end; the average is loaded
         return status
 
     @torch.no_grad()
@@ -406,9 +336,11 @@ class SplitClient:
                 log.warning("server did not checkpoint: %s", e)
         save_state(directory, "client", self.segments, self.optimizer,
                    {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
-        if durable:
-            self.journal.start(self._snapshot)
-            prune_entries(directory, self.step)
+        if durable:  # the server's checkpoint holds every step of this client
+            self.model.remote.log.durable(self.step)
+            RequestLog(True, directory).prune(self.step)
+            if self.journal_dir is not None and Path(directory).resolve() == self.journal_dir.resolve():
+                self._snap_step = self.step
         return Path(directory)
 
     def load(self, directory: Union[str, Path]) -> int:
@@ -426,30 +358,15 @@ class SplitClient:
         if tuple(counters["cuts"]) != self.cuts:
             raise ConfigError(f"checkpoint was made with cuts {counters['cuts']}, server has {list(self.cuts)}")
         self.client_id, self.step = counters["client_id"], int(counters["step"])
-        self.federation.client_id = self.client_id
-        self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))
-        entries = read_entries(directory, self.step, self.device)
-        state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
-        server = state["step"]
-        last = entries[-1].step if entries else self.step
-        if server < self.step or server > last + 1:
-            raise Conflict(f"client checkpoint is at step {self.step} (journal to step {last}) but the "
-                           f"server has applied step {server} for client {self.client_id!r}: resume both "
-                           f"sides from checkpoints of the same step")
-        durable = max(self.step, min(int(state.get("durable", server)), server))
-        for e in entries:
-            if e.step <= durable:
-                self._apply_local(e)
-        self.journal.start(self._snapshot)
-        if self.journal_dir is not None and self.step > int(counters["step"]):
+        if self.journal_dir is not None and Path(directory).resolve() == self.journal_dir.resolve():
+            self._snap_step = self.step
+        notes = self.model.remote.load_journal(directory, self.step)  # the server brought to this step
+        for step in sorted(notes):  # the logged batches: answered from the log if the server has them
+            t = notes[step]
+            self._step(t["ids"].to(self.device), t["mask"].to(self.device) if "mask" in t else None, t["rng"],
+                       noted=True)
+        if self.journal_dir is not None and self.step > self._snap_step:
             self._persist()
-        for e in entries:
-            if durable < e.step <= server:
-                self._apply_local(e)
-                self.journal.record(e)
-        for e in entries:
-            if e.step > server:  # logged, but the server lost them (it restarted as well)
-                self._step(e.ids, e.mask, e.rng)
         return self.step
 
     def export_adapter(self, directory: Union[str, Path], base_model: Optional[str] = None) -> Path:
@@ -457,9 +374,7 @@ class SplitClient:
         (``PeftModel.from_pretrained(GPT2LMHeadModel..., directory)``); see :mod:`.lora`."""
         if self.lora is None:
             raise ConfigError("export_adapter needs a LoRA client: SplitClient(..., lora=LoraConfig(...))")
-        server = client_lora.fetch_server_adapter(self.transport, self.client_id)
-        return client_lora.export_adapter(directory, self.lora, client_lora.client_adapter_tensors(self.segments),
-                                          server, base_model)
+        return export_adapter(self.model, directory, base_model)
 
     # -- generation --------------------------------------------------------------------
 
@@ -467,38 +382,11 @@ class SplitClient:
     def model(self):
         """This client as a :class:`splitlearn.SplitGPT2LMHeadModel`: the same modules (the
         segments' embeddings, blocks, ``ln_f`` and head; no copy), this client's connection,
-        ``client_id``, wire dtype and defense. Made on first use. :meth:`generate` runs on it;
+        ``client_id``, wire dtype and defense. :meth:`generate` runs on it;
         use it for anything transformers does with a model (``generate``'s every option,
         ``assistant_model=``, a ``TextStreamer``). Training through it (``loss.backward()``) is
         the model classes' own step protocol: do not mix it with :meth:`train_step` on one
-        client."""
-        if self._model is None:
-            from transformers import GPT2LMHeadModel
-
-            from ..hf.modeling import split_model
-            from ..hf.remote import RemoteConfig, RemoteSegment
-
-            config = copy.deepcopy(self.bottom.config)
-            with torch.device("meta"):
-                hf = GPT2LMHeadModel(config)
-            t = hf.transformer
-            t.wte, t.wpe, t.drop = self.bottom.wte, self.bottom.wpe, self.bottom.drop
-            for seg in self.segments:
-                for j, block in enumerate(seg.h):
-                    t.h[seg.start + j] = block
-            if self.u_shape:
-                t.ln_f, hf.lm_head = self.top.ln_f, self.top.lm_head
-            c = self.config
-            remote = RemoteSegment(RemoteConfig(self.transport.cfg.url, self.transport.cfg.token, self.client_id,
-                                                self.wire_dtype, c.timeout_s, c.retries, c.wait_timeout_s,
-                                                pins=c.pins),
-                                   transport=self.transport, info=self.info, state={"step": self.step})
-            remote.log.enabled = False  # this client's own journal (.recovery) replays whole steps
-            remote.defense = self.defense
-            model = split_model(hf, remote=remote)
-            model.packed_weights = False  # this client's own prepacked weights (self._packed) serve it
-            model.micro_batches = self.micro_batches
-            self._model = model
+        client. Its request log (``model.remote.log``) is this client's crash journal."""
         return self._model
 
     def _generate_kwargs(self, ids: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float,
@@ -536,24 +424,23 @@ class SplitClient:
         transformers' ``generate`` on :attr:`model` (so ``generate_kwargs`` may be any of its
         options: ``num_beams``, ``repetition_penalty``, ``assistant_model``, ``streamer``,
         ``stop_strings`` with ``tokenizer``...). ``seed`` seeds sampling reproducibly without
-        touching the global RNG. ``eos_token_id=None`` never stops early. ``pipeline``: greedy
-        decoding of two rows or more as two row groups in flight (the decode fast path; None:
-        in the U-shape when the server does not share this process's cores; see
-        :mod:`splitlearn.client.generation`), only without ``generate_kwargs``."""
+        touching the global RNG. ``eos_token_id=None`` never stops early. ``pipeline``: run
+        two rows or more as two row groups in flight, each on its own server session, so the
+        server computes one while this client computes the other (any strategy; the tokens are
+        the same); None: in the U-shape when the server does not share this process's cores
+        (:attr:`SplitGPT2LMHeadModel.overlap <splitlearn.hf.modeling.SplitGenerationMixin.overlap>`)."""
         ids, mask = self._batch(input_ids, attention_mask)
-        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline, self.u_shape):
-            new = list(self.generate_stream(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                            pad_token_id=pad_token_id, pipeline=pipeline))
-            return torch.cat([ids] + [t[:, None] for t in new], dim=1)
         kw = self._generate_kwargs(ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                    pad_token_id, generate_kwargs)
-        return self._hf_generate(ids, mask, seed, kw)
+        return self._hf_generate(ids, mask, seed, kw, pipeline)
 
-    def _hf_generate(self, ids: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[int], kw: dict):
+    def _hf_generate(self, ids: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[int], kw: dict,
+                     pipeline: Optional[bool] = None):
         model = self.model
         model.eval()
         if mask is None:
             mask = torch.ones_like(ids)
+        model.overlap = pipeline  # per call: None decides by the server's cores
         with self._packed.active() if self._packed is not None else nullcontext():
             if seed is None:
                 return model.generate(input_ids=ids, attention_mask=mask, **kw)
@@ -570,20 +457,9 @@ class SplitClient:
         :meth:`generate`; a streamer of transformers' ``generate`` underneath). Closing the
         iterator early stops the generation at its next token."""
         ids, mask = self._batch(input_ids, attention_mask)
-        if not do_sample and not generate_kwargs and use_pipeline(self.transport, ids.shape[0], pipeline, self.u_shape):
-            cfg = GreedyConfig(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-            self._generate_kwargs(ids, max_new_tokens, False, 1.0, None, None, eos_token_id, pad_token_id, {})
-            remote = RemoteDecoder(self.transport, self.segments, ids.shape[0], self.wire_dtype, self._local,
-                                   client_id=self.client_id if self.lora is not None else None,
-                                   defend=self._defend_sent)
-            try:
-                with self._packed.active() if self._packed is not None else nullcontext():
-                    yield from remote.decode(ids, mask, cfg)
-            finally:
-                remote.close()
-            return
         kw = self._generate_kwargs(ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                    pad_token_id, generate_kwargs)
         criteria = StoppingCriteriaList(kw.pop("stopping_criteria", None) or [])
         yield from stream_tokens(lambda streamer, stop: self._hf_generate(
-            ids, mask, seed, {**kw, "streamer": streamer, "stopping_criteria": StoppingCriteriaList([*criteria, stop])}))
+            ids, mask, seed, {**kw, "streamer": streamer, "stopping_criteria": StoppingCriteriaList([*criteria, stop])},
+            pipeline))

@@ -1,17 +1,9 @@
 """``ClusterConfig``: what ``python -m splitlearn.cluster`` is started with, validated once.
 
-The replicas are ``python -m splitlearn.server`` with the arguments after ``--``; the cluster
-adds ``--host 127.0.0.1 --port <its port>`` to each and, for per-client LoRA on a frozen base
-(``--lora-r`` without ``--federation``/with ``--federation shared``), ``--state-dir`` (the shared
-directory where each owner's adapter, optimizer and step record live; default
-``RUN_DIR/state``). It refuses what would make replicas disagree silently: ``--checkpoint-dir``
-(each replica would train and keep its own copy of a shared segment), ``--host``/``--port``
-(the cluster picks them), no token for the replicas to share, and ``--federation sequential``
-over several replicas (a turn is one global lock). ``--federation splitfed`` over several
-replicas gets ``--fed-store <the supervisor's TCPStore> --fed-rank i --fed-world-size R``: one
-round over every replica's members, closed with torch.distributed
-(:mod:`splitlearn.server.collective`).
-"""
+Replica i runs ``python -m splitlearn.server <args after -->`` plus ``--host 127.0.0.1
+--port <its port>``, ``--state-dir`` (per-client LoRA, default ``RUN_DIR/state``), its share of
+each per-tenant cap and, for SplitFed over several replicas, ``--fed-store``/``--fed-rank``/
+``--fed-world-size``. What it refuses and why: docs/CLUSTER.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -121,9 +113,8 @@ class ClusterConfig:
         return _has(self.server_args, "--lora-r") and _value(self.server_args, "--federation") in (None, "shared")
 
     def replica_caps(self) -> list[str]:
-        """Each per-tenant cap (given after ``--``, or the server's default) divided among the
-        replicas, at least 1 each: a tenant whose client ids spread over every replica holds at
-        most the cap in all (docs/CLUSTER.md, "Caps"). Nothing with one replica."""
+        """Each per-tenant cap (given after ``--``, or the server's default) divided among the replicas,
+        at least 1 each (docs/CLUSTER.md, 'Caps over the cluster'). Nothing with one replica."""
         if self.replicas == 1:
             return []
         from ..server.config import ServerConfig
@@ -142,9 +133,8 @@ class ClusterConfig:
         return out
 
     def replica_args(self, port: int, index: int = 0, store: Optional[str] = None) -> list[str]:
-        """The server arguments of replica ``index`` on ``port`` (splitfed: ``store``, the
-        TCPStore's HOST:PORT, where the replicas meet); its share of each per-tenant cap after the
-        given one (argparse keeps the last value)."""
+        """The server arguments of replica ``index`` on ``port`` (splitfed: ``store``, the TCPStore's
+        HOST:PORT), with its share of each per-tenant cap after the given one (argparse keeps the last)."""
         extra = ["--host", "127.0.0.1", "--port", str(port)]
         if self.state_dir is not None and not _has(self.server_args, "--state-dir"):
             extra += ["--state-dir", self.state_dir]

@@ -1,48 +1,8 @@
 """HAProxy in front of the replicas: the configuration, checked, and the process.
 
-Routing is HAProxy's, not ours (docs/CLUSTER.md says why). Every request a
-:class:`~splitlearn.client.SplitClient` sends carries ``X-Splitlearn-Route: <tenant hash>:<client id>``
-(:func:`splitlearn.protocol.route_key`). The frontend replaces its tenant part with the SHA-256
-of the ``Authorization`` header (the client id stays the client's), so a request is routed as
-its authenticated tenant whatever it claims; the backend hashes that route on a consistent-hash
-ring, so one owner's training steps and generation sessions reach one replica, and when a
-replica leaves the ring only its owners move (the others keep theirs). A tenant still chooses
-its client ids: the cluster divides the per-tenant caps among the replicas
-(:meth:`~splitlearn.cluster.config.ClusterConfig.replica_caps`)::
-
-    http-request set-header X-Splitlearn-Route %[req.hdr(Authorization),sha2(256),hex]:<client id>
-                                        the route: the token's tenant + the header's client id
-    balance hdr(X-Splitlearn-Route)     hash of that route
-    hash-type consistent                a ring: removing a server moves only its keys
-    option httpchk GET /v1/health       health check (answered without the model, no token)
-    default-server inter 200ms fall 2 rise 2
-                                        a dead replica is out within ~0.4 s of checks, and back
-                                        after two good ones
-    observe layer4 error-limit 1 on-error mark-down
-                                        ... or at once, on the first refused connection
-    on-marked-down shutdown-sessions    connections to a replica marked down are closed
-    retries 3 + option redispatch 1     a connection that fails is retried on another replica
-                                        (every retry), so a request that never reached the dead
-                                        one is served by the next one on the ring
-    http-response set-header X-Splitlearn-Replica %[srv_name]
-                                        which replica answered (tests, debugging)
-
-With ``--metrics-port M`` the cluster adds a second frontend, on 127.0.0.1:M only, where
-HAProxy's own Prometheus exporter (built in since 2.4, ``USE_PROMEX``) answers ``/metrics``
-(per frontend, backend and replica: requests, errors, queue, health-check state), and each
-replica serves its own on 127.0.0.1:M+1+i (``--metrics-port`` of the server)::
-
-    frontend metrics
-        bind 127.0.0.1:M
-        http-request use-service prometheus-exporter if { path /metrics }
-
-A request that reached a replica which then died gets 502 from HAProxy (it never resends a
-request that may have been processed); the client library treats that as a lost connection
-and recovers (docs/RECOVERY.md), which is safe because training steps are numbered and
-applied once. ``timeout server`` must exceed the longest request (a training step of a large
-model on CPU takes seconds); ``timeout client`` the longest pause of a client between two
-requests on a kept-alive connection.
-"""
+The configuration written (routing on ``X-Splitlearn-Route`` rewritten to the authenticated
+tenant, consistent hashing, health checks, failover, the metrics frontend) and why each line:
+docs/CLUSTER.md, 'Routing'."""
 from __future__ import annotations
 
 import logging

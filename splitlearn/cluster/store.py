@@ -1,15 +1,8 @@
 """The TCPStore where SplitFed replicas meet: ``python -m splitlearn.cluster.store --port P``.
 
-``python -m splitlearn.cluster`` hosts it itself (on 127.0.0.1); run this module on one
-machine when the replicas are started by hand on several (docs/CLUSTER.md, "Several
-machines"), and give every replica ``--fed-store HOST:P``. It is torch.distributed's own
-key-value store (``torch.distributed.TCPStore``): round counters, generations and the gloo
-rendezvous (:mod:`splitlearn.server.collective`). It holds no weights. It authenticates
-nobody, so it listens on the one address it is given and no other: torch's own TCPStore binds
-every interface (``*:port``, IPv4 and IPv6) whatever host it is handed, so :func:`host_store`
-binds the socket itself and passes it in (``master_listen_fd``). Give it a loopback or a private
-network's address. Exits on SIGTERM or SIGINT.
-"""
+Run it on one machine when the replicas are started by hand on several and give every replica
+``--fed-store HOST:P``. It listens on the one address it is given and no other
+(:func:`host_store`); exits on SIGTERM or SIGINT. See docs/CLUSTER.md, 'Several machines'."""
 from __future__ import annotations
 
 import argparse

@@ -2,28 +2,15 @@
 
 ::
 
-    start   replicas (python -m splitlearn.server ... --port p_i), in parallel, each until its
-            /v1/health answers; HAProxy's configuration written and checked (``haproxy -c``);
-            HAProxy started; ready when a request through it answers; RUN_DIR/replicas.json
-            written (atomically: temporary file + rename)
-    splitfed with R > 1: a torch.distributed TCPStore hosted here, on 127.0.0.1 (free port or
-            --fed-store-port), where the replicas meet (splitlearn/server/collective.py); it
-            lives as long as the supervisor, so a restarted replica finds the others there
-    watch   every 0.2 s: a replica that exited is started again on its port (``restart``;
-            5 s between failed tries) and replicas.json rewritten with its new pid once it
-            answers; HAProxy meanwhile routes its owners to the next replica on the ring, and
-            back when it is healthy again. HAProxy exiting stops everything (no router,
-            nothing to serve).
-    stop    SIGTERM or SIGINT: HAProxy first (no new requests), then every replica with SIGTERM
-            (each writes its clients' state that is not durable yet), replicas.json removed.
+    start   replicas in parallel, each until its /v1/health answers; haproxy.cfg written and
+            checked (haproxy -c); HAProxy started; ready when a request through it answers;
+            RUN_DIR/replicas.json written atomically (splitfed, R > 1: a TCPStore hosted here)
+    watch   every 0.2 s: a replica that exited is started again on its port (5 s between
+            failed tries), replicas.json rewritten; HAProxy exiting stops everything
+    stop    SIGTERM or SIGINT: HAProxy first, then every replica (SIGTERM), replicas.json removed
 
-Children run in their own session (a Ctrl-C in the terminal reaches the supervisor only, which
-stops them in order) and get SIGTERM if the supervisor itself dies (``PR_SET_PDEATHSIG``,
-Linux), so no replica outlives it. That signal follows the *thread* that forked the child, so
-every child is started from the supervisor's main thread (restarts too: the watch loop polls
-a restarting replica instead of waiting for it). Pinned replicas (``--cores-per-replica``) get
-their CPU affinity before ``exec``, so every thread they start inherits it.
-"""
+Why children are forked from the main thread only, and their session, PDEATHSIG and affinity:
+docs/CLUSTER.md, 'The supervisor'."""
 from __future__ import annotations
 
 import ctypes
@@ -132,8 +119,6 @@ class Supervisor:
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "") else self.cfg.host
         return f"http://{host}:{self.cfg.port}"
 
-    # -- start -----------------------------------------------------------------------
-
     def start(self) -> "Supervisor":
         cfg = self.cfg
         ports = [cfg.replica_port + i if cfg.replica_port else free_port() for i in range(cfg.replicas)]
@@ -207,8 +192,6 @@ class Supervisor:
             tmp.write_text(json.dumps(data, indent=1) + "\n")
             os.replace(tmp, self.manifest)
 
-    # -- watch -----------------------------------------------------------------------
-
     def run(self) -> int:
         """Watch until :meth:`request_stop` (0) or HAProxy's death (1); then stop everything."""
         code = 0
@@ -251,8 +234,6 @@ class Supervisor:
 
     def request_stop(self, *_args) -> None:
         self.stopping.set()
-
-    # -- stop ------------------------------------------------------------------------
 
     def stop(self) -> None:
         with self._lock:

@@ -29,8 +29,28 @@ index (the composition of the row maps) and one length (crops only shorten; rows
 commute). Steps are numbered, so a transport retry of a step the server applied gets its stored
 answer and never applies a reorder twice. If the server loses the session (expiry, restart, a
 replica that died), the next step opens a new one and replays the activations sent so far (kept
-on the client, reordered and cropped with the cache) once, as :mod:`splitlearn.client.generation`
-does; ``replay=False`` keeps no history and raises instead.
+on the client, reordered and cropped with the cache) once; ``replay=False`` keeps no history and
+raises instead.
+
+Two row groups in flight (:meth:`RemoteCache.row_groups`, ``overlap=True``; the split model
+classes' ``generate`` asks for them where the server has cores of its own). Run as one batch,
+client and server take turns: each waits while the other computes. A cache with row groups
+splits the batch's rows into two groups at its first step, each with a cache of its own (its own
+session, client layers and transport lane), and the split model's forward keeps both in flight::
+
+    client: bottom A | bottom B | top A + head A | top B + head B | (generate's choice) | bottom A ...
+    server:          | trunk A  | trunk B        |
+
+A step is :meth:`RemoteCache.start` (send, return at once) and :meth:`RemoteCache.finish` (the
+answer); :meth:`RemoteCache.remote` is both. Each row's computation is its own, so the groups
+give the logits one batch gives, for every strategy: greedy, sampling, beam search (the groups
+split at a prompt's block of beams, which beam search reorders within). In greedy decoding
+without a logits processor the first group's next step is sent ahead, on its argmax, before
+the second group's top runs, so the overlap crosses steps as the server computes the next
+step while the client finishes this one (:meth:`RemoteCache.next_inputs`); if ``generate``
+chose other tokens (a row stopped by a stop string, say) the step is taken back: the server
+drops it with the next step's ``crop``, though it did see that position's activations, as it
+sees an assisted decoding's rejected drafts.
 
 Lengths. ``get_seq_length(i)`` and ``get_mask_sizes(q, i)`` answer, for a client layer ``i``,
 what its own ``DynamicLayer`` holds (Hugging Face's semantics: a layer not yet filled in this
@@ -76,7 +96,8 @@ class RemoteCache(Cache):
 
     def __init__(self, config: PretrainedConfig, transport, *, server_blocks: tuple[int, int],
                  server_kind: str = "trunk", wire_dtype: str = "float32",
-                 client_id: Optional[str] = None, lane: int = 0, replay: bool = True):
+                 client_id: Optional[str] = None, lane: int = 0, replay: bool = True,
+                 overlap: bool = False, row_block: int = 1):
         if server_kind not in ("trunk", "top"):
             raise ValueError(f"server_kind must be 'trunk' or 'top', got {server_kind!r}")
         start, end = server_blocks
@@ -101,6 +122,18 @@ class RemoteCache(Cache):
         self._step = 0  # steps the session took
         self._index: Optional[torch.Tensor] = None  # pending row map, indices into the server's rows
         self._history: list[torch.Tensor] = []  # what was sent, (server rows, server length, d) in pieces
+        self._pending: Optional[_Step] = None  # the step in flight (start() without finish())
+        if not isinstance(row_block, int) or row_block < 1:
+            raise ValueError(f"row_block must be an int >= 1, got {row_block!r}")
+        self.overlap, self.row_block = bool(overlap), row_block
+        self.groups: Optional[list[tuple[slice, "RemoteCache"]]] = None  # row groups (see row_groups)
+        # greedy decoding with row groups: the first group's next step sent ahead (see next_inputs)
+        self.greedy = False  # set by generate: greedy choice, no logits processor, rows never move
+        self.eos: Optional[torch.Tensor] = None  # ids that end a row (finished rows get ``pad``)
+        self.pad: Optional[torch.Tensor] = None
+        self.max_length = 0  # generate stops at this many positions: nothing to send ahead then
+        self._ahead: Optional[tuple] = None  # (step, bottom context, ids, mask, positions, keep)
+        self._finished: Optional[torch.Tensor] = None  # (b,) first-group rows that produced eos
 
     @classmethod
     def from_info(cls, config: PretrainedConfig, transport, info: dict, **kwargs) -> "RemoteCache":
@@ -110,8 +143,120 @@ class RemoteCache(Cache):
         return cls(config, transport, server_blocks=tuple(seg["blocks"]), server_kind=seg["kind"], **kwargs)
 
     def __repr__(self) -> str:
+        if self.groups:
+            return f"RemoteCache(groups={[child for _, child in self.groups]})"
         return (f"RemoteCache(length={self._length}, rows={self._rows}, session={self.session_id!r}, "
                 f"server_blocks={self.server_blocks})")
+
+    # -- row groups: two sessions in flight -----------------------------------------------
+
+    def row_groups(self, rows: int) -> Optional[list[tuple[slice, "RemoteCache"]]]:
+        """The row groups of a step of ``rows`` rows: None (one group: this cache itself), or
+        ``[(rows, cache), ...]``, each group's rows (a slice of the batch) with a cache of its
+        own (its own session, client layers and transport lane: ``lane``, ``lane + 1``).
+
+        A cache made with ``overlap=True`` splits its rows at its first step when it has two
+        blocks of ``row_block`` rows or more (``generate`` expands each prompt into ``num_beams``
+        or ``num_return_sequences`` rows: a block, which beam search reorders within): the first
+        half of the blocks, then the rest. The split model's forward then runs each group's
+        bottom and sends it, and reads each answer and runs that group's top, so the server
+        computes one group while the client computes the other (the decode's overlap). Every
+        cache operation is applied per group; rows never move from one group to the other
+        (``generate`` never moves them)."""
+        if self.groups is None and self.overlap and self._rows is None and self._length == 0 \
+                and self.session_id is None and rows % self.row_block == 0 and rows >= 2 * self.row_block:
+            half = (rows // self.row_block + 1) // 2 * self.row_block
+            self.groups = [(slice(0, half), self._child(0)), (slice(half, rows), self._child(1))]
+        return self.groups
+
+    # -- sending the first group's next step ahead (greedy) -------------------------------
+
+    def next_inputs(self, logits: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Tensor],
+                    positions: Optional[torch.Tensor]) -> Optional[tuple]:
+        """Greedy decoding with row groups: the first group's inputs of the next step as
+        ``generate`` will make them, from its last-position ``logits`` (b, V) and this step's
+        ``ids`` (b, T), ``mask`` (b, past + T) or None and ``positions`` (b or 1, T) or None:
+        (ids (b, 1), mask, positions), or None where nothing may be sent ahead.
+
+        The split model's forward runs that group's bottom on them and sends it at once
+        (:meth:`sent_ahead`), so the server computes it while this process computes the other
+        group's top (and ``generate`` picks the tokens): the overlap crosses the step, as it
+        does between two forwards of one group. The next forward takes it if its inputs are
+        those (:meth:`take_ahead`), else takes it back: the tokens never depend on it."""
+        child = self.groups[0][1]
+        if not self.greedy or len(self.groups) < 2 or child._length + 1 >= self.max_length:
+            return None
+        tok = logits.argmax(-1)  # (b,): generate's greedy choice (no logits processor)
+        if self.eos is not None and self.pad is not None and self._finished is not None:
+            tok = torch.where(self._finished, self.pad.to(tok), tok)  # finished rows: padding
+        nxt_mask = None if mask is None else torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        nxt_pos = None if positions is None else positions[:, -1:] + 1
+        return tok[:, None], nxt_mask, nxt_pos
+
+    def sent_ahead(self, step: "_Step", ctx: dict, ids: torch.Tensor, mask: Optional[torch.Tensor],
+                   positions: Optional[torch.Tensor], keep: int) -> None:
+        """Keep the first group's step sent ahead (:meth:`next_inputs`) for the next forward."""
+        self._ahead = (step, ctx, ids, mask, positions, keep)
+
+    def take_ahead(self, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: Optional[torch.Tensor],
+                   keep: int) -> Optional[tuple]:
+        """The first group's step sent ahead for exactly these inputs and its bottom's context,
+        ``(step, ctx)``; None if there is none, or it was for other inputs (it is then taken
+        back: its answer read and dropped, the position dropped on both sides)."""
+        child = self.groups[0][1]
+        if self.greedy and child._length and ids.shape[1] == 1 and self.eos is not None:
+            done = torch.isin(ids[:, -1], self.eos.to(ids.device))  # the token this step feeds
+            self._finished = done if self._finished is None else self._finished | done
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        step, ctx, a_ids, a_mask, a_pos, a_keep = ahead
+        if keep == a_keep and _same(ids, a_ids) and _same(mask, a_mask) and _same(positions, a_pos):
+            return step, ctx
+        child.take_back(step)
+        return None
+
+    def take_back(self, step: "_Step") -> None:
+        """Take back ``step`` (from :meth:`start`): its answer is read and dropped, the client's
+        layers and the length go back to what they held before it; the server drops the
+        position with the next step (``crop``)."""
+        self.finish(step)
+        self._length = step.past
+        for layer in self.layers:
+            extra = layer.get_seq_length() - step.past if layer.is_initialized else 0
+            if extra > 0:
+                layer.crop(-extra)
+
+    def _settle(self) -> None:
+        """Before a cache operation: take back a step sent ahead; no more sending ahead."""
+        if self._ahead is not None:
+            step = self._ahead[0]
+            self._ahead = None
+            self.groups[0][1].take_back(step)
+        self.greedy, self._finished = False, None
+
+    def _child(self, i: int) -> "RemoteCache":
+        return type(self)(self.config, self.transport, server_blocks=self.server_blocks,
+                          server_kind="trunk" if self.u_shape else "top", wire_dtype=self.wire_dtype,
+                          client_id=self.client_id, lane=self.lane + i, replay=self.replay)
+
+    def _map_groups(self, index: torch.Tensor) -> None:
+        """Apply the row map ``index`` (into all rows) group by group."""
+        bounds = torch.tensor([sl.stop for sl, _ in self.groups])
+        group_of = torch.bucketize(index, bounds, right=True)  # (R,) the group of each old row
+        if bool((group_of[1:] < group_of[:-1]).any()):
+            raise ValueError("a cache with row groups keeps each group's rows in its group (the rows "
+                             f"{[(sl.start, sl.stop) for sl, _ in self.groups]}); got {index.tolist()}")
+        groups, start = [], 0
+        for g, (sl, child) in enumerate(self.groups):
+            mine = index[group_of == g] - sl.start
+            if mine.numel():
+                child.batch_select_indices(mine)
+                groups.append((slice(start, start + mine.numel()), child))
+                start += mine.numel()
+            else:
+                child.close()
+        self.groups = groups
 
     # -- lengths ------------------------------------------------------------------------
 
@@ -120,11 +265,15 @@ class RemoteCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions cached for ``layer_idx``: the client layer's own, or the session's."""
+        if self.groups:  # the last group: never a step ahead
+            return self.groups[-1][1].get_seq_length(layer_idx)
         if self._server_layer(layer_idx) or layer_idx >= len(self.layers):
             return self._length
         return self.layers[layer_idx].get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if self.groups:
+            return self.groups[-1][1].get_mask_sizes(query_length, layer_idx)
         if self._server_layer(layer_idx) or layer_idx >= len(self.layers):
             return self._length + query_length, 0
         return self.layers[layer_idx].get_mask_sizes(query_length)
@@ -146,6 +295,8 @@ class RemoteCache(Cache):
     @property
     def rows(self) -> Optional[int]:
         """Rows of the cache (after pending operations); None before the first step."""
+        if self.groups:
+            return sum(child.rows or 0 for _, child in self.groups)
         return self._rows
 
     # -- the server's layers --------------------------------------------------------------
@@ -161,8 +312,22 @@ class RemoteCache(Cache):
         ``logits_to_keep`` (pass the forward's own: ``generate`` sets 1, assisted decoding the
         draft length + 1); a trunk answers every position, so a U-shape ignores it (the client's
         top applies it). Returns the server's answer in ``hidden``'s dtype and device: U-shape
-        the trunk's output (B, T, d), 2-way logits (B, k, V).
+        the trunk's output (B, T, d), 2-way logits (B, k, V). With row groups
+        (:meth:`row_groups`) each group's rows go to its own session, all in flight at once.
         """
+        if self.groups:
+            self._settle()
+            steps = [(child, child.start(hidden[sl], _rows(attention_mask, sl), logits_to_keep))
+                     for sl, child in self.groups]
+            return torch.cat([child.finish(step) for child, step in steps], dim=0)
+        return self.finish(self.start(hidden, attention_mask, logits_to_keep))
+
+    def start(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+              logits_to_keep: int = 1) -> "_Step":
+        """The first half of :meth:`remote`: send the step on this cache's lane and return at
+        once; :meth:`finish` waits for the answer (the caller computes meanwhile)."""
+        if self.groups:
+            raise ValueError("a cache with row groups steps through remote() or its groups' start()")
         if hidden.ndim != 3:
             raise ValueError(f"hidden must be (B, T, d), got {list(hidden.shape)}")
         B, T, _ = hidden.shape
@@ -172,6 +337,8 @@ class RemoteCache(Cache):
                              f"{list(attention_mask.shape)} (the cache holds {past} positions)")
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0 (0: all positions), got {logits_to_keep!r}")
+        if self._pending is not None:
+            raise ValueError("this cache has a step in flight: finish() it first")
         keep = None if self.u_shape else logits_to_keep
         if self.session_id is None:
             self._open(B)
@@ -184,14 +351,25 @@ class RemoteCache(Cache):
         if index is not None:
             tensors[P.REORDER] = index
         path = P.SESSION_STEP.format(session_id=self.session_id)
+        call = self.transport.start_call(path, tensors, meta, self.lane)
+        self._pending = _Step(call, hidden, attention_mask, index, past, keep)
+        return self._pending
+
+    def finish(self, step: "_Step") -> torch.Tensor:
+        """The second half of :meth:`remote`: the answer to ``step`` (from :meth:`start`)."""
+        if step is not self._pending:
+            raise ValueError("not this cache's step in flight")
+        self._pending = None
+        hidden, past, keep = step.hidden, step.past, step.keep
+        B, T, _ = hidden.shape
         try:
-            out = self.transport.finish_call(self.transport.start_call(path, tensors, meta, self.lane))
+            out = self.transport.finish_call(step.call)
         except NotFound:
             if not self.replay:
                 raise
-            out = self._replay(hidden, attention_mask, index, past, keep)
+            out = self._replay(hidden, step.mask, step.index, past, keep)
         else:
-            self._record(hidden, index, past)
+            self._record(hidden, step.index, past)
         self._step += 1
         self._server_rows, self._server_length = B, past + T
         self._index, self._rows, self._length = None, B, past + T
@@ -199,6 +377,15 @@ class RemoteCache(Cache):
             (B, T if keep == 0 else min(keep or 1, T), self.config.vocab_size)  # the server's rule (sessions.py)
         name, what = (P.HIDDEN, "trunk output") if self.u_shape else (P.LOGITS, "logits")
         return trust.answer(out, name, shape, what).to(device=hidden.device, dtype=hidden.dtype)  # splitlearn.trust
+
+    def abandon(self) -> None:
+        """Read and drop the answer of a step in flight (its connection can be reused)."""
+        step, self._pending = self._pending, None
+        if step is not None:
+            try:
+                step.call.result()
+            except Exception:  # noqa: BLE001 - the answer is dropped either way
+                pass
 
     def _open(self, rows: int) -> None:
         body = {"rows": rows, **({"client_id": self.client_id} if self.client_id else {})}
@@ -253,7 +440,8 @@ class RemoteCache(Cache):
             tensors = pack(P.HIDDEN, whole, self.wire_dtype)
             if mask is not None:
                 tensors[P.MASK] = mask.long().cpu()
-            out = self.transport.call(P.SESSION_STEP.format(session_id=self.session_id), tensors, meta)
+            out = self.transport.finish_call(self.transport.start_call(
+                P.SESSION_STEP.format(session_id=self.session_id), tensors, meta, self.lane))
         finally:
             self._length = past
         if self.u_shape:
@@ -283,19 +471,26 @@ class RemoteCache(Cache):
         index = index.detach().to("cpu", torch.long).flatten()
         if index.numel() == 0:
             raise ValueError(f"{what}: at least one row must stay")
-        if self._rows is not None and bool(((index < 0) | (index >= self._rows)).any()):
-            raise ValueError(f"{what}: indices must be in [0, {self._rows}), got {index.tolist()}")
+        rows = self.rows
+        if rows is not None and bool(((index < 0) | (index >= rows)).any()):
+            raise ValueError(f"{what}: indices must be in [0, {rows}), got {index.tolist()}")
         return index
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` of the cache becomes row ``beam_idx[i]`` of the old one."""
         index = self._check_index(beam_idx, "reorder_cache")
+        if self.groups:
+            self._settle()
+            return self._map_groups(index)
         super().reorder_cache(index)  # the client's layers (index_select of the filled ones)
         self._map_rows(index)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep rows ``indices`` (int64, or a bool mask), in that order."""
         index = self._check_index(indices, "batch_select_indices")
+        if self.groups:
+            self._settle()
+            return self._map_groups(index)
         super().batch_select_indices(index)
         self._map_rows(index)
 
@@ -303,6 +498,12 @@ class RemoteCache(Cache):
         """Each row ``repeats`` times in a row (``num_return_sequences``, beams from one prompt)."""
         if not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"batch_repeat_interleave: repeats must be a positive int, got {repeats!r}")
+        if self.groups:
+            self._settle()
+            for _, child in self.groups:
+                child.batch_repeat_interleave(repeats)
+            self.groups = [(slice(sl.start * repeats, sl.stop * repeats), child) for sl, child in self.groups]
+            return
         super().batch_repeat_interleave(repeats)
         if self._rows is not None:
             self._map_rows(torch.arange(self._rows).repeat_interleave(repeats))
@@ -311,6 +512,11 @@ class RemoteCache(Cache):
         """Drop positions: ``crop(-k)`` removes the last k (transformers 5), ``crop(0)`` none;
         ``crop(n)`` with n > 0 keeps the first n (transformers 4's ``max_length``; none if the
         cache holds n or fewer). The server drops them with the next step."""
+        if self.groups:
+            self._settle()
+            for _, child in self.groups:
+                child.crop(tokens_to_remove)
+            return
         n = int(tokens_to_remove)
         length = self._length
         remove = -n if n <= 0 else max(length - n, 0)
@@ -330,6 +536,10 @@ class RemoteCache(Cache):
     def close(self) -> None:
         """Delete the server's session (also done when the cache is garbage-collected) and empty
         the cache; a later :meth:`remote` opens a new session."""
+        for _, child in self.groups or ():
+            child.close()  # a step sent ahead is read and dropped there
+        self.groups, self._ahead, self._finished, self.greedy = None, None, None, False
+        self.abandon()
         if self._finalizer is not None:
             self._finalizer()  # runs once
             self._finalizer = None
@@ -346,3 +556,26 @@ class RemoteCache(Cache):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Step:
+    """A step sent by :meth:`RemoteCache.start`, waiting for :meth:`RemoteCache.finish`."""
+
+    __slots__ = ("call", "hidden", "mask", "index", "past", "keep")
+
+    def __init__(self, call, hidden: torch.Tensor, mask: Optional[torch.Tensor], index: Optional[torch.Tensor],
+                 past: int, keep: Optional[int]):
+        self.call, self.hidden, self.mask, self.index, self.past, self.keep = call, hidden, mask, index, past, keep
+
+
+def _rows(x: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+    """``x[rows]`` of a per-row tensor; None and a row broadcast to every row (1, ...) as they are."""
+    if x is None or x.shape[0] == 1:
+        return x
+    return x[rows]
+
+
+def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a, b.to(device=a.device, dtype=a.dtype)))

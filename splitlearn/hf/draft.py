@@ -372,15 +372,15 @@ def default_policy(model, args: tuple = (), kwargs: Optional[dict] = None) -> Op
 class CountingRemoteCache(RemoteCache):
     """A :class:`RemoteCache` that counts what it sends: ``positions_sent`` (rows x positions
     of every step, accepted or later cropped: the releases docs/PRIVACY.md accounts) and
-    ``steps_sent`` (round trips)."""
+    ``steps_sent`` (round trips; with row groups, each group's cache counts its own)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.positions_sent = 0
         self.steps_sent = 0
 
-    def remote(self, hidden, attention_mask=None, logits_to_keep: int = 1):
-        out = super().remote(hidden, attention_mask, logits_to_keep)
+    def start(self, hidden, attention_mask=None, logits_to_keep: int = 1):
+        step = super().start(hidden, attention_mask, logits_to_keep)
         self.positions_sent += int(hidden.shape[0]) * int(hidden.shape[1])
         self.steps_sent += 1
-        return out
+        return step

@@ -17,20 +17,23 @@ with :meth:`SplitMixin.sync <splitlearn.hf.modeling.SplitMixin.sync>`::
   the model loads the shared weights, takes the turn and runs that forward again, so your
   loop does not see it (:meth:`SplitMixin.__call__`).
 - :meth:`sync` uploads the client's parameters under their Hugging Face names (a tied LM head
-  once, as ``wte``: what the server's schema takes, :mod:`splitlearn.server.clientside`) and
+  once, as ``wte``: what the server's schema takes, :mod:`splitlearn.server.federation.clientside`) and
   the rows trained since the last sync; sequential gives the turn back; splitfed waits until
   the round's other members have synced and loads the average.
 
-The waiting and the version bookkeeping are ``SplitClient``'s
-(:class:`splitlearn.transport.fedsync.FederationState`), shared. Not here: per-client LoRA
-with federation and a separate fed server (``fed_url``): use ``SplitClient`` for those.
+The waiting and the version bookkeeping are :class:`splitlearn.transport.fedsync.FederationState`
+(``SplitClient`` trains through these classes). With LoRA (``from_pretrained(..., lora=...)``)
+only the client's adapters are shared (SplitLoRA: every member starts from the same adapters,
+and a sync carries peft's names, :func:`splitlearn.hf.lora.adapter_tensors`). With a separate
+fed server (``from_pretrained(..., fed_url=..., fed_token=...)``, a segment server started with
+``--client-weights external``) the weights go to the fed server instead, with the segment
+server's signed ticket, and come back from it.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 
 REMOTE = "transformer.remote."  # the remote segment's own parameter (the gradient proxy) is not a weight
 
@@ -62,14 +65,21 @@ def federation_of(model: nn.Module):
 
     remote = getattr(model, "transformer", model).remote
     if remote.federation is None:
-        try:
-            state = FederationState(remote.transport, remote.client_id, [], remote.cfg.wait_timeout_s)
-        except ConfigError as e:
-            raise ConfigError(f"{e.message}: the model classes do not talk to a separate fed server; "
-                              f"use SplitClient(..., fed_url=...)") from None
-        if not state.shared and remote.info.get("lora"):
-            raise ConfigError("per-client LoRA with the federation modes is SplitClient's "
-                              "(SplitClient(..., lora=...)); the model classes train LoRA in shared mode")
-        state.load_weights = lambda tensors: load_client_weights(model, tensors)
+        state = FederationState(remote.transport, remote.client_id, [], remote.cfg.wait_timeout_s, remote.fed)
+        if getattr(model, "lora_spec", None) is not None:  # SplitLoRA: the adapters alone
+            from .lora import load_adapters
+
+            state.load_weights = lambda tensors: load_adapters(model, tensors)
+        else:
+            state.load_weights = lambda tensors: load_client_weights(model, tensors)
         remote.federation = state
     return remote.federation
+
+
+def shared_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a sync uploads: the client's adapters (LoRA) or its parameters."""
+    if getattr(model, "lora_spec", None) is not None:
+        from .lora import adapter_tensors
+
+        return adapter_tensors(model)
+    return client_weights(model)

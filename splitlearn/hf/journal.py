@@ -29,17 +29,34 @@ gradient of the trunk's output, two (B, T, d) per piece; 2-way: the bottom's out
 labels and a scalar), kept until the server says the step is durable; at most the server's
 checkpoint interval of steps. A server without a checkpoint directory cannot restart into
 anything to replay into: then nothing is kept (``enabled`` False).
+
+**On disk** (``directory``: ``RemoteConfig.journal_dir``, ``SplitClient(journal_dir=...)``, the
+CLI's ``train --save DIR``), the same log survives a crash of the *client*. Every request is
+appended, with its whole answer, to ``DIR/wal/<step>-<seq>.safetensors`` (0600 in a 0700
+directory, fsynced, atomically renamed) before the next one goes; the client's own state (its
+weights, optimizer state and step) is a client checkpoint in ``DIR`` (:mod:`splitlearn.checkpoint`),
+rewritten when the server's durable step has moved past it, and the log keeps every step after
+the server's durable one. A caller may add its own records of a step (:meth:`RequestLog.note`:
+``SplitClient`` notes each batch and its RNG state), never sent. After a client crash
+(``model.resume(optimizer)``, ``SplitClient.load``: :meth:`RemoteSegment.load_journal
+<splitlearn.hf.remote.RemoteSegment.load_journal>` reads :func:`read_log`): the server's lost
+steps up to the checkpoint are replayed from the log; the steps after the checkpoint that the
+server has applied are answered from the log when the client runs them again (no request; each
+request must equal the logged one); the ones it lost are sent again.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ..errors import Conflict
+from ..errors import Conflict, SegmentFileError
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +85,83 @@ class Sent:
     answer: Optional[bytes] = None  # digest(answer tensors); None for an apply (JSON)
 
 
-class RequestLog:
-    """The training requests of this client's steps the server has not made durable."""
+LOCAL = "local"  # the path of a caller's own record of a step (never sent)
 
-    def __init__(self, enabled: bool):
+
+@dataclass
+class Record:
+    """One record of the on-disk log: a request as sent and its whole answer, or a note."""
+
+    step: int
+    sent: Sent
+    answer: dict  # the answer's tensors; an apply's JSON answer; a note's tensors are sent.tensors
+    file: Optional[Path] = None  # where it is on disk
+    info: Optional[dict] = None  # a tensor answer's metadata (a backward's grad_norm...)
+
+
+class RequestLog:
+    """The training requests of this client's steps the server has not made durable (and, with
+    a ``directory``, on disk with their answers: see the module docstring)."""
+
+    def __init__(self, enabled: bool, directory=None):
         self.enabled = enabled
         self.steps: dict[int, list[Sent]] = {}  # step -> its requests in the order sent
         self.durable_step = 0  # the server's checkpoint holds this client's steps up to here
-        self.replays: list[dict] = []  # one entry per recovery: {"server_step", "replayed"}
+        self.replays: list[dict] = []  # one entry per recovery: {"server_step", "replayed", "steps"}
+        self.directory: Optional[Path] = None
+        self._seq = 0
+        if directory is not None:
+            self.open(directory)
 
-    def record(self, step: int, sent: Sent) -> None:
+    def open(self, directory) -> None:
+        """Append to ``directory``'s log from now on (its later records numbered after its last)."""
+        self.directory = Path(directory)
+        last = [int(p.stem.split("-")[1]) for p in _wal_files(self.directory)]
+        self._seq = max(last, default=0)
+
+    def record(self, step: int, sent: Sent, answer: Optional[dict] = None, info: Optional[dict] = None) -> None:
         if self.enabled and step > self.durable_step:
             self.steps.setdefault(step, []).append(sent)
+        if self.enabled and self.directory is not None:
+            self._write(step, sent, answer if answer is not None else {}, info)
+
+    def remember(self, step: int, sent: Sent) -> None:
+        """Keep a request read back from disk (:func:`read_log`) for a replay; nothing is written."""
+        if self.enabled and step > self.durable_step:
+            self.steps.setdefault(step, []).append(sent)
+
+    def note(self, step: int, tensors: dict[str, torch.Tensor], meta: Optional[dict] = None) -> None:
+        """The caller's own record of step ``step`` (on disk only; never sent to the server)."""
+        if self.enabled and self.directory is not None:
+            self._write(step, Sent(LOCAL, tensors, meta or {}), {})
+
+    def _write(self, step: int, sent: Sent, answer: dict, info: Optional[dict] = None) -> None:
+        from safetensors.torch import save as st_save
+
+        from ..checkpoint import open_private, private_dir
+
+        wal = private_dir(self.directory / "wal")  # 0700: the records hold the training data
+        self._seq += 1
+        tensors = {f"sent.{k}": v.detach().cpu().contiguous() for k, v in (sent.tensors or {}).items()}
+        json_answer = answer if sent.tensors is None else {}
+        tensors.update({f"answer.{k}": v.detach().cpu().contiguous() for k, v in answer.items()
+                        if isinstance(v, torch.Tensor)})
+        meta = {"path": sent.path, "meta": json.dumps(sent.meta), "json": str(sent.tensors is None),
+                "answer": json.dumps(json_answer, default=str), "digest": (sent.answer or b"").hex(),
+                "info": json.dumps(info or {}, default=str)}
+        name = f"{step:010d}-{self._seq:08d}"
+        with open_private(wal / f"{name}.tmp") as f:  # 0600
+            f.write(st_save(tensors, metadata=meta))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(wal / f"{name}.tmp", wal / f"{name}.safetensors")
+
+    def prune(self, upto: int) -> None:
+        """Drop the on-disk records of the steps up to ``upto`` (the client's checkpoint and the
+        server's durable step both hold them)."""
+        for path in _wal_files(self.directory):
+            if int(path.stem.split("-")[0]) <= upto:
+                path.unlink(missing_ok=True)
 
     def durable(self, step: int) -> None:
         """The server's checkpoint holds this client's steps up to ``step``: forget them."""
@@ -89,8 +171,17 @@ class RequestLog:
                 del self.steps[s]
 
     def drop(self, step: int) -> None:
-        """Step ``step`` was discarded (``zero_grad`` before a step): nothing of it to replay."""
+        """Step ``step`` was discarded (``zero_grad`` before a step, a step redone from its
+        start): nothing of it to replay; on disk its requests go, its notes stay."""
         self.steps.pop(step, None)
+        from safetensors import safe_open
+
+        for path in _wal_files(self.directory):
+            if int(path.stem.split("-")[0]) == step:
+                with safe_open(str(path), "pt") as f:
+                    note = f.metadata().get("path") == LOCAL
+                if not note:
+                    path.unlink(missing_ok=True)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for reqs in self.steps.values() for r in reqs
@@ -117,7 +208,40 @@ class RequestLog:
                                    f"client trained on: the restarted server is not in the state it was "
                                    f"(another checkpoint, or another step in between); nothing more was "
                                    f"replayed")
-        self.replays.append({"server_step": server_step, "replayed": n})
+        steps = sum(1 for s in self.steps if server_step < s < current)
+        self.replays.append({"server_step": server_step, "replayed": n, "steps": steps})
         log.warning("the server restarted at step %d of this client (at %d): %d requests replayed",
                     server_step, current, n)
         return n
+
+
+def _wal_files(directory: Optional[Path]) -> list[Path]:
+    wal = Path(directory) / "wal" if directory is not None else None
+    return sorted(wal.glob("*.safetensors")) if wal is not None and wal.is_dir() else []
+
+
+def read_log(directory, after: int = 0) -> list[Record]:
+    """The on-disk records of the steps after ``after``, in the order written (a torn last write,
+    a ``.tmp``, is ignored; an unreadable record is a ``SegmentFileError`` naming it)."""
+    from safetensors import SafetensorError, safe_open
+
+    out = []
+    for path in _wal_files(directory):
+        step = int(path.stem.split("-")[0])
+        if step <= after:
+            continue
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, ValueError, OSError) as err:
+            raise SegmentFileError(f"journal record {path} is unreadable: {err}") from None
+        sent_t = {k.removeprefix("sent."): v for k, v in tensors.items() if k.startswith("sent.")}
+        answer = {k.removeprefix("answer."): v for k, v in tensors.items() if k.startswith("answer.")}
+        is_json = meta["json"] == "True"
+        if is_json:
+            answer = json.loads(meta["answer"])
+        sent = Sent(meta["path"], None if is_json else sent_t, json.loads(meta["meta"]),
+                    bytes.fromhex(meta["digest"]) or None)
+        out.append(Record(step, sent, answer, path, json.loads(meta.get("info", "{}"))))
+    return out

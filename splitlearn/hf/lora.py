@@ -8,7 +8,7 @@ adapter for this client id trained by the same optimizer steps.
     opt = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
 
 A server started with ``--lora-r`` keeps its segment frozen and trains one adapter per client
-id (``splitlearn/server/adapters.py``): the forward and backward of the model's open-ended
+id (``splitlearn/server/engine/adapters.py``): the forward and backward of the model's open-ended
 steps (``splitlearn/hf/remote.py``) run with this client's adapter, and ``POST
 /v1/train/apply`` steps it at the client's learning rate. Here, :func:`apply_lora` puts
 peft's LoRA layers on the client's own blocks (``peft.inject_adapter_in_model``), freezes every
@@ -17,7 +17,9 @@ do (:func:`splitlearn.lora.init_adapter_pair`, seeded by the seed, the client id
 module's Hugging Face name), so the split model trains exactly as single-process peft with
 that initialisation (tests/test_hf_lora.py). The server must agree: same r, alpha and targets,
 or ``lora="server"`` to take its options; a model without LoRA is refused by a LoRA server, and
-the reverse.
+the reverse. Under ``sequential`` and ``splitfed`` every member starts from the same adapters
+(the client id is left out of the seed) and a sync shares the adapters alone
+(:func:`adapter_tensors`, SplitLoRA).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch
 from .._extras import require
 
 from ..errors import ConfigError
-from ..lora import LoraSpec, as_spec, check_server, inject_adapters, target_modules
+from ..lora import ADAPTER, PREFIX, LoraSpec, as_spec, check_server, inject_adapters, target_modules
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,8 @@ def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
     if getattr(model, "lora_spec", None) is not None:
         raise ConfigError("this split model has LoRA adapters already")
     require("lora", "peft", what="LoRA")
-    if remote.info.get("federation", "shared") != "shared":
-        raise ConfigError(f"the model classes train in the shared federation mode; this server runs "
-                          f"{remote.info.get('federation')!r}: use SplitClient(..., lora=...) there")
+    # sequential and splitfed members share the adapters: all start from the same ones
+    init_id = remote.client_id if remote.info.get("federation", "shared") == "shared" else ""
     head = getattr(model, "score", None)  # a classification head is new: it trains (peft's modules_to_save)
     keep = {id(remote.grad_proxy)} | {id(p) for p in (head.parameters() if head is not None else ())}
     for p in model.parameters():
@@ -72,9 +73,75 @@ def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
             mods = target_modules(block, spec)
             if not mods:
                 continue
-            params += inject_adapters(block, spec, mods, seed, remote.client_id,
+            params += inject_adapters(block, spec, mods, seed, init_id,
                                       lambda local, i=i: f"transformer.h.{i}.{local}")
     model.lora_spec = spec
     log.info("client %s: LoRA %s, %d adapter parameters", remote.client_id, spec.to_dict(),
              sum(p.numel() for p in params))
     return params
+
+
+def _pairs(model):
+    base = getattr(model, "base_model", None)
+    inner = base.model if base is not None and hasattr(base, "model") else model  # (a peft wrapper)
+    for name, m in inner.named_modules():
+        if hasattr(m, "lora_A") and ADAPTER in getattr(m, "lora_A", {}):
+            yield PREFIX + (name if name.startswith("transformer.") else "transformer." + name), m
+
+
+def adapter_tensors(model) -> dict[str, torch.Tensor]:
+    """The client's adapters under peft's saved names (``base_model.model.transformer.h.<i>.<module>
+    .lora_{A,B}.weight``): what a sync uploads and an export writes."""
+    out = {}
+    for name, m in _pairs(model):
+        out[f"{name}.lora_A.weight"] = m.lora_A[ADAPTER].weight.detach().cpu().contiguous()
+        out[f"{name}.lora_B.weight"] = m.lora_B[ADAPTER].weight.detach().cpu().contiguous()
+    return out
+
+
+def load_adapters(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy adapters named as :func:`adapter_tensors` names them into the model."""
+    with torch.no_grad():
+        for name, m in _pairs(model):
+            for part in ("lora_A", "lora_B"):
+                w = getattr(m, part)[ADAPTER].weight
+                key = f"{name}.{part}.weight"
+                if key in tensors:
+                    w.copy_(tensors[key].to(device=w.device, dtype=w.dtype))
+
+
+def fetch_server_adapter(transport, client_id: str) -> dict[str, torch.Tensor]:
+    """``GET /v1/clients/<id>/adapter``: the server side's adapter (peft names)."""
+    from .. import protocol as P
+    from ..wire import decode
+
+    tensors, _ = decode(transport.get_bytes(P.CLIENT_ADAPTER.format(client_id=client_id)))
+    return tensors
+
+
+def export_adapter(model, directory, base_model=None):
+    """Both sides' adapters of a LoRA split model as one peft adapter directory for the whole model
+    (``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), directory)``)::
+
+        adapter_config.json          peft.LoraConfig (fan_in_fan_out, targets, r, alpha, dropout)
+        adapter_model.safetensors    base_model.model.transformer.h.<i>.<module>.lora_{A,B}.weight
+    """
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    spec = getattr(model, "lora_spec", None)
+    if spec is None:
+        raise ConfigError("export_adapter needs a LoRA model (lora=peft.LoraConfig(...))")
+    remote = model.transformer.remote
+    client, server = adapter_tensors(model), fetch_server_adapter(remote.transport, remote.client_id)
+    overlap = set(client) & set(server)
+    if overlap:
+        raise ConfigError(f"client and server both hold adapters for {sorted(overlap)[:3]}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({**client, **server}, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    spec.to_peft(base_model).save_pretrained(str(d))
+    log.info("exported %d adapter tensors (%d client, %d server) to %s", len(client) + len(server),
+             len(client), len(server), d)
+    return d

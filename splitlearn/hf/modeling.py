@@ -28,7 +28,10 @@ a slot for every model layer), the client blocks read and extend ``local`` under
 training ``Function``: U-shape, ``hidden`` (B, T_new, d) -> trunk output (B, T_new, d); 2-way,
 the bottom's output -> the logits the server answers (B, k, V). ``mask`` is the 2-D mask of
 the whole sequence so far (B, past + T_new), or None. ``cache.get_seq_length()``
-gives the positions already seen.
+gives the positions already seen. A cache with row groups (``cache.row_groups(B)``: two
+rows or more where the server has cores of its own, :attr:`SplitGenerationMixin.overlap`) is
+run by ``SplitGPT2LMHeadModel``'s forward one group at a time, both in flight
+(``_grouped_forward``).
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 from transformers import GenerationMixin, GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
-from transformers.masking_utils import create_causal_mask
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedModel
@@ -52,8 +55,11 @@ from ..errors import ConfigError, NotYourTurn, StaleWeights
 from ..loading import _LOAD_LOCK, is_spec_source, load_model
 from ..packed import PackedLinears
 from ..partition import validate_cuts
+from ..segments import embed, run_blocks
+from ..transport import shares_cores_with_server
 from ..trust import Pins
 from . import pipeline
+from .cache import _rows
 from .remote import RemoteConfig, RemoteSegment
 
 log = logging.getLogger(__name__)
@@ -137,13 +143,9 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         self.wte = new_embeddings
 
     def _run_blocks(self, start: int, end: int, hidden, attention_mask, cache, position_ids, embeds):
-        if start == end:
-            return hidden
-        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
-                                  cache=cache, position_ids=position_ids, layer_idx=start)
-        for i in range(start, end):
-            hidden = self.h[i](hidden, cache, mask, None, use_cache=cache is not None, position_ids=position_ids)
-        return hidden
+        """Blocks ``[start, end)``: :func:`splitlearn.segments.run_blocks`, as a segment runs them."""
+        return run_blocks([self.h[i] for i in range(start, end)], self.config, start, hidden, attention_mask, cache,
+                          position_ids, embeds)
 
     #: the NoPeek-style loss of the last forward with gradients (None: no defense, or one without
     #: a loss); the head models add it to the loss they compute
@@ -209,6 +211,8 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         if cache is not None and remote_cache is None:
             raise ConfigError("a split model's cache must be its remote cache (with .remote and "
                               ".local), not a plain transformers Cache: the server keeps its blocks' KV")
+        if getattr(remote_cache, "groups", None):
+            raise ConfigError("a cache with row groups runs through SplitGPT2LMHeadModel's forward")
         local = remote_cache.local if remote_cache is not None else None
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, input_shape[-1])
@@ -218,14 +222,12 @@ class SplitGPT2Model(GPT2PreTrainedModel):
             past_seen = remote_cache.get_seq_length() if remote_cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
             position_ids = position_ids.unsqueeze(0)
-        hidden = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
         if attention_mask is not None:
             if attention_mask.ndim == 4:
                 raise ConfigError("a split model takes a 2-D attention_mask (the server builds its own causal mask)")
             attention_mask = attention_mask.view(batch_size, -1)
-        if token_type_ids is not None:
-            hidden = hidden + self.wte(token_type_ids)
-        hidden = self.drop(hidden)
+        hidden = embed(self.wte, self.wpe, self.drop, position_ids, inputs_embeds=inputs_embeds,
+                       token_type_ids=token_type_ids)
         output_shape = (-1,) + tuple(input_shape[1:]) + (hidden.size(-1),)
         (a, b) = self.client_blocks[0]
         hidden = self._run_blocks(a, b, hidden, attention_mask, local, position_ids, inputs_embeds)
@@ -252,10 +254,21 @@ class SplitMixin:
         return self.remote.client_id
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Let only ``optimizer`` apply the server's steps (by default any optimizer over this
-        model's parameters does); returns it."""
+        """Let only ``optimizer`` apply the server's steps (by default the optimizer holding this
+        model's parameters, found at the first backward, does); with a ``journal_dir``, also
+        writes the starting checkpoint :meth:`resume` needs. Returns it."""
         self.remote.attach_optimizer(optimizer)
         return optimizer
+
+    def resume(self, optimizer: torch.optim.Optimizer) -> int:
+        """After this process was killed: a model made as before (same ``client_id``, same
+        ``journal_dir``) and a fresh ``optimizer`` are put back at the journal's client checkpoint,
+        the server is brought to it, and the logged steps after it are answered from the journal
+        when your loop runs them again. Returns the optimizer step to run again first (1, 2...):
+        feed it that step's data. The first run must have attached its optimizer
+        (:meth:`attach_optimizer`) before training: that writes the starting checkpoint (with
+        the RNG state, so dropout draws the same masks). See :mod:`splitlearn.hf.journal`."""
+        return self.remote.resume(optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Both sides: this model's gradients, and the server's pending ones (discarded there)."""
@@ -284,13 +297,14 @@ class SplitMixin:
         the client-side weights; splitfed waits for the round's other members and loads the
         average. A no-op in shared mode. Call it between optimizer steps. Returns the server's
         federation status. See :mod:`splitlearn.hf.federation`."""
-        from .federation import client_weights, federation_of
+        from .federation import federation_of, shared_weights
 
         remote = self.transformer.remote
+        remote.notice_zero_grad()
         if remote.pieces or remote.answered:
             raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
                               "(optimizer.step() or zero_grad() first)")
-        return federation_of(self).sync(client_weights(self))
+        return federation_of(self).sync(shared_weights(self))
 
     @property
     def micro_batches(self) -> int:
@@ -345,7 +359,10 @@ class SplitMixin:
         whose cuts are read from its ``/v1/info``. ``defense``: see :attr:`defense`. ``lora``: a
         ``peft.LoraConfig`` (or ``"server"``) for a server started with ``--lora-r``: adapters on
         both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). ``micro_batches``: see
-        :attr:`micro_batches`. ``min_client_blocks`` (default 1: a server cut at 0 is refused),
+        :attr:`micro_batches`. ``fed_url``, ``fed_token``: a separate fed server for the federation
+        modes (:mod:`splitlearn.hf.federation`); ``journal_dir``: the crash journal on disk too
+        (:meth:`resume`); ``wait_timeout_s``, ``reconnect_timeout_s``: as
+        :class:`~splitlearn.hf.remote.RemoteConfig`. ``min_client_blocks`` (default 1: a server cut at 0 is refused),
         ``expected_cuts``, ``shape`` (``"u"``: a 2-way server is refused, the labels stay here):
         the splits accepted (:class:`splitlearn.trust.Pins`), checked before anything is sent.
         Other keyword arguments go
@@ -397,11 +414,37 @@ class SplitGenerationMixin:
     round, so the length follows the measured round trip, draft cost and acceptance:
     :mod:`splitlearn.hf.draft`) unless the caller sets a schedule of their own; the tokens are
     the same either way.
+
+    A batch of two rows or more runs as two row groups in flight where that pays
+    (:attr:`overlap`; :meth:`RemoteCache.row_groups <splitlearn.hf.cache.RemoteCache.row_groups>`):
+    two sessions, the server computing one group while this process computes the other; in
+    greedy decoding the first group's next step is sent before the second group's top runs.
+    The tokens are those of one batch.
     """
+
+    #: run a step of two rows or more as two row groups in flight, each on its own session and
+    #: transport lane, so the server computes one while this process computes the other
+    #: (:meth:`RemoteCache.row_groups <splitlearn.hf.cache.RemoteCache.row_groups>`; beam
+    #: search, sampling and the rest alike; the tokens are the same). None: where it pays, in
+    #: the U-shape (this process holds the top and the LM head: work worth overlapping) when
+    #: the server does not share this process's cores (a server on another host, or this
+    #: process pinned to a subset of the machine's cores); True/False: always/never. A 2-way
+    #: client holds only the bottom: two groups there only double the server's weight reads
+    #: (pinned batch 8: 68 tokens/s in two groups against 87 in one; benchmarks/README.md).
+    overlap: Optional[bool] = None
+
+    def overlaps(self) -> bool:
+        """Whether ``generate`` runs two row groups in flight (see :attr:`overlap`)."""
+        if not isinstance(self, SplitGPT2LMHeadModel):  # its forward is the one that runs groups
+            return False
+        if self.overlap is not None:
+            return bool(self.overlap)
+        remote = self.transformer.remote
+        return self.transformer.u_shape and not shares_cores_with_server(remote.transport.cfg.url)
 
     def new_cache(self, **kwargs):
         """A :class:`~splitlearn.hf.cache.RemoteCache` for this model's server (``kwargs`` as
-        for its constructor: ``lane``, ``replay``)."""
+        for its constructor: ``lane``, ``replay``, ``overlap``, ``row_block``)."""
         from .cache import RemoteCache
 
         remote = self.transformer.remote
@@ -413,19 +456,34 @@ class SplitGenerationMixin:
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
                                       max_cache_length):
-        if model_kwargs.get("cache") is not None or generation_config.use_cache is False:
+        blocks = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        given = model_kwargs.get("cache")
+        if getattr(given, "groups", ()) is None:  # a RemoteCache passed in, not split yet
+            given.row_block = blocks  # its groups split between prompts: beam search reorders within
+        if given is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
                                                          batch_size, max_cache_length)
         if generation_config.cache_implementation not in (None, "dynamic"):
             raise ConfigError(f"a split model's cache is a RemoteCache (the server keeps its blocks' keys and "
                               f"values); cache_implementation={generation_config.cache_implementation!r} "
                               f"is not available")
-        cache = self.new_cache()
+        cache = self.new_cache(overlap=not generation_config.is_assistant and self.overlaps(), row_block=blocks)
+        if cache.overlap and generation_mode == GenerationMode.GREEDY_SEARCH:  # see RemoteCache.next_inputs
+            cache.greedy = True  # until a logits processor shows up (_get_logits_processor)
+            cache.eos, cache.pad = generation_config._eos_token_tensor, generation_config._pad_token_tensor
+            cache.max_length = generation_config.max_length or 0
         model_kwargs["cache"] = cache
         if _SCOPE.depth and not (generation_config.is_assistant and _SCOPE.depth == 1):
             _SCOPE.caches.append(cache)  # closed when the outermost generate returns
         if generation_config.is_assistant:
             cache.activate_past_recording()
+
+    def _get_logits_processor(self, *args, **kwargs):
+        processors = super()._get_logits_processor(*args, **kwargs)
+        cache = (kwargs.get("model_kwargs") or {}).get("cache")
+        if processors and getattr(cache, "greedy", False):
+            cache.greedy = False  # the choice is not the logits' argmax: send nothing ahead
+        return processors
 
     #: generate on oneDNN prepacked copies of the client's linear weights (CPU, float32, no
     #: grad; :mod:`splitlearn.packed`), as ``SplitClient(packed_weights=True)`` does: 1.2-2.5x
@@ -494,6 +552,11 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
                                    position_ids, **kwargs)
             if out is not None:
                 return out
+        groups = cache.row_groups((input_ids if input_ids is not None else inputs_embeds).shape[0]) \
+            if hasattr(cache, "row_groups") else None
+        if groups:
+            return self._grouped_forward(groups, cache, input_ids, attention_mask, token_type_ids, position_ids,
+                                         inputs_embeds, labels, logits_to_keep)
         if self.transformer.u_shape:
             return self._add_defense_loss(super().forward(
                 input_ids=input_ids, cache=cache, attention_mask=attention_mask,
@@ -530,6 +593,54 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
             loss = loss * (n.to(loss.dtype) / torch.as_tensor(kwargs["num_items_in_batch"]).to(loss))
         return self._add_defense_loss(CausalLMOutputWithCrossAttentions(loss=loss, logits=logits,
                                                                         cache=out.cache))
+
+
+    def _grouped_forward(self, groups, cache, input_ids, attention_mask, token_type_ids, position_ids,
+                         inputs_embeds, labels, logits_to_keep) -> CausalLMOutputWithCrossAttentions:
+        """A generation step over a cache with row groups (:meth:`RemoteCache.row_groups
+        <splitlearn.hf.cache.RemoteCache.row_groups>`): each group's bottom runs and is sent at
+        once (its own session and lane), then each answer is read and that group's top and LM
+        head run (U-shape), so the server computes one group while this process computes the
+        other. In greedy decoding the first group's next step is sent ahead as soon as its
+        logits are known (:meth:`RemoteCache.next_inputs
+        <splitlearn.hf.cache.RemoteCache.next_inputs>`), so the overlap crosses steps::
+
+            client: top A, bottom A' | top B, (generate) bottom B' | top A', bottom A'' | ...
+            server: trunk B          | trunk A'                    | trunk B'           | ...
+
+        The rows' logits are those of one batch (each row's computation is its own)."""
+        if labels is not None:
+            raise ConfigError("a cache with row groups is for generation (no labels)")
+        t = self.transformer
+        keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
+        sent = []
+        for g, (rows, child) in enumerate(groups):
+            ids, mask, pos = _rows(input_ids, rows), _rows(attention_mask, rows), _rows(position_ids, rows)
+            ahead = None
+            if g == 0 and inputs_embeds is None and token_type_ids is None:
+                ahead = cache.take_ahead(ids, mask, pos, keep)  # sent by the last forward
+            elif g == 0:
+                cache._settle()  # inputs no step is sent ahead for
+            if ahead is None:
+                h, ctx = t.bottom_half(ids, child, mask, _rows(token_type_ids, rows), pos, _rows(inputs_embeds, rows))
+                ahead = (child.start(h, ctx["mask"], keep), ctx)  # in flight while the next group runs
+            sent.append((ids, mask, pos, child, *ahead))
+        outs = []
+        for g, (ids, mask, pos, child, step, ctx) in enumerate(sent):
+            out = child.finish(step)  # U-shape: the trunk's output (b, T, d); 2-way: logits (b, k, V)
+            if t.u_shape:
+                hidden = t.top_half(out, ctx)
+                out = self.lm_head(hidden[:, -keep:] if keep else hidden)  # (b, k or T, V)
+            outs.append(out)
+            if g == 0 and inputs_embeds is None and token_type_ids is None:
+                nxt = cache.next_inputs(out[:, -1], ids, mask, pos)
+                if nxt is not None:
+                    h, nctx = t.bottom_half(nxt[0], child, nxt[1], None, nxt[2], None)
+                    cache.sent_ahead(child.start(h, nctx["mask"], keep), nctx, *nxt, keep)
+        logits = torch.cat(outs, dim=0)
+        if not isinstance(logits_to_keep, int):
+            logits = logits[:, logits_to_keep]
+        return CausalLMOutputWithCrossAttentions(logits=logits, cache=cache)
 
 
 class SplitGPT2ForSequenceClassification(SplitMixin, GPT2ForSequenceClassification):
@@ -679,7 +790,9 @@ def _from_pretrained(hf_cls: type, source, server, token, client_id, wire_dtype,
     if server is None:
         raise ConfigError("from_pretrained of a split model needs server=URL (the splitlearn server)")
     pins = Pins(*(kwargs.pop(k, d) for k, d in (("min_client_blocks", 1), ("expected_cuts", None), ("shape", None))))
-    remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries, pins=pins))
+    more = {k: kwargs.pop(k) for k in ("wait_timeout_s", "reconnect_timeout_s", "fed_url", "fed_token", "journal_dir")
+            if k in kwargs}  # RemoteConfig's other fields
+    remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries, pins=pins, **more))
     try:
         hf = _load_hf(hf_cls, source, seed, **kwargs)
         return split_model(hf, remote=remote).eval()

@@ -25,10 +25,13 @@ stored answer. A server that crashed and restarted from its checkpoint, behind t
 gets the requests it lost again from :class:`~splitlearn.hf.journal.RequestLog` (each answer
 checked against the first), then the one that failed. Pieces in flight together (micro-batch
 pipelining, :mod:`splitlearn.hf.pipeline`) go through :meth:`RemoteSegment.start_piece` /
-:meth:`RemoteSegment.finish_piece` on separate connections. ``optimizer.step()`` of any ``torch.optim`` optimizer over the model's
-parameters triggers the apply (a global step post-hook, or :meth:`RemoteSegment.attach_optimizer`
-for one optimizer), with that optimizer's *current* learning rate, so LR schedules drive both
-sides; ``zero_grad`` with gradients pending on the server discards them there
+:meth:`RemoteSegment.finish_piece` on separate connections. ``optimizer.step()`` of the
+optimizer holding :attr:`RemoteSegment.grad_proxy` (found at the first backward) or of the one
+given to :meth:`RemoteSegment.attach_optimizer` triggers the apply (that optimizer's own
+``register_step_post_hook``: nothing of ``torch.optim`` is replaced), with its *current*
+learning rate, so LR schedules drive both sides. A ``zero_grad`` (any optimizer's, whatever its
+class does, or the model's) between a backward and the step shows as the proxy's gradient gone:
+the next piece, the step or a sync first discards the step's pieces on the server
 (``{"discard": true}``).
 
 **Gradient clipping across both sides.** The server's gradient is represented on the client
@@ -43,9 +46,9 @@ reaches the server the same way. The proxy's value is never used (the optimizer 
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
-import threading
 import time
 import uuid
 import weakref
@@ -56,7 +59,6 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import protocol as P
 from ..errors import (ConfigError, Conflict, IntegrityError, NotYourTurn, ServiceUnavailable, SplitLearnError,
@@ -82,6 +84,9 @@ class RemoteConfig:
     wait_timeout_s: float = 600.0  # the longest wait for a segment busy with another client's step
     reconnect_timeout_s: float = 120.0  # the longest wait for a crashed server to come back (then replay)
     pins: Pins = field(default_factory=Pins)  # the splits this client accepts (splitlearn.trust): checked on /v1/info
+    fed_url: Optional[str] = None  # a separate fed server for the client-side weights (federation modes)
+    fed_token: Optional[str] = None  # its own token (default $SPLITLEARN_FED_TOKEN; never the segment server's)
+    journal_dir: Optional[str] = None  # the request log on disk too, with the client's checkpoint (.journal)
 
     def __post_init__(self):
         self.wire_dtype = check_wire_dtype(self.wire_dtype)
@@ -91,39 +96,33 @@ class RemoteConfig:
             raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
 
 
-# -- the optimizer hook --------------------------------------------------------------------
+# -- finding the optimizer ----------------------------------------------------------------
 
-_LIVE: "weakref.WeakSet[RemoteSegment]" = weakref.WeakSet()
-_HOOK_LOCK = threading.Lock()
-_HOOK = None
-
-
-def _ensure_hook() -> None:
-    """One global ``torch.optim`` step post-hook for the process: after any optimizer's step,
-    every live :class:`RemoteSegment` whose model that optimizer trains applies its step; and
-    ``torch.optim.Optimizer.zero_grad`` wrapped once, so that a ``zero_grad`` between a
-    backward and a step discards the server's pending gradients too (torch has no zero_grad hook)."""
-    global _HOOK
-    with _HOOK_LOCK:
-        if _HOOK is None:
-            _HOOK = register_optimizer_step_post_hook(_after_step)
-            inner = torch.optim.Optimizer.zero_grad
-
-            def zero_grad(self, *args, **kwargs):
-                out = inner(self, *args, **kwargs)
-                for remote in list(_LIVE):
-                    if remote.answered and remote._covers(self):
-                        remote.discard_pending()
-                return out
-
-            zero_grad.__wrapped__ = inner
-            zero_grad.__doc__ = inner.__doc__
-            torch.optim.Optimizer.zero_grad = zero_grad
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for remote in list(_LIVE):
-        remote.after_optimizer_step(optimizer)
+def optimizers_holding(params) -> list:
+    """The live ``torch.optim`` optimizers with one of ``params`` in their ``param_groups``
+    (found through the garbage collector's referrers: a group's ``params`` list, the group,
+    ``param_groups``, the optimizer; four scans). Nothing of torch is patched; called once per
+    training run of a model whose optimizer was not attached (:meth:`RemoteSegment.attach_optimizer`)."""
+    params = list(params)
+    if not params:
+        return []
+    lists = [r for r in gc.get_referrers(*params) if type(r) is list]
+    if not lists:
+        return []
+    groups = [r for r in gc.get_referrers(*lists) if type(r) is dict and any(r.get("params") is x for x in lists)]
+    if not groups:
+        return []
+    holders = [r for r in gc.get_referrers(*groups) if type(r) is list]
+    if not holders:
+        return []
+    found = []
+    for owner in gc.get_referrers(*holders):
+        candidates = [owner] if isinstance(owner, torch.optim.Optimizer) else \
+            [o for o in gc.get_referrers(owner) if isinstance(o, torch.optim.Optimizer)] if type(owner) is dict else []
+        for opt in candidates:
+            if any(opt.param_groups is h for h in holders) and all(opt is not f for f in found):
+                found.append(opt)
+    return found
 
 
 # -- autograd over the wire ------------------------------------------------------------------
@@ -164,15 +163,14 @@ class ClosedStep:
     ``micros`` backward pieces is answered (the fused protocol ``SplitClient.train_step`` speaks:
     U-shape forward + backward per piece, 2-way one ``POST /v1/train/step`` per piece, no apply
     request). One forward and one backward per piece, and the loss's gradient must be 1 (2-way:
-    the server backpropagates with the piece's ``loss_scale`` at once). ``replay``: the answers
-    of a journaled step, to redo it on the client alone (no request)."""
+    the server backpropagates with the piece's ``loss_scale`` at once). A step redone after a
+    resume (:meth:`RemoteSegment.load_journal`) is answered from the journal."""
 
     step: int
     fed_version: Optional[int] = None
-    replay: Optional[dict] = None  # "hidden.<piece>" / "grad.<piece>" -> tensor
     micros: int = 1
     scales: Optional[list] = None  # per piece: its share of the step's loss (2-way loss_scale)
-    answers: dict = field(default_factory=dict)  # the server's answers, as ``replay`` takes them
+    answers: dict = field(default_factory=dict)  # the server's answers: "hidden.<piece>" / "grad.<piece>"
     durable: Optional[int] = None  # the server's durable step for this client, from its answers
     applied: bool = False  # the last backward was answered: the server has stepped
 
@@ -184,13 +182,6 @@ class ClosedStep:
             self.durable = int(info["durable"])
         if P.GRAD in out and sum(k.startswith(P.GRAD + ".") for k in self.answers) == self.micros:
             self.applied = True
-
-    def replayed(self, kind: str, piece: int, u_shape: bool) -> dict:
-        if kind == "b" or not u_shape:
-            grad = self.replay[f"{P.GRAD}.{piece}"]
-            self.answers[f"{P.GRAD}.{piece}"] = grad
-            return {P.GRAD: grad, P.LOSS: torch.zeros(1)} if kind == "f" else {P.GRAD: grad}
-        return {P.HIDDEN: self.replay[f"{P.HIDDEN}.{piece}"]}
 
 
 class RemoteSegment(nn.Module):
@@ -214,6 +205,7 @@ class RemoteSegment(nn.Module):
         self.u_shape = len(self.cuts) == 2
         self.client_id = cfg.client_id or uuid.uuid4().hex[:16]
         self.transport.set_route(P.route_key(self.transport.cfg.token, self.client_id))
+        self.fed = self.fed_transport()  # a separate fed server (checked now: before any training)
         self.grad_proxy = nn.Parameter(torch.zeros(1))  # .grad: the server's gradient norm
         self._proxy_set: Optional[torch.Tensor] = None  # the value the last backward gave it
         if state is None:  # this client's last step on the server (a caller that knows it passes it)
@@ -234,10 +226,31 @@ class RemoteSegment(nn.Module):
         self._forwards_ok = 0  # forwards of this step the server accepted
         self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (step, piece) -> its hidden's shape
         # the requests since the server's last durable step, replayed if it restarts (.journal)
-        self.log = RequestLog(enabled=bool(self.info.get("checkpoint", {}).get("enabled")))
+        self.log = RequestLog(enabled=bool(self.info.get("checkpoint", {}).get("enabled")), directory=cfg.journal_dir)
         self.log.durable(int(state.get("durable", 0)))
-        _LIVE.add(self)
-        _ensure_hook()
+        self._redo: dict[int, list] = {}  # resume(): step -> its journal records, answered from there
+        self._snap_step = 0  # the step of the client checkpoint in cfg.journal_dir
+        self._hooked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its step hook
+        self._proxy_grad: Optional[torch.Tensor] = None  # the .grad tensor the last backward gave the proxy
+        self._proxy_version: Optional[int] = None  # the proxy's version counter then
+
+    def fed_transport(self):
+        """The separate fed server's connection (``cfg.fed_url``), or None. Its token is its own:
+        given, or ``$SPLITLEARN_FED_TOKEN``, never the segment server's (whose operator could then
+        download the client-side weights)."""
+        if self.cfg.fed_url is None:
+            return None
+        from ..transport import Transport, TransportConfig
+
+        token = self.cfg.fed_token or os.environ.get("SPLITLEARN_FED_TOKEN")
+        if not token:
+            raise ConfigError("fed_url needs the fed server's own token: fed_token=... or $SPLITLEARN_FED_TOKEN "
+                              "(the segment server's token is never sent to the fed server)")
+        if token == self.transport.cfg.token:
+            raise ConfigError("fed_token is the segment server's token: the fed server needs a token of its "
+                              "own, or the segment server's operator could download the client-side weights")
+        return Transport(TransportConfig(self.cfg.fed_url, token, read_timeout_s=self.cfg.timeout_s,
+                                         retries=self.cfg.retries))
 
     def extra_repr(self) -> str:
         what = f"blocks [{self.cuts[0]}, {self.cuts[1]})" if self.u_shape else \
@@ -256,6 +269,8 @@ class RemoteSegment(nn.Module):
             self.discard_pending(force=True)
         finally:
             self.transport.close()
+            if self.fed is not None:
+                self.fed.close()
 
     def bind(self, model: nn.Module) -> None:
         """The model this segment belongs to: an optimizer over any of its parameters applies."""
@@ -276,16 +291,18 @@ class RemoteSegment(nn.Module):
             self._loss_only = False
 
     @contextmanager
-    def closed_step(self, step: int, fed_version: Optional[int] = None, replay: Optional[dict] = None):
+    def closed_step(self, step: int, fed_version: Optional[int] = None):
         """Within: the model's training forward and backward are step ``step`` as a
         :class:`ClosedStep` (yielded; its ``answers`` are the server's, ``applied`` says the server
         has stepped). Requests go as in the fused protocol; an error leaves nothing pending here
         (the server drops an unfinished closed step by itself)."""
-        self.closed = ClosedStep(step, fed_version, replay)
+        self.closed = ClosedStep(step, fed_version)
         self.step, self.pieces, self.answered, self._norm_pieces = step, 0, 0, 0
         try:
             yield self.closed
         finally:
+            if self.closed.applied:
+                self._redo.pop(step, None)
             self.step = step + 1 if self.closed.applied else step
             self.closed = None
             self.pieces = self.answered = self._norm_pieces = 0
@@ -349,6 +366,7 @@ class RemoteSegment(nn.Module):
         self.answered += 1
         if "grad_norm" not in info:  # a closed step: the server clips and applies by itself
             return
+        self._find_optimizer()
         accumulated = int(info.get("accumulated", self.answered))
         if accumulated < self._norm_pieces:
             return
@@ -357,7 +375,8 @@ class RemoteSegment(nn.Module):
         if self.grad_proxy.requires_grad:
             value = torch.full_like(self.grad_proxy, self.server_norm)
             self.grad_proxy.grad = value
-            self._proxy_set = value.clone()
+            self._proxy_grad, self._proxy_set = value, value.clone()
+            self._proxy_version = self.grad_proxy._version  # an optimizer's step moves it
 
     # -- pieces, one at a time or in flight together (micro-batch pipelining, .pipeline) ----
 
@@ -369,6 +388,7 @@ class RemoteSegment(nn.Module):
         c = self.closed
         if kind == "f":
             if c is None:
+                self.notice_zero_grad()
                 self._before_piece(tensors[P.HIDDEN].shape[0])
             piece = (self.step, self.pieces)
             self.pieces += 1
@@ -384,7 +404,7 @@ class RemoteSegment(nn.Module):
         path = P.TRAIN_STEP if kind == "f" and closed_2way else P.TRAIN_FORWARD if kind == "f" else P.TRAIN_BACKWARD
         sent = Sent(path, tensors, self._meta(*piece))
         pending = None
-        if lane is not None and (c is None or c.replay is None):
+        if lane is not None and piece[0] not in self._redo:
             try:
                 pending = self.transport.start_call(sent.path, tensors, sent.meta, lane=lane)
             except (TransportError, ServiceUnavailable, Conflict):
@@ -398,9 +418,7 @@ class RemoteSegment(nn.Module):
         what the server lost; the numbers make it exactly once)."""
         kind, piece, sent, pending = call
         c = self.closed
-        if c is not None and c.replay is not None:  # a journaled step, redone locally
-            out, info = c.replayed(kind, piece[1], self.u_shape), {}
-        elif sent is None:  # a closed 2-way step's backward: the gradient came with the forward
+        if sent is None:  # a closed 2-way step's backward: the gradient came with the forward
             out, info = {P.GRAD: c.answers[f"{P.GRAD}.{piece[1]}"]}, {}
         else:
             out = info = None
@@ -472,6 +490,7 @@ class RemoteSegment(nn.Module):
         """Before a training forward of ``model`` that opens a step (open-ended, no piece yet):
         under a federation mode, take the turn and load the shared client-side weights if
         behind, before the client computes anything with them (:mod:`.federation`)."""
+        self.notice_zero_grad()
         if self.closed is not None or self.pieces or not torch.is_grad_enabled() or \
                 self.info.get("federation", "shared") == "shared":
             return
@@ -536,6 +555,8 @@ class RemoteSegment(nn.Module):
         """Send one training request; log it for a replay; if the server crashed and restarted
         behind this client (a dropped connection past the transport's retries, or a 409 from
         a server that lost steps), wait for it, replay what it lost, and send it again."""
+        if step in self._redo:  # resume(): a step the server has applied, answered from the journal
+            return self._redone(step, sent)
         deadline = time.monotonic() + self.cfg.reconnect_timeout_s
         conflicts = 0
         while True:
@@ -564,7 +585,7 @@ class RemoteSegment(nn.Module):
     def _logged(self, step: int, sent: Sent, out: dict, info: dict) -> None:
         if sent.tensors is not None and self.log.enabled:
             sent.answer = digest(out)
-        self.log.record(step, sent)
+        self.log.record(step, sent, out if sent.tensors is not None else info, info if sent.tensors is not None else None)
         if "durable" in info:
             self.log.durable(int(info["durable"]))
 
@@ -579,20 +600,183 @@ class RemoteSegment(nn.Module):
         self.log.durable(min(int(state.get("durable", 0)), server))
         self.log.replay(server, self.step, lambda r: self._send_once(r)[0])
 
+    # -- the journal on disk: a crash of the client (cfg.journal_dir, see .journal) ----------
+
+    def persist(self, optimizer: torch.optim.Optimizer) -> None:
+        """Write the model's weights, ``optimizer``'s state and the RNG state as the client
+        checkpoint in ``cfg.journal_dir`` (between steps); drop the log the server's durable
+        step and this checkpoint both hold."""
+        from ..checkpoint import save_state
+
+        owner = self._owner_ref() if self._owner_ref is not None else self
+        weights = {k: v.detach().cpu().clone() for k, v in owner.state_dict().items()}
+        save_state(self.log.directory, "client", [], optimizer,
+                   {"client_id": self.client_id, "step": self.step - 1, "cuts": list(self.cuts)},
+                   extra={"model": weights, "rng": {"cpu": torch.get_rng_state()}})
+        self._snap_step = self.step - 1
+        self.log.prune(min(self.log.durable_step, self._snap_step))
+
+    def resume(self, optimizer: torch.optim.Optimizer) -> int:
+        """After a crash of the client: load the client checkpoint of ``cfg.journal_dir`` (written
+        by :meth:`persist`) into the model and ``optimizer``, then :meth:`load_journal`. Returns
+        the step the loop starts again at (its data must be that step's)."""
+        from ..checkpoint import has_state, load_state, read_extra
+
+        directory = self.log.directory
+        if directory is None or not has_state(directory, "client"):
+            raise ConfigError(f"no client checkpoint to resume from in {directory} (journal_dir)")
+        counters = load_state(directory, "client", [], optimizer)
+        if counters["client_id"] != self.client_id or tuple(counters["cuts"]) != self.cuts:
+            raise ConfigError(f"the journal in {directory} is client {counters['client_id']!r}'s at cuts "
+                              f"{counters['cuts']}; this is {self.client_id!r} at {list(self.cuts)}")
+        owner = self._owner_ref() if self._owner_ref is not None else self
+        weights = read_extra(directory, "client", "model")
+        with torch.no_grad():
+            for k, v in owner.state_dict(keep_vars=True).items():
+                v.copy_(weights[k])
+        torch.set_rng_state(read_extra(directory, "client", "rng")["cpu"])
+        self.attach_optimizer(optimizer)
+        self._snap_step = int(counters["step"])
+        self.load_journal(directory, self._snap_step)
+        return self.step
+
+    def load_journal(self, directory, mine: int) -> dict[int, dict]:
+        """This client is back at step ``mine`` (its checkpoint): the logged steps in
+        ``directory`` up to ``mine`` are kept for a replay, and sent again now if the server lost
+        them; those after ``mine`` that the server has applied are answered from the log when
+        they run again (no request; each request must equal the logged one); those it lost are
+        forgotten (they run again for real). ``Conflict`` if the server and the journal do not
+        meet. Returns the notes (:meth:`RequestLog.note`) of the steps after ``mine``."""
+        from .journal import LOCAL, read_log
+
+        by_step: dict[int, list] = {}
+        notes = {}
+        for r in read_log(directory):
+            if r.sent.path == LOCAL:
+                notes[r.step] = r.sent.tensors
+            else:
+                by_step.setdefault(r.step, []).append(r)
+        state = self.transport.get_json(P.CLIENT_STATE.format(client_id=self.client_id))
+        server = int(state["step"])
+        last = max([mine, *by_step, *notes])
+        if server > last + 1 or any(s not in by_step for s in range(server + 1, mine + 1)):
+            raise Conflict(f"client checkpoint is at step {mine} (journal to step {last}) but the server has "
+                           f"applied step {server} for client {self.client_id!r}: resume both sides from "
+                           f"checkpoints of the same step")
+        self.log.steps.clear()
+        self.log.durable_step = 0
+        self.log.durable(min(int(state.get("durable", server)), server))
+        self._redo.clear()
+        for step in sorted(by_step):
+            if step <= mine:
+                for r in by_step[step]:
+                    self.log.remember(step, r.sent)
+            elif step <= server:
+                self._redo[step] = by_step[step]
+            else:  # the server does not have it: it runs again for real
+                self.log.drop(step)
+        self.step = mine + 1
+        self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
+        if server < mine:
+            self._recover()
+        return {s: t for s, t in notes.items() if s > mine}
+
+    def _redone(self, step: int, sent: Sent) -> tuple[dict, dict]:
+        """The logged answer to ``sent`` of a step the server has applied (see :meth:`resume`)."""
+        queue = self._redo[step]
+        if sent.tensors is None:  # the apply: the server has it
+            del self._redo[step]
+            rec = next((r for r in queue if r.sent.tensors is None), None)
+            if rec is not None:
+                self.log.remember(step, rec.sent)
+            return {}, rec.answer if rec is not None else {"applied": True, "step": step}
+        micro = sent.meta.get("micro", "0")
+        rec = next((r for r in queue if r.sent.path == sent.path and r.sent.meta.get("micro", "0") == micro), None)
+        if rec is None and self.closed is not None:  # its answer never reached the log: the server's
+            del self._redo[step]  # ledger answers the retry of its last step
+            return self._train_call(step, sent)
+        same = rec is not None and set(rec.sent.tensors) == set(sent.tensors) and all(
+            torch.equal(rec.sent.tensors[k], sent.tensors[k].detach().cpu()) for k in sent.tensors)
+        if not same:
+            raise Conflict(f"step {step} run again after a resume differs from the one the journal holds "
+                           f"({sent.path}, piece {micro}): run the same data in the same order")
+        queue.remove(rec)
+        self.log.remember(step, rec.sent)
+        return rec.answer, dict(rec.info or {})
+
     # -- the optimizer step --------------------------------------------------------------
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Only ``optimizer``'s steps apply the server's step from now on (by default any
-        optimizer over the model's parameters does); its ``zero_grad`` discards pending
-        gradients on the server."""
+        """Only ``optimizer``'s steps apply the server's step from now on (by default the
+        optimizers holding :attr:`grad_proxy`, found at the first backward, do)."""
         self._optimizer_ref = weakref.ref(optimizer)
+        self._hook(optimizer)
+        if self.log.directory is not None and self.log.enabled and self.pieces == 0:
+            from ..checkpoint import has_state
+
+            if not has_state(self.log.directory, "client"):
+                self.persist(optimizer)  # where a resume starts if nothing later is durable
+
+    def _hook(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.register_step_post_hook``: its steps apply this segment's (per instance:
+        nothing of ``torch.optim`` is replaced)."""
+        if optimizer in self._hooked:
+            return
+        me = weakref.ref(self)
+
+        def after_step(opt, args, kwargs):
+            remote = me()
+            if remote is not None:
+                remote.after_optimizer_step(opt)
+
+        self._hooked[optimizer] = optimizer.register_step_post_hook(after_step)
+
+    def _find_optimizer(self) -> None:
+        """At a backward: hook the optimizers holding :attr:`grad_proxy` unless one is hooked."""
+        if self._optimizer_ref is not None and self._optimizer_ref() is not None or len(self._hooked) or \
+                getattr(self, "_searched", None) == self.step:
+            return
+        self._searched = self.step  # once a step (four scans of the collector's objects)
+        owner = self._owner_ref() if self._owner_ref is not None else None
+        params = [self.grad_proxy] + [p for p in (owner.parameters() if owner is not None else ())
+                                      if p.requires_grad and p is not self.grad_proxy]
+        for optimizer in optimizers_holding(params):
+            self._hook(optimizer)
 
     def _covers(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self._optimizer_ref is not None:
-            return self._optimizer_ref() is optimizer
-        owner = self._owner_ref() if self._owner_ref is not None else None
-        mine = {id(p) for p in (owner.parameters() if owner is not None else self.parameters())}
-        return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+        return self._optimizer_ref is None or self._optimizer_ref() is optimizer
+
+    def zeroed(self) -> bool:
+        """The client's gradients were cleared since this step's last backward (an optimizer's
+        or the model's ``zero_grad``, whatever its class does): the proxy's gradient is gone, or
+        zero where the server's norm was not."""
+        if self.answered == 0:
+            return False
+        if not self.grad_proxy.requires_grad:  # (peft froze it): the hooked optimizers' gradients all gone
+            opts = [o for o in self._hooked.keys() if self._covers(o)]
+            return bool(opts) and all(p.grad is None for o in opts for g in o.param_groups for p in g["params"])
+        if self._proxy_set is None:
+            return False
+        g = self.grad_proxy.grad
+        return g is None or (g is not self._proxy_grad and not torch.equal(g, self._proxy_set)) or \
+            (float(self._proxy_set) != 0.0 and not bool(g.any()))
+
+    def notice_zero_grad(self) -> None:
+        """Before a new piece, a sync or an apply: a ``zero_grad`` since the last backward
+        discards the step's pending gradients on the server too; the step of an optimizer made
+        after the step's backward (so not yet found) is applied now."""
+        if self.closed is not None:
+            return
+        if self.answered and not len(self._hooked) and self._proxy_version is not None and \
+                self.grad_proxy._version != self._proxy_version:  # an optimizer made after the backward stepped
+            self._searched = None
+            self._find_optimizer()
+            late = [o for o in self._hooked.keys() if self._covers(o)]
+            if late:
+                self._stepped(late[0])  # its step (a zero_grad after it is no discard), applied now
+                return
+        if self.zeroed():
+            self.discard_pending()
 
     def _lr_of(self, optimizer: torch.optim.Optimizer) -> float:
         """The learning rate of the group holding :attr:`grad_proxy` (else the first group)."""
@@ -602,14 +786,21 @@ class RemoteSegment(nn.Module):
         return float(optimizer.param_groups[0]["lr"])
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The global hook: apply if ``optimizer`` trains this segment's model."""
-        if (self.pieces == 0 and self.answered == 0) or not self._covers(optimizer):
+        """The step hook: apply the server's step (at ``optimizer``'s learning rate)."""
+        if (self.pieces == 0 and self.answered == 0) or not self._covers(optimizer) or self.closed is not None:
             return
+        self.notice_zero_grad()
+        if self.pieces:
+            self._stepped(optimizer)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         if self.answered == 0:  # forwards with gradients on, never backpropagated: drop them
             self.discard_pending(force=True)
             return
         self._check_optimizer(optimizer)
         self.apply(self._lr_of(optimizer))
+        if self.log.directory is not None and self.log.enabled and self.log.durable_step > self._snap_step:
+            self.persist(optimizer)  # the server's checkpoint moved past this client's: a new one
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn once if the client's optimizer is not the server's kind (only the lr travels)."""
@@ -660,7 +851,7 @@ class RemoteSegment(nn.Module):
         """Drop the current step's gradients on the server (``zero_grad`` before a step). Not
         while no backward has been answered (``loss = model(x); opt.zero_grad(); loss.backward()``
         keeps its forward) unless ``force``."""
-        if self.answered == 0 and not (force and self.pieces):
+        if self.answered == 0 and not (force and self.pieces) or self.step in self._redo:
             return
         req = P.ApplyRequest(self.client_id, self.step, discard=True)
         self.transport.post_json(P.TRAIN_APPLY, req.to_json())

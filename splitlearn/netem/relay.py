@@ -1,40 +1,14 @@
 """A TCP relay that delays each direction by a fixed one-way time: an emulated WAN link.
 
-Why a relay. The usual tool, ``tc qdisc ... netem delay 25ms``, needs the ``sch_netem``
-kernel module, and the kernels these benchmarks run on do not have it (``tc`` answers
-"Specified qdisc kind is unknown"). ``tc`` does have ``tbf`` and ``htb``, which shape
-**rate** (a token bucket) but add no fixed delay. So:
-
-- **delay**: this relay. It sits between the client and the server (the client connects to the
-  relay's port, the relay to the server) and releases every chunk it reads at
-  ``arrival + delay`` on the other side, in order, per direction: a round trip through it
-  costs ``2 * delay`` more than without it (the RTT), as a link of that length would. It
-  runs in userspace, so it needs no privilege and works on any kernel.
-- **bandwidth**: where you are root, shape the rate in the kernel: a network namespace and a
-  veth pair with ``tc qdisc add dev veth0 root tbf rate 100mbit burst 32kbit latency 400ms``
-  on each end (``docs/WAN.md`` has the commands). Where ``tc`` is not usable, ``rate_mbps``
-  here is a token bucket per direction (``burst_bytes`` deep) applied after the delay: the
-  bytes leave no faster than the rate, as through a link's serialiser. The bucket is the
-  link's, shared by every connection through the relay (a client's lanes, several clients),
-  not one per connection: four connections get the rate between them, not four times it.
-
-What it is not: no loss, no reordering, no jitter (a WAN's TCP hides loss as extra delay;
-add it with your own numbers if you need it). The delay is the time between the relay
-*reading* a chunk and *writing* it: the loop's timer resolution (about 1 ms on Linux, more on
-a loaded machine) is added, never subtracted, so measured RTTs are ``>= 2 * delay``.
-
-Use::
+Every chunk read is written on the other side at ``arrival + delay``, in order, per direction
+(a round trip costs ``2 * delay`` more); ``rate_mbps`` adds a token bucket per direction,
+shared by every connection through the relay. Why a relay and not ``tc netem``, rate shaping
+with ``tc tbf``, and what it does not emulate: docs/WAN.md, 'The emulated link'. Use::
 
     python -m splitlearn.netem.relay --listen 127.0.0.1:9000 --upstream 127.0.0.1:8000 --rtt-ms 50
 
     with DelayRelay(("127.0.0.1", 8000), rtt_ms=50) as relay:   # a thread of this process
-        client = SplitClient(relay.url, ...)
-
-:class:`RelayProcess` is the same relay as a child process (what the benchmarks use: the
-relay then competes with neither side for the interpreter lock). Closing propagates: when one
-side half-closes (EOF), the other side's write half is closed after the same delay; a reset
-closes both.
-"""
+        client = SplitClient(relay.url, ...)"""
 from __future__ import annotations
 
 import argparse
@@ -93,11 +67,10 @@ def _nodelay(writer: asyncio.StreamWriter) -> None:
 
 
 class DelayRelay:
-    """The relay (see the module docstring) on ``listen`` (default: a free loopback port) to
-    ``upstream``, delaying each direction by ``rtt_ms / 2`` (or ``up_ms``/``down_ms``: one-way
-    delays client->server and server->client), optionally rate-limited per direction to
-    ``rate_mbps`` megabits per second. ``start()`` runs it in a daemon thread; ``serve()`` is
-    the coroutine (for :func:`main`)."""
+    """The relay on ``listen`` (default: a free loopback port) to ``upstream``, delaying each
+    direction by ``rtt_ms / 2`` (or ``up_ms``/``down_ms``: client->server, server->client),
+    optionally rate-limited per direction to ``rate_mbps``. ``start()`` runs it in a daemon
+    thread; ``serve()`` is the coroutine (for :func:`main`)."""
 
     def __init__(self, upstream: tuple[str, int], *, rtt_ms: float = 0.0, up_ms: Optional[float] = None,
                  down_ms: Optional[float] = None, rate_mbps: Optional[float] = None,
@@ -128,8 +101,6 @@ class DelayRelay:
     @property
     def url(self) -> str:
         return f"http://{self.listen[0]}:{self.port}"
-
-    # -- the pump --------------------------------------------------------------------------
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float,
                     up: bool) -> None:
@@ -218,8 +189,6 @@ class DelayRelay:
             finally:
                 for t in list(self._tasks):
                     t.cancel()
-
-    # -- in a thread -----------------------------------------------------------------------
 
     def start(self) -> "DelayRelay":
         """Run the relay in a daemon thread; returns once it listens (``self.port``)."""

@@ -1,38 +1,13 @@
-"""The arithmetic of masked offload: fixed point in two Slalom fields, joined by the CRT.
+"""The arithmetic of masked offload: fixed point in two 24-bit prime fields, joined by the CRT::
 
-Slalom (Tramer & Boneh, "Slalom: Fast, Verifiable and Private Execution of Neural Networks
-in Trusted Hardware", ICLR 2019, section 4) blinds a quantised input ``x`` with a one-time
-pad, ``x~ = x + r mod p``, has the untrusted device compute ``x~ W``, and unblinds with the
-precomputed ``r W``: ``x W = x~ W - r W mod p``. Its code (``ftramer/slalom``,
-``sgxdnn_main.cpp``) blinds in ``Z_p``, ``p = 2^23 + 2^21 + 7`` (float32 arithmetic on
-8-bit quantised CNNs), and runs Freivalds' checks in ``Z_q``, ``q = 2^24 - 3``, the largest
-prime below 2^24. One 24-bit field holds 23 bits of signed result: enough for 8-bit CNNs,
-not for a language model's float32 linears. So this scheme blinds in *two* fields of that
-size, with float64 products (exact up to 2^53), and joins them with the Chinese remainder
-theorem::
+    p1 = 2^24 - 3, p2 = 2^24 - 17, P = p1 p2 ~ 2^48
+    xq = round(x / sx) per row, |xq| <= xmax;  Wq = round(W / sw) per column, |Wq| <= wmax
+    server, each prime i:  Zi = (Xi~ Wq) mod pi,  Xi~ = (xq + Ri) mod pi   (Ri uniform)
+    client:                yq = CRT((Z1 - U1) mod p1, (Z2 - U2) mod p2),  Ui = Ri Wq mod pi
+                           y  = sx * sw * yq  (+ the bias, on the client)
 
-    p1 = 2^24 - 3, p2 = 2^24 - 17 (primes), P = p1 p2 ~ 2^48
-
-    x  (n, in) float32 --per row-->    xq = round(x / sx),  |xq| <= xmax,  sx = max|x_row| / xmax
-    W  (in, out)       --per column--> Wq = round(W / sw),  |Wq| <= wmax,  sw = max|W_col| / wmax
-    yq = xq Wq                         an exact integer, |yq| <= in * xmax * wmax <= (P - 1) / 2
-    server, each prime i:              Zi = (Xi~ Wq) mod pi,  Xi~ = (xq + Ri) mod pi   (Ri uniform)
-    client:                            yq = CRT((Z1 - U1) mod p1, (Z2 - U2) mod p2),  Ui = Ri Wq mod pi
-                                       y  = sx * sw * yq  (+ the bias, on the client)
-
-Two bounds fix ``wmax`` and ``xmax`` for an input width ``in`` (:func:`limits_for`):
-
-- float64 exactness: every partial sum of ``Xi~ Wq`` is at most ``in (p - 1) wmax`` in
-  magnitude; ``wmax = floor((2^53 - 1) / (in (p1 - 1)))`` (capped at 2^23) keeps it below
-  2^53, so any summation order (BLAS, GPU) gives the exact integer;
-- CRT range: ``xmax = floor(((P - 1) / 2) / (in wmax))``, so ``yq`` is recovered with its sign.
-
-For GPT-2 small (``in`` = 768 or 3072) that is about 19-20 bits of weight and 18 bits of
-activation: per output element ``|y - y^| <= sx/2 ||W_:,j||_1 + sw_j/2 ||x||_1 + in sx sw_j / 4``
-(:func:`error_bound`; the first two terms dominate, ~2^-19 of the row's and column's scales).
-Pads and secret vectors are drawn from the operating system's CSPRNG, exactly uniform over
-``Z_p`` (24-bit draws, rejection above ``p``): :func:`uniform`.
-"""
+The bounds on ``wmax``/``xmax`` (:func:`limits_for`), the error bound and why two primes:
+docs/OFFLOAD.md, 'The scheme'."""
 from __future__ import annotations
 
 import os
@@ -52,7 +27,7 @@ LIMB_BITS = 12  # secret vectors are split in 12-bit limbs so their products sta
 
 @dataclass(frozen=True)
 class Limits:
-    """Fixed-point limits of a product with input width ``n_in`` (see the module docstring)."""
+    """Fixed-point limits of a product with input width ``n_in``."""
 
     n_in: int  # input features (the contraction length)
     wmax: int  # |Wq| <= wmax
@@ -69,8 +44,7 @@ def limits_for(n_in: int) -> Limits:
 def quantise_weight(w: torch.Tensor, wmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """W (in, out) -> (Wq float64 (in, out) of integers in [-wmax, wmax], sw float64 (out,)).
 
-    Computed in float64 with correctly rounded operations only, so the client and the server
-    (any device) derive the same ``Wq`` from the same float32 weights."""
+    Correctly rounded float64 only, so client and server derive the same ``Wq``."""
     w = w.detach().to(torch.float64)
     sw = w.abs().amax(dim=0).clamp_min(1e-30) / wmax  # (out,)
     return torch.round(w / sw).clamp_(-wmax, wmax), sw
@@ -84,11 +58,8 @@ def quantise_rows(x: torch.Tensor, xmax: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def field_matmul(xt: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """The server's product: ``Zi = Xi~ Wq mod pi`` for both primes at once.
-
-    xt: (2, n, in) integers in [0, pi) (any dtype); wq: (in, out) float64 within ``limits_for(in)``.
-    Returns int32 (2, n, out). One float64 matmul over the stacked rows, exact by the choice of
-    ``wmax``; then one reduction per prime."""
+    """The server's product ``Zi = Xi~ Wq mod pi`` for both primes: xt (2, n, in) integers in
+    [0, pi), wq (in, out) float64 within ``limits_for(in)`` -> int32 (2, n, out)."""
     two, n, n_in = xt.shape
     z = (xt.to(torch.float64).reshape(two * n, n_in) @ wq).reshape(two, n, -1)  # (2, n, out), exact
     return z.to(torch.int64).remainder_(P_COL).to(torch.int32)
@@ -120,10 +91,9 @@ def dequantise(yq: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor) -> torch.Te
 
 
 def matmul_mod(a: torch.Tensor, b: torch.Tensor, a_max: int) -> torch.Tensor:
-    """``a_i @ b_i mod p_i`` exactly for both primes at once: integer ``a`` (2, n, k) with
-    |entries| <= a_max (or (n, k), the same for both), ``b`` (2, k, m) in [0, p_i). ``b`` is
-    split in 12-bit limbs and the contraction chunked so that every float64 partial sum stays
-    below 2^53. Returns int64 (2, n, m) in [0, p_i). For the thin products of Freivalds' check."""
+    """``a_i @ b_i mod p_i`` exactly for both primes (Freivalds' thin products): integer ``a``
+    (2, n, k) or (n, k) with |entries| <= a_max, ``b`` (2, k, m) in [0, p_i) -> int64 (2, n, m).
+    ``b`` is split in 12-bit limbs and the contraction chunked to stay below 2^53."""
     a = a.to(torch.float64)
     b = b.to(torch.int64)
     m, k = b.shape[-1], b.shape[-2]
@@ -139,8 +109,7 @@ def matmul_mod(a: torch.Tensor, b: torch.Tensor, a_max: int) -> torch.Tensor:
 
 
 def uniform(shape: tuple[int, ...], p: int) -> torch.Tensor:
-    """int32 tensor of ``shape`` uniform over [0, p), from ``os.urandom`` (a CSPRNG): 24-bit
-    draws, those >= p rejected and redrawn (so exactly uniform; p > 2^23)."""
+    """int32 tensor of ``shape`` exactly uniform over [0, p) (p > 2^23), from ``os.urandom``."""
     need = int(np.prod(shape)) if shape else 1
     out = np.empty(0, dtype=np.uint32)
     while out.size < need:
@@ -151,8 +120,8 @@ def uniform(shape: tuple[int, ...], p: int) -> torch.Tensor:
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The largest quantisation error of ``x @ w`` under this scheme, per output element
-    (n, out): ``sx/2 ||W_:,j||_1 + sw_j/2 ||x||_1 + in sx sw_j / 4`` (plus float32 rounding)."""
+    """The largest quantisation error of ``x @ w`` per output element (n, out):
+    ``sx/2 ||W_:,j||_1 + sw_j/2 ||x||_1 + in sx sw_j / 4`` (plus float32 rounding)."""
     lim = limits_for(w.shape[0])
     x, w = x.to(torch.float64), w.to(torch.float64)
     sx = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / lim.xmax  # (n, 1)

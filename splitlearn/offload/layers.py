@@ -1,19 +1,11 @@
-"""The layers a masked-offload server computes, named the same on both sides.
+"""The layers a masked-offload server computes, named the same on both sides, and their wire.
 
-Every linear layer of a GPT-2 is offloaded: per block ``h.{i}`` the four ``Conv1D`` of
-attention and MLP (``y = x W + b`` with ``W`` of shape (in, out)), and the LM head
-(``lm_head``, ``W = wte^T`` of shape (d, V), no bias)::
+Every linear layer of a GPT-2 (``W`` of shape (in, out); the server holds only ``Wq``, the
+client adds the biases)::
 
-    h.{i}.attn.c_attn   (d -> 3d)   QKV: one product per block
-    h.{i}.attn.c_proj   (d -> d)    after softmax(Q K^T) V, computed on the client
-    h.{i}.mlp.c_fc      (d -> 4d)
-    h.{i}.mlp.c_proj    (4d -> d)   after GELU, computed on the client
-    lm_head             (d -> V)
-
-The server holds only ``Wq`` (the weights in fixed point, :mod:`.field`); biases stay on the
-client, which adds them after unmasking. :class:`QuantisedLayers` is what both sides derive
-from the same float32 model, with a digest so a client can tell at connect time that the
-server holds the model it expects (a mismatch would otherwise surface as an integrity error).
+    h.{i}.attn.c_attn   (d -> 3d)      h.{i}.mlp.c_fc      (d -> 4d)
+    h.{i}.attn.c_proj   (d -> d)       h.{i}.mlp.c_proj    (4d -> d)
+    lm_head             (d -> V)       W = wte^T, no bias
 
 Wire (``POST /v1/offload/linear``, one safetensors body, :mod:`splitlearn.wire`)::
 
@@ -23,8 +15,7 @@ Wire (``POST /v1/offload/linear``, one safetensors body, :mod:`splitlearn.wire`)
     answer    y.0  I32 [2, n0, out0]  Zi = Xi~ Wq mod pi, per prime
               y.1  ...
     scheme "plain" (a server started with --offload-plain; the benchmark's unmasked baseline):
-              x.k  F32 [n, in] -> y.k F32 [n, out] = x W (no bias)
-"""
+              x.k  F32 [n, in] -> y.k F32 [n, out] = x W (no bias)"""
 from __future__ import annotations
 
 import hashlib

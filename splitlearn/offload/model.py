@@ -1,18 +1,6 @@
-"""``OffloadGPT2LMHeadModel``: a GPT-2 whose linear layers are computed by an untrusted
-server on one-time-padded inputs (docs/OFFLOAD.md).
-
-    model = OffloadGPT2LMHeadModel.from_pretrained("tiny", server=url, token=token)
-    out = model.generate(ids, max_new_tokens=32, do_sample=False)   # the unsplit model's tokens
-
-It is the Hugging Face model itself (loaded by :func:`splitlearn.load_model`, any source it
-takes) with every ``Conv1D`` of every block and the LM head replaced by a
-:class:`~.remote.RemoteLinear`; embeddings, layer norms, attention scores, softmax, GELU and
-the residual stream run here, as in the unsplit model. What the client keeps besides the
-float32 model: the fixed-point weights ``Wq`` (float64, 8 bytes a weight: the pads'
-unmasking factors are products with them), one :class:`~.pads.PadPool` per layer filled at
-construction, and Freivalds' secret vectors (:mod:`.verify`). Inference only (no gradients
-flow through a remote product).
-"""
+"""``OffloadGPT2LMHeadModel``: a GPT-2 whose every ``Conv1D`` and LM head is a
+:class:`~.remote.RemoteLinear`, computed by an untrusted server on one-time-padded inputs;
+inference only. Usage, memory and costs: docs/OFFLOAD.md."""
 from __future__ import annotations
 
 import logging
@@ -65,9 +53,8 @@ class OffloadGPT2LMHeadModel(GPT2LMHeadModel):
     @classmethod
     def from_pretrained(cls, source: ModelSource, *, server: str, token: Optional[str] = None,
                         seed: int = 0, **options) -> "OffloadGPT2LMHeadModel":
-        """``source``: what :func:`splitlearn.load_model` takes (``"tiny"``, a hub id, a
-        directory, ``"random:gpt2"``...; ``seed`` for random inits: the server's ``--seed``);
-        ``options``: the fields of :class:`OffloadConfig`. Fills the pad pools before returning."""
+        """``source``: what :func:`splitlearn.load_model` takes (``seed`` for random inits: the
+        server's ``--seed``); ``options``: :class:`OffloadConfig` fields. Fills the pad pools."""
         cfg = OffloadConfig(server=server, token=token, **options)
         model = load_model(source, seed=seed)
         model.__class__ = cls  # the same module tree; only the linear layers change below

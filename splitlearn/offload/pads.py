@@ -1,27 +1,14 @@
-"""One-time pads and their unmasking factors, precomputed on the client, each used once.
-
-Slalom (Tramer & Boneh, ICLR 2019, section 4.1) precomputes the unblinding factors ``r W``
-offline, because computing them costs the same product the untrusted device is asked for.
-Here each offloaded layer has a :class:`PadPool` of pad *rows*: a row of the input of a
-product (one token of one sequence) takes one pad row per prime::
+"""One-time pads and their unmasking factors, precomputed on the client, each used once::
 
     pool of layer L (capacity C rows)
-    +--------+----------------------------+------------------------------+
+    +--------+----------------------------+---------------------------------+
     | serial | R: int32 (2, in)           | U = R Wq mod pi: int32 (2, out) |   row k
-    +--------+----------------------------+------------------------------+
+    +--------+----------------------------+---------------------------------+
       take(n) hands out the n oldest rows and forgets them: a row is never handed out twice
 
-When and where: :meth:`PadPool.refill` computes rows on the client with its own copy of
-``Wq`` (R from ``os.urandom``, exactly uniform; U by the same exact float64 product as the
-server's, :func:`~.field.field_matmul`). ``OffloadGPT2LMHeadModel.from_pretrained`` fills
-every pool before the first request ("offline"); a background thread tops a pool up when it
-falls below half (``refill="background"``). Memory: ``4 * 2 * (in + out)`` bytes per row, i.e.
-for GPT-2 small 1.2 MB per token over the 48 block linears and 0.4 MB per LM-head row.
-
-When a pool runs out (``on_empty``): ``"compute"`` computes the missing rows on the spot (the
-request pays for them; counted in ``late``), ``"wait"`` blocks until the background thread has
-made them, ``"raise"`` raises :class:`~splitlearn.errors.ServiceUnavailable`. Never a reuse.
-"""
+``on_empty``: ``"compute"`` (make the rows now; counted in ``late``), ``"wait"`` (for the
+refill thread), ``"raise"`` (:class:`~splitlearn.errors.ServiceUnavailable`). When pads are
+made, their memory, and why offline: docs/OFFLOAD.md, 'Pads'."""
 from __future__ import annotations
 
 import logging
@@ -105,7 +92,7 @@ class PadPool:
         return self.level + self._pending < self.capacity // 2
 
     def take(self, n: int, timeout_s: float = 60.0) -> Pads:
-        """The next ``n`` rows, handed out once (see the module docstring for an empty pool)."""
+        """The next ``n`` rows, handed out once; an empty pool acts per ``on_empty``."""
         with self._cond:
             if self.level < n and self.on_empty == "wait":
                 if not self._cond.wait_for(lambda: self.level >= n, timeout_s):

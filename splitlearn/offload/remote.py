@@ -1,8 +1,8 @@
 """The client side of masked offload: one product of a linear layer, remote, masked, checked.
 
 :class:`OffloadChannel` turns ``x (n, in) float32`` into ``x W`` (no bias) through the
-server, and :class:`RemoteLinear` is the ``nn.Module`` that stands in for a GPT-2
-``Conv1D`` (or the LM head) and adds the bias. One product of scheme ``masked``::
+server; :class:`RemoteLinear` stands in for a ``Conv1D`` (or the LM head) and adds the bias.
+One product of scheme ``masked``::
 
     client                                                       server (--offload)
     xq, sx = quantise(x)            (n, in) int, (n, 1)
@@ -12,14 +12,9 @@ server, and :class:`RemoteLinear` is the ``nn.Module`` that stands in for a GPT-
     yq     = CRT(Z - U mod pi)      int64 (n, out)
     y      = sx sw yq               float32 (n, out)   (+ bias in RemoteLinear)
 
-Overlap (the seed's lesson: fewer synchronisation points, transfers overlapped with work):
-a product of at least ``overlap_rows`` rows is split in ``lanes`` row groups, each its own
-request on its own keep-alive connection: group g+1 is masked while group g is on the wire
-or being multiplied, and group g is checked and unmasked while group g+1 is. Every step is
-timed into :class:`OffloadStats` (the seed's table: masking, unmasking, checking, waiting,
-server compute as the server reports it). Scheme ``plain`` sends ``x`` as float32 and gets
-``x W`` back: the unmasked baseline, for measurement only.
-"""
+A product of at least ``overlap_rows`` rows goes as ``lanes`` row groups, one request each
+on its own connection (docs/OFFLOAD.md, 'Overlap and fewer synchronisation points').
+Scheme ``plain``: float32 ``x`` out, ``x W`` back (a measurement baseline)."""
 from __future__ import annotations
 
 import logging
@@ -134,10 +129,8 @@ class OffloadChannel:
 
 
 class RemoteLinear(nn.Module):
-    """Stands in for a ``Conv1D`` (or the LM head): ``y = remote(x W) + b``, same shapes.
-
-    ``weight``/``bias`` stay the original parameters (the client holds the model; the LM
-    head's weight stays tied to ``wte``), so state dicts and weight tying are unchanged."""
+    """Stands in for a ``Conv1D`` (or the LM head): ``y = remote(x W) + b``, same shapes; keeps
+    the original ``weight``/``bias`` parameters (state dicts and weight tying unchanged)."""
 
     def __init__(self, name: str, channel: OffloadChannel, weight: nn.Parameter,
                  bias: Optional[nn.Parameter], n_out: int):

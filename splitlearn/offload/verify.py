@@ -1,25 +1,11 @@
-"""Freivalds' check of every product the server returns.
+"""Freivalds' check of every product the server returns, per layer and prime ``pi``::
 
-Freivalds (1977): to check ``Z = X W`` for X (n, in), W (in, out) without recomputing it,
-draw a secret random ``s`` (out, k) and compare ``Z s`` with ``X (W s)``: O(n (in + out) k)
-work instead of O(n in out). Slalom (Tramer & Boneh, ICLR 2019, section 3.1) checks each
-linear layer this way, with ``W s`` precomputed once per layer. Over a field ``Z_p``, if
-``Z != X W`` then some row e of the error is non-zero, and ``e . s = 0`` for exactly a
-``1/p`` fraction of uniform ``s``: a wrong answer passes one column with probability
-``1/p``, ``k`` independent columns with probability ``p^-k``.
-
-Here, per layer and per prime ``pi`` (the client's secrets; the server never sees them)::
-
-    S_i  uniform over Z_pi, (out, k)          drawn from os.urandom at construction
+    S_i  uniform over Z_pi, (out, k)          the client's secret, drawn from os.urandom
     V_i = Wq S_i mod pi, (in, k)              precomputed with the client's copy of Wq
-    check:  Z_i S_i == X~_i V_i  (mod pi)     for the masked input X~_i the client sent
+    check:  Z_i S_i == X~_i V_i  (mod pi)     against the masked input as sent (no pad needed)
 
-``Z`` is checked before unmasking, against the masked input as sent, so the check needs no
-pad. With k = 2 and p >= 2^24 - 17 an altered answer passes with probability at most
-``(2^24 - 17)^-2 < 3.6e-15`` per product. A failure raises
-:class:`~splitlearn.errors.IntegrityError`, and the secrets are redrawn (a server learns at
-most that one attempt failed, nothing it could reuse).
-"""
+A failure raises :class:`~splitlearn.errors.IntegrityError` and redraws the secrets. False
+accept rate and sources: docs/OFFLOAD.md, 'Verification'."""
 from __future__ import annotations
 
 import torch

@@ -1,15 +1,6 @@
-"""Privacy of split learning: how much of the input the server can read back from what
-crosses the wire, and client-side defenses that reduce it.
-
-- :mod:`.defenses`: :class:`GaussianNoise` (clip + noise, with (epsilon, delta) from
-  ``dp-accounting``) and :class:`NoPeek` (distance-correlation loss), applied by the client;
-- :mod:`.accounting`: the differential-privacy accounting of the Gaussian defense;
-- :mod:`.attacks`: learned inverters (linear, MLP, GRU) and white-box inversion;
-- :mod:`.meter`: :func:`measure_leakage`, token recovery and perplexity at one cut;
-- :mod:`.reference`: :func:`train_reference`, a trained (cached) model to measure;
-
-See docs/PRIVACY.md for the threat model and measured numbers.
-"""
+"""Privacy of split learning: what the server reads back from the activations (:mod:`.meter`,
+:mod:`.attacks`), client-side defenses (:mod:`.defenses`) and their DP accounting
+(:mod:`.accounting`). See docs/PRIVACY.md."""
 from .accounting import gaussian_epsilon
 from .attacks import ATTACKS, AttackConfig
 from .defenses import Defense, GaussianNoise, NoPeek, distance_correlation, make_defense

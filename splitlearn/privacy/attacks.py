@@ -1,24 +1,10 @@
 """Attacks that read the input tokens back from the activations the server receives.
 
-The attacker is the server: it sees ``y = defense.apply(bottom(x))`` (B, T, d) for private
-token ids ``x`` and wants ``x``. Two families, as in the literature:
-
-- **Learned inverters** (UnSplit, Erdogan et al. 2021, arXiv 2108.09033; the SIP attack of
-  SplitLLM/BiSR, Chen et al. 2024, arXiv 2409.00960): a model trained on *public* text passed
-  through the same bottom (and the same defense: an *adaptive* attacker, fresh noise every
-  epoch) to map activations to tokens. ``linear`` (softmax regression per token), ``mlp``
-  (one hidden layer per token) and ``gru`` (a bidirectional GRU over the sequence, which
-  also uses the neighbours' activations).
-- **White-box inversion** (SipIt, arXiv 2510.15511): the attacker knows the bottom's weights.
-  GPT-2 is causal, so position t depends on tokens [0, t] only: given the recovered prefix,
-  every candidate token for position t is run through the bottom, clipped as the defense
-  clips, and the candidate nearest (L2) to the observed vector wins. Without noise this is
-  exact inversion; with Gaussian noise nearest-neighbour is the maximum-likelihood guess per
-  position. All candidates of a position run in one forward: the sequence is the prefix
-  followed by the K candidates, each at position t, each seeing the prefix and itself.
-
-Every attack returns predicted ids (B, T); :func:`recovery` is the top-1 fraction correct.
-"""
+The attacker sees ``y = defense.apply(bottom(x))`` (B, T, d) and wants the ids ``x``:
+learned inverters ``linear``, ``mlp``, ``gru`` trained on public text through the same
+bottom and defense (:func:`train_inverter`), and white-box inversion knowing the bottom's
+weights (:func:`invert_whitebox`). Every attack returns predicted ids (B, T); :func:`recovery`
+is the top-1 fraction correct. See docs/PRIVACY.md, 'Attacks'."""
 from __future__ import annotations
 
 import logging
@@ -85,8 +71,6 @@ def bottom_activations(bottom: Segment, ids: torch.Tensor, batch: int = 64) -> t
     return torch.cat(out)  # (N, T, d)
 
 
-# -- learned inverters ------------------------------------------------------------------------
-
 class Inverter(nn.Module):
     """Activations (B, T, d) -> logits over the attacker's candidate tokens (B, T, K).
 
@@ -121,13 +105,9 @@ def _defended(h: torch.Tensor, defense: Optional[Defense], gen: torch.Generator)
 
 def train_inverter(kind: str, h: torch.Tensor, ids: torch.Tensor, defense: Optional[Defense],
                    classes: torch.Tensor, config: AttackConfig = AttackConfig()) -> Inverter:
-    """Fit a learned inverter on public activations.
-
-    h: clean bottom outputs (N, T, d) of the public ids (N, T); the defense is applied anew
-    every epoch (the adaptive attacker sees as many noise draws as it likes: the defense is
-    public, only its randomness is not). classes: the candidate token ids (K,) the attacker
-    predicts among (those of the public text). Returns the inverter in eval mode.
-    """
+    """Fit a learned inverter on public activations ``h`` (N, T, d) of the public ``ids`` (N, T),
+    the defense applied anew every epoch; ``classes``: the candidate ids (K,) it predicts among.
+    Returns the inverter in eval mode."""
     g = torch.Generator(device="cpu").manual_seed(config.seed)
     gen = torch.Generator(device=h.device).manual_seed(config.seed + 1)
     torch.manual_seed(config.seed)  # nn.Module init
@@ -177,18 +157,13 @@ def invert_learned(inv: Inverter, y: torch.Tensor, classes: torch.Tensor, topk: 
     return pred[..., 0] if topk == 1 else pred
 
 
-# -- white-box inversion ----------------------------------------------------------------------
-
 @torch.no_grad()
 def invert_whitebox(bottom: Segment, y: torch.Tensor, candidates: torch.Tensor,
                     defense: Optional[Defense] = None, batch: int = 16) -> torch.Tensor:
     """Recover ids (B, T) from observed activations ``y`` (B, T, d), knowing the bottom.
 
-    candidates: (K,) ids tried at every position, or (B, T, K) per position (e.g. a learned
-    inverter's top K). With a :class:`GaussianNoise` defense the candidates are clipped the
-    same way before comparing. Position by position, greedy: a wrong token stays in the
-    prefix of the later positions.
-    """
+    candidates: (K,) ids tried at every position, or (B, T, K) per position. Greedy, position by
+    position; with :class:`GaussianNoise` the candidates are clipped the same way."""
     out = [_whitebox_batch(bottom, y[i:i + batch], candidates if candidates.dim() == 1
                            else candidates[i:i + batch], defense)
            for i in range(0, len(y), batch)]

@@ -1,17 +1,8 @@
-"""``python -m splitlearn.privacy``: the leakage table of docs/PRIVACY.md, per cut and
-defense strength.
+"""``python -m splitlearn.privacy``: the leakage table of docs/PRIVACY.md, per cut and defense
+strength (commands there, 'Reproduce, or measure your own checkpoint').
 
-Examples::
-
-    python -m splitlearn.privacy --model tiny-demo --train-steps 200 --cut 1 --cut 3 \\
-        --cut 1,5 --sigma 0.5 --sigma 2 --markdown t.md --plot t.png
-    python -m splitlearn.privacy --model random:gpt2 --cut 2 --max-private-tokens 256
-    python -m splitlearn.privacy --model /path/to/gpt2-checkpoint --cut 2 --sigma 1
-
-Every cut is measured without a defense and with ``GaussianNoise(sigma, clip)`` for each
-``--sigma``; ``--clip`` defaults to the median per-token norm at that cut on public text.
-Bad input prints one line on stderr and exits 2.
-"""
+Every cut is measured without a defense and with ``GaussianNoise(sigma, clip)`` per ``--sigma``;
+``--clip`` defaults to the median per-token norm at the cut. Bad input: one line on stderr, exit 2."""
 from __future__ import annotations
 
 import argparse

@@ -1,24 +1,10 @@
-"""Client-side defenses: what the client does to the cut-layer activations before they leave.
+"""Client-side defenses: what the client does to the cut-layer activations before they leave::
 
-The client (``SplitClient(..., defense=...)``) calls, on every forward that sends activations
-to the server::
-
-    h = bottom(input_ids)                  # (B, T, d), never leaves the client
-    sent = defense.apply(h)                # (B, T, d), what the server receives
-    ...                                    # the server's gradient flows back through apply()
+    sent = defense.apply(h)                # h = bottom(input_ids) (B, T, d); differentiable
     loss = task_loss + (defense.loss(inputs_embeds, h) or 0)
 
-- :class:`GaussianNoise` (DP-Forward, Du et al., CCS 2023, arXiv 2309.06746): per-token L2
-  clipping to ``clip``, then Gaussian noise of standard deviation ``sigma * clip``; with an
-  (epsilon, delta) guarantee per :meth:`GaussianNoise.epsilon` (see :mod:`.accounting`).
-- :class:`NoPeek` (Vepakomma et al. 2020, arXiv 2008.09161): no change to what is sent; a
-  training loss ``weight * dCor(inputs, h)`` that decorrelates the activations from the raw
-  input, with dCor the distance correlation of Szekely, Rizzo and Bakirov (2007). No formal
-  guarantee.
-
-The server cannot tell a defended activation from an undefended one: the shape, dtype and
-protocol are unchanged.
-"""
+:class:`GaussianNoise` (per-token clip + noise, with an (epsilon, delta) guarantee) and
+:class:`NoPeek` (a distance-correlation loss, no guarantee). See docs/PRIVACY.md, 'Defenses'."""
 from __future__ import annotations
 
 import logging
@@ -101,20 +87,13 @@ class GaussianNoise(Defense):
 
     @property
     def noise_multiplier(self) -> float:
-        """Noise std over L2 sensitivity: ``sigma * clip / (2 * clip)`` (replace-one relation,
-        every clipped vector in a ball of radius clip, so two differ by at most 2 * clip)."""
+        """Noise std over L2 sensitivity: ``sigma * clip / (2 * clip)``."""
         return self.sigma / 2
 
     def epsilon(self, delta: float, steps: int = 1, tokens: int = 1,
                 accountant: str = "rdp") -> float:
-        """epsilon at ``delta`` for ``tokens * steps`` released vectors.
-
-        tokens: vectors released per send that may depend on the protected input (the
-            sequence length T in training or prefill).
-        steps: how many times such a send happens (epochs over the same text; in generation
-            give ``tokens=prompt_length + new_tokens, steps=1``).
-        accountant: ``"rdp"`` or ``"pld"`` (dp-accounting). See :mod:`.accounting`.
-        """
+        """epsilon at ``delta`` for ``tokens * steps`` released vectors (``tokens`` per send, e.g. T;
+        ``steps`` sends; generation: ``tokens=prompt_length + new_tokens, steps=1``)."""
         for name, v in (("steps", steps), ("tokens", tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
@@ -125,12 +104,8 @@ class GaussianNoise(Defense):
 class NoPeek(Defense):
     """Add ``weight * dCor(inputs, h)`` to the client's training loss (NoPeek).
 
-    ``inputs`` are the token embeddings ``wte(input_ids)`` (B, T, d), detached: the loss moves
-    the activations away from the input, not the embeddings towards anything. ``unit`` says
-    what one sample of the distance correlation is: ``"sequence"`` (NoPeek's choice: each
-    sequence's (T, d) flattened, B samples per batch) or ``"token"`` (each token's d-vector,
-    B * T samples; sharper against per-token inverters, O((B T)^2) memory).
-    """
+    ``inputs``: the token embeddings ``wte(input_ids)`` (B, T, d), detached. ``unit``: one dCor
+    sample per ``"sequence"`` (B samples) or per ``"token"`` (B * T, O((B T)^2) memory)."""
 
     weight: float = 0.1   # multiplier of the distance correlation in the loss (>= 0)
     unit: str = "sequence"  # sequence | token
@@ -161,11 +136,8 @@ def _centered_distances(x: torch.Tensor) -> torch.Tensor:
 
 
 def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Sample distance correlation dCor(x, z) in [0, 1] of paired rows (Szekely et al. 2007).
-
-    x: (n, p), z: (n, q), n >= 2. dCor^2 = dCov^2(x, z) / sqrt(dVar^2(x) dVar^2(z)); returns
-    dCor (the square root), differentiable in both arguments.
-    """
+    """Sample distance correlation dCor(x, z) in [0, 1] of paired rows: x (n, p), z (n, q), n >= 2;
+    differentiable in both."""
     if x.shape[0] != z.shape[0] or x.shape[0] < 2:
         raise ConfigError(f"distance correlation needs the same number (>= 2) of rows, got "
                           f"{x.shape[0]} and {z.shape[0]}")

@@ -1,25 +1,5 @@
-"""``measure_leakage``: how many held-out tokens the best attack reads back at a cut, and
-what the defense costs in perplexity.
-
-Protocol (one call, one cut, one defense):
-
-1. Text: ``public_texts`` (the attacker's training text) and ``texts`` (the private,
-   held-out text to recover). By default the shipped corpus, split by paragraph: the last
-   two paragraphs are private, the rest public. Public text is cut into overlapping windows
-   of ``seq_len`` tokens (stride seq_len / 4), private text into disjoint windows.
-2. Every attack of :mod:`.attacks` is trained (learned inverters, on the public windows
-   passed through the bottom *and the defense*, fresh noise every epoch) or run (white-box)
-   against the defended activations of the private windows (noise drawn with another seed).
-3. ``token_recovery`` is the best attack's top-1 fraction of private tokens recovered from
-   the activations that cross the cut (for a U-shape, the first cut: the server computes the
-   second itself). In the 2-way split the *labels* also travel to the server during
-   training, and they are the text: ``labels_reach_server`` says so and
-   ``training_token_recovery`` is then 1.0, whatever the defense.
-4. Utility: perplexity of the private windows through the split model with the defense in
-   place (no retraining for it), and the unsplit model's beside it.
-5. For :class:`~.defenses.GaussianNoise`, epsilon at ``delta`` for one private window of
-   ``seq_len`` tokens sent once (``seq_len`` releases; see :mod:`.accounting`).
-"""
+"""``measure_leakage``: how many held-out tokens the best attack reads back at a cut, and what
+the defense costs in perplexity. The protocol: docs/PRIVACY.md, 'Measured'."""
 from __future__ import annotations
 
 import logging
@@ -138,20 +118,17 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
                     attacks: Sequence[str] = ATTACKS, seq_len: int = 32, delta: float = 1e-5,
                     accountant: str = "rdp", config: Optional[AttackConfig] = None,
                     max_private_tokens: Optional[int] = None, seed: int = 0) -> LeakageReport:
-    """Measure what the server can read back at ``cut`` (see the module docstring).
+    """Measure what the server can read back at ``cut``.
 
-    model: a ``GPT2LMHeadModel`` or a :func:`~splitlearn.load_model` source (spec, dir, hub id).
+    model: a ``GPT2LMHeadModel`` or a :func:`~splitlearn.load_model` source.
     cut: ``c`` / ``(c,)`` for the 2-way split, ``(c1, c2)`` for the U-shape.
-    defense: a :class:`~.defenses.Defense` applied to what leaves the client (None: nothing).
+    defense: applied to what leaves the client (None: nothing).
     texts / public_texts: private and public text (default: the shipped corpus, split).
     tokenizer: default: the model's own (bytes for specs and random inits).
-    attacks: a subset of ``("linear", "mlp", "gru", "whitebox")``.
-    seq_len: tokens per window (<= n_positions).
-    delta, accountant: for epsilon (GaussianNoise only).
-    config: the attacker's training budget (:class:`~.attacks.AttackConfig`).
-    max_private_tokens: recover at most this many private tokens (whole windows), for speed.
-    Raises :class:`ConfigError` on a cut out of range, an unknown attack, a bad defense.
-    """
+    attacks: a subset of ``ATTACKS``; seq_len: tokens per window (<= n_positions).
+    delta, accountant: for epsilon (GaussianNoise only); config: the attacker's budget.
+    max_private_tokens: recover at most this many private tokens (whole windows).
+    Raises :class:`ConfigError` on a cut out of range, an unknown attack, a bad defense."""
     t0 = time.perf_counter()
     attacks = check_attacks(attacks)
     config = config or AttackConfig(seed=seed)

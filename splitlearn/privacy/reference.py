@@ -1,12 +1,5 @@
-"""A model whose activations are not random: train the unsplit model on the public part of
-the shipped corpus, once, and cache it.
-
-The privacy meter on a random init measures a random projection; what leaks from a trained
-bottom is what matters. :func:`train_reference` trains ``source`` (a spec such as
-``tiny-demo``) with AdamW on the *public* paragraphs (:func:`.meter.split_corpus`), so the
-private paragraphs the meter tries to recover were never trained on, and saves it with
-``save_pretrained`` under ``cache_dir``; a second call with the same settings loads it.
-"""
+"""A trained reference model for the meter: the unsplit model trained on the public part of the
+shipped corpus, once, and cached (docs/PRIVACY.md, 'Measured')."""
 from __future__ import annotations
 
 import json
@@ -34,14 +27,9 @@ def default_cache_dir() -> Path:
 def train_reference(source: str = "tiny-demo", *, steps: int = 300, batch_size: int = 16,
                     seq_len: int = 64, lr: float = 1e-3, seed: int = 0,
                     cache_dir: Union[str, Path, None] = None, progress: bool = True) -> Path:
-    """Train ``source`` on the public paragraphs for ``steps`` AdamW steps; return the
-    ``save_pretrained`` directory (loaded back with :func:`splitlearn.load_model`).
-
-    source: a spec with the byte vocabulary (``tiny``, ``tiny-demo``, ``random:...``).
-    steps, batch_size, seq_len (tokens), lr: the training run; seed: init and batches.
-    cache_dir: where runs are kept, one directory per setting (default :func:`default_cache_dir`).
-    progress: a tqdm bar.
-    """
+    """Train ``source`` (a byte-vocabulary spec) on the public paragraphs for ``steps`` AdamW steps;
+    return the ``save_pretrained`` directory, cached per setting under ``cache_dir`` (default
+    :func:`default_cache_dir`)."""
     for name, v in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")

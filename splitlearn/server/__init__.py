@@ -3,8 +3,8 @@ from .._extras import require
 
 require("server", "flask", "waitress", what="the splitlearn server")
 
-from .app import create_app  # noqa: E402
+from .http.app import create_app  # noqa: E402
 from .config import ServerConfig
-from .runtime import SegmentRuntime
+from .engine.runtime import SegmentRuntime
 
 __all__ = ["ServerConfig", "SegmentRuntime", "create_app"]

@@ -1,7 +1,7 @@
-"""``python -m splitlearn.server``: see :mod:`splitlearn.server.cli`."""
+"""``python -m splitlearn.server``: see :mod:`splitlearn.server.http.cli`."""
 import sys
 
-from .cli import main
+from .http.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

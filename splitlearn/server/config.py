@@ -1,4 +1,15 @@
-"""``ServerConfig``: everything a splitlearn server is started with, validated once."""
+"""``ServerConfig``: everything a splitlearn server is started with, validated once.
+
+The options come in groups, one dataclass each (:class:`Source`, :class:`Training`,
+:class:`Access`, :class:`Door`, :class:`Limits`, :class:`Scheduling`,
+:class:`FederationOptions`, :class:`StrategyOptions`, :class:`OffloadOptions`,
+:class:`Observability`); ``ServerConfig`` is all of them (it inherits their fields, so
+``cfg.max_batch`` and ``ServerConfig(max_batch=8)`` read and write one flat namespace), and
+``python -m splitlearn.server``'s command line is generated from their fields
+(:mod:`splitlearn.server.options`): each default and help text is written once, here. Every
+group is keyword-only. The fed server's config reuses :class:`StrategyOptions` and
+:class:`LoraOptions`.
+"""
 from __future__ import annotations
 
 import os
@@ -9,89 +20,243 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..lora import LoraSpec
-from .strategy import DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, make_strategy
-from .tickets import check_secret
-from .tenants import Tenants
+from ..protocol import read_token_file
+from .federation.strategy import AGGREGATIONS, DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, make_strategy
+from .federation.tickets import check_secret, read_secret_file
+from .engine.tenants import Tenants
+from .options import opt
+
+MiB, GiB = 1 << 20, 1 << 30
 
 
-@dataclass
-class ServerConfig:
-    model: Optional[str] = None  # model source (hub id, dir, JSON, spec name); or use `segment`
-    cuts: tuple[int, ...] = ()  # one cut (server holds the top) or two (server holds the trunk)
-    segment: Optional[str] = None  # an exported segment (its .json) to serve instead of `model`
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "float32"  # compute dtype of the segment: float32 | bfloat16 | float16
-    optimizer: str = "adamw"  # adamw | sgd
-    lr: float = 1e-3  # learning rate of the server's optimizer
-    weight_decay: float = 0.0  # decoupled (AdamW) or L2 (SGD) weight decay
-    seed: int = 0  # seed of random inits; must match the client's
-    tokens: tuple[str, ...] = ()  # token-file lines ("<token>", "<name> <token> [operator]"; splitlearn/server/tenants.py); from SPLITLEARN_TOKEN (comma-separated) if empty
-    allow_weak_tokens: bool = False  # accept tokens under 16 characters or the docs' examples
-    checkpoint_dir: Optional[str] = None  # where the segment + optimizer state are saved
-    checkpoint_every: int = 100  # steps between periodic checkpoints (0: only on SIGTERM/request)
-    state_dir: Optional[str] = None  # replicas: per-client LoRA state in a directory shared by them (splitlearn/server/clientstate.py)
-    max_body_bytes: int = 256 << 20  # requests larger than this get 413 unread
-    max_echo_bytes: int = 4 << 20  # POST /v1/echo bodies (link diagnostics) larger than this get 413
-    max_connections: int = 256  # open connections (splitlearn/server/frontdoor.py)
-    request_timeout_s: float = 10.0  # seconds for a request's headers; bodies and answers get this + size / min rate
-    min_rate_kib_s: float = 256.0  # KiB/s a request body must arrive at, and an answer be read at, on average
-    idle_timeout_s: float = 300.0  # seconds a keep-alive connection with a valid token may idle
-    token_out: Optional[str] = None  # where a generated token is written (0600); default <checkpoint_dir or cwd>/splitlearn-token
-    max_request_memory_bytes: Optional[int] = None  # bytes of memory one request may cost (413 beyond); None: derived at start (splitlearn/server/budget.py)
-    max_memory_bytes: Optional[int] = None  # bytes the server may hold for tenants in all (503 beyond); None: 2 x the per-request limit (splitlearn/server/memory.py)
-    max_tenant_memory_bytes: Optional[int] = None  # bytes one tenant may hold (429 beyond); None: the total with one tenant, else the per-request limit
-    max_batch: int = 64  # rows per request
-    threads: int = 16  # WSGI worker threads (>= concurrent clients, so their decode steps can batch)
-    torch_threads: Optional[int] = None  # intra-op threads of the compute thread (default: torch's)
-    batching: bool = True  # batch concurrent sessions' decode steps into one forward
-    packed_weights: bool = True  # decode on oneDNN prepacked weights (CPU float32; splitlearn/packed.py)
-    poll_idle: bool = False  # keep the server's cores polling between requests (splitlearn/idlepoll.py)
-    priority: str = "decode-first"  # decode-first: training yields to decode steps | fifo (splitlearn/server/priority.py)
-    batch_wait_ms: float = 5.0  # how long a decode batch waits for the rest of the last batch's sessions
-    decode_rows: int = 256  # rows of one decode batch at most, taken from tenants in turn (splitlearn/server/priority.py)
-    decode_share: float = 0.5  # decode-first: seconds of decode per second of training at its preemption points
-    session_ttl_s: float = 300.0  # idle seconds before a generation session is dropped
-    max_sessions: int = 64  # open generation sessions on this server
-    max_tokens_per_client: int = 65536  # cached tokens (rows x length) per tenant, over its sessions
-    max_sessions_per_tenant: int = 16  # open generation sessions per tenant (of max_sessions in all)
-    max_clients_per_tenant: int = 64  # client ids a tenant may train (each keeps a ledger entry, an adapter...)
-    max_pending_per_tenant: int = 8  # training steps a tenant may have in flight at once
-    federation: str = "shared"  # shared | sequential | splitfed (splitlearn/server/federation.py)
-    clients_per_round: int = 2  # splitfed: clients whose sync closes a round
-    round_timeout_s: float = 300.0  # seconds a splitfed round waits for syncs / a turn may idle
-    lease_timeout_s: float = 60.0  # seconds a U-shape forward may wait for its backward
-    client_weights: str = "server"  # server: syncs carry client weights | external: a fed server has them
-    max_grad_norm: Optional[float] = None  # clip the server's gradient norm per step (None: off)
-    aggregation: str = "fedavg"  # fedavg | median | trimmed-mean: how a round's updates combine (server/strategy.py)
-    max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM  # L2 bound of one member's update per round/turn, weight units (None: off)
-    trim_beta: float = 0.2  # trimmed-mean: fraction of a round's members dropped at each end, per coordinate
-    max_member_share: float = DEFAULT_MAX_MEMBER_SHARE  # fedavg: largest fraction of a round's weight (target tokens) one member holds (1: no cap)
-    fed_secret: Optional[bytes] = field(default=None, repr=False)  # shared with the fed server: signs tickets (>= 32 bytes)
-    fed_store: Optional[str] = None  # splitfed across replicas: HOST:PORT of their TCPStore (splitlearn/server/collective.py)
-    fed_rank: int = 0  # this replica's index among --fed-world-size
-    fed_world_size: int = 1  # replicas whose members form one round
-    fed_timeout_s: float = 60.0  # longest wait of a collective close, or of a group's forming, seconds
-    lora: Optional[LoraSpec] = None  # per-client LoRA adapters on a frozen segment (splitlearn/server/adapters.py)
-    offload: bool = False  # serve the model's linear layers on masked inputs instead of a segment (docs/OFFLOAD.md)
-    offload_plain: bool = False  # --offload: also answer unmasked float32 products (benchmark baseline)
-    offload_record: Optional[str] = None  # test hook: save every offload input to this directory
-    offload_tamper: int = 0  # test hook: alter one element of every offload answer from this product on (0: never)
-    log_format: str = "text"  # text | json: one JSON object per log line (splitlearn/server/accesslog.py)
-    request_log: bool = True  # count each request in /metrics and log its access line (False: the benchmark's baseline)
-    metrics_port: Optional[int] = None  # also serve /metrics on 127.0.0.1:<port>, without a token (None: only GET /metrics, operator token)
+def norm_or_none(text: str) -> Optional[float]:
+    """``--max-update-norm``: a number, or ``none`` for no bound."""
+    return None if str(text).strip().lower() == "none" else float(text)
+
+
+@dataclass(kw_only=True)
+class Source:
+    """What the server serves"""
+
+    model: Optional[str] = opt(None, "model source: hub id, local dir, JSON config or spec name (see models/)",
+                               group="source")
+    segment: Optional[str] = opt(None, "an exported segment (out_dir/trunk.json) to serve alone", group="source")
+    cuts: tuple[int, ...] = opt((), "block index to cut at; once for 2-way (server holds the top), twice for U-shape",
+                                flag="--cut")
+    device: str = opt("auto", "where the segment runs", choices=("auto", "cpu", "cuda"))
+    dtype: str = opt("float32", "compute dtype of the segment", choices=("float32", "bfloat16", "float16"))
+    seed: int = opt(0, "seed of random inits (must match the client's)")
+
+
+@dataclass(kw_only=True)
+class Training:
+    """Training the segment"""
+
+    optimizer: str = opt("adamw", "the server's optimizer (AdamW: decoupled weight decay; SGD: L2)",
+                         choices=("adamw", "sgd"))
+    lr: float = opt(1e-3, "learning rate of the server's optimizer")
+    weight_decay: float = opt(0.0, "weight decay of the server's optimizer")
+    max_grad_norm: Optional[float] = opt(None, "clip the server's gradient norm per step")
+    checkpoint_dir: Optional[str] = opt(None, "save segment + optimizer state here periodically and on SIGTERM")
+    checkpoint_every: int = opt(100, "steps between checkpoints (0: only on SIGTERM or request)")
+    state_dir: Optional[str] = opt(None, "replicas (docs/CLUSTER.md): keep each client's LoRA adapter, optimizer "
+                                         "and step record here, shared by the replicas, saved every "
+                                         "--checkpoint-every steps of that client (needs --lora-r)")
+    lease_timeout_s: float = opt(60.0, "seconds a U-shape forward holds the segment waiting for its backward")
+    lora: Optional[LoraSpec] = opt(None, cli=False)  # per-client LoRA adapters on a frozen segment (--lora-*: LoraOptions)
+
+
+@dataclass(kw_only=True)
+class LoraOptions:
+    """LoRA adapters per client (docs/LORA.md)"""
+
+    lora_r: Optional[int] = opt(None, "train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
+    lora_alpha: Optional[float] = opt(None, "LoRA scale alpha/r (default: 2r)")
+    lora_targets: str = opt("c_attn", "comma-separated: c_attn, c_proj, c_fc")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input")
+
+    def spec(self) -> Optional[LoraSpec]:
+        """These options as a :class:`LoraSpec` (ConfigError if invalid); None without ``--lora-r``."""
+        if self.lora_r is None:
+            if self.lora_alpha is not None or self.lora_targets != "c_attn" or self.lora_dropout:
+                raise ConfigError("--lora-alpha, --lora-targets and --lora-dropout need --lora-r")
+            return None
+        alpha = 2.0 * self.lora_r if self.lora_alpha is None else self.lora_alpha
+        return LoraSpec(self.lora_r, alpha, self.lora_targets, self.lora_dropout)
+
+
+@dataclass(kw_only=True)
+class Access:
+    """Tenants and their tokens (docs/SECURITY.md)"""
+
+    tokens: tuple[str, ...] = opt((), "the tenants' bearer tokens, one per line: '<token>', '<name> <token>' or "
+                                      "'<name> <token> operator' (default: $SPLITLEARN_TOKEN, comma-separated; "
+                                      "see docs/SECURITY.md)", flag="--token-file", parse=read_token_file,
+                                  metavar="TOKEN_FILE")
+    allow_weak_tokens: bool = opt(False, "accept tokens shorter than 16 characters or the docs' examples "
+                                         "(never in production)")
+    token_out: Optional[str] = opt(None, "where to write a generated token, mode 0600 (without --token-file and "
+                                         "$SPLITLEARN_TOKEN; default <checkpoint-dir or .>/splitlearn-token)")
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
+
+
+@dataclass(kw_only=True)
+class Door:
+    """HTTP: the address, the WSGI threads and the front door's limits (splitlearn/server/http/frontdoor.py)"""
+
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on")
+    threads: int = opt(16, "WSGI threads; >= concurrent clients so decode steps batch")
+    max_body_bytes: int = opt(256 * MiB, "larger request bodies get 413 (MiB)", flag="--max-body-mb", unit=MiB)
+    max_echo_bytes: int = opt(4 * MiB, "larger POST /v1/echo bodies get 413 (MiB)", flag="--max-echo-mb", unit=MiB)
+    max_connections: int = opt(256, "open connections at once")
+    request_timeout_s: float = opt(10.0, "seconds for a request's headers; its body, and the reading of an answer, "
+                                         "get this plus their size at --min-rate-kib "
+                                         "(docs: splitlearn/server/http/frontdoor.py)")
+    min_rate_kib_s: float = opt(256.0, "KiB/s a body must arrive at, and an answer be read at, on average")
+    idle_timeout_s: float = opt(300.0, "seconds an authenticated keep-alive connection may idle")
+
+    def door_limits(self):
+        """The connection limits as the front door takes them (:mod:`splitlearn.server.http.frontdoor`)."""
+        from .http.frontdoor import DoorLimits
+        return DoorLimits(self.max_connections, self.request_timeout_s, self.min_rate_kib_s, self.idle_timeout_s)
+
+
+@dataclass(kw_only=True)
+class Limits:
+    """What one request, tenant and the server may hold (splitlearn/server/engine/budget.py, memory.py)"""
+
+    max_request_memory_bytes: Optional[int] = opt(
+        None, "memory one request may cost (GiB; 413 beyond, before allocating); default: half of the memory "
+              "free at start less the training state (splitlearn/server/engine/budget.py)",
+        flag="--max-request-memory-gb", unit=GiB)
+    max_memory_bytes: Optional[int] = opt(
+        None, "memory (GiB) the server may hold for its tenants in all: request bodies and prices, waiting "
+              "graphs, stored answers, generation caches (503 beyond); default: twice --max-request-memory-gb "
+              "(splitlearn/server/engine/memory.py)", flag="--max-memory-gb", unit=GiB)
+    max_tenant_memory_bytes: Optional[int] = opt(
+        None, "what one tenant may hold of it (429 beyond); default: all with one tenant, else "
+              "--max-request-memory-gb", flag="--max-tenant-memory-gb", unit=GiB)
+    max_batch: int = opt(64, "rows per request")
+    session_ttl_s: float = opt(300.0, "idle seconds before a session expires")
+    max_sessions: int = opt(64, "open generation sessions on this server")
+    max_tokens_per_client: int = opt(65536, "cached generation tokens (rows x length) per tenant, over its sessions")
+    max_sessions_per_tenant: int = opt(16, "open generation sessions per tenant (--max-sessions is the server's total)")
+    max_clients_per_tenant: int = opt(64, "client ids one tenant may train with (each holds server state)")
+    max_pending_per_tenant: int = opt(8, "training steps one tenant may have in flight at once")
+
+
+@dataclass(kw_only=True)
+class Scheduling:
+    """The compute thread: decode batches and priorities (splitlearn/server/engine/priority.py)"""
+
+    torch_threads: Optional[int] = opt(None, "intra-op threads for the segment (default: torch's, one per core)")
+    batching: bool = opt(True, "run concurrent sessions' decode steps one at a time (for comparison)",
+                         flag="--no-batching")
+    packed_weights: bool = opt(True, "decode on the layers' own matrix products, not on oneDNN prepacked copies "
+                                     "of the weights (which are faster for a few rows and cost a second copy in "
+                                     "memory)", flag="--no-packed-weights")
+    poll_idle: bool = opt(False, "keep this server's cores polling instead of sleeping between requests (Linux; "
+                                 "lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
+    priority: str = opt("decode-first", "decode-first: a training step yields to queued decode steps between its "
+                                        "linear layers (forward and backward); fifo: arrival order "
+                                        "(splitlearn/server/engine/priority.py)", choices=("decode-first", "fifo"))
+    batch_wait_ms: float = opt(5.0, "how long a decode batch may wait for the sessions of the previous batch still "
+                                    "on their way (0: never wait; see splitlearn/server/engine/batching.py)")
+    decode_rows: int = opt(256, "rows of one decode batch at most, taken from the tenants' queued steps in turn "
+                                "(the rest wait for the next batch; splitlearn/server/engine/priority.py)")
+    decode_share: float = opt(0.5, "decode-first: seconds of decode per second of training that a training step's "
+                                   "preemption points may run (bounds how much decode steps slow a training step)")
+
+
+@dataclass(kw_only=True)
+class FederationOptions:
+    """Several data owners (docs/FEDERATION.md, docs/CLUSTER.md)"""
+
+    federation: str = opt("shared", "how several data owners share the model (docs/FEDERATION.md)",
+                          choices=("shared", "sequential", "splitfed"))
+    clients_per_round: int = opt(2, "splitfed: syncs that close a round")
+    round_timeout_s: float = opt(300.0, "seconds a splitfed round waits for its syncs, or a sequential turn may idle")
+    client_weights: str = opt("server", "external: clients share their client-side weights through a separate fed "
+                                        "server (python -m splitlearn.server.federation.fedserver); this one never "
+                                        "sees them", choices=("server", "external"))
+    fed_secret: Optional[bytes] = opt(None, "--client-weights external: file with the secret shared with the fed "
+                                            "server (>= 32 bytes), which signs each member's ticket",
+                                      flag="--fed-secret-file", parse=read_secret_file, repr=False)
+    fed_store: Optional[str] = opt(None, "splitfed across replicas: the TCPStore where they meet (python -m "
+                                         "splitlearn.cluster sets it; docs/CLUSTER.md); rounds close with a "
+                                         "torch.distributed gloo collective", metavar="HOST:PORT")
+    fed_rank: int = opt(0, "--fed-store: this replica's index, 0..R-1")
+    fed_world_size: int = opt(1, "--fed-store: the number of replicas R")
+    fed_timeout_s: float = opt(60.0, "--fed-store: seconds a round's collective close (or the group's forming) "
+                                     "waits for a replica")
+
+
+@dataclass(kw_only=True)
+class StrategyOptions:
+    """How a round's updates combine (splitlearn/server/federation/strategy.py)"""
+
+    aggregation: str = opt("fedavg", "how a splitfed round's updates combine: sample-weighted mean, or the "
+                                     "coordinate-wise median / trimmed mean (robust to a few bad members; "
+                                     "docs/FEDERATION.md)", choices=AGGREGATIONS)
+    max_update_norm: Optional[float] = opt(
+        DEFAULT_MAX_UPDATE_NORM, f"bound on the L2 norm of one member's update per round or turn, around the shared "
+                                 f"weights ('none': unbounded; default {DEFAULT_MAX_UPDATE_NORM:g}, docs/FEDERATION.md)",
+        type=norm_or_none)
+    trim_beta: float = opt(0.2, "--aggregation trimmed-mean: fraction of the members dropped at each end, per coordinate")
+    max_member_share: float = opt(
+        DEFAULT_MAX_MEMBER_SHARE, f"largest fraction of a splitfed round's FedAvg weight (target tokens trained) one "
+                                  f"member may hold (1: no cap; default {DEFAULT_MAX_MEMBER_SHARE:g}, docs/FEDERATION.md)")
+
+    def strategy(self):
+        """The :class:`~splitlearn.server.federation.strategy.Strategy` of these options (ConfigError if invalid)."""
+        return make_strategy(self.aggregation, self.max_update_norm, self.trim_beta, self.max_member_share)
+
+
+@dataclass(kw_only=True)
+class OffloadOptions:
+    """Masked offload (docs/OFFLOAD.md)"""
+
+    offload: bool = opt(False, "serve the linear layers of --model's blocks and LM head as products on one-time-"
+                               "padded inputs (no --cut; client: splitlearn.OffloadGPT2LMHeadModel; docs/OFFLOAD.md)")
+    offload_plain: bool = opt(False, "--offload: also answer unmasked float32 products (the benchmark's baseline)")
+
+
+@dataclass(kw_only=True)
+class Observability:
+    """Logs and metrics (docs/OPERATIONS.md)"""
+
+    log_level: str = opt("INFO", "the log level (DEBUG, INFO, WARNING, ERROR)")
+    log_format: str = opt("text", "json: every log line one JSON object, with one access line per request "
+                                  "(request id, tenant, route, status, bytes, ms; docs/OPERATIONS.md)",
+                          choices=("text", "json"))
+    metrics_port: Optional[int] = opt(None, "also serve Prometheus metrics on 127.0.0.1:PORT without a token (GET "
+                                            "/metrics on --port needs the operator's token; docs/OPERATIONS.md)")
+    request_log: bool = opt(True, "neither count requests in the metrics nor log access lines (for comparison)",
+                            flag="--no-request-log")
+
+
+# the command line's sections, in --help's order (LoraOptions: ServerConfig.lora)
+GROUPS = (Source, Training, LoraOptions, Access, Door, Limits, Scheduling, FederationOptions, StrategyOptions,
+          OffloadOptions, Observability)
+
+
+@dataclass(kw_only=True)
+class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOptions, Scheduling, Limits, Door,
+                   Access, Training, Source):
+    """Every option of a segment server (or an offload server), validated."""
 
     def __post_init__(self):
         if (self.model is None) == (self.segment is None):
             raise ConfigError("give exactly one of --model (with --cut) or --segment")
         if self.offload:
-            self._check_offload()
+            if self.model is None or self.cuts or self.lora is not None:
+                raise ConfigError("--offload serves a whole model's linear layers: give --model, no --cut, "
+                                  "--segment or --lora-r")
         elif self.model is not None and not 1 <= len(self.cuts) <= 2:
             raise ConfigError("--model needs one --cut (2-way) or two (U-shape), or --offload")
-        elif self.offload_plain or self.offload_record or self.offload_tamper:
-            raise ConfigError("--offload-plain, --offload-record and --offload-tamper need --offload")
+        elif self.offload_plain:
+            raise ConfigError("--offload-plain: unmasked offload products need --offload")
         if self.segment is not None and not Path(self.segment).with_suffix(".json").is_file():
             raise ConfigError(f"--segment {self.segment}: no such exported segment spec")
         if not 0 < self.port < 65536:
@@ -118,7 +283,7 @@ class ServerConfig:
             raise ConfigError("--round-timeout and --lease-timeout must be > 0 seconds")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
-        make_strategy(self.aggregation, self.max_update_norm, self.trim_beta, self.max_member_share)  # ConfigError if invalid
+        self.strategy()  # ConfigError if invalid
         if self.client_weights == "external" and self.federation != "shared" and self.fed_secret is None:
             raise ConfigError("--client-weights external needs --fed-secret-file (the secret shared with the "
                               "fed server, which signs each member's ticket: docs/FEDERATION.md)")
@@ -128,7 +293,7 @@ class ServerConfig:
             if self.federation != "splitfed":
                 raise ConfigError("--fed-store spans SplitFed rounds over replicas: it needs --federation splitfed "
                                   "(a sequential turn is one global lock; shared mode needs no group)")
-            from .collective import GroupSpec
+            from .federation.collective import GroupSpec
             GroupSpec(self.fed_store, self.fed_rank, self.fed_world_size, self.fed_timeout_s)  # ConfigError if invalid
         if self.priority not in ("decode-first", "fifo"):
             raise ConfigError(f"--priority must be decode-first or fifo, got {self.priority!r}")
@@ -137,11 +302,11 @@ class ServerConfig:
                               f"{self.decode_rows} and {self.decode_share}")
         if not 0 <= self.batch_wait_ms <= 1000:
             raise ConfigError(f"--batch-wait-ms must be in 0..1000, got {self.batch_wait_ms}")
-        if self.max_request_memory_bytes is not None and self.max_request_memory_bytes < 1 << 20:
+        if self.max_request_memory_bytes is not None and self.max_request_memory_bytes < MiB:
             raise ConfigError(f"--max-request-memory-gb must be at least 1 MiB (0.001), got "
                               f"{self.max_request_memory_bytes} bytes")
         for name in ("max_memory_bytes", "max_tenant_memory_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 1 << 20:
+            if getattr(self, name) is not None and getattr(self, name) < MiB:
                 raise ConfigError(f"--{name.replace('_bytes', '_gb').replace('_', '-')} must be at least "
                                   f"1 MiB (0.001), got {getattr(self, name)} bytes")
         if self.state_dir is not None and (self.lora is None or self.federation != "shared" or self.checkpoint_dir):
@@ -162,22 +327,3 @@ class ServerConfig:
         self.tokens = tuple(self.tokens)
         self.tenants = Tenants(self.tokens, self.allow_weak_tokens)  # ConfigError for weak or malformed ones
         self.cuts = tuple(self.cuts)
-
-    def _check_offload(self) -> None:
-        """``--offload``: a whole model, no cut, no training options; test hooks only when asked for."""
-        if self.model is None or self.cuts or self.lora is not None:
-            raise ConfigError("--offload serves a whole model's linear layers: give --model, no --cut, "
-                              "--segment or --lora-r")
-        if self.offload_tamper < 0:
-            raise ConfigError(f"--offload-tamper must be >= 0, got {self.offload_tamper}")
-        if (self.offload_record or self.offload_tamper) and os.environ.get("SPLITLEARN_TEST_HOOKS") != "1":
-            raise ConfigError("--offload-record and --offload-tamper are test hooks: they need "
-                              "SPLITLEARN_TEST_HOOKS=1 in the environment")
-        if self.offload_record:
-            Path(self.offload_record).mkdir(parents=True, exist_ok=True)
-
-    def door_limits(self):
-        """The connection limits as the front door takes them (:mod:`.frontdoor`)."""
-        from .frontdoor import DoorLimits
-        return DoorLimits(self.max_connections, self.request_timeout_s, self.min_rate_kib_s, self.idle_timeout_s)
-

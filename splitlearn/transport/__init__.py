@@ -1,7 +1,9 @@
 """The transport layer: how a client reaches a server. Imports nothing above the core modules.
 
 - :mod:`.http`: :class:`Transport` (keep-alive HTTP, lanes, retries, :class:`WireStats`);
-- :mod:`.fedsync`: the client's side of the federation modes (turns, rounds, weight sync).
+- :mod:`.fedsync`: the client's side of the federation modes (turns, rounds, weight sync);
+- :mod:`.inproc`: ``inproc://`` URLs, a server app in this process reached without a socket
+  (tests, experiments), through the scheme hook of :mod:`.http` (``register_scheme``).
 
 The model classes (:mod:`splitlearn.hf`), :class:`~splitlearn.client.SplitClient`, the masked
 offload and the analyzer all reach a server through these; docs/ARCHITECTURE.md draws the layers.

@@ -1,4 +1,4 @@
-"""The client's side of the federation modes (see ``splitlearn/server/federation.py``).
+"""The client's side of the federation modes (see ``splitlearn/server/federation/modes.py``).
 
 ``FederationState`` keeps what a :class:`~.core.SplitClient` needs to train with others:
 the server's mode, the version of the shared client-side weights this client holds, the
@@ -55,7 +55,7 @@ class FederationState:
     def __init__(self, transport: Transport, client_id: str, segments: list[Segment],
                  wait_timeout_s: float, fed: Optional[Transport] = None):
         self.transport = transport
-        self.fed = fed  # a separate fed server for the client-side weights (server/fedavg.py)
+        self.fed = fed  # a separate fed server for the client-side weights (server/federation/fedserver.py)
         self.client_id = client_id
         self.segments = segments
         self.wait_timeout_s = wait_timeout_s
@@ -140,7 +140,7 @@ class FederationState:
 
         Without a fed server they go to the segment server. With one, the segment server
         gets an empty sync and answers a signed ticket (the rows it counted for us, our
-        round), and the weights go to the fed server with that ticket (:mod:`splitlearn.server.tickets`)."""
+        round), and the weights go to the fed server with that ticket (:mod:`splitlearn.server.federation.tickets`)."""
         if self.shared:
             return self.transport.get_json(P.FEDERATION)
         meta = P.SyncMeta(self.client_id, min(max(self.samples, 1), P.MAX_SAMPLES))

@@ -15,7 +15,8 @@ about 0.2 ms a call): no proxy or ``.netrc`` applies to 127.0.0.1 anyway.
 
 A lane holds at most one request in flight: :meth:`Transport.start` sends a request and
 returns a :class:`PendingCall` whose ``result()`` reads the answer later, so a caller can
-compute while the server works (the pipelined decoder keeps two lanes busy).
+compute while the server works (generation's two row groups keep two lanes busy:
+``RemoteCache.row_groups`` in :mod:`splitlearn.hf.cache`).
 
 Waking up for the answer. A thread blocked on a socket sleeps, and its core goes idle; when
 the answer comes, the kernel must wake the core first (on a virtual machine, the hypervisor
@@ -64,6 +65,18 @@ _CONNECTION_ERRORS = (ConnectionError, http.client.RemoteDisconnected, http.clie
 
 SPIN_S = 1e-3  # poll the socket from this long before an answer is expected to as long after
 
+# Ways to reach a server other than TCP, by URL scheme: ``opener(url)`` returns a link whose
+# ``request(method, path, headers, body)`` gives ``(status, headers, content)`` (headers with a
+# case-insensitive ``.get``), or raises ConnectionError when nothing serves the URL (retried as
+# a refused connection is). A link has no lanes or proxies; its server shares this process's
+# cores. :mod:`.inproc` registers ``inproc://`` (a server app in this process).
+LINKS: dict[str, Callable[[str], "object"]] = {}
+
+
+def register_scheme(scheme: str, opener: Callable[[str], "object"]) -> None:
+    """Let :class:`Transport` reach ``scheme://...`` URLs through ``opener(url)`` (a link)."""
+    LINKS[scheme] = opener
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -77,6 +90,8 @@ def is_loopback(host: str) -> bool:
 def shares_cores_with_server(url: str) -> bool:
     """Whether the server at ``url`` may run on this process's cores: a loopback server,
     unless this process is pinned to a subset of the machine's cores."""
+    if urlsplit(url).scheme in LINKS:
+        return True
     if not is_loopback(urlsplit(url).hostname or ""):
         return False
     try:
@@ -99,7 +114,7 @@ class TransportConfig:
 
     def __post_init__(self):
         self.url = self.url.rstrip("/")
-        if not self.url.startswith(("http://", "https://")):
+        if not self.url.startswith(("http://", "https://", *(s + "://" for s in LINKS))):
             raise ConfigError(f"server URL must start with http:// or https://, got {self.url!r}")
         if not urlsplit(self.url).hostname:
             raise ConfigError(f"server URL {self.url!r} has no host")
@@ -196,12 +211,25 @@ class _Lane:
             self.conn = None
 
 
+class _LinkAnswer:
+    """A link's answer, as much of a ``requests.Response`` as :class:`Transport` reads."""
+
+    def __init__(self, status_code: int, headers, content: bytes):
+        self.status_code, self.headers, self.content = status_code, headers, content
+
+    def json(self):
+        return json.loads(self.content)
+
+
 class PendingCall:
-    """A tensor POST on its way; ``result()`` waits for the answer's bytes (once)."""
+    """A tensor POST on its way; ``result()`` waits for the answer's bytes (once). Through a
+    link (``Transport.link``) the request runs now and ``answer`` holds its answer."""
 
     def __init__(self, transport: "Transport", lane: int, path: str, body: bytes):
         self.transport, self.lane, self.path, self.body = transport, lane, path, body
         self.t0 = time.perf_counter()
+        self.answer = None if transport.link is None else transport._link_request(
+            "POST", path, transport._headers, body)
         self.sent = transport._try_send(lane, path, body)
 
     def result(self) -> bytes:
@@ -210,7 +238,7 @@ class PendingCall:
     def ready(self) -> bool:
         """True if :meth:`result` would not wait for the server (an answer has arrived, or
         the request must be resent); always True off the lean path, where sending waits."""
-        return not self.sent or self.transport._lane(self.lane).readable()
+        return self.answer is not None or not self.sent or self.transport._lane(self.lane).readable()
 
 
 class Transport:
@@ -227,6 +255,7 @@ class Transport:
         if is_loopback(parts.hostname):
             self.http.trust_env = False  # no proxy or .netrc applies to loopback: ~0.2 ms a call
         self._base_path = parts.path
+        self.link = LINKS[parts.scheme](cfg.url) if parts.scheme in LINKS else None
         # The lean path: plain HTTP that no proxy of the environment applies to.
         self.lean = (parts.scheme == "http" and not parts.username
                      and not requests.utils.get_environ_proxies(cfg.url))
@@ -252,6 +281,8 @@ class Transport:
     # -- JSON control calls (requests) ---------------------------------------------------
 
     def _send(self, method: str, path: str, **kw) -> requests.Response:
+        if self.link is not None:
+            return self._link_send(method, path, **kw)
         url = self.cfg.url + path
         timeout = (self.cfg.connect_timeout_s, self.cfg.read_timeout_s)
         for attempt in range(self.cfg.retries + 1):
@@ -267,6 +298,27 @@ class Transport:
         if resp.status_code >= 400:
             raise self._error(resp.status_code, resp.headers.get, resp.content)
         return resp
+
+    def _link_send(self, method: str, path: str, **kw) -> "_LinkAnswer":
+        """:meth:`_send` through the link: the headers and body ``requests`` would send."""
+        headers, body = {**self.http.headers, **kw.get("headers", {})}, kw.get("data")
+        if kw.get("json") is not None:
+            body, headers["Content-Type"] = json.dumps(kw["json"]).encode(), "application/json"
+        answer = _LinkAnswer(*self._link_request(method, path, headers, body))
+        if answer.status_code >= 400:
+            raise self._error(answer.status_code, answer.headers.get, answer.content)
+        return answer
+
+    def _link_request(self, method: str, path: str, headers: dict, body: Optional[bytes]):
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                return self.link.request(method, self._base_path + path, headers, body)
+            except ConnectionError as e:
+                if attempt == self.cfg.retries:
+                    raise TransportError(f"cannot reach {self.cfg.url + path} after {attempt + 1} attempts: "
+                                         f"{e}") from None
+                self._backoff(attempt, method, path, e)
+        raise AssertionError("unreachable")
 
     def _backoff(self, attempt: int, method: str, path: str, e: Exception) -> None:
         self.stats.retries += 1
@@ -369,7 +421,10 @@ class Transport:
             return False
 
     def _finish(self, p: PendingCall) -> bytes:
-        if not self.lean:
+        if p.answer is not None:
+            status, headers, content = p.answer
+            header = headers.get
+        elif not self.lean:
             resp = self._send("POST", p.path, data=p.body, headers={"Content-Type": P.CONTENT_TYPE})
             status, header, content = resp.status_code, resp.headers.get, resp.content
         else:

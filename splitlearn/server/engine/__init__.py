@@ -1,0 +1,1 @@
+"""What the segment server does, behind HTTP: the runtime, steps, sessions, memory."""

@@ -1,0 +1,280 @@
+"""Cross-session batching of decode steps: many sessions, one pass over the weights.
+
+Decoding one token per session is weight-bound: every step reads all of the segment's
+weights to process a handful of rows. When several sessions step at the same time, the
+server stacks their new rows and runs the weight-heavy parts of each block once::
+
+    rows of session 1 (B1, 1, d) -+                 +-> attention of session 1 with its own cache
+    rows of session 2 (B2, 1, d) -+-> ln_1, c_attn -+-> attention of session 2 with its own cache -+-> c_proj, MLP
+    ...                            (N, 1, d)        +-> ...                                        |   (N, 1, d)
+                                                                                                   +-> ln_f, lm_head
+
+Attention stays per session: each keeps its own KV cache, positions and padding mask, built
+exactly as :class:`~splitlearn.segments.Segment` builds them, and calls the same attention
+kernel; only the row-wise matrix products are shared. No request waits for others: a step
+queues, and the first step queued schedules one *drain* on the server's compute thread
+(:mod:`.compute`); when the drain runs it takes every step queued by then, so steps that
+arrive while the model is busy share the next pass (see :class:`DecodeBatcher`).
+
+Sessions that shared a batch get their answers at the same moment, and their next steps come
+back a little apart (each client turns its answer into the next step at its own pace). A
+drain that runs at the first of them would split the group: one pass for the early one, one
+for the rest, and the split would last. So a drain that finds some, but not all, of the
+previous batch's sessions back waits up to ``wait_s`` (``--batch-wait-ms``) for the others::
+
+    batch k:  {A, B, C}   answers out at t
+    queue:    A (t + 0.2 ms)                  -> wait: B and C were in batch k
+              B (t + 0.5 ms), C (t + 0.9 ms)  -> all back: batch k+1 = {A, B, C}
+
+A session that was not in the previous batch never makes a drain wait (a client's two row
+groups in flight, which alternate by design, stay apart), and a closed session is forgotten.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
+
+from ...lora import lora_rows
+from ...segments import Segment, SegmentCache
+from .compute import ComputeThread
+from .priority import DecodeBudget, fair_take
+
+
+@dataclass
+class DecodeItem:
+    """One session's decode step: its cache and new rows (B, 1, d).
+
+    ``prepare`` runs on the compute thread just before the batch: it raises if the step may
+    not run now (a 409 or 429 for this session alone) and returns the mask of the whole
+    sequence, (B, past + 1), or None for no padding. ``finish`` turns the step's output
+    (B, 1, d|V) into the answer (the response bytes), also on the compute thread. ``future``
+    gets that answer, or the step's error.
+    """
+
+    cache: SegmentCache
+    hidden: torch.Tensor
+    prepare: Callable[[], Optional[torch.Tensor]] = lambda: None
+    finish: Callable[[torch.Tensor], Any] = lambda out: out
+    mask: Optional[torch.Tensor] = None
+    future: Future = field(default_factory=Future)
+    adapter: Any = None  # the session's LoRA adapter (splitlearn.lora.Adapter), None: the base
+    key: Any = None  # the session's id: which steps belong together across batches
+    queued_at: float = 0.0  # time.monotonic() when it was queued
+    owner: str = ""  # the session's tenant: batches take owners in turn (splitlearn/server/priority.py)
+
+
+@torch.no_grad()
+def batched_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tensor]:
+    """Run one new position of every item through ``segment``; outputs in item order.
+
+    Outputs are hidden states (B_i, 1, d), or logits (B_i, 1, V) for a segment with the head.
+    """
+    rows = [it.hidden.shape[0] for it in items]
+    x = torch.cat([it.hidden for it in items], dim=0)  # (N, 1, d)
+    cfg = segment.config
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(cfg._attn_implementation, eager_attention_forward)
+    masks = [create_causal_mask(config=cfg, inputs_embeds=it.hidden, attention_mask=it.mask,
+                                cache=it.cache.kv, layer_idx=segment.start)
+             for it in items] if len(segment.h) else []
+    with lora_rows(segment, [(n, it.adapter) for it, n in zip(items, rows)]):  # per-row adapters
+        x = _blocks(segment, items, rows, masks, attend, x)  # (N, 1, d)
+    for it in items:
+        it.cache.length += 1
+    if segment.has_head:
+        x = segment.lm_head(segment.ln_f(x))  # (N, 1, V)
+    return list(x.split(rows, dim=0))
+
+
+def _blocks(segment: Segment, items: list[DecodeItem], rows: list[int], masks: list, attend, x: torch.Tensor) -> torch.Tensor:
+    """The blocks of :func:`batched_decode`: shared row-wise products, attention per session."""
+    for block in segment.h:
+        attn = block.attn
+        a = block.ln_1(x)  # (N, 1, d)
+        q, k, v = attn.c_attn(a).split(attn.split_size, dim=2)  # 3 x (N, 1, d)
+        heads = lambda t: t.view(t.shape[0], 1, -1, attn.head_dim).transpose(1, 2)  # (N, H, 1, hd)
+        q, k, v = heads(q), heads(k), heads(v)
+        outs, start = [], 0
+        for it, n, mask in zip(items, rows, masks):
+            sl = slice(start, start + n)
+            keys, values = it.cache.kv.update(k[sl], v[sl], attn.layer_idx)  # (n, H, past+1, hd)
+            o, _ = attend(attn, q[sl], keys, values, mask, dropout=0.0, scaling=attn.scaling)
+            outs.append(o.reshape(n, 1, -1))  # (n, 1, d)
+            start += n
+        x = x + attn.c_proj(torch.cat(outs, dim=0))  # (N, 1, d)
+        x = x + block.mlp(block.ln_2(x))  # (N, 1, d)
+    return x
+
+
+class DecodeBatcher:
+    """Collects decode steps from any thread and runs them together on the compute thread.
+
+    ``batching=False`` runs each queued step alone (the benchmark's unbatched baseline).
+    ``lock``, if given, is held while a batch runs (the runtime's state lock). ``wait_s``: how
+    long a drain waits for the rest of the previous batch (see the module docstring).
+    ``inference``: a context for the forward (the runtime's prepacked weights,
+    :mod:`splitlearn.packed`). ``max_rows``: rows of one batch at most, taken from the queued
+    steps one owner at a time (:func:`.priority.fair_take`); the rest wait for the next drain
+    (queued behind the compute thread's other work) or preemption point. None: everything queued.
+    """
+
+    def __init__(self, segment: Segment, compute: ComputeThread, lock: Optional[threading.RLock] = None,
+                 batching: bool = True, wait_s: float = 0.0, inference: Callable[[], Any] = nullcontext,
+                 on_wait: Callable[[float], None] = lambda seconds: None, max_rows: Optional[int] = None,
+                 budget: Optional[DecodeBudget] = None):
+        self.segment = segment
+        self.max_rows = max_rows
+        self.budget = budget  # decode-first: batches spend it; a drain with it spent yields to waiting work
+        self._turn: Optional[str] = None  # the owner served last (the next batch starts after it)
+        self.compute = compute
+        self.lock = lock or threading.RLock()
+        self.batching = batching
+        self.wait_s = wait_s
+        self.inference = inference
+        self._queue: list[DecodeItem] = []
+        self._queue_lock = threading.Lock()
+        self._arrived = threading.Condition(self._queue_lock)
+        self._scheduled = False  # a drain is queued on the compute thread
+        self._last: set = set()  # keys of the previous batch's sessions
+        self.batches = 0  # forwards run
+        self.items = 0  # steps served
+        self.on_wait = on_wait  # called with each step's wait for the compute thread (seconds)
+        # CUDA: decode kernels on a high-priority stream overtake training's (splitlearn/server/priority.py)
+        dev = next(segment.parameters()).device
+        self._stream = torch.cuda.Stream(device=dev, priority=-1) if dev.type == "cuda" else None
+
+    def enqueue(self, item: DecodeItem) -> Future:
+        """Queue ``item`` (from any thread, the compute thread included); its future."""
+        item.queued_at = time.monotonic()
+        with self._queue_lock:
+            self._queue.append(item)
+            self._arrived.notify()
+            if not self._scheduled:
+                self._scheduled = True
+                self.compute.submit(self.drain)
+        return item.future
+
+    def submit(self, item: DecodeItem):
+        """Queue ``item`` and wait for its answer (not from the compute thread itself)."""
+        return self.enqueue(item).result()
+
+    def forget(self, key: Any) -> None:
+        """``key``'s session is closed: no drain waits for it."""
+        with self._queue_lock:
+            self._last.discard(key)
+
+    def pending(self) -> bool:
+        """Decode steps are queued (a hint: read without the lock)."""
+        return bool(self._queue)
+
+    def run_now(self) -> None:
+        """Run what is queued at once, without the batch window (on the compute thread, in
+        the middle of a training step: :mod:`.priority`); the segment's mode is restored."""
+        with self._queue_lock:
+            batch = self._take()
+        if batch:
+            was_training = self.segment.training
+            try:
+                self._run(batch)
+            finally:
+                if was_training:
+                    self.segment.train()
+
+    def drain(self) -> None:
+        """Run everything queued so far (on the compute thread)."""
+        if self.budget is not None and self.compute.waiting() and not self.budget.available():
+            self.compute.submit(self.drain)  # other work first (still scheduled)
+            return
+        with self._queue_lock:
+            if self.batching and self.wait_s > 0:
+                self._wait_for_last_batch()
+            batch = self._take()
+            self._scheduled = bool(self._queue)
+            if self._queue:  # over max_rows: the rest after the work queued meanwhile
+                self.compute.submit(self.drain)
+            if self.batching:
+                self._last = {it.key for it in batch if it.key is not None}
+        charged = self.compute.waiting() > 0  # decode with nothing else waiting is free
+        if self.batching:
+            self._run(batch, charged)
+        else:
+            for it in batch:
+                self._run([it], charged)
+
+    def _take(self) -> list[DecodeItem]:
+        """One batch off the queue (``_queue_lock`` held): all of it, or ``max_rows`` taken fairly."""
+        if self.max_rows is None:
+            batch, self._queue = self._queue, []
+            return batch
+        batch, self._queue, self._turn = fair_take(self._queue, self.max_rows, self._turn)
+        return batch
+
+    def _on_stream(self):
+        if self._stream is None:
+            return nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))  # caches written before
+        return torch.cuda.stream(self._stream)
+
+    def _wait_for_last_batch(self) -> None:
+        """Wait (``_queue_lock`` held) up to ``wait_s`` while some of the previous batch's
+        sessions are queued and others are not yet."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            queued = {it.key for it in self._queue}
+            if not (self._last & queued) or self._last <= queued:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.wait(left)
+
+    def _run(self, batch: list[DecodeItem], charged: bool = True) -> None:
+        """Run ``batch``; ``charged``: other work waits for it (a point, or a drain with work
+        queued behind it), so it spends the budget (preparing, computing, encoding)."""
+        began = time.monotonic()
+        try:
+            self._run_batch(batch)
+        finally:
+            if self.budget is not None and charged:
+                self.budget.spend(time.monotonic() - began)
+
+    def _run_batch(self, batch: list[DecodeItem]) -> None:
+        with self.lock:
+            ready = []
+            for it in batch:
+                try:
+                    it.mask = it.prepare()
+                    ready.append(it)
+                except Exception as e:  # this step is refused; the others go on
+                    it.future.set_exception(e)
+            if not ready:
+                return
+            now = time.monotonic()
+            for it in ready:
+                self.on_wait(now - it.queued_at)
+            try:
+                if self.segment.training:  # eval() walks every submodule: 0.16 ms for 8 blocks
+                    self.segment.eval()
+                with self.inference(), self._on_stream():
+                    outputs = batched_decode(self.segment, ready)
+                if self._stream is not None:
+                    self._stream.synchronize()  # the answers are read on the CPU next
+                self.batches += 1
+                self.items += len(ready)
+            except Exception as e:
+                for it in ready:
+                    it.future.set_exception(e)
+                return
+        for it, out in zip(ready, outputs):
+            try:
+                it.future.set_result(it.finish(out))
+            except Exception as e:
+                it.future.set_exception(e)

@@ -1,0 +1,369 @@
+"""What one request may cost in memory, and the cost model that decides it before allocating.
+
+A request's tensors are bounded by ``--max-body-mb``, but what the server computes from them
+is not: 64 rows x 1024 positions of GPT-2 small's top make 64 x 1024 x 50257 x 4 B = 13 GB of
+logits alone. Every route that allocates by request size asks :meth:`Budget.check` first,
+right after its shapes are validated; a request over the limit gets 413 naming the limit and
+the flag that raises it, and nothing is allocated or changed.
+
+The model (bytes; B rows, T new positions, K = past + T keys, N = B·T, d = n_embd, I = n_inner
+(4d), a = n_head, V = vocab, L = the segment's blocks, e = bytes per element of the compute
+dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
+
+    kept per block (training)  e·N·(5I + 7d + a + 4)                     sdpa (flash), no dropout
+                               + e·B·T·K                                 padded: sdpa's float mask
+                               + N·d·(2e + 2)                            residual dropout
+                               + B·a·T·K·(3e + 1)                        scores materialised
+    block workspace            e·N·(4I + 6d) [+ (1 + e)·B·T·K masked] [+ 3e·B·a·T·K scores]
+    head, training             4·e·N·d + 4·V·d + c·V·16                  x, grad of x; grad of W; a chunk
+    head, evaluation           B·V·(e + 4) [+ 2·e·N·d + c·V·8 with labels]
+    update (training)          grads + 2·largest parameter               AdamW's temporaries
+    KV cache                   2·L·tokens·d·e
+    in and out                 16·N·d                                    body, decoded, answer, encoded
+
+    training step    (L·kept·graphs + workspace + head + update + in/out) x 1.25
+    forward          (e·N·d + workspace + head + in/out) x 1.25
+    session step     (KV(rows·K) + one block's K, V copy + workspace + last logits + in/out) x 1.25
+    session open     KV(min(rows·n_positions, --max-tokens-per-client))
+
+(16-bit compute adds the float32 copies of the logits and gradients it makes.) The kept
+activations are the per-layer count of Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", arXiv:2205.05198, eq. 2: s·b·h·(34 + 5·a·s/h)
+bytes at 16 bits) redone for what this code runs, by counting the tensors autograd saves in a
+GPT-2 block of transformers 5 (``saved_tensors_hooks``; equal for every shape tried):
+
+- GPT-2's ``gelu_new`` is written in Python (``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``),
+  so the MLP keeps five (B, T, I) tensors, not a fused GeLU's one: 5I + 7d values per
+  position (27d at I = 4d), against the paper's 34 bytes per h at 16 bits;
+- the attention is ``scaled_dot_product_attention`` (sdpa); on CPU its flash kernel keeps no
+  (B, a, T, K) scores, only a log-sum-exp (a per position), but a padding mask reaches it as
+  a boolean that sdpa turns into a float (B, 1, T, K) tensor in every call, kept for the
+  backward. With attention dropout in training (GPT-2's configs: 0.1) the CPU kernel falls
+  back to the math path, which keeps the scores, the softmax and the dropped-out softmax with
+  its mask: the paper's 5·a·s/h term, at 3e + 1 bytes a score;
+- the head's loss is computed in chunks of c positions (:mod:`splitlearn.headloss`): one
+  chunk's logits, log-softmax and their gradients at a time, plus the gradients of x and W;
+  a forward computes the last position's logits only.
+
+The 1.25 is the allocator's slack (``ALLOCATOR_SLACK``): glibc serves the (B, T, d) tensors of
+moderate batches from heaps that fragment. The totals are checked against peaks measured on
+CPU (peak RSS of the route through Flask's test client, in a fresh process:
+``benchmarks/request_memory.py``, docs/INTERNALS.md "What a request costs in memory"): 1.04 to
+1.8 times the measured peak, never below it. Training with ``/v1/train/forward`` is charged at
+the forward for its backward too, and for its step's other micro-batches' graphs, which wait
+with it (``micros``).
+
+The default limit (no ``--max-request-memory-gb``) is derived at start from the memory this
+process can still get (:func:`available_memory`) minus what the segment's training state
+will still take (gradients, optimizer moments, generation's prepacked weight copy), halved:
+the other half is for what runs beside the one request computing (bodies read by other
+WSGI threads, U-shape graphs waiting for their backward, generation caches, the allocator's
+slack). A request the machine cannot hold is then refused instead of killing the server.
+
+What outlives a request, or waits beside the one computing (bodies, waiting graphs priced
+one by one with :func:`graph_bytes`, stored answers, KV caches), is reserved in the
+server-wide :class:`~.memory.MemoryAccount`, per tenant and in total; :meth:`Budget.check`
+also reserves the request's price there while it is served.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...errors import PayloadTooLarge
+from ...headloss import CHUNK_LOGITS_BYTES, chunk_rows
+from .memory import charge
+
+log = logging.getLogger(__name__)
+
+FLAG = "--max-request-memory-gb"
+GiB = 1 << 30
+MIN_DERIVED = 64 << 20  # the derived limit never goes below this (a warning says why it is low)
+# A route's price is the tensor bytes counted below times this: the allocator's slack. glibc
+# serves allocations under its mmap threshold (up to 32 MiB) from heaps that fragment as
+# (B, T, d) tensors come and go; GPT-2 small's prefill of 8 x 512 peaked at up to 1.2x
+# the tensors counted (docs/INTERNALS.md, "What a request costs in memory").
+ALLOCATOR_SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What a request's memory depends on, besides its shape."""
+
+    d: int  # n_embd
+    heads: int  # n_head
+    inner: int  # the MLP's width (n_inner or 4d)
+    vocab: int
+    blocks: int  # blocks the segment holds
+    head: bool  # the segment holds ln_f + lm_head (a top)
+    elem: int  # bytes per element of the compute dtype
+    eager: bool  # attention materialises (B, a, T, K) scores always (not sdpa)
+    attn_dropout: bool  # attention dropout in training: sdpa on CPU falls back to the math path (scores)
+    dropout: bool  # residual dropout in training (outputs and masks kept)
+    grads: int = 0  # bytes of the gradients a training step makes (its trainable parameters)
+    largest: int = 0  # bytes of the largest trainable parameter (the optimizer's temporaries)
+
+    @classmethod
+    def of(cls, segment: nn.Module, dtype: torch.dtype) -> "Dims":
+        """The segment's dimensions; its trainable parameters now (a LoRA server's base is frozen)."""
+        c = segment.config
+        attn = getattr(c, "_attn_implementation", None) or "eager"
+        sizes = [p.numel() * p.element_size() for p in segment.parameters() if p.requires_grad]
+        return cls(d=c.n_embd, heads=c.n_head, inner=c.n_inner or 4 * c.n_embd, vocab=c.vocab_size,
+                   blocks=len(segment.h), head=segment.has_head,
+                   elem=torch.empty((), dtype=dtype).element_size(),
+                   eager=attn != "sdpa", attn_dropout=c.attn_pdrop > 0, dropout=c.resid_pdrop > 0,
+                   grads=sum(sizes), largest=max(sizes, default=0))
+
+    @property
+    def scores(self) -> bool:
+        """Training materialises the attention scores (the CPU flash kernel takes no dropout)."""
+        return self.eager or self.attn_dropout
+
+    @property
+    def chunk_rows(self) -> int:
+        return chunk_rows(self.vocab, CHUNK_LOGITS_BYTES)
+
+
+# -- the cost model (bytes) ----------------------------------------------------------------
+
+def kept_per_block(m: Dims, B: int, T: int, K: int, padded: bool) -> int:
+    """Bytes one block keeps for the backward in training: B rows, T positions, K keys."""
+    e, N = m.elem, B * T
+    b = e * N * (5 * m.inner + 7 * m.d + m.heads + 4)
+    if padded:
+        b += e * B * T * K  # the float mask sdpa makes of the boolean one, kept by the kernel
+    if m.dropout:
+        b += N * m.d * (2 * e + 2)  # two residual dropouts: outputs and masks
+    if m.scores:
+        b += B * m.heads * T * K * (3 * e + 1)  # scores, softmax, dropped-out softmax + mask
+    return b
+
+
+def block_workspace(m: Dims, B: int, T: int, K: int, masked: bool, scores: bool) -> int:
+    """Bytes one block needs beyond what it keeps, while it runs (forward or backward);
+    ``masked``: sdpa gets a mask tensor (padding, or new positions after cached ones)."""
+    e, N = m.elem, B * T
+    b = e * N * (4 * m.inner + 6 * m.d)  # the MLP's temporaries
+    if masked:
+        b += (1 + e) * B * T * K  # the boolean (B, 1, T, K) mask and sdpa's float copy of it
+    if scores:
+        b += 3 * e * B * m.heads * T * K
+    return b
+
+
+def io_bytes(m: Dims, B: int, T: int) -> int:
+    """The request's activations and the answer, each twice (bytes and tensor), float32 at most."""
+    return 4 * 4 * B * T * m.d
+
+
+def kv_bytes(m: Dims, tokens: int) -> int:
+    """The KV cache of ``tokens`` cached positions (rows x length) in every block."""
+    return 2 * m.blocks * tokens * m.d * m.elem
+
+
+def update_bytes(m: Dims) -> int:
+    """A training step's gradients, and the optimizer's temporaries on top of them: torch's
+    single-tensor AdamW (CPU tensors take no foreach path) makes two of each parameter's size in
+    turn (``exp_avg_sq.sqrt()``, then divided), so twice the largest; 16-bit gradients are
+    copied to float32 for the step's norm (:mod:`.guard`)."""
+    return m.grads + 2 * m.largest + (m.grads * 4 // m.elem if m.elem < 4 else 0)
+
+
+def train_cost(m: Dims, B: int, T: int, padded: bool, graphs: int = 1) -> int:
+    """A training step's forward and backward and its update: ``/v1/train/step`` (a top, with
+    the loss) or ``/v1/train/forward`` + its ``/v1/train/backward`` (a trunk), whose graph
+    waits between; ``graphs``: how many such graphs may wait at once (a step's micro-batches)."""
+    e, N = m.elem, B * T
+    b = graphs * m.blocks * kept_per_block(m, B, T, T, padded) + block_workspace(m, B, T, T, padded, m.scores)
+    if m.head:  # ln_f's input and output, the shifted copy, grad of x; grad of W; one chunk
+        b += 4 * e * N * m.d + 4 * m.vocab * m.d + _chunk(m, N, grads=True)
+    return _slack(b + update_bytes(m) + io_bytes(m, B, T))
+
+
+def graph_bytes(m: Dims, B: int, T: int, padded: bool, loss: bool = False) -> int:
+    """What one training forward leaves waiting for its backward (:mod:`.memory` holds it):
+    every block's kept tensors, its input and output and the answer sent (a tensor and its
+    encoded bytes, float32 at most); ``loss``: a 2-way open-ended piece, whose chunked loss
+    keeps ln_f's tensors and the gradients of x and W (:mod:`splitlearn.headloss`)."""
+    e, N = m.elem, B * T
+    b = m.blocks * kept_per_block(m, B, T, T, padded) + 2 * e * N * m.d + 2 * 4 * N * m.d
+    if loss:
+        b += 4 * e * N * m.d + m.vocab * m.d * e
+    return _slack(b)
+
+
+def _slack(tensor_bytes: int) -> int:
+    return int(tensor_bytes * ALLOCATOR_SLACK)
+
+
+def _chunk(m: Dims, N: int, grads: bool) -> int:
+    """One chunk of the head's loss (splitlearn/headloss.py): its logits, their float32 copy
+    (16-bit compute), the log-softmax, and with ``grads`` the gradients of both."""
+    c, e = min(m.chunk_rows, N), m.elem
+    per = e + 4 + (4 if e < 4 else 0) + (8 + (e if e < 4 else 0) if grads else 0)
+    return c * m.vocab * per
+
+
+def forward_cost(m: Dims, B: int, T: int, padded: bool, labels: bool) -> int:
+    """``/v1/forward`` without gradients: one block at a time, the last position's logits,
+    and the loss in chunks when labels come."""
+    e, N = m.elem, B * T
+    b = e * N * m.d + block_workspace(m, B, T, T, padded, m.eager)  # no dropout in evaluation: flash sdpa
+    if m.head:
+        b += B * m.vocab * (e + 4)  # the last position's logits, and packed
+        if labels:
+            b += 2 * e * N * m.d + _chunk(m, N, grads=False)
+    return _slack(b + io_bytes(m, B, T))
+
+
+def session_step_cost(m: Dims, rows: int, past: int, T: int, padded: bool = True) -> int:
+    """A generation step of T new positions after ``past``: the session's cache grown to
+    past + T (one block's K and V copied as they grow), one block's workspace, last logits.
+    ``padded``: the new positions' mask pads some."""
+    K = past + T
+    masked = padded or past > 0  # sdpa's causal flag serves only a first, unpadded prefill
+    b = kv_bytes(m, rows * K) + 2 * rows * K * m.d * m.elem + block_workspace(m, rows, T, K, masked, m.eager)
+    if m.head:
+        b += rows * m.vocab * (m.elem + 4)
+    return _slack(b + io_bytes(m, rows, T))
+
+
+# -- the limit -----------------------------------------------------------------------------
+
+@dataclass
+class Budget:
+    """The most one request may cost, in bytes, and the model's dimensions to price requests."""
+
+    limit: int  # bytes of working memory one request may take
+    dims: Dims
+    source: str = FLAG  # where the limit comes from: the flag, or how it was derived
+
+    def check(self, what: str, need: int) -> None:
+        """413 if ``need`` bytes exceed the limit; the message names the limit and the flag.
+        Then ``need`` is reserved for the request being served on this thread, until its
+        answer is built (:func:`.memory.charge`; 503 past the server's total)."""
+        if need > self.limit:
+            raise PayloadTooLarge(
+                f"{what} needs about {need / GiB:.2f} GiB of server memory; this server allows "
+                f"{self.limit / GiB:.2f} GiB per request ({self.source}): send fewer rows or "
+                f"positions (micro-batches, or a prompt in pieces)")
+        charge(need, what)
+
+    # one method per route, each (what, bytes) checked
+
+    def train(self, B: int, T: int, mask: Optional[torch.Tensor], graphs: int = 1) -> None:
+        """``/v1/train/step`` or ``/v1/train/forward`` (with its backward) of B x T positions;
+        ``graphs``: the graphs of this size that may wait for their backward at once."""
+        what = f"a training step of {B} x {T} positions" + (f" (x {graphs} micro-batches)" if graphs > 1 else "")
+        self.check(what, train_cost(self.dims, B, T, padded(mask), graphs))
+
+    def forward(self, B: int, T: int, mask: Optional[torch.Tensor], labels: bool) -> None:
+        """``/v1/forward`` of B x T positions, with the loss if ``labels``."""
+        self.check(f"a forward of {B} x {T} positions", forward_cost(self.dims, B, T, padded(mask), labels))
+
+    def session(self, rows: int, tokens: int) -> None:
+        """Opening a session of ``rows`` whose KV cache may grow to ``tokens`` positions."""
+        self.check(f"a session of {rows} rows (its KV cache of up to {tokens} positions)",
+                   kv_bytes(self.dims, tokens))
+
+    def session_step(self, rows: int, past: int, T: int, mask: Optional[torch.Tensor]) -> None:
+        """A prefill or decode step of ``rows`` x T new positions after ``past`` cached ones."""
+        self.check(f"a generation step of {rows} x {T} positions after {past}",
+                   session_step_cost(self.dims, rows, past, T, padded(mask)))
+
+    def to_dict(self) -> dict:
+        return {"max_request_memory_bytes": self.limit, "max_request_memory_source": self.source}
+
+
+def padded(mask: Optional[torch.Tensor]) -> bool:
+    """Whether a (B, T) 0/1 mask pads any position (then sdpa gets a mask tensor, not a flag)."""
+    return mask is not None and not bool(mask.all())
+
+
+def trainable_bytes(module: nn.Module) -> int:
+    """Bytes of the gradients a training step of ``module`` makes."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        text = open(path).read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return None
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes this process can still allocate, and which limit that is: the GPU's free memory
+    on CUDA; on CPU the least of MemAvailable, the cgroup's limit less its usage, and the
+    address-space limit (``RLIMIT_AS``) less the process's virtual size."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free memory of {device}"
+    found = []
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) << 10, "MemAvailable"))
+    except OSError:
+        pass
+    if not found:
+        found.append((os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"))
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and used is not None and cap < 1 << 60:
+            found.append((cap - used, "the cgroup's memory limit"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    size = _status_kib("VmSize")
+    if soft != resource.RLIM_INFINITY and size is not None:
+        found.append((soft - size, "RLIMIT_AS"))
+    return min(found)
+
+
+def derived_limit(available: int, state_bytes: int) -> int:
+    """Half of what is left once the training state is allocated (at least ``MIN_DERIVED``)."""
+    return max(MIN_DERIVED, (available - state_bytes) // 2)
+
+
+def state_bytes(segment: nn.Module, optimizer: str, packed: bool) -> int:
+    """What the segment's training state will still allocate: a gradient per trainable
+    parameter and AdamW's two moments, and generation's prepacked copy of the weights
+    (``--no-packed-weights``: none)."""
+    weights = sum(p.numel() * p.element_size() for p in segment.parameters())
+    return trainable_bytes(segment) * (3 if optimizer == "adamw" else 1) + (weights if packed else 0)
+
+
+def make_budget(segment: nn.Module, dtype: torch.dtype, device: torch.device,
+                limit_bytes: Optional[int], optimizer: str, packed: bool) -> Budget:
+    """The server's budget: ``limit_bytes`` if configured, else derived (module docstring)."""
+    dims = Dims.of(segment, dtype)
+    if limit_bytes is not None:
+        return Budget(limit_bytes, dims, FLAG)
+    avail, what = available_memory(device)
+    state = state_bytes(segment, optimizer, packed)
+    limit = derived_limit(avail, state)
+    source = (f"derived at start: half of {what} ({avail / GiB:.2f} GiB) less the training state "
+              f"({state / GiB:.2f} GiB); {FLAG} sets it")
+    if limit == MIN_DERIVED:
+        log.warning("little memory left for requests (%s): each may use %.2f GiB", source, limit / GiB)
+    log.info("each request may use %.2f GiB of memory (%s)", limit / GiB, source)
+    return Budget(limit, dims, source)

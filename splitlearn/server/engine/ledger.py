@@ -1,0 +1,343 @@
+"""``StepLedger``: the exactly-once record of every client's training steps.
+
+Each client numbers its steps 1, 2, 3...; the ledger keeps, per client, the last step
+applied and the answer it got. For a request carrying step ``s`` of client ``c``:
+
+=====================================  ====================================================
+``s`` == last applied                   a retry: :meth:`replay` gives the stored answer back,
+                                        the weights are not touched
+``s`` == last applied + 1               the next step: :meth:`expect_next` lets it through
+anything else                           409 (:class:`~splitlearn.errors.Conflict`)
+=====================================  ====================================================
+
+An open-ended step (``micros=0``: gradient accumulation) is applied by ``POST
+/v1/train/apply``; its answer (metadata ``applied=1``, no tensors) is the step's stored answer,
+replayed to a retried apply (:meth:`replay_apply`). Its pieces' answers are not kept after the
+apply (a client applies only once it holds every piece's answer; up to 4096 pieces a step):
+only their digests, and a retried piece of the applied step gets 409 naming its digest,
+never a second application.
+
+A U-shape step has two requests: the forward leaves a :class:`Pending` entry (the graph
+waiting for its backward), which a retried forward replays and the backward consumes.
+
+A closed step's answers (its last piece's, and with several micro-batches every piece's
+forward and backward answers: a client that lost them redoes the step and gets them back) are
+kept as their encoded bytes (:class:`Kept`), reserved in the server's
+:class:`~.memory.MemoryAccount` as *evictable*: when a reservation needs the room they are
+dropped to a digest (BLAKE2b-128 of the bytes), and a retry of that piece gets 409 naming it.
+The ledger goes into the checkpoint as JSON counters (:meth:`to_counters`; the kept answers
+as base64 of their bytes, at most ``CHECKPOINT_ANSWER_BYTES`` per client, the others as
+digests) so a retry of the last step after a restart is replayed, not refused. It holds no
+tensors of the model and does no compute; the runtime calls it under its lock.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ...errors import Conflict, SplitLearnError
+from ...wire import decode, encode
+from .tenants import client_of, tenant_of
+
+
+APPLIED = "applied"  # metadata of an apply's answer (open-ended steps): "1"
+CHECKPOINT_ANSWER_BYTES = 1 << 20  # encoded answer bytes of one client in a checkpoint's state.json (the rest: digests)
+
+
+@dataclass
+class Answer:
+    """What a request is answered with: tensors (on the CPU) and string metadata.
+
+    Encoded once: a replayed answer is byte for byte the first one.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+    _bytes: Optional[bytes] = field(default=None, repr=False)
+
+    def encode(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = encode(self.tensors, self.meta)
+        return self._bytes
+
+    @classmethod
+    def decode(cls, body: bytes) -> "Answer":
+        tensors, meta = decode(body)
+        return cls(tensors, meta, body)
+
+
+def answer_bytes(a: Answer) -> int:
+    """What an answer holds: its tensors and, once encoded, its bytes."""
+    return sum(t.numel() * t.element_size() for t in a.tensors.values()) + len(a._bytes or b"")
+
+
+def digest_of(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
+@dataclass(eq=False)
+class Kept:
+    """A stored answer of an applied step: its encoded bytes while the server keeps them (a
+    hold in the memory account), else only their digest."""
+
+    body: Optional[bytes]
+    digest: Optional[bytes] = None
+    hold: Any = None  # the memory account's Hold of ``body``
+
+    def evict(self) -> None:
+        """Drop the bytes, keep their digest (the memory account calls it, on any thread)."""
+        body = self.body
+        if body is not None:
+            self.digest = self.digest or digest_of(body)
+            self.body = None
+
+    def answer(self, what: str) -> Answer:
+        """The stored answer; 409 if only its digest is left."""
+        body = self.body  # read once: another thread may evict it
+        if body is None:
+            raise Conflict(f"{what} was applied; its answer is no longer held by the server (digest "
+                           f"blake2b-128 {(self.digest or b'').hex()} of its bytes): nothing was applied "
+                           f"again")
+        return Answer.decode(body)
+
+    def digest_hex(self) -> str:
+        body = self.body
+        return (self.digest or digest_of(body)).hex() if body is not None or self.digest else ""
+
+
+@dataclass
+class Pending:
+    """A U-shape forward waiting for its backward."""
+
+    step: int
+    state: Any  # what the rest of the step needs (the runtime's graphs, the pieces' answers)
+    since: float = 0.0  # time.monotonic() of the step's first request
+
+
+@dataclass
+class ClientRecord:
+    step: int = 0  # last step applied
+    answer: Optional[Kept] = None  # the answer to it (its last piece, or the apply's), replayed to retries
+    pieces: dict[int, Kept] = field(default_factory=dict)  # micro-batch -> answer, when several
+    forwards: dict[int, Kept] = field(default_factory=dict)  # micro-batch -> forward answer
+    pending: Optional[Pending] = None
+    open_ended: bool = False  # the step was applied by POST /v1/train/apply (its pieces: digests)
+    live: Optional[tuple] = field(default=None, repr=False)  # (answer, pieces, forwards) until sealed
+
+    def kept(self) -> list[Kept]:
+        return [k for k in (self.answer, *self.pieces.values(), *self.forwards.values()) if k is not None]
+
+
+def _sealed(rec: ClientRecord, final: bool) -> tuple[Kept, dict[int, Kept], dict[int, Kept]]:
+    """A just-applied record's answers as kept: bytes, or digests for an open-ended step's
+    pieces. ``final=False`` (a checkpoint inside the apply) leaves the live answers unencoded:
+    the last one still gets its "durable" field."""
+    answer, pieces, forwards = rec.live
+
+    def body(a: Answer) -> bytes:
+        return a.encode() if final else (a._bytes or encode(a.tensors, a.meta))
+
+    def kept(a: Answer) -> Kept:
+        return Kept(None, digest_of(body(a))) if rec.open_ended else Kept(body(a))
+
+    return (Kept(body(answer)), {i: kept(a) for i, a in pieces.items()},
+            {i: kept(a) for i, a in forwards.items()})
+
+
+@dataclass
+class StepLedger:
+    clients: dict[str, ClientRecord] = field(default_factory=dict)
+    steps_applied: int = 0  # over all clients, since the first start
+    durable: dict[str, int] = field(default_factory=dict)  # each client's step in the last checkpoint
+    account: Any = field(default=None, repr=False)  # the server's MemoryAccount (None: nothing reserved)
+
+    def mark_durable(self) -> None:
+        """A checkpoint of the current state has been written."""
+        self.durable = {c: r.step for c, r in self.clients.items()}
+
+    def durable_step(self, client_id: str) -> int:
+        return self.durable.get(client_id, 0)
+
+    def record(self, client_id: str) -> ClientRecord:
+        return self.clients.setdefault(client_id, ClientRecord())
+
+    def last_step(self, client_id: str) -> int:
+        rec = self.clients.get(client_id)
+        return rec.step if rec else 0
+
+    def replay(self, client_id: str, step: int, micro: int = 0) -> Optional[Answer]:
+        """The stored answer if ``step`` was the client's last applied step (a retry), else None."""
+        rec = self.clients.get(client_id)
+        if rec is None or step != rec.step or rec.answer is None:
+            return None
+        if rec.open_ended:  # its pieces' own answers: digests only (409), or not a piece of it
+            kept = rec.pieces.get(micro)
+        else:
+            kept = rec.pieces.get(micro, rec.answer) if rec.pieces else rec.answer
+        return None if kept is None else kept.answer(f"piece {micro} of step {step}")
+
+    def replay_apply(self, client_id: str, step: int) -> Optional[Answer]:
+        """The stored answer of ``POST /v1/train/apply`` if ``step`` was the client's last
+        applied step and an open-ended one (a retried apply), else None."""
+        rec = self.clients.get(client_id)
+        if rec is None or step != rec.step or rec.answer is None or not rec.open_ended:
+            return None
+        return rec.answer.answer(f"the apply of step {step}")
+
+    def replay_forward(self, client_id: str, step: int, micro: int = 0) -> Optional[Answer]:
+        """U-shape: the forward answer of the client's last applied step, if ``step`` is it
+        (a client that lost the step's answers asks for both again)."""
+        rec = self.clients.get(client_id)
+        kept = rec.forwards.get(micro) if rec is not None and step == rec.step else None
+        return None if kept is None else kept.answer(f"the forward of piece {micro} of step {step}")
+
+    def expect_next(self, client_id: str, step: int) -> None:
+        """Raise 409 unless ``step`` is the client's next one."""
+        last = self.last_step(client_id)
+        if step != last + 1:
+            raise Conflict(f"step {step} for client {client_of(client_id)!r} is out of order: "
+                           f"the server has applied step {last}, so the next is {last + 1}")
+
+    def pending(self, client_id: str, step: Optional[int] = None) -> Optional[Pending]:
+        """The client's pending forward (of ``step``, if given)."""
+        rec = self.clients.get(client_id)
+        p = rec.pending if rec else None
+        return p if p is not None and (step is None or p.step == step) else None
+
+    def set_pending(self, client_id: str, pending: Optional[Pending]) -> None:
+        if pending is None and client_id not in self.clients:
+            return  # nothing to clear; never create a record for it
+        self.record(client_id).pending = pending
+
+    def pending_since(self) -> dict[str, float]:
+        """Every pending step's client and the time.monotonic() of its first request."""
+        return {c: r.pending.since for c, r in self.clients.items() if r.pending is not None}
+
+    def known(self, client_id: str) -> bool:
+        return client_id in self.clients
+
+    def count(self, prefix: str) -> tuple[int, int]:
+        """(client ids, pending steps) of the keys starting with ``prefix`` (a tenant's)."""
+        mine = [r for c, r in self.clients.items() if c.startswith(prefix)]
+        return len(mine), sum(1 for r in mine if r.pending is not None)
+
+    def applied(self, client_id: str, step: int, answer: Answer, pieces: Optional[dict[int, Answer]] = None,
+                forwards: Optional[dict[int, Answer]] = None, seal: bool = True) -> int:
+        """Record ``step`` of ``client_id`` as applied with ``answer`` (its last piece's, or the
+        apply's for an open-ended step), the answers of all its pieces if it had several (an
+        open-ended step: their digests), and its forwards' answers; returns the total of steps
+        applied. The answers are kept as bytes by :meth:`seal` (``seal=False``: the caller
+        seals once the answer is final; until then a checkpoint encodes them as they are)."""
+        rec = self.record(client_id)
+        self._release(rec)
+        rec.step, rec.pending, rec.open_ended = step, None, answer.meta.get(APPLIED) == "1"
+        keep = pieces and (len(pieces) > 1 or rec.open_ended)
+        rec.live = (answer, dict(pieces) if keep else {}, dict(forwards or {}))
+        rec.answer, rec.pieces, rec.forwards = None, {}, {}
+        self.steps_applied += 1
+        if seal:
+            self.seal(client_id)
+        return self.steps_applied
+
+    def seal(self, client_id: str) -> None:
+        """The answers of the step just applied, final now, kept as bytes (reserved, evictable)
+        or, for an open-ended step's pieces, as digests (their bytes are dropped)."""
+        rec = self.clients.get(client_id)
+        if rec is None or rec.live is None:
+            return
+        rec.answer, rec.pieces, rec.forwards = _sealed(rec, final=True)
+        rec.live = None
+        for k in reversed(rec.kept()):  # the last answer reserved last: the last one evicted
+            self._hold(client_id, k)
+
+    def _hold(self, client_id: str, kept: Kept) -> Kept:
+        """Reserve ``kept``'s bytes (evictable); with no room even after evicting: a digest."""
+        if self.account is not None and kept.body is not None:
+            try:
+                kept.hold = self.account.reserve(tenant_of(client_id), len(kept.body),
+                                                 "a stored answer", evict=kept.evict)
+            except SplitLearnError:
+                kept.evict()
+        return kept
+
+    def _release(self, rec: ClientRecord) -> None:
+        for k in rec.kept():
+            if k.hold is not None and self.account is not None:
+                self.account.release(k.hold)
+
+    def forget(self, client_id: str) -> None:
+        """Drop a client's record (replicas: another replica serves it now)."""
+        rec = self.clients.pop(client_id, None)
+        if rec is not None:
+            self._release(rec)
+        self.durable.pop(client_id, None)
+
+    def adopt(self, client_id: str, rec: ClientRecord) -> None:
+        """Take a record loaded from a checkpoint, its kept answers reserved (or digests)."""
+        self.forget(client_id)
+        for k in rec.kept():
+            self._hold(client_id, k)
+        self.clients[client_id] = rec
+
+    # -- checkpoint --------------------------------------------------------------------
+
+    def to_counters(self) -> dict:
+        """JSON: each client's step; its kept answers as base64, at most
+        ``CHECKPOINT_ANSWER_BYTES`` of them per client (the last piece's first), the others
+        (and an open-ended step's pieces) as digests."""
+        answers, pieces, forwards, digests, open_ended = {}, {}, {}, {}, []
+        for c, r in self.clients.items():
+            answer, ps, fs = (r.answer, r.pieces, r.forwards) if r.live is None else _sealed(r, final=False)
+            tables = {"answer": {0: answer} if answer is not None else {}, "pieces": ps, "forwards": fs}
+            if r.open_ended:
+                open_ended.append(c)
+            budget = CHECKPOINT_ANSWER_BYTES
+            for kind, table in tables.items():
+                for i, k in table.items():
+                    body = k.body
+                    if body is not None and len(body) <= budget:
+                        budget -= len(body)
+                        text = base64.b64encode(body).decode()
+                        if kind == "answer":
+                            answers[c] = text
+                        else:
+                            (pieces if kind == "pieces" else forwards).setdefault(c, {})[str(i)] = text
+                    elif body is not None or k.digest is not None:
+                        digests.setdefault(c, {}).setdefault(kind, {})[str(i)] = k.digest_hex()
+        return {"clients": {c: r.step for c, r in self.clients.items()}, "answers": answers,
+                "pieces": pieces, "forward_answers": forwards, "digests": digests,
+                "open_ended": open_ended, "steps_applied": self.steps_applied}
+
+    @classmethod
+    def from_counters(cls, counters: dict) -> "StepLedger":
+        answers = counters.get("answers", {})
+        pieces, forwards = counters.get("pieces", {}), counters.get("forward_answers", {})
+        digests, open_ended = counters.get("digests", {}), set(counters.get("open_ended", ()))
+
+        def table(bodies: dict, kind: str, c: str) -> dict[int, Kept]:
+            out = {int(i): Kept(None, bytes.fromhex(d)) for i, d in digests.get(c, {}).get(kind, {}).items()}
+            out.update({int(i): Kept(base64.b64decode(b)) for i, b in bodies.items()})
+            return out
+
+        def record(c: str, s) -> ClientRecord:
+            answer = table({"0": answers[c]} if c in answers else {}, "answer", c).get(0)
+            legacy = answer is not None and c not in open_ended and "open_ended" not in counters
+            ended = c in open_ended or (legacy and Answer.decode(answer.body).meta.get(APPLIED) == "1")
+            return ClientRecord(step=int(s), answer=answer, pieces=table(pieces.get(c, {}), "pieces", c),
+                                forwards=table(forwards.get(c, {}), "forwards", c), open_ended=ended)
+
+        clients = {c: record(c, s) for c, s in counters.get("clients", {}).items()}
+        led = cls(clients, int(counters.get("steps_applied", 0)))
+        led.mark_durable()  # what was loaded is what the checkpoint holds
+        return led
+
+    def hold_all(self) -> None:
+        """Reserve every kept answer (after :meth:`from_counters`, once ``account`` is set)."""
+        for c, r in self.clients.items():
+            for k in r.kept():
+                if k.hold is None:
+                    self._hold(c, k)

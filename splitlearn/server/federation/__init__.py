@@ -1,0 +1,1 @@
+"""Federation: the modes, the strategies, the collective, tickets and the fed server."""

@@ -1,0 +1,383 @@
+"""SplitFed across replicas: one round over every replica's members, closed by torch.distributed.
+
+Replicas of a SplitFed server (``python -m splitlearn.cluster ... -- --federation splitfed``, or
+by hand with ``--fed-store HOST:PORT --fed-rank I --fed-world-size R``) each train the copies
+of the members HAProxy sends them, exactly as one server does; what they must agree on is the
+*round*: who is in it, when it closes, and the weights every member continues from. Three
+pieces of ``torch.distributed`` carry that (nothing home-made on the wire):
+
+**A TCPStore** (``torch.distributed.TCPStore``; the cluster's supervisor hosts it, replicas
+are clients) holds the round's global counters, each changed atomically (``Store.add``,
+``Store.compare_set``)::
+
+    r<n>/members   members admitted to round n over all replicas; a replica admits a new
+                   member only while this stays <= --clients-per-round (503 "round full" else)
+    r<n>/started   wall time of round n's first member (its --round-timeout runs from it)
+    r<n>/synced    members of round n that synced, over all replicas
+    r<n>/close     set once ("full": the K-th sync; "timeout": by whichever replica sees the
+                   round time out first); every replica polls it (every 50 ms) and closes
+    gen            the generation of the process group (below)
+
+**A gloo process group** over the live replicas closes a round with
+:func:`.rounds.close_round`, the function one server closes its rounds with (there over a
+collective of one; here over :class:`TorchCollective`): every replica freezes its local round
+(its synced members' copies, bounded around the shared weights exactly as one server bounds
+them, :mod:`.strategy`), then
+
+- ``fedavg``: ``all_reduce`` (SUM) of the round's counts (target tokens, members, bounded
+  updates), ``all_gather`` of every member's count (``--max-member-share`` caps a member's
+  weight against the whole round's), then ``all_reduce`` (SUM, float64) of each replica's
+  ``sum_k w'_k * n_k / N`` (N: the weight of the whole round), server side and client side in one flat buffer: the weighted mean one
+  server computes, summed in another order: bit-identical when every replica holds at most
+  one synced member (x + 0 = x and a + b = b + a are exact), otherwise equal up to float64
+  rounding, i.e. within one float32 ulp of the float32 result;
+- ``median`` / ``trimmed-mean``: ``all_gather`` of the bounded uploads (padded to the largest
+  replica's count), then the strategy's own coordinate-wise rule on all of them on every
+  replica: bit-identical to one server (both rules sort, so the order does not matter);
+
+then an ``all_gather`` of the result's sha256 checks that every replica holds the same bits
+(were they ever to differ, rank 0's result is broadcast; logged as an error). A replica with
+no member contributes zeros and zero rows. Each replica then loads the result, and the round
+number and version advance everywhere together.
+
+**Generations.** A process group's membership is fixed, so a replica that dies breaks it and
+a restarted one cannot join it. Every (re)start and every failed collective moves the store's
+``gen`` on; a replica that sees ``gen`` change leaves its group and joins the new generation:
+it announces itself (``g<gen>/in/<index>``); when all ``--fed-world-size`` replicas are in, or
+``--fed-timeout`` seconds after it announced, the members are fixed once (``compare_set`` of
+``g<gen>/members``: every replica reads the same list; one left out starts the next
+generation) and the group is created (``init_process_group("gloo", store=PrefixStore(...))``).
+The new group first agrees on the state: ``all_gather`` of every member's (version, round);
+if any is behind (a restarted replica starts from the initial weights), the most advanced
+broadcasts its shared weights (server side, and client side) and the others load them. A
+replica answers 503 to training and syncs until its first group is formed and agreed.
+
+**A dead replica and the round.** Its members' copies die with it (as a server's round does
+in a crash): they hold their places in ``r<n>/members`` until the round's --round-timeout,
+like members that never sync. A collective that a dead peer leaves waits at most
+``--fed-timeout`` seconds (gloo notices a closed connection sooner), then fails on every
+survivor: the round stays frozen (its synced members' uploads kept), the survivors form the
+next generation (with the restarted replica, or without it after ``--fed-timeout``), and the
+close is retried with the same uploads: no member is counted twice or lost, except the dead
+replica's. If the close had completed anywhere before the failure, that replica is ahead and
+the others take its result in the state agreement (their own synced members were in it: a
+collective completes only with every member's contribution).
+
+Trust: the replicas trust each other and the store (one operator). Neither the store nor gloo
+authenticates: keep their ports on loopback or a private network. Values read from the store
+are parsed as plain integers and floats (never unpickled); sizes come from our own model, and
+a collective's result that is not finite is refused (the round stays open, logged).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+
+from ...errors import ConfigError, Conflict, ServiceUnavailable
+from .rounds import close_round, floating_keys
+
+log = logging.getLogger(__name__)
+
+Weights = dict[str, torch.Tensor]
+TICK_S = 0.05  # how often a replica polls the store: close flags, timeouts, generations
+STORE_PREFIX = "splitlearn/fed"
+
+
+def parse_store(addr: str) -> tuple[str, int]:
+    """``host:port`` of the TCPStore (ConfigError if malformed)."""
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--fed-store must be HOST:PORT (the cluster's TCPStore), got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where a replica finds the others: ``--fed-store``, ``--fed-rank``, ``--fed-world-size``."""
+
+    store: str  # host:port of the TCPStore (python -m splitlearn.cluster hosts it)
+    index: int  # this replica's index, 0 .. world - 1 (its rank when all are in)
+    world: int  # replicas in the cluster
+    timeout_s: float = 60.0  # a collective's, and a generation's join, longest wait
+
+    def __post_init__(self):
+        parse_store(self.store)
+        if self.world < 1 or not 0 <= self.index < self.world:
+            raise ConfigError(f"--fed-rank must be in 0..--fed-world-size - 1, got {self.index} of {self.world}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--fed-timeout must be > 0, got {self.timeout_s}")
+
+
+def weights_sha256(weights: Weights) -> str:
+    """sha256 of the floating tensors as float32 bytes, in the dict's order: what every replica
+    reports after a round (``GET /v1/federation`` ``replicas.weights_sha256``)."""
+    h = hashlib.sha256()
+    for k in floating_keys(weights):
+        h.update(weights[k].detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+class TorchCollective:
+    """The current torch.distributed process group as :func:`.rounds.close_round`'s collective."""
+
+    @property
+    def world(self) -> int:
+        return _dist().get_world_size()
+
+    @property
+    def rank(self) -> int:
+        return _dist().get_rank()
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        _dist().all_reduce(t)
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.zeros_like(t) for _ in range(self.world)]
+        _dist().all_gather(out, t)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        _dist().broadcast(t, src=src)
+
+
+# -- one replica's membership of the group ----------------------------------------------------
+
+class ReplicaGroup:
+    """The coordinator thread of one replica: store counters, generations, closes.
+
+    ``fed`` is the :class:`~.modes.Federation` (its ``freeze_round``, ``apply_close``,
+    ``position``, ``state_flat``, ``flat_size`` and ``adopt_state``), ``run`` executes a
+    callable on the compute thread. A round closes with :func:`.rounds.close_round` over the
+    process group, as one server's closes over itself."""
+
+    def __init__(self, spec: GroupSpec, fed, run: Callable):
+        self.spec = spec
+        self.fed = fed
+        self.run = run
+        self.ready = threading.Event()  # the first group formed and agreed on the state
+        self.gen: Optional[int] = None  # generation of the process group this replica is in
+        self.rank: Optional[int] = None
+        self.members: list[int] = []  # replica indexes in the current group
+        self.closes: list[dict] = []  # timings of the last closes (status)
+        self.sha: Optional[dict] = None  # weights_sha256 after the last close or state agreement
+        self.stopping = threading.Event()
+        self._store = None
+        self._thread: Optional[threading.Thread] = None
+
+    # -- the store ---------------------------------------------------------------------
+
+    @property
+    def store(self):
+        if self._store is None:
+            dist = _dist()
+            host, port = parse_store(self.spec.store)
+            tcp = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=self.spec.timeout_s))
+            self._store = dist.PrefixStore(STORE_PREFIX, tcp)
+        return self._store
+
+    def counter(self, key: str, delta: int = 0) -> int:
+        return int(self.store.add(key, delta))
+
+    def _float(self, key: str) -> Optional[float]:
+        if not self.store.check([key]):
+            return None
+        try:
+            v = float(self.store.get(key).decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return v if math.isfinite(v) else None
+
+    # -- what the federation asks (compute thread, under its lock) ------------------------
+
+    def check_ready(self) -> None:
+        if not self.ready.is_set():
+            raise ServiceUnavailable("this replica is joining the SplitFed group of the cluster's replicas "
+                                     "(agreeing on the shared weights); retry", retry_after=1.0)
+
+    def closing(self, number: int) -> bool:
+        return bool(self.store.check([f"r{number}/close"]))
+
+    def admit(self, number: int, k: int) -> None:
+        """A new member of round ``number`` on this replica: one of the round's K over all replicas."""
+        if self.closing(number):
+            raise ServiceUnavailable(f"round {number} is closing; wait for the next round", retry_after=0.5)
+        count = self.counter(f"r{number}/members", 1)
+        if count > k:
+            self.counter(f"r{number}/members", -1)
+            raise ServiceUnavailable(f"round {number} is full ({k} clients over all replicas); wait for the "
+                                     f"next round", retry_after=1.0)
+        if count == 1:
+            self.store.compare_set(f"r{number}/started", "", repr(time.time()))
+
+    def synced(self, number: int, k: int) -> None:
+        """A member of round ``number`` synced on this replica; the K-th over all closes the round."""
+        if self.closing(number):
+            raise Conflict(f"round {number} closed (timed out) before this sync; the next training step "
+                           f"downloads its result")
+        if self.counter(f"r{number}/synced", 1) >= k:
+            self.store.compare_set(f"r{number}/close", "", "full")
+
+    def counts(self, number: int) -> tuple[int, int]:
+        return self.counter(f"r{number}/members"), self.counter(f"r{number}/synced")
+
+    def closes_in(self, number: int, timeout_s: float) -> Optional[float]:
+        started = self._float(f"r{number}/started")
+        return None if started is None else max(timeout_s - (time.time() - started), 0.0)
+
+    def describe(self) -> dict:
+        last = self.closes[-1] if self.closes else None
+        return {"index": self.spec.index, "world_size": self.spec.world, "ready": self.ready.is_set(),
+                "generation": self.gen, "group": list(self.members), "last_close": last,
+                "weights_sha256": self.sha}
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def start(self) -> "ReplicaGroup":
+        self._thread = threading.Thread(target=self._loop, name="splitlearn-fed-group", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _loop(self) -> None:
+        bump = True  # a new process always starts a new generation: no existing group has it
+        while not self.stopping.is_set():
+            try:
+                if self.gen is None:
+                    self._join(bump)
+                    bump = False
+                    self._agree()
+                    self.ready.set()
+                elif self.counter("gen") != self.gen:  # another replica (re)started or failed
+                    log.info("SplitFed group: generation %s ended; joining the next", self.gen)
+                    self._leave()
+                    continue
+                else:
+                    self._tick()
+            except Exception as e:  # noqa: BLE001 - a peer died, a timeout, the store: re-form
+                if self.stopping.is_set():
+                    return
+                log.warning("SplitFed group (generation %s) failed: %s; forming the next", self.gen, e)
+                self._leave()
+                bump = True
+                self.stopping.wait(1.0)  # (a store that is down: one try a second, not a storm of logs)
+            self.stopping.wait(TICK_S)
+
+    def _tick(self) -> None:
+        fed = self.fed
+        number = fed.round.number
+        if self.closing(number):
+            self._close(number)
+            return
+        left = self.closes_in(number, fed.round_timeout_s)
+        if left is not None and left <= 0:
+            log.warning("round %d timed out %gs after its first member: closing it on every replica",
+                        number, fed.round_timeout_s)
+            self.store.compare_set(f"r{number}/close", "", "timeout")
+
+    def _close(self, number: int) -> None:
+        t0 = time.perf_counter()
+        contribution = self.run(self.fed.freeze_round, number)
+        if contribution is None:  # the round is not open here any more
+            return
+        t1 = time.perf_counter()
+        result = close_round(self.fed.strategy, contribution, TorchCollective(), self.run)
+        t2 = time.perf_counter()
+        self.sha = self.run(self.fed.apply_close, contribution, result)
+        t3 = time.perf_counter()
+        self.closes = [*self.closes[-9:], {"round": number, "members": result.members, "local": len(contribution.samples),
+                                           "prepare_ms": round((t1 - t0) * 1e3, 2),
+                                           "collective_ms": round((t2 - t1) * 1e3, 2),
+                                           "apply_ms": round((t3 - t2) * 1e3, 2)}]
+        log.info("round %d closed over %d replicas: %s", number, len(self.members), self.closes[-1])
+
+    # -- generations ---------------------------------------------------------------------
+
+    def _join(self, bump: bool) -> None:
+        """Join the store's current generation (a new one if ``bump``) and form its group."""
+        dist, spec = _dist(), self.spec
+        g = self.counter("gen", 1 if bump else 0)
+        if g == 0:
+            g = self.counter("gen", 1)
+        while not self.stopping.is_set():
+            self.store.set(f"g{g}/in/{spec.index}", "1")
+            deadline = time.monotonic() + spec.timeout_s
+            members = None
+            while members is None:
+                cur = self.counter("gen")
+                if cur != g:
+                    break
+                present = [i for i in range(spec.world) if self.store.check([f"g{g}/in/{i}"])]
+                if (len(present) == spec.world or time.monotonic() > deadline
+                        or self.store.check([f"g{g}/members"])):
+                    members = self._members(self.store.compare_set(f"g{g}/members", "", ",".join(map(str, present))))
+                else:
+                    time.sleep(TICK_S)
+            if members is None:
+                g = cur
+                continue
+            if spec.index not in members:  # decided without us: the next generation has us
+                g = self.counter("gen", 1)
+                continue
+            rank = members.index(spec.index)
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"g{g}/pg", self.store), rank=rank,
+                                    world_size=len(members), timeout=timedelta(seconds=spec.timeout_s))
+            self.gen, self.rank, self.members = g, rank, members
+            log.info("SplitFed group generation %d: replicas %s, this one rank %d", g, members, rank)
+            return
+
+    def _members(self, value: bytes) -> list[int]:
+        try:
+            members = sorted({int(x) for x in value.decode("ascii").split(",") if x})
+        except (UnicodeDecodeError, ValueError):
+            raise ConfigError(f"the store's member list is malformed: {value[:80]!r}") from None
+        if not members or any(not 0 <= m < self.spec.world for m in members):
+            raise ConfigError(f"the store's member list {members} is not of {self.spec.world} replicas")
+        return members
+
+    def _leave(self) -> None:
+        dist = _dist()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - a broken group: nothing more to do with it
+                log.debug("destroying the process group: %s", e)
+        self.gen, self.rank, self.members = None, None, []
+
+    def _agree(self) -> None:
+        """The new group's members agree on the shared state: the most advanced broadcasts it."""
+        dist = _dist()
+        mine = torch.tensor(self.run(self.fed.position), dtype=torch.int64)  # (version, round)
+        every = [torch.zeros(2, dtype=torch.int64) for _ in range(len(self.members))]
+        dist.all_gather(every, mine)
+        best = max(tuple(int(x) for x in e) for e in every)
+        if all(tuple(int(x) for x in e) == best for e in every):
+            return
+        leader = next(r for r, e in enumerate(every) if tuple(int(x) for x in e) == best)
+        flat, has_client = self.run(self.fed.state_flat)
+        flag = torch.tensor([int(has_client)], dtype=torch.int64)
+        dist.broadcast(flag, src=leader)
+        if bool(flag.item()) != has_client:  # our flat lacks (or has) the client part: resize
+            flat = torch.zeros(self.run(self.fed.flat_size, bool(flag.item())))
+        dist.broadcast(flat, src=leader)
+        if tuple(int(x) for x in mine) != best:
+            if not bool(torch.isfinite(flat).all()):
+                raise ConfigError("the shared state broadcast by the most advanced replica is not finite")
+            self.sha = self.run(self.fed.adopt_state, best[0], best[1], flat, bool(flag.item()))
+            log.info("SplitFed group: took version %d, round %d from replica %d", best[0], best[1],
+                     self.members[leader])

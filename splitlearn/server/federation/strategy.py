@@ -1,0 +1,207 @@
+"""How a round's updates become the shared weights: federation strategies as objects.
+
+As in Flower (``flwr.server.strategy``: ``FedAvg``, ``FedMedian``, ``FedTrimmedAvg``), the
+rule is an object both servers share: the segment server averages its members' copies of the
+segment and (``--client-weights server``) their client-side weights with it, and the fed
+server (:mod:`.fedserver`) averages the client-side weights with the same one.
+
+Every strategy works on *updates* relative to the current shared weights ``w``
+(the reference), never on the uploads as they are:
+
+1. **bounded** (norm-bounded FedAvg, Sun et al. 2019, "Can You Really Backdoor Federated
+   Learning?", sec. 4): member k's update ``d_k = w_k - w`` is scaled to
+   ``d_k * min(1, M / ||d_k||_2)``, the L2 norm taken over all its tensors at once
+   (``--max-update-norm M``), so no member moves the model by more than M, whatever it sends
+   and however many samples it claims;
+2. **combined**, coordinate by coordinate, in float64, over the bounded uploads
+   ``w + d'_k`` (each rule commutes with translation, so this is ``w`` plus the combination
+   of the bounded updates ``d'_k``):
+
+   ``FedAvg``         sum_k n_k w'_k / sum_k n_k (McMahan et al. 2017, eq. 1); the weights n_k
+                      are the target tokens the *server* trained for member k (backwards
+                      received), and no member's share n_k / sum n passes ``--max-member-share``
+                      (:func:`capped_weights`), however many tokens it paid for
+   ``FedMedian``      the median (Yin et al. 2018, "Byzantine-Robust Distributed Learning:
+                      Towards Optimal Statistical Rates", option I); an even count averages
+                      the two middle values, as numpy's median (Flower's ``aggregate_median``)
+   ``FedTrimmedAvg``  the mean after dropping the floor(beta K) largest and smallest values of
+                      each coordinate (Yin et al. 2018, option II; Flower's ``_trim_mean``)
+
+3. the result is float32 whatever the uploads' dtype (the servers take float32 uploads only,
+   :mod:`.clientside`), and finite: every rule's result lies between the smallest and the
+   largest bounded upload, each a point between two finite float32 values.
+
+Integer and boolean tensors (buffers) are not averaged: the reference's are kept.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ...errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
+# --max-update-norm's default. Honest rounds measured (docs/FEDERATION.md): tiny-demo moves either
+# side by at most 9.6 (make demo's first round; 3.9 with the CLI's defaults), GPT-2 small's AdamW
+# rounds (lr 1e-3) by 46 in 10 steps and 75 in 30: none of these is bounded, while no member moves
+# the model by more than 100 per round, and none can make it non-finite.
+DEFAULT_MAX_UPDATE_NORM = 100.0
+# --max-member-share's default: no member holds the majority of a round's FedAvg weight; it bites
+# only when one member trained more target tokens than all the others together.
+DEFAULT_MAX_MEMBER_SHARE = 0.5
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass
+class Aggregate:
+    """A strategy's answer: the new weights (float32) and what bounding did to each update."""
+
+    weights: Weights
+    norms: list[float]  # ||w_k - w||_2 of each update as sent
+    clipped: list[bool]  # whether each update was scaled down to max_update_norm
+    share_capped: list[bool] = field(default_factory=list)  # whether each FedAvg weight was lowered to max_share
+
+
+def update_norm(reference: Weights, weights: Weights) -> float:
+    """``||weights - reference||_2`` over every floating-point tensor, in float64 (the
+    difference of two finite float32 values can overflow float32, never float64)."""
+    total = 0.0
+    for k, ref in reference.items():
+        if ref.is_floating_point():
+            total += float((weights[k].double() - ref.double()).pow(2).sum())
+    return math.sqrt(total)
+
+
+class Strategy:
+    """Base: bound every update, then :meth:`combine` them (subclasses), around the reference."""
+
+    name = "strategy"
+
+    def __init__(self, max_update_norm: Optional[float] = None, max_share: Optional[float] = None):
+        if max_update_norm is not None and not max_update_norm > 0:
+            raise ConfigError(f"--max-update-norm must be > 0, got {max_update_norm}")
+        if max_share is not None and not 0 < max_share <= 1:
+            raise ConfigError(f"--max-member-share must be in (0, 1], got {max_share}")
+        self.max_update_norm = max_update_norm  # L2 bound of one member's update (None: unbounded)
+        self.max_share = max_share  # largest fraction of a round's FedAvg weight one member holds (None: any)
+
+    def describe(self) -> dict:
+        return {"aggregation": self.name, "max_update_norm": self.max_update_norm,
+                "max_member_share": self.max_share}
+
+    def aggregate(self, reference: Weights, updates: list[tuple[Weights, int]]) -> Aggregate:
+        """The new shared weights from ``updates`` ((weights, samples) per member) around
+        ``reference`` (the current shared weights, which every member started from): a round
+        of one server, closed by :func:`.rounds.close_round` as every round is."""
+        from .rounds import aggregate
+        return aggregate(self, reference, updates)
+
+    def combine(self, bounded: list[torch.Tensor], samples: list[float]) -> torch.Tensor:
+        """The combination of the members' bounded uploads (float32 tensors of one shape: a
+        flat buffer, or one tensor of the weights), coordinate by coordinate, in float64. Every rule here commutes with translation, so
+        combining ``w + d_k`` equals ``w`` plus the combination of the ``d_k``."""
+        raise NotImplementedError
+
+
+def capped_weights(samples: list[int], max_share: Optional[float]) -> list[float]:
+    """FedAvg weights in which no member holds more than ``max_share`` of the total: members
+    over it are lowered to exactly that share of the new total, the others keep theirs
+    (water-filling, largest first). ``samples`` itself, the same ints, when no member is over
+    (so an honest round's arithmetic is unchanged bit for bit); equal weights when no weights
+    can satisfy the cap (``max_share * K <= 1``)."""
+    total, k = sum(samples), len(samples)
+    if max_share is None or k < 2 or max(samples) <= max_share * total:
+        return samples
+    if max_share * k <= 1:
+        return [1] * k
+    order = sorted(range(k), key=lambda i: -samples[i])
+    for c in range(1, k):  # the c largest are capped at x = max_share * (rest + c x)
+        rest = sum(samples[i] for i in order[c:])
+        x = max_share * rest / (1 - max_share * c)
+        if samples[order[c]] <= x:
+            out = [float(n) for n in samples]
+            for i in order[:c]:
+                out[i] = x
+            return out
+    return [1] * k  # (unreachable: max_share * k > 1 leaves the smallest uncapped)
+
+
+def toward(ref: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """``ref + scale * (w - ref)`` (0 < scale < 1) in float64, as float32: a point between two
+    float32 values, so finite."""
+    r = ref.double()
+    return (r + (w.double() - r) * scale).float()
+
+
+class FedAvg(Strategy):
+    """Sample-weighted mean of the bounded updates (McMahan et al. 2017; Sun et al. 2019)."""
+
+    name = "fedavg"
+
+    def combine(self, bounded: list[torch.Tensor], samples: list[float]) -> torch.Tensor:
+        total = sum(samples)  # python ints (floats once a share is capped): never overflows
+        acc = torch.zeros_like(bounded[0], dtype=torch.float64)
+        for w, n in zip(bounded, samples):
+            acc += w.double() * (n / total)
+        return acc
+
+
+class FedMedian(Strategy):
+    """Coordinate-wise median of the bounded updates (Yin et al. 2018); samples are ignored,
+    so a member cannot buy weight by claiming them."""
+
+    name = "median"
+
+    def combine(self, bounded: list[torch.Tensor], samples: list[int]) -> torch.Tensor:
+        s = torch.stack(bounded).sort(dim=0).values  # (K, ...)
+        K = s.shape[0]
+        return s[K // 2].double() if K % 2 else (s[K // 2 - 1].double() + s[K // 2].double()) / 2
+
+
+class FedTrimmedAvg(Strategy):
+    """Coordinate-wise trimmed mean (Yin et al. 2018): drop the floor(beta K) largest and
+    smallest values of each coordinate, average the rest (unweighted, like the median)."""
+
+    name = "trimmed-mean"
+
+    def __init__(self, max_update_norm: Optional[float] = None, beta: float = 0.2,
+                 max_share: Optional[float] = None):
+        super().__init__(max_update_norm, max_share)
+        if not 0 <= beta < 0.5:
+            raise ConfigError(f"--trim-beta must be in [0, 0.5), got {beta}")
+        self.beta = beta  # fraction of the members trimmed at each end
+
+    def describe(self) -> dict:
+        return {**super().describe(), "trim_beta": self.beta}
+
+    def combine(self, bounded: list[torch.Tensor], samples: list[int]) -> torch.Tensor:
+        s = torch.stack(bounded).sort(dim=0).values  # (K, ...)
+        cut = int(self.beta * s.shape[0])
+        return s[cut:s.shape[0] - cut].double().mean(dim=0)
+
+
+def make_strategy(aggregation: str = "fedavg", max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM,
+                  trim_beta: float = 0.2, max_share: Optional[float] = DEFAULT_MAX_MEMBER_SHARE) -> Strategy:
+    """The strategy of ``--aggregation`` (fedavg | median | trimmed-mean); ``max_share``:
+    ``--max-member-share`` (the robust rules weigh every member alike anyway)."""
+    if aggregation == "fedavg":
+        return FedAvg(max_update_norm, max_share)
+    if aggregation == "median":
+        return FedMedian(max_update_norm, max_share)
+    if aggregation == "trimmed-mean":
+        return FedTrimmedAvg(max_update_norm, trim_beta, max_share)
+    raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+
+
+def coordinate_median(uploads: list[Weights]) -> Weights:
+    """The coordinate-wise median of uploads (float32): the reference of a first round when
+    the server cannot know the weights every client started from (:mod:`.clientside`)."""
+    med = FedMedian()
+    return {k: (med.combine([w[k].float() for w in uploads], []).float() if t.is_floating_point() else t.clone())
+            for k, t in uploads[0].items()}

@@ -1,0 +1,110 @@
+"""Signed statements from the segment server to the fed server, carried by clients.
+
+With ``--client-weights external`` the fed server (:mod:`.fedserver`) averages client-side
+weights it gets from clients, and must know which uploads belong in the average. Only the
+segment server knows: it admitted the round's members, counted the rows each trained, and
+closed the round. So it signs what the fed server needs, and the clients carry it:
+
+==========  =================================================================================
+``sync``    answered to a member's sync (``ticket`` in the JSON): mode, round, the version the
+            member trained from, its tenant, client id and the rows the segment server
+            counted for it. The member sends it with its upload; the fed server takes the
+            samples from it and binds the upload to the tenant (the caller's fed token must
+            be that tenant's).
+``close``   ``last_close`` in ``GET /v1/federation`` once a round (splitfed) or turn
+            (sequential) has closed: the round, the version it produced and how many members
+            synced in it. Any client forwards it (``POST /v1/federation/close``), so the fed
+            server closes its round with exactly those uploads, even when the segment
+            server's round closed on its timeout.
+==========  =================================================================================
+
+Format: ``base64url(JSON) + "." + hex(HMAC-SHA256(secret, b"splitlearn-fed/1\\n" + JSON))``.
+The secret is shared by the two servers only (``--fed-secret-file`` on both); a client can
+read a statement but not forge or alter one. Verification compares MACs with
+``hmac.compare_digest`` (constant time) and parses JSON only after the MAC matched. A
+statement is valid for its round or version only: the fed server refuses one for a round it
+has closed, and an upload per member and round.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ...errors import BadRequest, ConfigError, Forbidden
+from ...protocol import MAX_TICKET_CHARS
+
+DOMAIN = b"splitlearn-fed/1\n"  # what the MAC covers starts with this: no other HMAC use collides
+MIN_SECRET_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """The segment server's word that a member synced: what its upload counts for."""
+
+    mode: str  # sequential | splitfed
+    round: int  # splitfed: the segment server's round; sequential: 0
+    version: int  # version of the shared client-side weights the member trained from
+    tenant: str  # the member's tenant name (the fed token must be this tenant's)
+    client_id: str  # the member's client id within its tenant
+    samples: int  # rows the segment server counted for it in the round (FedAvg weight)
+    kind: str = "sync"
+
+
+@dataclass(frozen=True)
+class Close:
+    """The segment server's word that a round (or turn) closed, producing ``version``."""
+
+    mode: str
+    round: int
+    version: int  # the version of the shared weights after the round
+    synced: int  # members whose weights belong in the average
+    kind: str = "close"
+
+
+def read_secret_file(path: str) -> bytes:
+    """The shared secret: the file's contents, stripped; at least 32 bytes."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read --fed-secret-file {path}: {e}") from None
+    check_secret(secret)
+    return secret
+
+
+def check_secret(secret: bytes) -> None:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the fed secret must be at least {MIN_SECRET_BYTES} bytes (it has {len(secret)}): "
+                          f"python -c 'import secrets; print(secrets.token_urlsafe(48))' > fed.secret")
+
+
+def _mac(secret: bytes, body: bytes) -> str:
+    return hmac.new(secret, DOMAIN + body, hashlib.sha256).hexdigest()
+
+
+def sign(secret: bytes, statement) -> str:
+    """``statement`` (a :class:`Ticket` or :class:`Close`) as a signed string."""
+    body = json.dumps(asdict(statement), sort_keys=True, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(body).decode().rstrip("=") + "." + _mac(secret, body)
+
+
+def verify(secret: bytes, signed: object, cls: type):
+    """The :class:`Ticket` or :class:`Close` (``cls``) ``signed`` carries; 403 if the segment
+    server did not sign it (or it was altered), 400 if it is not a statement at all."""
+    if not isinstance(signed, str) or not 0 < len(signed) <= MAX_TICKET_CHARS or signed.count(".") != 1:
+        raise BadRequest(f"a {cls.__name__.lower()} must be the string the segment server gave (base64.mac)")
+    encoded, mac = signed.split(".")
+    try:
+        body = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+    except ValueError:
+        raise BadRequest(f"the {cls.__name__.lower()} is not base64url") from None
+    if not hmac.compare_digest(mac.encode(), _mac(secret, body).encode()):
+        raise Forbidden(f"the {cls.__name__.lower()} was not signed by the segment server this fed server "
+                        f"trusts (another --fed-secret-file?) or was altered")
+    fields = json.loads(body)
+    if fields.get("kind") != cls.kind:
+        raise BadRequest(f"expected a {cls.kind} statement, got {fields.get('kind')!r}")
+    return cls(**fields)

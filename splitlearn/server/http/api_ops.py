@@ -1,0 +1,82 @@
+"""Operations: ``/v1/health``, ``/v1/ready`` (:mod:`.probes`), ``/metrics`` (:mod:`.metrics`),
+``/v1/echo``, ``/v1/info``, ``/v1/openapi.json`` and the operator's ``/v1/checkpoint``."""
+from __future__ import annotations
+
+import time
+
+from flask import Blueprint, Response, g, jsonify, request
+
+from ... import protocol as P
+from ...errors import BadRequest, Forbidden, PayloadTooLarge
+from .probes import readiness
+from .routing import served
+
+bp = Blueprint("operations", __name__)
+
+
+@bp.get(P.HEALTH)
+def health():
+    return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
+
+
+@bp.get(P.READY)
+def ready():
+    ok, checks = readiness(served().rt)
+    return jsonify(ready=ok, checks=checks), 200 if ok else 503
+
+
+@bp.get(P.METRICS)
+def metrics_text():
+    if not g.tenant.operator:
+        raise Forbidden("the metrics are the operator's: use the operator's token, or scrape "
+                        "--metrics-port on the server's loopback (docs/OPERATIONS.md)")
+    body, content_type = served().metrics.exposition(request.headers.get("Accept"))
+    return Response(body, status=200, headers={"Content-Type": content_type})
+
+
+@bp.post(P.ECHO)
+def echo():
+    """The body back, untouched, with no tensor work (``client diagnose`` times the link);
+    at most ``max_echo_bytes`` (what an echo nobody reads can hold, :mod:`.frontdoor`)."""
+    cap = served().cfg.max_echo_bytes
+    if (request.content_length or 0) > cap:
+        raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {request.content_length}")
+    started, body = time.perf_counter(), request.get_data(cache=False)
+    if len(body) > cap:
+        raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {len(body)}")
+    resp = Response(body, status=200, mimetype=P.CONTENT_TYPE)
+    resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
+    return resp
+
+
+@bp.get(P.INFO)
+def info():
+    s = served()
+    cfg, memory = s.cfg, s.memory
+    you = {"tenant": g.tenant.name, "operator": g.tenant.operator, "tenants": len(cfg.tenants)}
+    extra = {"memory": memory.to_dict(g.tenant.name)} if memory is not None else {}
+    return jsonify({**s.rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None,
+                    "you": you, **extra})
+
+
+@bp.get(P.OPENAPI)
+def openapi_document():
+    """This server's routes as OpenAPI 3.1, built from the protocol module (splitlearn/openapi.py)."""
+    from ...openapi import document
+    s = served()
+    return jsonify(document(s.rt.info(), "offload" if s.cfg.offload else "segment"))
+
+
+# a segment server's only (the offload server serves the routes above and its own)
+checkpoints = Blueprint("checkpoints", __name__)
+
+
+@checkpoints.post(P.CHECKPOINT)
+def checkpoint():
+    if not g.tenant.operator:
+        raise Forbidden("a checkpoint on request is an operator action: use the operator's token "
+                        "(the server checkpoints by itself every --checkpoint-every steps)")
+    rt = served().rt
+    if not rt.cfg.checkpoint_dir:
+        raise BadRequest("this server was started without --checkpoint-dir")
+    return jsonify(saved=rt.compute.run(rt.checkpoint), steps_applied=rt.steps_applied)

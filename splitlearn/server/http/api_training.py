@@ -1,0 +1,103 @@
+"""Training: the split steps (``/v1/train/step``, ``forward``, ``backward``, ``apply``), the
+evaluation ``/v1/forward`` and a client's ``/v1/clients/<id>/state``."""
+from __future__ import annotations
+
+from flask import Blueprint, jsonify, request
+
+from ... import protocol as P
+from ...errors import BadRequest
+from ...lora import lora_scope
+from ...wire import check_wire_dtype
+from ..engine.ledger import Answer
+from ..engine.priority import timed
+from ..engine.training import apply_json
+from ..engine.tenants import Tenant
+from . import validate
+from .routing import Served, client_key, hidden_and_mask, scoped, served, tensor_route
+from .validate import json_object
+
+bp = Blueprint("training", __name__)
+
+
+@tensor_route(bp, P.TRAIN_STEP, owner=True, cls="training")
+def train_step(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
+    rt, (_, _, vocab) = s.rt, s.dims
+    m = scoped(P.StepMeta.from_meta(meta), owner)
+    if m.open_ended:  # a fused open-ended piece: any 0/1 padding, loss_scale = its loss's gradient
+        h = validate.hidden(t, P.HIDDEN, s.dims[0], s.cfg.max_batch, s.dims[1])
+        mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], s.dims[1], left_padded=False)
+    else:
+        h, mask = hidden_and_mask(s, t)
+    y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
+    rt.budget.train(h.shape[0], h.shape[1], mask)  # 413 before allocating
+    return rt.train_step(m, h, y, mask)
+
+
+@tensor_route(bp, P.TRAIN_FORWARD, owner=True, cls="training")
+def train_forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
+    rt, (d, npos, vocab) = s.rt, s.dims
+    m = scoped(P.StepMeta.from_meta(meta), owner)
+    if m.open_ended:  # any 0/1 padding (a Trainer's collator pads on the right)
+        h = validate.hidden(t, P.HIDDEN, d, s.cfg.max_batch, npos)
+        mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], npos, left_padded=False)
+    else:
+        h, mask = hidden_and_mask(s, t)
+    y = None
+    if P.LABELS in t:  # 2-way open-ended pieces: the server computes the loss
+        if not m.open_ended:
+            raise BadRequest(f"labels go to {P.TRAIN_FORWARD} only in open-ended pieces (micros=0)")
+        y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
+    # its graph waits for the backward, with its step's other micro-batches' (GPipe)
+    rt.budget.train(h.shape[0], h.shape[1], mask, graphs=max(m.micros, 1))
+    return rt.train_forward(m, h, mask, y)
+
+
+@tensor_route(bp, P.TRAIN_BACKWARD, owner=True, cls="training")
+def train_backward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
+    rt, (d, npos, _) = s.rt, s.dims
+    m = scoped(P.StepMeta.from_meta(meta), owner)
+    if not rt.u_shape and m.open_ended:  # 2-way: the scalar gradient of the piece's loss
+        grad = validate.scalar(t, P.GRAD)
+    else:
+        grad = validate.hidden(t, P.GRAD, d, s.cfg.max_batch, npos)
+    return rt.train_backward(m, grad)
+
+
+@bp.post(P.TRAIN_APPLY)
+def train_apply():
+    """JSON in, JSON out: the optimizer step of an open-ended step (``P.ApplyRequest``)."""
+    rt = served().rt
+    req = P.ApplyRequest.from_json(json_object(request.get_data(cache=False),
+                                               '{"client_id", "step", "pieces", "lr", "clip", "discard"}'))
+    key = client_key(req.client_id)
+    answer = rt.compute.run(timed(rt.waits, "training", rt.train_apply), key, req)
+    return jsonify({**apply_json(answer), "client_id": req.client_id, "step": req.step})
+
+
+@tensor_route(bp, P.FORWARD, owner=True)
+def forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
+    rt, cfg, (d, npos, vocab) = s.rt, s.cfg, s.dims
+    if meta.get("padding") == "any":  # no cache here: padding on either side (splitlearn.hf)
+        h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos)
+        mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], npos, left_padded=False)
+    else:
+        h, mask = hidden_and_mask(s, t)
+    y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+    rt.budget.forward(h.shape[0], h.shape[1], mask, labels=y is not None)
+    adapter = None
+    if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter
+        key = scoped(P.StepMeta.from_meta({**meta, "step": "1"}), owner).client_id
+        adapter = rt.adapters.adapter_for(key, cfg.federation)
+    all_logits = meta.get("logits") == "all"  # a top: every position's logits (B, T, V)
+    if all_logits and not rt.u_shape:
+        rt.budget.check(f"the logits of {h.shape[0]} x {h.shape[1]} positions",
+                        3 * h.shape[0] * h.shape[1] * vocab * 4)
+    with lora_scope(rt.segment, adapter):
+        return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")), all_logits)
+
+
+@bp.get(P.CLIENT_STATE.replace("{client_id}", "<client_id>"))
+def client_state(client_id: str):
+    rt = served().rt
+    key = client_key(client_id)  # another tenant's id reads as one never used
+    return jsonify(client_id=client_id, step=rt.client_step(key), durable=rt.ledger.durable_step(key))

@@ -1,0 +1,105 @@
+"""The Flask app: ``create_app(config)`` -> a WSGI app serving one segment.
+
+The app itself holds what every request goes through; the routes are blueprints, one per
+concern, sharing :mod:`.routing` (the runtime of the app, ``tensor_route``)::
+
+    api_ops         /v1/health, /v1/ready, /metrics, /v1/echo, /v1/info, /v1/openapi.json,
+                    /v1/checkpoint
+    api_training    /v1/train/*, /v1/forward, /v1/clients/<id>/state
+    api_sessions    /v1/sessions, /v1/sessions/<id>, /v1/sessions/<id>/step
+    api_federation  /v1/federation, .../turn, .../sync, .../weights
+    api_lora        /v1/clients/<id>/adapter
+    api_offload     /v1/offload/linear (an --offload server: only this and api_ops)
+
+Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE, "message": TEXT}``
+with its HTTP status by one handler, so a bad request changes nothing and the server keeps
+serving. Around every request, :mod:`.accesslog`'s first and last hooks time it, count it in
+the app's own Prometheus registry (:mod:`.metrics`, ``GET /metrics``) and log its access
+line; ``GET /v1/ready`` is :mod:`.probes`.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Optional
+
+from flask import Flask, g, request
+from werkzeug.exceptions import HTTPException
+
+from ... import protocol as P
+from ...errors import BadRequest, NotFound, PayloadTooLarge, SplitLearnError, Unauthorized, UnsupportedMediaType
+from ..config import ServerConfig
+from ..engine.memory import MemoryAccount
+from ..engine.runtime import SegmentRuntime
+from . import accesslog, api_federation, api_lora, api_offload, api_ops, api_sessions, api_training
+from .frontdoor import TENANT_KEY
+from .metrics import ServerMetrics
+from .routing import SERVED, Served, error_response
+
+log = logging.getLogger(__name__)
+
+_HTTP_CODES = {404: NotFound, 413: PayloadTooLarge, 415: UnsupportedMediaType}
+SEGMENT_ROUTES = (api_ops.bp, api_ops.checkpoints, api_training.bp, api_sessions.bp, api_federation.bp, api_lora.bp)
+OFFLOAD_ROUTES = (api_ops.bp, api_offload.bp)  # an offload server multiplies masked inputs, nothing else
+
+
+def create_app(config: Optional[ServerConfig] = None, runtime=None) -> Flask:
+    """Build the app around a runtime (given, or built from ``config``: a
+    :class:`~splitlearn.server.engine.runtime.SegmentRuntime`, or with ``config.offload`` an
+    :class:`~splitlearn.server.engine.offload.OffloadRuntime`)."""
+    if runtime is None and config is not None and config.offload:  # issue 22: masked offload
+        from ..engine.offload import OffloadRuntime
+        runtime = OffloadRuntime(config)
+    rt = runtime or SegmentRuntime(config)
+    cfg = rt.cfg
+    app = Flask("splitlearn.server", static_folder=None)  # no /static/<path> route: every route is in openapi.py
+    app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes  # 413 from Content-Length, unread
+    app.extensions["splitlearn"] = rt
+    memory = getattr(rt, "memory", None)  # what the server holds per tenant (memory.py); none: offload
+    memory = memory if isinstance(memory, MemoryAccount) else None  # an offload runtime's is its request limit
+    metrics = ServerMetrics(rt, memory)  # this app's own registry (GET /metrics, --metrics-port)
+    app.extensions["splitlearn.metrics"] = metrics
+    app.extensions[SERVED] = Served(rt, memory, metrics)
+    _errors(app)
+    if cfg.request_log:  # first of the hooks: the clock and the request id (accesslog.py)
+        app.before_request(lambda: accesslog.begin(request, g))
+        app.after_request(lambda resp: accesslog.finish(request, g, resp, metrics))
+    tenants = cfg.tenants
+
+    @app.before_request
+    def _authenticate():
+        if request.path in (P.HEALTH, P.READY):
+            return None
+        # the front door (frontdoor.py) found the tenant at the headers; under another server, here
+        tenant = request.environ.get(TENANT_KEY) or tenants.authenticate(request.headers.get("Authorization"))
+        if tenant is None:
+            raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+        g.tenant, g.owner = tenant, tenant.digest
+        return None
+
+    for bp in OFFLOAD_ROUTES if cfg.offload else SEGMENT_ROUTES:
+        app.register_blueprint(bp)
+    return app
+
+
+def _errors(app: Flask) -> None:
+    """Every failure as ``{"error", "message"}`` with its status; a 500 names an incident."""
+
+    @app.errorhandler(SplitLearnError)
+    def _splitlearn_error(err: SplitLearnError):
+        return error_response(err)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(err: HTTPException):
+        cls = _HTTP_CODES.get(err.code, BadRequest)
+        e = cls(f"{err.name}: {err.description}" if err.code != 404 else
+                f"no route {request.method} {request.path}")
+        e.status = err.code or 400
+        return error_response(e)
+
+    @app.errorhandler(Exception)
+    def _internal(err: Exception):
+        incident = g.incident = secrets.token_hex(6)  # the answer names it; the log has the details
+        log.exception("internal error %s on %s %s", incident, request.method, request.path)
+        return error_response(SplitLearnError(f"internal server error (incident {incident}: the "
+                                              f"operator's log has the details)"))

@@ -1,0 +1,107 @@
+"""``python -m splitlearn.server``: the command line, and serving the app with waitress.
+
+Why waitress: it is a production WSGI server in pure Python that runs in this process (one
+model copy, shared by its worker threads), keeps connections alive and sets TCP_NODELAY by
+default. It is set up by :mod:`.frontdoor`: request and response bodies stay in memory,
+a request without a valid token is refused at its headers (before its body is read), slow
+senders and clients that do not read their answers are cut off, and waitress's own error
+answers are the same JSON ``{"error", "message"}`` as every other error (docs/INTERNALS.md).
+A token generated for a run goes to a 0600 file, never to the log.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from ...errors import ConfigError, SplitLearnError
+from ..config import GROUPS, LoraOptions, Observability, ServerConfig
+from ..options import add_options, options_of
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line, generated from the fields of the config's groups (:mod:`..config`)."""
+    p = argparse.ArgumentParser(prog="python -m splitlearn.server", allow_abbrev=False,
+                                description="serve one segment of a GPT-2 over HTTP")
+    for group in GROUPS:
+        add_options(p, group)
+    return p
+
+
+def parse_args(argv=None) -> ServerConfig:
+    a = parser().parse_args(argv)
+    from .accesslog import configure as configure_logging
+    logs = Observability(**options_of(Observability, a))
+    configure_logging(logs.log_level, logs.log_format)
+    lora = LoraOptions(**options_of(LoraOptions, a)).spec()
+    return ServerConfig(**{k: v for group in GROUPS if group is not LoraOptions
+                           for k, v in options_of(group, a).items()}, lora=lora)
+
+
+def write_generated_token(cfg: ServerConfig) -> Path:
+    """Write the token made up for this run to a new file only its owner can read; its path.
+
+    The token itself never goes to the log (logs are collected, shipped and kept)."""
+    from ...checkpoint import open_private, private_dir
+
+    path = Path(cfg.token_out or Path(cfg.checkpoint_dir or ".") / "splitlearn-token")
+    try:
+        private_dir(path.parent)
+        with open_private(path) as f:
+            f.write(cfg.tokens[0].encode() + b"\n")
+    except OSError as e:
+        raise ConfigError(f"no token given, and the one generated cannot be written to {path}: {e}; "
+                          f"give --token-out PATH, --token-file or $SPLITLEARN_TOKEN") from None
+    return path.resolve()
+
+
+def serve(cfg: ServerConfig) -> None:
+    """Build the app and serve it until SIGTERM/SIGINT, checkpointing on the way out."""
+    from ...idlepoll import IdlePoller
+    from .app import create_app
+    from .frontdoor import make_server
+
+    app = create_app(cfg)
+    rt = app.extensions["splitlearn"]
+    server = make_server(app, cfg.tenants, host=cfg.host, port=cfg.port, threads=cfg.threads,
+                         max_body_bytes=cfg.max_body_bytes, limits=cfg.door_limits())
+
+    poller = IdlePoller().start() if cfg.poll_idle else None
+    scrape = app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port) if cfg.metrics_port else None
+
+    def stop(signum, _frame):
+        logging.getLogger(__name__).info("signal %d: checkpointing and stopping", signum)
+        if poller is not None:
+            poller.stop()
+        if scrape is not None:
+            scrape.shutdown()
+        rt.compute.run(rt.checkpoint)
+        server.close()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    if cfg.generated_token:
+        path = write_generated_token(cfg)
+        print(f"no token given: generated one for this run, written to {path} (mode 0600); "
+              f"clients: --token-file {path}", file=sys.stderr)
+    if cfg.offload:
+        what = f"masked offload of {len(rt.layers)} linear layers of {cfg.model} on cpu"
+    else:
+        seg = rt.segment
+        what = f"{seg.kind} blocks [{seg.start}, {seg.end}) on {rt.device}"
+    print(f"splitlearn server: {what} at http://{cfg.host}:{cfg.port} (ready)", file=sys.stderr, flush=True)
+    server.run()
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+        serve(cfg)
+    except SplitLearnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+

@@ -1,0 +1,371 @@
+"""The front door: waitress, with every request that has no business here refused before it costs.
+
+Why. waitress reads a request's whole body before the app sees it, into memory (splitlearn
+raises ``inbuf_overflow`` to the body limit so activations never touch the disk), so a token
+checked by the app came after the cost: 48 connections without a token, each announcing
+200 MB and sending 16 MB, grew the server by 769 MiB (at the old defaults, 256 connections x
+256 MB: 64 GiB); behind this door, by 0. A sender that sent a byte now and then was never
+idle, so the idle timeout never cut it; an answer nobody read stayed in memory until the idle
+timeout, and with a second request in the same pipe it held a WSGI thread as well (waitress
+blocks a writer over its 16 MiB high watermark): 4 such clients stopped a 2-thread server.
+
+What this module changes, all on waitress's event loop (no WSGI thread, no body buffer):
+
+- **Header-time auth.** When a request's headers are complete, ``Authorization`` is checked
+  (:meth:`.tenants.Tenants.authenticate`, constant-time); a request without a valid token
+  (``GET /v1/health`` and ``/v1/ready`` without a body excepted) is refused before one byte of its body is
+  buffered. The JSON 401 ``{"error": "unauthorized", ...}`` is written from the event loop,
+  the write side is shut, and what the client still sends is read and dropped, a read at a
+  time, for at most :data:`LINGER_S` or the announced length (so a client that sends its whole
+  body before reading, as ``http.client`` does, reads the 401 rather than a reset), then the
+  connection is closed. A Content-Length over the body limit is refused the same way (413), and so are
+  malformed headers (400).
+- **Deadlines in.** A request's headers must be complete ``request_timeout_s`` after its
+  first byte, and its body by ``request_timeout_s + size / min_rate`` (an average rate, so a
+  sender of a few bytes a second is cut however often it sends); a connection that has not
+  presented a valid token may idle ``request_timeout_s``, not ``idle_timeout_s``. A request
+  cut off is answered 408 as above.
+- **Deadlines out (the send timeout).** An answer waiting to be read must be read by
+  ``request_timeout_s + its size / min_rate`` from when it was written; a client that does
+  not read is disconnected, which frees its buffers and wakes a WSGI thread blocked on it.
+- **Limits stated.** :class:`DoorLimits` (``/v1/info`` "limits"): connections, header bytes,
+  timeouts, the minimum rate. Deadlines are checked once a second, from waitress's own
+  maintenance hook (``cleanup_interval=1``), so they cost nothing per request.
+
+Cost on the per-request path: none added. The token's SHA-256 moves from the app to the event
+loop, and the app reads the tenant from ``environ[TENANT_KEY]`` (it still checks the token
+itself under another WSGI server); what is added is a few comparisons per connection per loop
+turn. Measured paired against plain waitress, a decode step's 3 KiB POST: -0.027 ms median
+difference, server CPU 0.973 against 0.975 ms per call; the decode-step overhead of
+``benchmarks/overhead.py`` and the RSS figures: docs/INTERNALS.md ("waitress and the front door").
+:func:`make_server` builds the waitress server for ``python -m splitlearn.server`` and for the
+fed server (:mod:`..federation.fedserver`) alike.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import select
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from waitress.channel import HTTPChannel
+from waitress.parser import HTTPRequestParser
+from waitress.server import create_server
+from waitress.task import ErrorTask, WSGITask
+from waitress.utilities import Error, build_http_date
+
+from ... import protocol as P
+from ...errors import ConfigError, from_status
+from ..engine.tenants import Tenants
+
+log = logging.getLogger(__name__)
+
+TENANT_KEY = "splitlearn.tenant"  # WSGI environ: the Tenant the door admitted (no client can set it)
+LINGER_S = 2.0  # after a refusal, what the client still sends is dropped this long, then we close
+MAX_HEADER_BYTES = 64 << 10  # a request line + headers (waitress's default: 256 KiB)
+RECV_BYTES = 256 << 10  # per read; waitress's default 8 KiB made a 1.5 MB body take 190 reads (echo 8.8 -> 6.3 ms)
+
+
+@dataclass(frozen=True)
+class DoorLimits:
+    """What one connection may hold and for how long (reported in ``/v1/info`` "limits")."""
+
+    max_connections: int = 256  # open connections; more wait in the listen backlog
+    request_timeout_s: float = 10.0  # headers complete by then; bodies and answers get this plus size / min rate
+    min_rate_kib_s: float = 256.0  # KiB/s a body must arrive at, and an answer be read at, on average
+    idle_timeout_s: float = 300.0  # a keep-alive connection with a valid token may idle this long
+
+    def __post_init__(self):
+        if self.max_connections < 1:
+            raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):
+            raise ConfigError("--request-timeout, --min-rate-kib and --idle-timeout must be > 0")
+
+    def at_min_rate_s(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` take at the minimum rate."""
+        return nbytes / (self.min_rate_kib_s * 1024)
+
+    def allowance_s(self, nbytes: int) -> float:
+        """Seconds a transfer of ``nbytes`` may take: the grace plus the bytes at the minimum rate."""
+        return self.request_timeout_s + self.at_min_rate_s(nbytes)
+
+    def as_info(self) -> dict:
+        return {**asdict(self), "max_header_bytes": MAX_HEADER_BYTES, "linger_s": LINGER_S}
+
+
+class _DoorError(Error):
+    """A refusal of the door's own; its body is the whole message."""
+
+
+class _Unauthorized(_DoorError):
+    code, reason = 401, "Unauthorized"
+
+
+class _RequestTimeout(_DoorError):
+    code, reason = 408, "Request Timeout"
+
+
+def error_payload(e: Error) -> bytes:
+    """splitlearn's JSON ``{"error", "message"}`` for waitress error ``e`` (ours or waitress's own)."""
+    message = e.body if isinstance(e, _DoorError) else f"{e.reason}: {e.body}"
+    return json.dumps(from_status(e.code, message).to_payload()).encode()
+
+
+def error_bytes(e: Error, version: str = "1.1", ident: str = "splitlearn") -> bytes:
+    """A whole ``Connection: close`` HTTP answer carrying :func:`error_payload`."""
+    body = error_payload(e)
+    head = [f"HTTP/{'1.1' if version == '1.1' else '1.0'} {e.code} {e.reason}", "Connection: close",
+            f"Content-Length: {len(body)}", "Content-Type: application/json",
+            f"Date: {build_http_date(time.time())}", f"Server: {ident}"]
+    if e.code == 401:
+        head.append('WWW-Authenticate: Bearer realm="splitlearn"')
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+
+
+class JsonErrorTask(ErrorTask):
+    """waitress's own error answers (a chunked body over the limit, bad chunking) as JSON."""
+
+    def execute(self):
+        e = self.request.error
+        body = error_payload(e)
+        self.status = f"{e.code} {e.reason}"
+        self.response_headers.append(("Content-Type", "application/json"))
+        if e.code == 401:
+            self.response_headers.append(("WWW-Authenticate", 'Bearer realm="splitlearn"'))
+        self.set_close_on_finish()
+        self.content_length = len(body)
+        self.write(body)
+
+
+class DoorTask(WSGITask):
+    """waitress's WSGI task, handing the app the tenant the door found (``environ[TENANT_KEY]``),
+    so the app does not hash the token a second time."""
+
+    def get_environment(self):
+        environ = super().get_environment()
+        environ[TENANT_KEY] = self.request.tenant
+        return environ
+
+
+class DoorParser(HTTPRequestParser):
+    """waitress's parser, plus the check at the end of the headers and this request's deadline."""
+
+    tenant = None  # the Tenant of a valid token
+
+    def __init__(self, adj, channel: "DoorChannel"):
+        super().__init__(adj)
+        self.channel = channel
+        self.started = channel.last_activity  # made on the request's first bytes, just read: no clock call
+        self.deadline = self.started + channel.limits.allowance_s(0)  # for the headers
+
+    def received(self, data: bytes) -> int:
+        in_headers = not self.headers_finished and not self.completed
+        consumed = super().received(data)
+        if not in_headers or not (self.headers_finished or self.completed) or self.empty:
+            return consumed
+        if self.error is None and not self.channel.admit(self):
+            self.error = _Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+        if self.error is None:
+            size = self.adj.max_request_body_size if self.chunked else self.content_length
+            self.deadline = self.started + self.channel.limits.allowance_s(size)
+            return consumed
+        self.completed, self.expect_continue = True, False  # never "100 Continue" a refused body
+        self.channel.refuse(self)
+        return len(data)  # the rest of this read is body (or garbage): never parsed
+
+
+class DoorChannel(HTTPChannel):
+    """One connection: admits or refuses requests at their headers; :meth:`overdue` says when
+    a deadline has passed (the server asks every second, :func:`make_server`)."""
+
+    task_class = DoorTask
+    error_task_class = JsonErrorTask
+    authenticated = False  # a request with a valid token came on this connection
+    linger_until: Optional[float] = None  # refused: dropping input until then
+    linger_left = 0  # ... or until the announced body has been dropped
+    out_deadline: Optional[float] = None  # the answer now waiting must be read by then
+    out_seen = 0  # bytes waiting at the last check
+    expired = False  # a deadline passed: closed at the next loop turn (:meth:`readable`)
+
+    def __init__(self, server, sock, addr, adj, map=None):
+        self.door: Door = server.door
+        self.limits = self.door.limits
+        super().__init__(server, sock, addr, adj, map)
+        self.parser_class = functools.partial(DoorParser, channel=self)
+
+    def admit(self, req: DoorParser) -> bool:
+        """Whether ``req`` (headers complete) may send its body: a valid token, or a bodiless health
+        or readiness check."""
+        req.tenant = self.door.tenants.authenticate(req.headers.get("AUTHORIZATION"))
+        if req.tenant is not None:
+            self.authenticated = True
+            return True
+        if (req.path in (P.HEALTH, P.READY) and req.command in ("GET", "HEAD") and not req.chunked
+                and req.content_length == 0):
+            req.headers["CONNECTION"] = "close"  # one tokenless answer, then the slot is free
+            return True
+        return False
+
+    def stranger(self) -> bool:
+        """No valid token was shown on this connection and nothing is being computed for it:
+        its slot goes to a new connection when the server is full (:func:`make_server`)."""
+        return not self.authenticated and not self.requests
+
+    def refuse(self, req: DoorParser) -> None:
+        """Answer ``req.error`` now from the event loop and linger; with answers still ahead of it
+        on this connection, leave it to waitress's error task (answers stay in order)."""
+        if self.requests:
+            return
+        req.empty = True  # waitress drops it: no task, no thread
+        answer = error_bytes(req.error, req.version, self.adj.ident)
+        with self.outbuf_lock:
+            self.outbufs[-1].append(answer)
+            self.current_outbuf_count += len(answer)
+            self.total_outbufs_len += len(answer)
+        self.linger_until = time.time() + LINGER_S
+        self.linger_left = req.content_length if req.headers_finished and not req.chunked else 1 << 62
+        log.debug("refused %s %s from %s: %d %s", getattr(req, "command", "?"), getattr(req, "path", "?"),
+                  self.addr, req.error.code, req.error.reason)
+
+    # -- the event loop ---------------------------------------------------------------------
+
+    def received(self, data: bytes) -> bool:
+        return False if self.linger_until is not None else super().received(data)
+
+    def readable(self) -> bool:
+        # Closed here, where the loop asks this channel what to wait for (closing it from the
+        # server's check would leave its fd in this turn's select()); never via will_close: a
+        # client that reads nothing never makes the channel writable.
+        if self.expired and self._fileno is not None:
+            self.handle_close()
+        if self._fileno is None:
+            return False
+        return True if self.linger_until is not None else super().readable()
+
+    def writable(self) -> bool:
+        return self._fileno is not None and super().writable()
+
+    def handle_read(self) -> None:
+        if self.linger_until is None:
+            return super().handle_read()
+        try:
+            n = len(self.recv(self.adj.recv_bytes))  # dropped; b"" (closed) closes the channel
+        except OSError:
+            n, self.linger_left = 0, 0
+        self.linger_left -= n
+        if self.linger_left <= 0 and not self.total_outbufs_len and self._fileno is not None:
+            self.handle_close()
+
+    def handle_write(self) -> None:
+        super().handle_write()
+        if self.linger_until is not None and not self.total_outbufs_len and self._fileno is not None:
+            try:
+                self.socket.shutdown(socket.SHUT_WR)  # the answer is out: FIN, keep reading a while
+            except OSError:
+                self.linger_left = 0
+            if self.linger_left <= 0:
+                self.handle_close()
+
+    def handle_close(self) -> None:
+        super().handle_close()
+        req, self.request = self.request, None
+        if req is not None:
+            req.close()  # a body half received: its buffer goes now, not at the next garbage collection
+
+    # -- deadlines (every second, from the server) ------------------------------------------
+
+    def overdue(self, now: float) -> bool:
+        """Whether this connection must be closed now (``now``: ``time.time()``); cuts off a
+        request that is late (answering 408 and lingering) on the way."""
+        if self.linger_until is not None:
+            return now > self.linger_until
+        pending = self.total_outbufs_len
+        if not pending:
+            self.out_deadline, self.out_seen = None, 0
+        else:  # the send timeout: grace plus each new byte at the minimum rate
+            if self.out_deadline is None:
+                self.out_deadline = now + self.limits.allowance_s(0)
+            if pending > self.out_seen:  # more written since: its bytes at the minimum rate
+                self.out_deadline += self.limits.at_min_rate_s(pending - self.out_seen)
+            self.out_seen = pending
+            if now > self.out_deadline:
+                log.info("%s did not read its answer (%d bytes left): disconnected", self.addr, pending)
+                return True
+            return False
+        if self.requests:  # we are computing: no client deadline runs
+            return False
+        req = self.request
+        if req is not None:
+            if now > req.deadline:
+                log.info("%s sent a request too slowly: cut off", self.addr)
+                self.cut_off(req)
+            return False
+        # no valid token yet: no long idle either
+        return not self.authenticated and now - self.last_activity > self.limits.request_timeout_s
+
+    def cut_off(self, req: DoorParser) -> None:
+        with self.requests_lock:
+            self.request = None
+        req.error = _RequestTimeout(f"the request did not arrive within its deadline ({self.limits.request_timeout_s:g} s "
+                                    f"+ its size at {self.limits.min_rate_kib_s:g} KiB/s)")
+        self.refuse(req)
+        req.close()
+
+
+@dataclass
+class Door:
+    """What the door checks against; hung on the waitress server for its channels."""
+
+    tenants: Tenants
+    limits: DoorLimits
+
+
+def make_server(app, tenants: Tenants, *, host: str, port: int, threads: int, max_body_bytes: int,
+                limits: DoorLimits = DoorLimits(), ident: str = "splitlearn"):
+    """A waitress server for ``app`` behind the door; ``.run()`` serves, ``.close()`` stops."""
+    server = create_server(
+        app, host=host, port=port, threads=threads,
+        inbuf_overflow=max_body_bytes, outbuf_overflow=max_body_bytes, max_request_body_size=max_body_bytes,
+        recv_bytes=RECV_BYTES, max_request_header_size=MAX_HEADER_BYTES,
+        channel_timeout=max(1, int(round(limits.idle_timeout_s))), connection_limit=limits.max_connections,
+        cleanup_interval=1, ident=ident)
+    # --max-connections counts clients: the listener and waitress's wake-up pipe are in its map too
+    server.adj.connection_limit = limits.max_connections + len(server._map)
+    server.door = Door(tenants, limits)
+    server.channel_class = DoorChannel
+    idle_check = server.maintenance  # waitress's: keep-alive connections idle past channel_timeout
+
+    def maintenance(now: float) -> None:  # called from the loop at most once a second (cleanup_interval)
+        idle_check(now)
+        for channel in list(server.active_channels.values()):
+            if isinstance(channel, DoorChannel) and not channel.expired and channel.overdue(now):
+                channel.expired = True
+
+    server.maintenance = maintenance
+    accepts = server.readable  # waitress's: False while the connection limit is reached
+
+    def readable() -> bool:
+        """Full, with a connection waiting to be accepted: the oldest stranger (no valid token
+        yet, nothing in flight) is closed this loop turn and the newcomer takes its slot, so
+        tokenless connections never keep a tenant out. Checked when full, at each loop turn
+        (<= 1 s, waitress's select timeout)."""
+        if accepts() or not server.accepting:
+            return server.accepting
+        if not select.select([server.socket], [], [], 0)[0]:
+            return False  # nobody waiting: keep everyone
+        strangers = [c for c in server.active_channels.values() if isinstance(c, DoorChannel) and c.stranger()]
+        if any(c.expired for c in strangers):
+            return True  # one already goes this turn
+        if not strangers:
+            return False  # full of tenants' connections: the newcomer waits in the backlog
+        oldest = min(strangers, key=lambda c: c.creation_time)
+        log.info("connection limit reached: %s (no token) makes room for a new connection", oldest.addr)
+        oldest.expired = True  # closed in its readable(), this turn, before the accept
+        return True
+
+    server.readable = readable
+    return server
