@@ -17,8 +17,28 @@ the server's state must be as before: ``/v1/info``'s counters (steps applied, se
 steps, memory reserved), the federation's version and round, the fuzzer's clients' steps,
 and the digest of the segment's weights and optimizer state (a checkpoint by the operator).
 
-Reported: requests sent, by status, and every failure with a curl line to reproduce it.
-tests/test_openapi.py runs :func:`fuzz` with a few examples per operation.
+Then two stateful parts, so that the answers a lone request never gets (409, 413, 429) are
+reached and checked too:
+
+- :func:`stateful`: schemathesis' state machine over the document's OpenAPI links (open a
+  session -> step -> step ... -> close; ``--stateful-examples`` scenarios of up to 8 calls).
+  A model of the server (each session's rows and positions seen) makes half of the steps
+  valid, so the next step at a stale position is a real conflict (409); the same checks, and
+  the same state comparison after every 4xx.
+- :func:`hostile`: targeted sequences. Training, as a client runs it: forward -> backward
+  (U-shape; ``/v1/train/step`` in the 2-way shape), and an open-ended step forward ->
+  backward -> apply; then requests that must answer **409** (a step out of order, a backward
+  with no forward pending, an apply of no pending step, a session step at a stale position or
+  out of its numbering), **413** (a body over ``--max-body-mb``; a forward whose working
+  memory is over ``--max-request-memory-gb``) and **429** (a session over
+  ``--max-sessions-per-tenant``, with ``Retry-After``), each with the documented JSON body
+  ``{"error", "message"}`` (its code one of the status's in the document) and nothing changed
+  (the same state as above, the weights' digest included).
+
+The fuzzed server runs with small limits (``--max-body-mb 4 --max-request-memory-gb 0.004``)
+so that hostile requests stay small. Reported: requests sent, by status, and every failure
+with a curl line to reproduce it. tests/test_openapi.py runs all three briefly (a few seconds
+of fuzzing); ``make fuzz`` runs them long.
 """
 from __future__ import annotations
 
@@ -44,13 +64,15 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 import schemathesis  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
+from splitlearn import openapi  # noqa: E402
 from splitlearn import protocol as P  # noqa: E402
 from splitlearn.localserver import LocalServer  # noqa: E402
-from splitlearn.wire import encode  # noqa: E402
+from splitlearn.wire import decode, encode  # noqa: E402
 
 SHAPES = {"u": ("1", "3"), "2-way": ("2",)}
 OPERATOR, FUZZER = "op-7d2c91e04b5a63f8", "fz-3a8e50c17d96b2e4"
 CLIENT_IDS = ("c1", "c2")  # the fuzzer's clients: steps 1..3 of these can really be applied
+SMALL_LIMITS = ("--max-body-mb", "4", "--max-request-memory-gb", "0.004")  # hostile requests stay small
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
           "response_headers_conformance", "response_schema_conformance", "negative_data_rejection")
 
@@ -207,11 +229,226 @@ def fuzz(url: str, examples: int, *, operator: str = OPERATOR, tenant: str = FUZ
     return report
 
 
+# -- stateful: schemathesis over the document's links --------------------------------------
+
+def stateful(url: str, examples: int, *, operator: str = OPERATOR, tenant: str = FUZZER, steps: int = 8,
+             report: Optional[Report] = None) -> Report:
+    """schemathesis' state machine over the OpenAPI links of the sessions' routes (open ->
+    step -> ... -> close): ``examples`` scenarios of up to ``steps`` calls, with the
+    ``tenant``'s token. Half of the steps of a session it knows are made valid (its rows, the
+    positions it has seen), so the fuzzer's own steps meet a session with a history; every
+    answer passes :data:`CHECKS`, and every 4xx leaves the state as it was."""
+    import random
+
+    from hypothesis.stateful import run_state_machine_as_test
+
+    report = report if report is not None else Report()
+    fz = {"Authorization": f"Bearer {tenant}"}
+    info = requests.get(url + P.INFO, headers=fz, timeout=30).json()
+    d = info["model_config"]["n_embd"]
+    schemathesis.openapi.media_type(P.CONTENT_TYPE, safetensors_bodies(info))
+    schema = schemathesis.openapi.from_url(url + P.OPENAPI, headers=fz).include(path_regex="^/v1/sessions")
+    http = requests.Session()
+    checks = [getattr(schemathesis.checks, name) for name in CHECKS]
+    rng = random.Random(0)
+    sessions: dict[str, list[int]] = {}  # session id -> [rows, positions seen]: the model of the server
+    opened: set[str] = set()
+    Machine = schema.as_state_machine()
+
+    class Watched(Machine):  # type: ignore[misc, valid-type]
+        def setup(self):
+            self.mine = []  # the sessions this scenario opened: closed at its end
+
+        def teardown(self):
+            for sid in self.mine:
+                http.delete(url + P.SESSION.format(session_id=sid), headers=fz, timeout=30)
+                sessions.pop(sid, None)
+                opened.discard(sid)
+
+        def before_call(self, case):
+            self.before = state(url, False, operator, tenant)
+            sid = (case.path_parameters or {}).get("session_id")
+            draw = rng.random()
+            if case.operation.label == f"POST {P.SESSION_STEP}" and sid in sessions and draw < 0.7:
+                rows, seen = sessions[sid]  # a valid step; 2 in 7 at a stale position instead (409)
+                position = seen if draw < 0.5 else max(seen + rng.choice((-2, -1, 1)), 0) + (seen == 0)
+                case.body = encode({P.HIDDEN: torch.randn(rows, rng.randint(1, 3), d)},
+                                   P.SessionStepMeta(position).to_meta())
+                case.media_type = P.CONTENT_TYPE
+
+        def get_call_kwargs(self, case):
+            return {"base_url": url, "session": http, "headers": fz, "timeout": 60}
+
+        def after_call(self, response, case):
+            report.requests += 1
+            report.statuses[response.status_code] += 1
+            report.by_operation["stateful " + case.operation.label] += 1
+            sid = (case.path_parameters or {}).get("session_id")
+            if case.operation.label == f"POST {P.SESSIONS}" and response.status_code == 201:
+                body = response.json()
+                sessions[body["session_id"]] = [body["rows"], 0]
+                opened.add(body["session_id"])
+                self.mine.append(body["session_id"])
+            elif case.operation.label == f"POST {P.SESSION_STEP}" and response.status_code == 200 and sid in sessions:
+                hidden = decode(response.content)[0].get(P.HIDDEN)  # (B, new positions, d)
+                sessions[sid][1] += hidden.shape[1] if hidden is not None else 0
+            elif case.operation.label == f"DELETE {P.SESSION}" and response.status_code == 204:
+                sessions.pop(sid, None)
+
+        def validate_response(self, response, case, **kwargs):
+            problems = []
+            try:
+                case.validate_response(response, checks=checks, headers=fz)
+            except Exception as e:  # noqa: BLE001 - schemathesis' failures, collected
+                problems.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            if 400 <= response.status_code < 500:
+                after = state(url, False, operator, tenant)
+                if after != self.before:
+                    diff = {k: (self.before[k], after[k]) for k in self.before if self.before[k] != after.get(k)}
+                    problems.append(f"state changed after {response.status_code}: {diff}")
+            if problems:
+                report.failures.append({"operation": "stateful " + case.operation.label, "mode": "stateful",
+                                        "status": response.status_code, "problems": problems,
+                                        "answer": response.text[:300],
+                                        "curl": case.as_curl_command(headers=fz)[:600]})
+
+    try:
+        run_state_machine_as_test(Watched, settings=settings(
+            max_examples=examples, stateful_step_count=steps, database=None, deadline=None, derandomize=True,
+            phases=[Phase.generate], suppress_health_check=list(HealthCheck)))
+    finally:
+        for sid in opened:  # what the scenarios left open
+            http.delete(url + P.SESSION.format(session_id=sid), headers=fz, timeout=30)
+    return report
+
+
+# -- hostile: targeted sequences that must answer 409, 413, 429 ------------------------------
+
+def hostile(url: str, *, operator: str = OPERATOR, tenant: str = FUZZER, client_id: str = "h1",
+            report: Optional[Report] = None) -> Report:
+    """Training and sessions as a client runs them, then requests that must be refused with
+    409, 413 or 429 (see the module docstring): each answer's status, its JSON body (exactly
+    ``error`` and ``message``, the code one of the document's for that status; 429 with
+    ``Retry-After``) and the state around it (the weights' digest included) are checked."""
+    report = report if report is not None else Report()
+    fz = {"Authorization": f"Bearer {tenant}"}
+    http = requests.Session()
+    http.headers.update(fz)
+    info = http.get(url + P.INFO, timeout=30).json()
+    d, vocab, limits = info["model_config"]["n_embd"], info["model_config"]["vocab_size"], info["limits"]
+    u = info["shape"] == "u"
+    gen = torch.Generator().manual_seed(0)
+
+    def tensors(meta: dict, rows: int = 2, t: int = 4, **extra) -> bytes:
+        return encode({P.HIDDEN: torch.randn(rows, t, d, generator=gen), **extra}, meta)
+
+    def send(label: str, method: str, path: str, **kw) -> requests.Response:
+        if "data" in kw:
+            kw.setdefault("headers", {})["Content-Type"] = P.CONTENT_TYPE
+        resp = http.request(method, url + path, timeout=60, **kw)
+        report.requests += 1
+        report.statuses[resp.status_code] += 1
+        report.by_operation[f"hostile {label}"] += 1
+        return resp
+
+    def ok(label: str, resp: requests.Response, status: int = 200) -> requests.Response:
+        if resp.status_code != status:
+            report.failures.append({"operation": f"hostile {label}", "mode": "hostile", "status": resp.status_code,
+                                    "problems": [f"expected {status}"], "answer": resp.text[:300], "curl": ""})
+        return resp
+
+    def refused(label: str, status: int, method: str, path: str, weights: bool = True, **kw) -> None:
+        before = state(url, weights, operator, tenant)
+        resp = send(label, method, path, **kw)
+        problems = []
+        if resp.status_code != status:
+            problems.append(f"expected {status}")
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if not (isinstance(body, dict) and set(body) == {"error", "message"}):
+            problems.append("the body is not the documented JSON {error, message}")
+        elif body["error"] not in openapi.error_codes(status):
+            problems.append(f"error code {body['error']!r} is not one of {openapi.error_codes(status)}")
+        if status == 429 and "Retry-After" not in resp.headers:
+            problems.append("no Retry-After")
+        after = state(url, weights, operator, tenant)
+        if after != before:
+            problems.append(f"state changed: { {k: (before[k], after[k]) for k in before if before[k] != after.get(k)} }")
+        if problems:
+            report.failures.append({"operation": f"hostile {label}", "mode": "hostile", "status": resp.status_code,
+                                    "problems": problems, "answer": resp.text[:300], "curl": ""})
+
+    step = http.get(url + P.CLIENT_STATE.format(client_id=client_id), timeout=30).json()["step"] + 1
+    labels = torch.randint(0, vocab, (2, 4), generator=gen)
+    # training as a client runs it: a step, then (U-shape) an open-ended step with its apply
+    if u:
+        ok("train forward", send("train forward", "post", P.TRAIN_FORWARD,
+                                 data=tensors(P.StepMeta(client_id, step).to_meta())))
+        ok("train backward", send("train backward", "post", P.TRAIN_BACKWARD,
+                                  data=encode({P.GRAD: torch.randn(2, 4, d, generator=gen)},
+                                              P.StepMeta(client_id, step).to_meta())))
+        step += 1
+        open_ended = P.StepMeta(client_id, step, micros=0).to_meta()
+        ok("train forward (open-ended)", send("train forward (open-ended)", "post", P.TRAIN_FORWARD,
+                                              data=tensors(open_ended)))
+        ok("train backward (open-ended)", send("train backward (open-ended)", "post", P.TRAIN_BACKWARD,
+                                               data=encode({P.GRAD: torch.randn(2, 4, d, generator=gen)}, open_ended)))
+        ok("train apply", send("train apply", "post", P.TRAIN_APPLY,
+                               json={"client_id": client_id, "step": step, "pieces": 1, "lr": 0.01}))
+    else:
+        ok("train step", send("train step", "post", P.TRAIN_STEP,
+                              data=tensors(P.StepMeta(client_id, step).to_meta(), **{P.LABELS: labels})))
+    step += 1
+    two_way = {} if u else {P.LABELS: labels}
+    route = P.TRAIN_FORWARD if u else P.TRAIN_STEP
+    # 409: a step out of order (one ahead of the next), a backward with no forward, an apply of nothing
+    refused("409 step out of order", 409, "post", route,
+            data=tensors(P.StepMeta(client_id, step + 1).to_meta(), **two_way),
+            headers={"Content-Type": P.CONTENT_TYPE})
+    if u:
+        refused("409 backward without its forward", 409, "post", P.TRAIN_BACKWARD,
+                data=encode({P.GRAD: torch.randn(2, 4, d, generator=gen)}, P.StepMeta(client_id, step).to_meta()),
+                headers={"Content-Type": P.CONTENT_TYPE})
+        refused("409 apply of no pending step", 409, "post", P.TRAIN_APPLY,
+                json={"client_id": client_id, "step": step, "pieces": 1, "lr": 0.01})
+    # 413: a body over --max-body-mb; a forward whose working memory is over --max-request-memory-gb
+    if limits["max_body_bytes"] <= 64 << 20:
+        refused("413 body over --max-body-mb", 413, "post", route, data=b"\0" * (limits["max_body_bytes"] + 1),
+                headers={"Content-Type": P.CONTENT_TYPE})
+    big = (limits["max_batch"], limits["n_positions"])
+    if big[0] * big[1] * d * 4 * 4 < limits["max_body_bytes"]:
+        refused("413 forward over --max-request-memory-gb", 413, "post", P.FORWARD,
+                data=encode({P.HIDDEN: torch.zeros(*big, d)}), headers={"Content-Type": P.CONTENT_TYPE})
+    # sessions: open -> step -> (409: a stale position, a step number skipped) -> close
+    sid = ok("open session", send("open session", "post", P.SESSIONS, json={"rows": 1}), 201).json()["session_id"]
+    path = P.SESSION_STEP.format(session_id=sid)
+    ok("session step", send("session step", "post", path,
+                            data=tensors(P.SessionStepMeta(0, step=1).to_meta(), rows=1, t=3)))
+    refused("409 session step at a stale position", 409, "post", path, weights=False,
+            data=tensors(P.SessionStepMeta(0, step=2).to_meta(), rows=1, t=1), headers={"Content-Type": P.CONTENT_TYPE})
+    refused("409 session step out of its numbering", 409, "post", path, weights=False,
+            data=tensors(P.SessionStepMeta(3, step=5).to_meta(), rows=1, t=1), headers={"Content-Type": P.CONTENT_TYPE})
+    ok("close session", send("close session", "delete", P.SESSION.format(session_id=sid)), 204)
+    # 429: sessions past --max-sessions-per-tenant
+    mine = []
+    for _ in range(limits["max_sessions_per_tenant"] + 1):
+        r = http.post(url + P.SESSIONS, json={"rows": 1}, timeout=30)
+        if r.status_code != 201:
+            break
+        mine.append(r.json()["session_id"])
+    refused("429 a session over --max-sessions-per-tenant", 429, "post", P.SESSIONS, weights=False, json={"rows": 1})
+    for sid in mine:
+        http.delete(url + P.SESSION.format(session_id=sid), timeout=30)
+    return report
+
+
 def serve(cuts, tmp: Path, extra=()) -> LocalServer:
     tokens = tmp / "tokens"
     tokens.write_text(f"operator {OPERATOR} operator\nfuzzer {FUZZER}\n")
     args = ["--model", "tiny", "--threads", "2", "--token-file", str(tokens), "--checkpoint-dir", str(tmp / "ckpt"),
-            "--checkpoint-every", "1000000"]
+            "--checkpoint-every", "1000000", *SMALL_LIMITS]
     for c in cuts:
         args += ["--cut", c]
     return LocalServer(args + list(extra), token=OPERATOR, env={"OMP_NUM_THREADS": "1"})
@@ -221,6 +458,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/fuzz.py", allow_abbrev=False,
                                 description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=60, help="per operation and mode (positive, negative)")
+    p.add_argument("--stateful-examples", type=int, default=200, help="scenarios of the state machine (0: none)")
     p.add_argument("--shapes", default="u,2-way")
     p.add_argument("--json", help="write the report here")
     a = p.parse_args(argv)
@@ -229,6 +467,9 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp, serve(SHAPES[shape], Path(tmp)) as srv:
             t0 = time.perf_counter()
             rep = fuzz(srv.url, a.examples)
+            if a.stateful_examples:
+                stateful(srv.url, a.stateful_examples, report=rep)
+            hostile(srv.url, report=rep)
             out[shape] = {**rep.to_dict(), "seconds": round(time.perf_counter() - t0, 1)}
             failed += len(rep.failures)
             print(f"{shape}: {rep.requests} requests in {out[shape]['seconds']} s, statuses "

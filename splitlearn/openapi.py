@@ -118,6 +118,14 @@ class Op:
     errors: tuple = ()
     token: bool = True
     path_params: dict = field(default_factory=dict)
+    links: dict = field(default_factory=dict)  # OpenAPI links of the success answer: name -> Link object
+
+
+def link(route: str, **parameters: str) -> dict:
+    """An OpenAPI Link to the operation of ``route`` (its operationId: each route has one method), with
+    ``parameters`` from runtime expressions (``$response.body#/session_id``): what a stateful
+    fuzzer (schemathesis' state machine, benchmarks/fuzz.py) chains requests by."""
+    return {"operationId": route.lower(), "parameters": dict(parameters)}
 
 
 def operations(info: dict) -> list[Op]:
@@ -130,18 +138,25 @@ def operations(info: dict) -> list[Op]:
     mask = f"optional I64 [B, T] of 0/1, left padding (absent: no padding)"
     labels = "I64 [B, T], -100 ignored"
     step_meta = meta_fields(P.StepMeta, micros=f"0 (open-ended) or 1..{P.MAX_MICROS}",
-                            micro=f"< micros (< {P.MAX_PIECES} when open-ended)")
+                            micro=f"< micros (< {P.MAX_PIECES} when open-ended)",
+                            apply=f"JSON of the previous step's {P.TRAIN_APPLY} body (at most "
+                                  f"{P.MAX_APPLY_CHARS} characters), applied first: open-ended pieces only")
     tensor_errors = (400, 409, 413, 415)
     status = _json_object(description="the federation's status (docs/FEDERATION.md)")
     sid = {"session_id": {"type": "string", "description": "the id POST /v1/sessions answered"}}
+    # a session's life, chained for a stateful fuzzer: open -> step, step, ... -> close (each link
+    # reuses the id the open answered; the steps link nowhere, so the fuzzer starts from an open)
+    opened = {"step": link("SESSION_STEP", session_id="$response.body#/session_id"),
+              "close": link("SESSION", session_id="$response.body#/session_id")}
     cid = {"client_id": CLIENT_ID}
     return [
         Op("HEALTH", "get", "liveness (no token)", ("segment", "offload", "fed"), token=False, errors=(),
            answer=_json_object({"status": {"const": "ok"}, "protocol_version": {"type": "integer"}},
                                ["status", "protocol_version"])),
-        Op("READY", "get", "readiness: model loaded, compute thread alive, checkpoint dir writable (no token)",
-           ("segment", "offload"), token=False, errors=(503,), answer=_json_object()),
-        Op("METRICS", "get", "Prometheus text format (operator token)", ("segment", "offload"), errors=(403,),
+        Op("READY", "get", "readiness: model loaded, compute thread alive, checkpoint dir writable (the fed "
+           "server: its schema and secret) (no token)",
+           ("segment", "offload", "fed"), token=False, errors=(503,), answer=_json_object()),
+        Op("METRICS", "get", "Prometheus text format (operator token)", ("segment", "offload", "fed"), errors=(403,),
            answer="text/plain"),
         Op("INFO", "get", "model config, cuts, segment, dtypes, limits, counters", ("segment", "offload"),
            answer=_json_object({"protocol_version": {"type": "integer"}, "model_config": {"type": "object"},
@@ -156,9 +171,12 @@ def operations(info: dict) -> list[Op]:
         Op("CLIENT_ADAPTER", "get", "LoRA: the server side's adapter of a client", path_params=cid, errors=(400, 404),
            answer=Tensors({"base_model.model.transformer.h.<i>.<module>.lora_A.weight": "(r, in)",
                            "...lora_B.weight": "(out, r)"}, {"lora": "the adapter spec, JSON"})),
-        Op("TRAIN_STEP", "post", "2-way: hidden + labels -> loss + grad; optimizer step", errors=tensor_errors,
+        Op("TRAIN_STEP", "post", "2-way: hidden + labels -> loss + grad (micros=0: a fused open-ended piece, "
+           "loss_scale its loss's gradient; else a closed step)", errors=tensor_errors,
            body=Tensors({P.HIDDEN: hidden, P.LABELS: labels, P.MASK: mask}, step_meta),
-           answer=Tensors({P.LOSS: "F32 [1]", P.GRAD: "dL/d hidden, [B, T, d]"})),
+           answer=Tensors({P.LOSS: "F32 [1]", P.GRAD: "dL/d hidden, [B, T, d]"},
+                          {"grad_norm": "decimal (open-ended)", "accumulated": "integer (open-ended)",
+                           "apply": "the carried apply's answer, JSON", "apply_now": "1: apply at once"})),
         Op("TRAIN_FORWARD", "post", "hidden -> trunk output (the graph waits for the backward)", errors=tensor_errors,
            body=Tensors({P.HIDDEN: hidden, P.MASK: mask + " (open-ended: either side)",
                          P.LABELS: "2-way open-ended pieces only: " + labels}, step_meta),
@@ -183,7 +201,7 @@ def operations(info: dict) -> list[Op]:
            answer=_json_object({"saved": {"type": "string"}, "steps_applied": {"type": "integer"}},
                                ["saved", "steps_applied"])),
         Op("SESSIONS", "post", "open a generation session (KV cache on the server)", body=session_schema(max_batch),
-           json_optional=True, ok=201, errors=(400, 413),
+           json_optional=True, ok=201, errors=(400, 413), links=opened,
            answer=_json_object({"session_id": {"type": "string"}, "rows": {"type": "integer"},
                                 "ttl_s": {"type": "number"}}, ["session_id", "rows", "ttl_s"])),
         Op("SESSION_STEP", "post", "[reorder rows, crop] + new positions' hidden + mask -> output",
@@ -228,6 +246,8 @@ def _responses(op: Op) -> dict:
         out[str(op.ok)] = {"description": "text", "content": {op.answer: {"schema": {"type": "string"}}}}
     else:
         out[str(op.ok)] = {"description": "JSON answer", "content": {"application/json": {"schema": op.answer}}}
+    if op.links:
+        out[str(op.ok)]["links"] = dict(op.links)
     statuses = set(op.errors) | (set(_COMMON) if op.token else {405, 500})
     if op.body is not None:
         statuses |= {400, 413}

@@ -13,10 +13,11 @@ route                          method   what
 /v1/info                       GET      model config, cuts, segment held, dtypes, limits
 /v1/openapi.json               GET      OpenAPI 3.1 document of these routes (splitlearn/openapi.py)
 /v1/clients/<client_id>        GET      the last training step applied for a client
-/v1/train/step                 POST     2-way: hidden + labels -> loss + grad; optimizer step
+/v1/train/step                 POST     2-way: hidden + labels -> loss + grad (micros=0: fused open-ended piece)
 /v1/train/forward              POST     U-shape: hidden -> trunk output (graph kept)
 /v1/train/backward             POST     U-shape: grad of output -> grad of input; optimizer step
-/v1/train/apply                POST     JSON: apply an open-ended step (micros=0) at the client's lr
+/v1/train/apply                POST     JSON: apply an open-ended step (micros=0) at the client's lr (or: metadata
+                                        "apply" of the next step's first request, the same JSON)
 /v1/forward                    POST     no-grad forward (evaluation); changes nothing
 /v1/checkpoint                 POST     save segment + optimizer + step counters now
 /v1/sessions                   POST     open a generation session (KV cache on the server)

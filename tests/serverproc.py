@@ -162,12 +162,13 @@ class InprocServer:
         return self
 
     def stop(self) -> int:
-        """What SIGTERM does (checkpoint), then the URL serves nothing; 0 as the process's exit."""
+        """What SIGTERM does: the URL takes no more requests, the ones running are answered,
+        the server checkpoints; 0 as the process's exit code."""
         from splitlearn.transport.inproc import unserve
 
         if self.app is not None:
             rt, self.app = self.app.extensions.get("splitlearn"), None
-            unserve(self.url)
+            unserve(self.url, timeout_s=30)
             if rt is not None:  # a segment server's runtime
                 if hasattr(rt, "checkpoint"):
                     rt.compute.run(rt.checkpoint)

@@ -67,6 +67,7 @@ def server_adapter(srv, client_id, token=TOKEN):
 
 
 def both_sides(client, srv) -> dict:
+    client.flush()  # the last step's apply rides on the next request: sent before reading the server
     r = server_adapter(srv, client.client_id)
     assert r.status_code == 200, r.text
     return {**client_adapter_tensors(client.segments), **decode(r.content)[0]}

@@ -51,10 +51,12 @@ STEPS, KILL_AFTER = 8, 4
 
 # -- no HAProxy needed ----------------------------------------------------------------------
 
-def test_the_haproxy_config_hashes_the_route_header_on_a_ring_and_checks_health(tmp_path):
+def test_the_haproxy_config_hashes_the_route_header_on_a_ring_and_checks_readiness(tmp_path):
     conf = HAProxySettings(bind="127.0.0.1:9000", servers=[("r0", "127.0.0.1:9001"), ("r1", "127.0.0.1:9002")]).render()
     route = f"set-header {P.ROUTE_HEADER} %[req.hdr(Authorization),sha2(256),hex]:%[req.hdr({P.ROUTE_HEADER}),field(2,:)]"
-    for line in (f"balance hdr({P.ROUTE_HEADER})", route, "hash-type consistent", f"option httpchk GET {P.HEALTH}",
+    assert f"option httpchk GET {P.READY}\n    http-check expect status 200" in conf  # readiness, not liveness
+    assert P.HEALTH not in conf
+    for line in (f"balance hdr({P.ROUTE_HEADER})", route, "hash-type consistent", f"option httpchk GET {P.READY}",
                  "option redispatch 1", "retries 3", "server r0 127.0.0.1:9001", "server r1 127.0.0.1:9002",
                  "on-error mark-down", f"set-header {P.REPLICA_HEADER} %[srv_name]", "bind 127.0.0.1:9000"):
         assert line in conf, line
@@ -63,6 +65,77 @@ def test_the_haproxy_config_hashes_the_route_header_on_a_ring_and_checks_health(
                      tmp_path / "h.cfg", HAPROXY)
     with pytest.raises(ConfigError):
         HAProxySettings(bind="127.0.0.1:9000", servers=[])
+
+
+@needs_haproxy
+def test_haproxy_sends_no_traffic_to_a_replica_that_is_up_but_not_ready(tmp_path):
+    """Two real segment apps behind a real HAProxy with the generated configuration: r1 is
+    alive (``/v1/health`` 200) but not ready (its ``--checkpoint-dir`` is a file: ``/v1/ready``
+    503), so every route, its owners' included, lands on r0; once r1 is ready its owners move
+    back to it."""
+    import subprocess
+
+    from werkzeug.serving import make_server
+
+    from splitlearn.cluster.haproxy import command
+    from splitlearn.server.config import ServerConfig
+    from splitlearn.server.http.app import create_app
+
+    ckpt = [tmp_path / "ckpt0", tmp_path / "ckpt1"]
+    ckpt[1].write_text("a file where the directory should be")
+    apps = [create_app(ServerConfig(model="tiny", cuts=(2,), tokens=(TOKEN,), checkpoint_dir=str(d), torch_threads=1))
+            for d in ckpt]
+    servers = [make_server("127.0.0.1", free_port(), app, threaded=True) for app in apps]
+    threads = [threading.Thread(target=srv.serve_forever, daemon=True) for srv in servers]
+    for t in threads:
+        t.start()
+    port = free_port()
+    settings = HAProxySettings(bind=f"127.0.0.1:{port}", inter_ms=100, fall=1, rise=1,
+                               servers=[(f"r{i}", f"127.0.0.1:{srv.server_port}") for i, srv in enumerate(servers)])
+    proxy = subprocess.Popen(command(HAPROXY, write_config(settings, tmp_path / "haproxy.cfg", HAPROXY)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    keys = [P.route_key(TOKEN, f"c{i}") for i in range(24)]
+
+    def where() -> set:
+        out = set()
+        for key in keys:
+            r = requests.get(url + P.INFO, headers={**auth(TOKEN), P.ROUTE_HEADER: key}, timeout=10)
+            assert r.status_code == 200, r.text
+            out.add(r.headers[P.REPLICA_HEADER])
+        return out
+
+    def wait_until(want: set) -> set:
+        deadline, got = time.monotonic() + 20, set()
+        while time.monotonic() < deadline:
+            try:
+                got = where()
+            except (requests.ConnectionError, AssertionError):  # HAProxy starting
+                got = set()
+            if got == want:
+                return got
+            time.sleep(0.2)
+        return got
+
+    try:
+        c = apps[1].test_client()
+        r = c.get(P.READY)
+        assert r.status_code == 503 and r.get_json()["checks"]["checkpoint_dir"] is False
+        assert c.get(P.HEALTH).status_code == 200  # alive: the old check (/v1/health) would route to it
+        assert wait_until({"r0"}) == {"r0"}
+        time.sleep(0.5)
+        assert where() == {"r0"}  # and it stays out
+        ckpt[1].unlink()
+        ckpt[1].mkdir()  # ready now
+        assert c.get(P.READY).status_code == 200
+        assert wait_until({"r0", "r1"}) == {"r0", "r1"}  # its owners are back
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        for srv in servers:
+            srv.shutdown()
+        for app in apps:
+            app.extensions["splitlearn"].compute.close()
 
 
 def test_the_cluster_config_sets_host_port_and_state_dir_and_refuses_what_would_split_the_state(tmp_path, monkeypatch):

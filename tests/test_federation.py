@@ -48,6 +48,7 @@ def test_shared_mode_concurrent_clients_each_step_applied_once(cuts, tmp_path):
 
         run_threads([train(c) for c in clients])
         for c in clients:
+            c.flush()  # a last step's apply not yet carried by a next request
             state = web.get(srv.url + P.CLIENT_STATE.format(client_id=c.client_id),
                             headers=auth(), timeout=10).json()
             assert state["step"] == steps and c.step == steps
@@ -253,6 +254,7 @@ def test_one_members_upload_moves_the_model_by_at_most_the_bound_whatever_it_sen
     for i, (value, claimed) in enumerate(((3e38, 1), (50.0, 10**12))):
         a.train_step(*same_batch(40 + i))
         m.train_step(*same_batch(50 + i))
+        m.flush()  # its step applied (the apply rides on a next request otherwise): it trained in the round
         mine = web.get(srv.url + P.FEDERATION, headers=auth(TOKEN), timeout=10).json()
         theirs = web.get(srv.url + P.FEDERATION, headers=auth(OTHER), timeout=10).json()
         assert (mine["members"], theirs["members"], mine["members_count"]) == (["a"], ["m"], 2)  # no other's ids

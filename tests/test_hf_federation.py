@@ -38,7 +38,7 @@ def as_client(model):
     weights = dict(client_weights(model))
     if model.lm_head is not None:  # U-shape: the tied head, under its own name as well
         weights["lm_head.weight"] = weights["transformer.wte.weight"]
-    return types.SimpleNamespace(segments=[types.SimpleNamespace(hf_state_dict=lambda: weights)])
+    return types.SimpleNamespace(flush=model.flush, segments=[types.SimpleNamespace(hf_state_dict=lambda: weights)])
 
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])

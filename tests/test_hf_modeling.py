@@ -91,6 +91,7 @@ def split_lm(srv, **kw) -> SplitGPT2LMHeadModel:
 
 def assert_weights_equal(split, ref, srv, prefix: str = "", atol: float = ATOL):
     """Every client weight of ``split`` and every server weight equals ``ref``'s."""
+    split.flush()  # the last step's apply rides on the next step's first request: sent now
     expected = {k.removeprefix(prefix): v for k, v in ref.state_dict().items()}
     client = {k: v for k, v in split.state_dict().items() if "remote." not in k}
     assert client, "no client weights"
@@ -165,10 +166,14 @@ def test_plain_loop_equals_unsplit(server):
             o.step()
             s.step()
             o.zero_grad()
-        # 2 tensor requests per piece (forward, backward) + 1 JSON apply per optimizer step
+        # 2 tensor requests per piece (forward, backward); the apply rides on the next step's first forward
         assert model.remote.stats.calls - calls == 2 * accum and model.remote.applies == applies + 1
-        assert model.remote.last_apply["applied"] and model.remote.last_apply["pieces"] == accum
-        assert model.remote.last_apply["lr"] == pytest.approx(LR / (1 + step), rel=1e-12)
+        carried = model.remote.deferred
+        assert carried.step == step + 1 and carried.pieces == accum
+        assert carried.lr == pytest.approx(LR / (1 + step), rel=1e-12)
+        if step:  # the previous step's apply came back with this step's first forward
+            assert model.remote.last_apply["applied"] and model.remote.last_apply["step"] == step
+            assert model.remote.last_apply["lr"] == pytest.approx(LR / step, rel=1e-12)
     assert any(clipped), "the clip never acted: the test proves nothing about it"
     assert model.remote.step == model.remote.applies + 1
     assert_weights_equal(model, ref, server)
@@ -202,7 +207,7 @@ def test_an_optimizer_with_its_own_zero_grad_and_nothing_of_torch_patched(server
             m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
             o.step()
             o.zero_grad()
-        assert model.remote.last_apply["pieces"] == 1
+        assert model.remote.deferred.pieces == 1  # carried by the next step's first forward
     assert model.remote.applies == 3 and model.remote.step == 4
     assert_weights_equal(model, ref, server)
     assert torch.optim.Optimizer.zero_grad is zero_grad and zero_grad.__module__.startswith("torch.")

@@ -1,6 +1,8 @@
 """GET /v1/openapi.json: the OpenAPI 3.1 document built from the protocol module, checked against
 the routes the Flask app registers, and schemathesis run from it against a real server
-(benchmarks/fuzz.py: no 5xx, answers as documented, nothing changed by a 4xx)."""
+(benchmarks/fuzz.py: no 5xx, answers as documented, nothing changed by a 4xx): request by
+request, then stateful (the document's links: open a session -> step -> close) and hostile
+sequences that must answer 409, 413 and 429."""
 import dataclasses
 
 import pytest
@@ -89,6 +91,22 @@ def test_document_is_openapi_3_1_with_the_protocol_fields():
     assert paths[P.CHECKPOINT]["post"]["responses"]["403"] == {"$ref": "#/components/responses/E403"}
 
 
+def test_links_chain_a_sessions_life():
+    """POST /v1/sessions links to its step and its close by the id it answers (what
+    schemathesis' state machine follows); every link names an operation of the document."""
+    doc = served(app_of("u"))
+    ids = {op["operationId"] for ops in doc["paths"].values() for op in ops.values()}
+    links = doc["paths"][P.SESSIONS]["post"]["responses"]["201"]["links"]
+    assert {name: (v["operationId"], v["parameters"]) for name, v in links.items()} == {
+        "step": ("session_step", {"session_id": "$response.body#/session_id"}),
+        "close": ("session", {"session_id": "$response.body#/session_id"})}
+    assert doc["paths"][P.SESSION]["delete"]["operationId"] == "session"
+    for ops in doc["paths"].values():
+        for op in ops.values():
+            for answer in op["responses"].values():
+                assert all(v["operationId"] in ids for v in answer.get("links", {}).values())
+
+
 def test_document_needs_a_token():
     client = app_of("u").test_client()
     assert_error(client.get(P.OPENAPI), 401, "token")
@@ -104,16 +122,21 @@ def test_no_static_route():
 @pytest.mark.parametrize("shape", ["u", "2-way"])
 def test_schemathesis_finds_nothing(shape, tmp_path):
     """A bounded run (the long one: benchmarks/fuzz.py, `make fuzz`): every operation, schema-valid
-    and schema-invalid requests with a tenant's token, no failure of schemathesis' checks and
-    no state change after a 4xx."""
-    from benchmarks.fuzz import fuzz
+    and schema-invalid requests with a tenant's token; then a few scenarios of the state machine
+    over the document's links and the hostile sequences (benchmarks/fuzz.py: stateful, hostile);
+    no failure of schemathesis' checks, no state change after a 4xx, and the 409, 413 and 429
+    answers reached with the documented JSON body."""
+    from benchmarks.fuzz import SMALL_LIMITS, fuzz, hostile, stateful
 
     tokens = tmp_path / "tokens"
     tokens.write_text("\n".join(TENANTS) + "\n")
     with ServerProcess(SERVERS[shape]["cuts"], checkpoint_dir=tmp_path / "ckpt",
-                       extra=["--token-file", str(tokens), "--checkpoint-every", "1000000"]) as srv:
+                       extra=["--token-file", str(tokens), "--checkpoint-every", "1000000", *SMALL_LIMITS]) as srv:
         report = fuzz(srv.url, 4, operator=TOKEN, tenant=OTHER)
+        stateful(srv.url, 8, operator=TOKEN, tenant=OTHER, report=report)
+        hostile(srv.url, operator=TOKEN, tenant=OTHER, report=report)
     assert report.failures == [], report.failures[:5]
     assert len(report.by_operation) >= 19 and report.requests >= 120  # it did reach every route
+    assert any(k.startswith("stateful POST /v1/sessions/") for k in report.by_operation)  # a chain was followed
     codes = set(report.statuses)
-    assert {200, 201, 204, 400, 401, 403, 404} <= codes, report.statuses
+    assert {200, 201, 204, 400, 401, 403, 404, 409, 413, 429} <= codes, report.statuses

@@ -63,11 +63,11 @@ def run(cuts, tmp, *, every=5, kill_after=None, kill_in_backward=False, reconnec
         server = srv.weights()
         client.close()
     if kill_after is not None:
-        lost = kill_after - (kill_after // every) * every  # steps after the last checkpoint
-        if lost:  # the client must have noticed and replayed exactly those
-            assert client.recoveries and client.recoveries[0]["replayed"] == lost, client.recoveries
-        else:  # nothing to replay (the restart may even hide inside the transport's retries)
-            assert all(r["replayed"] == 0 for r in client.recoveries), client.recoveries
+        # the server had applied kill_after - 1 steps (the last one's apply rides on the next step's
+        # first request) and checkpointed the last multiple of ``every`` of those; the steps after it,
+        # the pending one included, are lost: the client must have noticed and replayed exactly those
+        lost = kill_after - ((kill_after - 1) // every) * every
+        assert client.recoveries and client.recoveries[0]["replayed"] == lost, client.recoveries
     return losses, weights, server
 
 

@@ -176,3 +176,37 @@ def test_requests_reaches_inproc_urls_through_the_adapter(servers):
     assert answers[0] == answers[1]
     with pytest.raises(web.ConnectionError):
         web.get("inproc://never-served" + P.HEALTH)
+
+
+def test_unserve_refuses_new_requests_and_waits_for_those_running():
+    """As a server that stops: what it is running is answered, what comes after is refused."""
+    import threading
+    import time
+
+    from flask import Flask
+
+    app = Flask("slow")
+    entered, release = threading.Event(), threading.Event()
+
+    @app.route(P.HEALTH)
+    def health():
+        entered.set()
+        release.wait(30)
+        return {"ok": True}
+
+    url = serve_inproc(app)
+    t = Transport(TransportConfig(url, retries=0))
+    answers = []
+    running = threading.Thread(target=lambda: answers.append(t.get_json(P.HEALTH)))
+    running.start()
+    assert entered.wait(30)
+    stopping = threading.Thread(target=unserve, args=(url,))
+    stopping.start()
+    time.sleep(0.2)
+    assert stopping.is_alive()  # waits for the request in flight
+    with pytest.raises(TransportError, match="no app is served"):
+        t.get_json(P.HEALTH)  # a new one is refused meanwhile
+    release.set()
+    stopping.join(30)
+    running.join(30)
+    assert answers == [{"ok": True}] and not stopping.is_alive()

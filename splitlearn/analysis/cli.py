@@ -52,7 +52,7 @@ def measured_link(source: str) -> dict:
     """A diagnose report: read from a JSON file, or measured now against a server URL."""
     import json
 
-    if source.startswith(("http://", "https://")):
+    if source.startswith(("http://", "https://", "unix://")):  # unix://: a --listen socket (docs/TRANSPORT.md)
         import os
 
         from .diagnose import DiagnoseConfig, diagnose

@@ -220,6 +220,7 @@ def diagnose(transport: Transport, cfg: Optional[DiagnoseConfig] = None) -> dict
     train.update(batch=cfg.train_batch, seq_len=cfg.train_seq)
     dec.update(batch=cfg.decode_batch, seq_len=1)
     return {"server": transport.cfg.url, "lean_transport": transport.lean,
+            "transport": transport.cfg.url.split("://", 1)[0],  # http, https, unix (shared memory), inproc
             "model": {"shape": info.get("shape"), "cuts": info["cuts"], "n_embd": d,
                       "vocab_size": info["model_config"]["vocab_size"]},
             "round_trips": trips, "skipped_sizes": skipped,

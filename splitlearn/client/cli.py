@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp, model=True):
         sp.allow_abbrev = False  # subparsers do not inherit it: `--mode` must not mean `--model`
-        sp.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+        sp.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000 or unix:///run/splitlearn.sock")
         sp.add_argument("--token-file", help="file whose first line is the bearer token "
                                              "(default: $SPLITLEARN_TOKEN)")
         if model:

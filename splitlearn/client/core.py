@@ -3,15 +3,17 @@
 The client holds the bottom (2-way) or the bottom and the top (U-shape); the server holds
 the rest. :attr:`SplitClient.model` is the client's segments as a
 :class:`~splitlearn.hf.modeling.SplitGPT2LMHeadModel` (the same modules, no copy). A training
-step is that model's forward and backward inside a *closed* step
-(:meth:`RemoteSegment.closed_step <splitlearn.hf.remote.RemoteSegment.closed_step>`), then the
-client's optimizer step::
+step is that model's forward and backward as an open-ended step whose loss's gradient is known
+to be 1 (:attr:`RemoteSegment.loss_gradient <splitlearn.hf.remote.RemoteSegment.loss_gradient>`),
+then the client's optimizer step and the server's apply (at the server's own learning rate),
+carried by the next step's first request::
 
-    2-way:   ids -> bottom -> h --POST /v1/train/step (h, labels)--> loss, dL/dh -> bottom.backward
+    2-way:   ids -> bottom -> h --POST /v1/train/step (h, labels, loss_scale)--> loss, dL/dh -> bottom.backward
     U-shape: ids -> bottom -> h1 --POST /v1/train/forward--> h2 -> top -> loss
              loss.backward -> dL/dh2 --POST /v1/train/backward--> dL/dh1 -> bottom.backward
 
-the server applying its optimizer (its own learning rate) with the step's last piece. In 2-way
+one request per micro-batch in 2-way, two in the U-shape, no apply request (the apply goes as
+one of its own only before a sync, a save, an evaluation or a generation). In 2-way
 the labels (the text itself) go to the server; in the U-shape they never leave the client. N
 split steps equal N unsplit steps (float32 wire). In 2-way the server's LM head is its own
 copy of the tied ``wte`` weight (the two live in different processes), so 2-way training
@@ -122,6 +124,8 @@ class SplitClient:
             self.optimizer = make_optimizer(lora or unique_parameters(self.segments), c.optimizer, c.lr,
                                             c.weight_decay)
             self.federation = federation_of(self._model)  # the modes' waits and weights (transport.fedsync)
+            remote.auto_apply = False  # train_step applies, at the server's lr; no optimizer hook does
+            remote.loss_gradient = 1.0  # loss.backward(): fused 2-way pieces, 1F1B micro-batches
         except BaseException:
             remote.close()
             raise
@@ -187,6 +191,10 @@ class SplitClient:
         return self.transport.stats
 
     def close(self) -> None:
+        try:
+            self._model.remote.flush()  # the last step's deferred apply
+        except SplitLearnError as e:
+            log.warning("the last step's apply could not be sent: %s", e.message)
         self.transport.close()
         if self._model.remote.fed is not None:
             self._model.remote.fed.close()
@@ -245,26 +253,29 @@ class SplitClient:
                 raise ServiceUnavailable(f"step {self.step + 1} could not be applied within "
                                          f"{self.wait_timeout_s:g}s")
         self.optimizer.step()
+        remote.apply(self._server_lr())  # carried by the next step's first request (or flushed)
         self.step += 1
-        self.federation.samples += ids.shape[0]
         if self.journal_dir is not None and remote.log.enabled and remote.log.durable_step > self._snap_step:
             self._persist()  # the server's checkpoint moved past ours: the log before it can go
         return loss
 
     def _attempt(self, ids, mask, labels, rng: torch.Tensor):
         """Run the step once through :attr:`model` -> its loss; on success only
-        ``optimizer.step()`` is left to do. The step is a closed one (:meth:`RemoteSegment.closed_step
-        <splitlearn.hf.remote.RemoteSegment.closed_step>`): the server applies it, at its own
-        learning rate, with the last backward (after a :meth:`load`, a step the server has is
-        answered from the journal)."""
+        ``optimizer.step()`` and the apply are left to do. The step is an open-ended one whose
+        loss's gradient is 1 (fused 2-way pieces, 1F1B micro-batches); after a :meth:`load`, a
+        step the server has is answered from the journal."""
         model = self.model
+        remote = model.remote
+        if remote.pieces or remote.answered:  # an earlier attempt's pieces: dropped on both sides
+            remote.discard_pending(force=True)
+        if not remote.pieces:
+            remote.step = self.step + 1
         torch.set_rng_state(rng)  # every attempt draws the same dropout masks
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         pos = None if mask is None else positions_from_mask(mask, ids.shape[1])  # left padding as generate's
-        with model.remote.closed_step(self.step + 1, self.federation.version):
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=pos)
-            out.loss.backward()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=pos)
+        out.loss.backward()
         extra = model.transformer.defense_loss  # the defense's own term (NoPeek) is not the task's loss
         return float(out.loss.detach()) - (float(extra.detach()) if extra is not None else 0.0)
 
@@ -277,9 +288,21 @@ class SplitClient:
         return [{"server_step": r["server_step"], "replayed": r["steps"], "requests": r["replayed"]}
                 for r in self.model.remote.recoveries]
 
+    def flush(self) -> Optional[dict]:
+        """Send the last step's apply now (it is carried by the next step's first request):
+        before reading the server's weights by other means. Returns the server's answer, or
+        None if nothing was deferred. ``sync``, ``save``, ``evaluate``, ``generate`` and
+        ``close`` do it by themselves."""
+        return self._model.remote.flush()
+
+    def _server_lr(self) -> float:
+        """The lr the server's apply asks for: the server's own (``/v1/info``), as before issue 30."""
+        return float(self.info.get("optimizer", {}).get("lr", self.config.lr))
+
     def _persist(self) -> None:
         """Write the live state to ``journal_dir`` as its client checkpoint; drop the log before
         the server's durable step (it holds those steps, and so does the checkpoint)."""
+        self.model.remote.flush()  # the server holds the checkpoint's step (and the log its apply)
         save_state(self.journal_dir, "client", self.segments, self.optimizer,
                    {"client_id": self.client_id, "step": self.step, "cuts": list(self.cuts)})
         self._snap_step = self.step
@@ -304,6 +327,7 @@ class SplitClient:
         clients have synced, and continues from the average. shared: a no-op. Returns the
         server's federation status (``GET /v1/federation``).
         """
+        self.model.remote.flush()  # the last step's apply, before the turn or the round closes
         status = self.federation.sync(shared_weights(self.model))  # LoRA: the adapters alone (SplitLoRA)
         if not self.federation.shared and self.journal_dir is not None and self.model.remote.log.enabled:
             self._persist()  # the server checkpoints at a sync and a round's end; the average is loaded
@@ -328,6 +352,7 @@ class SplitClient:
         Also asks the server to checkpoint now (if it has a checkpoint dir), so the two
         sides' saved states belong to the same step; the journal then restarts from here.
         """
+        self.model.remote.flush()  # the last step's apply: the server's checkpoint holds it
         durable = False
         if server_checkpoint:
             try:

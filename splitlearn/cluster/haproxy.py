@@ -1,7 +1,7 @@
 """HAProxy in front of the replicas: the configuration, checked, and the process.
 
 The configuration written (routing on ``X-Splitlearn-Route`` rewritten to the authenticated
-tenant, consistent hashing, health checks, failover, the metrics frontend) and why each line:
+tenant, consistent hashing, health checks on ``/v1/ready``, failover, the metrics frontend) and why each line:
 docs/CLUSTER.md, 'Routing'."""
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ frontend splitlearn
 backend replicas
     balance hdr({route_header})
     hash-type consistent
-    option httpchk GET {health}
+    # readiness, not liveness: a replica up but not ready (model not loaded, compute thread gone,
+    # state dir not writable) answers 503 and gets no traffic (splitlearn/server/http/probes.py)
+    option httpchk GET {ready}
     http-check expect status 200
     http-response set-header {replica_header} %[srv_name]
     default-server check inter {inter_ms}ms fastinter {inter_ms}ms downinter {down_ms}ms fall {fall} rise {rise} observe layer4 error-limit 1 on-error mark-down on-marked-down shutdown-sessions
@@ -90,7 +92,7 @@ class HAProxySettings:
         metrics = METRICS_FRONTEND.format(bind=self.metrics, path=P.METRICS) if self.metrics else ""
         return TEMPLATE.format(maxconn=self.maxconn, threads=self.threads, connect_ms=self.connect_ms,
                                client_s=self.client_s, server_s=self.server_s, bind=self.bind,
-                               route_header=P.ROUTE_HEADER, health=P.HEALTH, replica_header=P.REPLICA_HEADER,
+                               route_header=P.ROUTE_HEADER, ready=P.READY, replica_header=P.REPLICA_HEADER,
                                inter_ms=self.inter_ms, down_ms=max(self.inter_ms, 500), fall=self.fall,
                                rise=self.rise, servers=servers, metrics=metrics)
 

@@ -2,7 +2,7 @@
 
 ::
 
-    start   replicas in parallel, each until its /v1/health answers; haproxy.cfg written and
+    start   replicas in parallel, each until its /v1/ready answers 200; haproxy.cfg written and
             checked (haproxy -c); HAProxy started; ready when a request through it answers;
             RUN_DIR/replicas.json written atomically (splitfed, R > 1: a TCPStore hosted here)
     watch   every 0.2 s: a replica that exited is started again on its port (5 s between
@@ -57,7 +57,8 @@ class ReplicaProcess(ChildServer):
 
     def __init__(self, index: int, cfg: ClusterConfig, port: int, log_path: Path, store: Optional[str] = None):
         cmd = [sys.executable, "-m", "splitlearn.server", *cfg.replica_args(port, index, store)]
-        super().__init__(cmd, port, startup_timeout_s=cfg.startup_timeout_s, quiet=False)
+        # started (and back after a restart) when ready, as HAProxy's check sees it (haproxy.py)
+        super().__init__(cmd, port, health=P.READY, startup_timeout_s=cfg.startup_timeout_s, quiet=False)
         self.index, self.name, self.log_path = index, f"r{index}", log_path
         self.cores = cfg.cores(index)
         port = cfg.replica_metrics_port(index)

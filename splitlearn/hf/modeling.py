@@ -304,6 +304,7 @@ class SplitMixin:
         if remote.pieces or remote.answered:
             raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
                               "(optimizer.step() or zero_grad() first)")
+        remote.flush()  # the last step's deferred apply, before the turn or the round closes
         return federation_of(self).sync(shared_weights(self))
 
     @property
@@ -321,6 +322,30 @@ class SplitMixin:
             raise ConfigError(f"micro_batches works with SplitGPT2LMHeadModel (a causal-LM loss); "
                               f"{type(self).__name__} trains whole batches")
         self.__dict__["_micro_batches"] = m
+
+    def flush(self):
+        """Send the last optimizer step's apply now (it is carried by the next step's first
+        request): before reading the server's weights by other means. ``sync``, evaluation,
+        ``generate``, a client checkpoint and ``close`` do it by themselves. Returns the server's
+        answer (``remote.last_apply``), or None if nothing was deferred."""
+        remote = self.transformer.remote
+        return None if remote is None else remote.flush()
+
+    @property
+    def loss_gradient(self):
+        """The gradient ``loss.backward()`` will send into this model's loss, when known in
+        advance (``1.0`` for a plain loop; ``1 / k`` for ``(loss / k).backward()``): 2-way pieces
+        are then fused (one request each: the server's forward, loss and backward at once) and
+        micro-batches run 1F1B (:mod:`splitlearn.hf.pipeline`). A backward with another gradient is
+        a ``ConfigError``. None (the default): not known; each piece's backward waits for it."""
+        remote = self.transformer.remote
+        return None if remote is None else remote.loss_gradient
+
+    @loss_gradient.setter
+    def loss_gradient(self, g) -> None:
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0):
+            raise ConfigError(f"loss_gradient must be None or a number in (0, 1], got {g!r}")
+        self.transformer.remote.loss_gradient = None if g is None else float(g)
 
     @property
     def defense(self):
@@ -450,6 +475,7 @@ class SplitGenerationMixin:
         remote = self.transformer.remote
         if remote is None:
             raise ConfigError("this split model is not connected to a server (from_pretrained(..., server=URL))")
+        remote.flush()  # a deferred apply first: generation reads the server's weights
         kwargs.setdefault("wire_dtype", remote.cfg.wire_dtype)
         kwargs.setdefault("client_id", remote.client_id)
         return RemoteCache.from_info(self.config, remote.transport, remote.info, **kwargs)

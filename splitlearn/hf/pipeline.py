@@ -19,14 +19,15 @@ the server, so it sums the pieces' gradients in one order, as a replay after a c
 and runs bottom⁻¹(i-1) while the server runs b(i). 2-way: the server computes each
 micro-batch's loss in the forward; in the backward b(i) overlaps bottom⁻¹(i-1).
 
-**Closed steps** (``SplitClient.train_step``: :meth:`RemoteSegment.closed_step
-<splitlearn.hf.remote.RemoteSegment.closed_step>`) promise that the loss is backpropagated as
-it is (gradient 1), so the backward runs *during* the forward, GPipe's 1F1B order: top⁻¹(i)
-right after top(i), b(i) sent at once (several in flight), each bottom⁻¹(j) as soon as b(j) is
-back, between two tops; ``loss.backward()`` then only checks the gradient is 1. The server
-knows the step's piece count and each piece's share (``micros``, ``loss_scale``) and applies
-with the last backward; 2-way, each piece is one ``POST /v1/train/step`` (forward and backward
-on the server) and bottom⁻¹(i) runs as its answer comes.
+**1F1B when the loss's gradient is known** (:attr:`RemoteSegment.loss_gradient
+<splitlearn.hf.remote.RemoteSegment.loss_gradient>`, ``g``: ``SplitClient.train_step``'s
+``loss.backward()`` promises 1): the backward runs *during* the forward, GPipe's 1F1B order:
+top⁻¹(i) right after top(i), b(i) sent at once (several in flight), each bottom⁻¹(j) as soon as
+b(j) is back, between two tops; ``loss.backward()`` then only checks the gradient is ``g``. The
+pieces are still those of the open-ended step (applied when the optimizer steps, the apply
+carried by the next step's first forwards); 2-way, each piece is one fused ``POST
+/v1/train/step`` (forward, loss and backward on the server, its loss's gradient ``g x share``
+sent as ``loss_scale``) and bottom⁻¹(i) runs as its answer comes.
 
 The loss is the batch's: each micro-batch's mean loss weighted by its share of the batch's
 target tokens (``labels`` not -100 after the shift), or of ``num_items_in_batch`` when
@@ -74,11 +75,11 @@ class _Lanes:
         self.calls: dict[int, tuple] = {}  # lane -> (key, call)
         self.answers: dict[tuple, tuple] = {}  # key -> finish_piece's (kind, piece, tensors)
 
-    def start(self, key: tuple, kind: str, tensors: dict, piece=None):
+    def start(self, key: tuple, kind: str, tensors: dict, piece=None, scale=None):
         lane = key[1] % self.n
         if lane in self.calls:  # one request per lane: read the one before
             self._read(lane)
-        call = self.remote.start_piece(kind, tensors, lane, piece)
+        call = self.remote.start_piece(kind, tensors, lane, piece, **({} if scale is None else {"scale": scale}))
         self.calls[lane] = (key, call)
         return call[1]  # the piece
 
@@ -121,14 +122,14 @@ class _Run:
         self.losses: list[torch.Tensor] = []  # U-shape: mean losses with their graphs; 2-way: values
         self.weights: list[float] = []  # each micro-batch's share of the batch's loss
         self.row_weights: list[float] = []  # each micro-batch's share of the rows (the defense's loss)
-        self.eager = False  # backward during the forward (closed steps, whose loss's gradient is 1)
+        self.eager: Optional[float] = None  # the loss's known gradient: backward during the forward (1F1B)
         self.done = 0  # bottoms backpropagated, in order
 
     def backward(self, g: torch.Tensor) -> None:
-        if self.eager:
-            if abs(float(g) - 1.0) > 1e-6:
-                raise ConfigError(f"a closed step's loss must be backpropagated as it is (gradient 1, not "
-                                  f"{float(g):g}): its backward ran with the forward")
+        if self.eager is not None:
+            if abs(float(g) - self.eager) > 1e-6 * abs(self.eager):
+                raise ConfigError(f"the loss received the gradient {float(g):g} where {self.eager:g} was "
+                                  f"promised (loss_gradient): its backward ran with the forward")
             return
         self._backward(g)
 
@@ -204,9 +205,10 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     total = float(num_items_in_batch) if num_items_in_batch is not None else float(sum(counts))
     run = _Run(model, m)
     run.weights = [n / total for n in counts]
-    if run.remote.closed is not None:  # SplitClient's fused steps: the server knows the count and shares
-        run.remote.closed.micros, run.remote.closed.scales = m, run.weights
-        run.eager = True  # and the loss's gradient is 1: backpropagate while forwarding (1F1B)
+    known = run.remote.loss_gradient
+    scales = [run.remote.fused_scale(w) for w in run.weights]
+    if known is not None and (t.u_shape or None not in scales):  # backpropagate while forwarding (1F1B)
+        run.eager = float(known)
     rows = [x.shape[0] for x in _rows(input_ids, m)]
     run.row_weights = [r / sum(rows) for r in rows]
     parts = list(zip(_rows(input_ids, m), _rows(attention_mask, m), _rows(labels, m), _rows(token_type_ids, m),
@@ -220,15 +222,16 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             run.defense.append(t.defense_loss)
             ctxs.append(ctx)
             tensors = run.remote.forward_tensors(sent, ctx["mask"], None if t.u_shape else y)
-            run.pieces.append(run.lanes.start(("f", i), "f", tensors))
-        one = torch.ones((), device=input_ids.device)
+            fused = scales[i] if run.eager is not None and not t.u_shape else None
+            run.pieces.append(run.lanes.start(("f", i), "f", tensors, scale=fused))
+        one = torch.full((), run.eager if run.eager is not None else 1.0, device=input_ids.device)
         for i, (x, mask, y, tt, pos) in enumerate(parts):
-            while run.eager and run.done < i and run.lanes.ready(("b", run.done)):  # work that is here
+            while run.eager is not None and run.done < i and run.lanes.ready(("b", run.done)):  # work that is here
                 run.bottom(run.done, run.lanes.get(("b", run.done)), one)
             out = run.lanes.get(("f", i))
             if not t.u_shape:
                 run.losses.append(out[P.LOSS].reshape(()))
-                if run.eager:  # a closed step: the server's backward came with the loss
+                if run.eager is not None:  # a fused piece: the server's backward came with the loss
                     run.bottom(i, out, one)
                 continue
             sent = run.sent[i]
@@ -241,10 +244,10 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
                 t._precomputed = None
             run.losses.append(head.loss)
             del head  # its logits (b, T, V) are not kept: the loss's graph holds what the backward needs
-            if run.eager:  # top⁻¹(i) now, b(i) on its way while the client goes on
+            if run.eager is not None:  # top⁻¹(i) now, b(i) on its way while the client goes on
                 torch.autograd.backward(run.losses[i], one * run.weights[i])
                 run.lanes.start(("b", i), "b", run.remote.backward_tensors(leaf.grad), run.pieces[i])
-        while run.eager and run.done < m:
+        while run.eager is not None and run.done < m:
             run.bottom(run.done, run.lanes.get(("b", run.done)), one)
     except BaseException:
         run.lanes.drain()

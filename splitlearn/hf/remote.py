@@ -16,8 +16,18 @@ server accumulates until the client's optimizer steps::
                                                  -> hidden (U) | loss F32 [1] (2-way)
     loss.backward()     POST /v1/train/backward  grad (B, T, d) (U) | grad F32 [1] (2-way)
                                                  -> grad (B, T, d); metadata grad_norm
-    optimizer.step()    POST /v1/train/apply     JSON {client_id, step, pieces, lr, clip}
+    optimizer.step()    the apply {client_id, step, pieces, lr, clip}, carried by the next
+                        step's first forward(s) (metadata ``apply``; its answer in theirs), or
+                        POST /v1/train/apply when something needs the step now (:meth:`flush`)
                                                  -> {applied, step, pieces, lr, grad_norm, durable}
+
+So a U-shape step is a forward and a backward per piece and nothing else. When the gradient the
+loss will receive is known in advance (:attr:`RemoteSegment.loss_gradient`: ``SplitClient``'s
+``loss.backward()``), a 2-way piece is one fused ``POST /v1/train/step`` (forward, loss and
+backward at once, the gradient sent as ``loss_scale``) and the pipeline runs 1F1B
+(:mod:`splitlearn.hf.pipeline`). The deferred apply goes as a request of its own before a sync,
+a checkpoint of the client, an evaluation or a generation, ``close()``: whatever needs the
+server's weights to hold the step.
 
 Tensor bodies are safetensors (``wire_dtype`` as chosen; the 2-way scalar gradient is always
 F32), never pickle. A retry (a dropped connection) repeats the same numbers and gets the
@@ -47,6 +57,7 @@ reaches the server the same way. The proxy's value is never used (the optimizer 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import time
@@ -157,33 +168,6 @@ class _LossFunction(torch.autograd.Function):
         return ctx.remote.send_backward(ctx.piece, grad, *ctx.like), None, None, None, None
 
 
-@dataclass
-class ClosedStep:
-    """A step the server applies by itself, with its own learning rate, when the last of its
-    ``micros`` backward pieces is answered (the fused protocol ``SplitClient.train_step`` speaks:
-    U-shape forward + backward per piece, 2-way one ``POST /v1/train/step`` per piece, no apply
-    request). One forward and one backward per piece, and the loss's gradient must be 1 (2-way:
-    the server backpropagates with the piece's ``loss_scale`` at once). A step redone after a
-    resume (:meth:`RemoteSegment.load_journal`) is answered from the journal."""
-
-    step: int
-    fed_version: Optional[int] = None
-    micros: int = 1
-    scales: Optional[list] = None  # per piece: its share of the step's loss (2-way loss_scale)
-    answers: dict = field(default_factory=dict)  # the server's answers: "hidden.<piece>" / "grad.<piece>"
-    durable: Optional[int] = None  # the server's durable step for this client, from its answers
-    applied: bool = False  # the last backward was answered: the server has stepped
-
-    def answered(self, kind: str, piece: int, out: dict, info: dict) -> None:
-        for name in (P.HIDDEN, P.GRAD):
-            if name in out:
-                self.answers[f"{name}.{piece}"] = out[name]
-        if "durable" in info:
-            self.durable = int(info["durable"])
-        if P.GRAD in out and sum(k.startswith(P.GRAD + ".") for k in self.answers) == self.micros:
-            self.applied = True
-
-
 class RemoteSegment(nn.Module):
     """The server's blocks (and, 2-way, its head and loss) as a module of the client's model.
 
@@ -220,11 +204,16 @@ class RemoteSegment(nn.Module):
         self._optimizer_ref = None  # attach_optimizer: only this one triggers the apply
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self.defense = None  # a splitlearn.privacy.Defense on what crosses the cut (the model's .defense)
-        self.closed: Optional[ClosedStep] = None  # inside closed_step(): the fused protocol
+        self.deferred: Optional[P.ApplyRequest] = None  # the last step's apply, carried by the next step's first forwards
+        self.carry_apply = True  # False: every apply is a POST /v1/train/apply of its own
+        self.auto_apply = True  # False: the owner calls apply() itself (SplitClient); no optimizer hook applies
+        self.loss_gradient: Optional[float] = None  # the gradient the loss will receive, when known: fused 2-way pieces, 1F1B
         self.federation = None  # the model's FederationState (.federation), made on the first step
         self._fed_version: Optional[int] = None  # the shared client-side weights' version this model holds
         self._forwards_ok = 0  # forwards of this step the server accepted
         self._shapes: dict[tuple[int, int], tuple[int, ...]] = {}  # (step, piece) -> its hidden's shape
+        self._fused: dict[tuple[int, int], tuple] = {}  # fused 2-way piece -> (loss_scale, its answered grad)
+        self._apply_now = False  # a piece's answer said others wait for the shared segment: no deferral
         # the requests since the server's last durable step, replayed if it restarts (.journal)
         self.log = RequestLog(enabled=bool(self.info.get("checkpoint", {}).get("enabled")), directory=cfg.journal_dir)
         self.log.durable(int(state.get("durable", 0)))
@@ -266,6 +255,7 @@ class RemoteSegment(nn.Module):
         """Drop whatever this client has pending on the server (a forward with gradients on that
         was never backpropagated holds a shared segment until the lease timeout), then hang up."""
         try:
+            self.flush()
             self.discard_pending(force=True)
         finally:
             self.transport.close()
@@ -290,25 +280,6 @@ class RemoteSegment(nn.Module):
         finally:
             self._loss_only = False
 
-    @contextmanager
-    def closed_step(self, step: int, fed_version: Optional[int] = None):
-        """Within: the model's training forward and backward are step ``step`` as a
-        :class:`ClosedStep` (yielded; its ``answers`` are the server's, ``applied`` says the server
-        has stepped). Requests go as in the fused protocol; an error leaves nothing pending here
-        (the server drops an unfinished closed step by itself)."""
-        self.closed = ClosedStep(step, fed_version)
-        self.step, self.pieces, self.answered, self._norm_pieces = step, 0, 0, 0
-        try:
-            yield self.closed
-        finally:
-            if self.closed.applied:
-                self._redo.pop(step, None)
-            self.step = step + 1 if self.closed.applied else step
-            self.closed = None
-            self.pieces = self.answered = self._norm_pieces = 0
-            self.server_norm = self._proxy_set = None
-            self._shapes.clear()
-
     def trunk(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """U-shape: the trunk's output (B, T, d) for ``hidden`` (B, T, d); ``attention_mask``
         (B, T) 0/1 or None. Differentiable when gradients are enabled."""
@@ -321,13 +292,15 @@ class RemoteSegment(nn.Module):
         """2-way, gradients enabled: the server's causal-LM loss (a 0-dim tensor, differentiable)."""
         return _LossFunction.apply(hidden, self.grad_proxy, self, labels, attention_mask)
 
-    def _meta(self, step: int, micro: int) -> dict:
-        c = self.closed
-        if c is None:
-            return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, self._fed_version, micro=micro,
-                              micros=0).to_meta()
-        return P.StepMeta(self.client_id, step, self.cfg.wire_dtype, c.fed_version, micro, c.micros,
-                          c.scales[micro] if c.scales else 1.0).to_meta()
+    def _meta(self, step: int, micro: int, kind: str = "b", scale: Optional[float] = None) -> dict:
+        """A piece's metadata; a forward of the step after a deferred apply carries it (``apply``);
+        a fused 2-way piece (``scale``: the gradient its loss will receive) sends it as ``loss_scale``."""
+        meta = P.StepMeta(self.client_id, step, self.cfg.wire_dtype, self._fed_version, micro=micro, micros=0,
+                          loss_scale=1.0 if scale is None else scale).to_meta()
+        d = self.deferred
+        if kind == "f" and d is not None and d.step == step - 1:
+            meta["apply"] = json.dumps(d.to_json(), separators=(",", ":"))
+        return meta
 
     def forward_tensors(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                         labels: Optional[torch.Tensor]) -> dict:
@@ -345,9 +318,21 @@ class RemoteSegment(nn.Module):
             return {P.GRAD: grad.detach().float().reshape(1).cpu()}
         return pack(P.GRAD, grad.detach(), self.cfg.wire_dtype)
 
+    def fused_scale(self, weight: float = 1.0) -> Optional[float]:
+        """2-way, the loss's gradient known (:attr:`loss_gradient`): the gradient a piece of
+        ``weight`` (its share of the loss) will receive, sent as ``loss_scale`` with a fused
+        piece; None: the piece's backward is a request of its own."""
+        if self.u_shape or self.loss_gradient is None:
+            return None
+        scale = float(self.loss_gradient) * weight
+        return scale if 0.0 < scale <= 1.0 else None
+
     def send_forward(self, hidden, mask, labels):
         """One forward piece of the current step -> (hidden or loss, (step, piece))."""
-        _, piece, out = self.finish_piece(self.start_piece("f", self.forward_tensors(hidden, mask, labels), None))
+        scale = self.fused_scale() if labels is not None else None
+        tensors = self.forward_tensors(hidden, mask, labels)
+        call = self.start_piece("f", tensors, None) if scale is None else self.start_piece("f", tensors, None, scale=scale)
+        _, piece, out = self.finish_piece(call)
         if labels is not None:
             return out[P.LOSS].to(hidden.device).reshape(()), piece
         return out[P.HIDDEN].to(device=hidden.device, dtype=hidden.dtype), piece
@@ -364,8 +349,7 @@ class RemoteSegment(nn.Module):
         if piece[0] != self.step:
             return
         self.answered += 1
-        if "grad_norm" not in info:  # a closed step: the server clips and applies by itself
-            return
+        self._apply_now = self._apply_now or info.get("apply_now") == "1"  # others wait for the shared segment
         self._find_optimizer()
         accumulated = int(info.get("accumulated", self.answered))
         if accumulated < self._norm_pieces:
@@ -381,28 +365,29 @@ class RemoteSegment(nn.Module):
     # -- pieces, one at a time or in flight together (micro-batch pipelining, .pipeline) ----
 
     def start_piece(self, kind: str, tensors: dict, lane: Optional[int] = None,
-                    piece: Optional[tuple[int, int]] = None):
+                    piece: Optional[tuple[int, int]] = None, scale: Optional[float] = None):
         """Send a forward (``kind`` "f": a new piece of the current step) or the backward of
         ``piece`` ("b"); on transport ``lane`` without waiting (None: wait in
-        :meth:`finish_piece`, on lane 0). :meth:`finish_piece` reads the answer."""
-        c = self.closed
+        :meth:`finish_piece`, on lane 0). ``scale`` (2-way forwards, :meth:`fused_scale`): a fused
+        piece, its backward done by the server at once with that gradient; its "b" sends nothing.
+        :meth:`finish_piece` reads the answer."""
         if kind == "f":
-            if c is None:
-                self.notice_zero_grad()
-                self._before_piece(tensors[P.HIDDEN].shape[0])
+            self.notice_zero_grad()
+            self._before_piece(tensors[P.HIDDEN].shape[0])
             piece = (self.step, self.pieces)
             self.pieces += 1
             self._shapes[piece] = tuple(tensors[P.HIDDEN].shape)  # what its answers must match
-        closed_2way = c is not None and not self.u_shape
-        if kind == "b" and closed_2way:  # a closed 2-way step's backward ran with its forward
-            scale = c.scales[piece[1]] if c.scales else 1.0
-            if abs(float(tensors[P.GRAD]) - scale) > 1e-6 * scale:
-                raise ConfigError(f"a closed step's loss must be backpropagated as it is (its gradient "
-                                  f"{float(tensors[P.GRAD]) / scale:g}, not 1): the server has already "
-                                  f"done its backward")
+            if scale is not None:
+                self._fused[piece] = (scale, None)
+        elif piece in self._fused:  # a fused piece's backward ran with its forward
+            promised = self._fused[piece][0]
+            if abs(float(tensors[P.GRAD]) - promised) > 1e-6 * promised:
+                raise ConfigError(f"the loss received the gradient {float(tensors[P.GRAD]):g} where "
+                                  f"{promised:g} was promised (loss_gradient): the server has already done "
+                                  f"this piece's backward")
             return kind, piece, None, None
-        path = P.TRAIN_STEP if kind == "f" and closed_2way else P.TRAIN_FORWARD if kind == "f" else P.TRAIN_BACKWARD
-        sent = Sent(path, tensors, self._meta(*piece))
+        path = (P.TRAIN_STEP if scale is not None else P.TRAIN_FORWARD) if kind == "f" else P.TRAIN_BACKWARD
+        sent = Sent(path, tensors, self._meta(*piece, kind, scale))
         pending = None
         if lane is not None and piece[0] not in self._redo:
             try:
@@ -417,45 +402,43 @@ class RemoteSegment(nn.Module):
         connection or a restarted server: sent again as a lone call would be (waits, replay of
         what the server lost; the numbers make it exactly once)."""
         kind, piece, sent, pending = call
-        c = self.closed
-        if sent is None:  # a closed 2-way step's backward: the gradient came with the forward
-            out, info = {P.GRAD: c.answers[f"{P.GRAD}.{piece[1]}"]}, {}
-        else:
-            out = info = None
-            if pending is not None:
-                try:
-                    out, info = self.transport.finish_call_meta(pending)
-                    self._logged(piece[0], sent, out, info)
-                except (StaleWeights, NotYourTurn):
-                    raise  # the federation's answer: sending it again would get the same
-                except (TransportError, ServiceUnavailable, Conflict):
-                    out = None
-            if out is None:
-                try:
-                    out, info = self._train_call(piece[0], sent)
-                except (StaleWeights, NotYourTurn):
-                    raise  # federation: the caller fetches the shared weights or the turn and redoes the step
-                except Conflict as e:
-                    if c is not None and kind == "b":  # the server lost or dropped the forward
-                        raise Redo(f"the server has no forward for it ({e.message})") from None
-                    raise
+        if sent is None:  # a fused 2-way piece's backward: the gradient came with the forward
+            return kind, piece, {P.GRAD: self._fused.pop(piece)[1]}
+        out = info = None
+        if pending is not None:
             try:
-                out = self._verified(kind, piece, sent, out, info)  # before anything of it is kept
-            except IntegrityError:
-                self._drop_step()
+                out, info = self.transport.finish_call_meta(pending)
+                self._logged(piece[0], sent, out, info)
+            except (StaleWeights, NotYourTurn):
+                raise  # the federation's answer: sending it again would get the same
+            except (TransportError, ServiceUnavailable, Conflict):
+                out = None
+        if out is None:
+            try:
+                out, info = self._train_call(piece[0], sent)
+            except (StaleWeights, NotYourTurn):
+                raise  # federation: the caller fetches the shared weights or the turn and redoes the step
+            except Conflict as e:
+                if not self.auto_apply and kind == "b":  # SplitClient: the server lost or dropped the forward
+                    raise Redo(f"the server has no forward for it ({e.message})") from None
                 raise
-            if c is not None:
-                c.answered(kind, piece[1], out, info)
-        if kind == "b":
+        try:
+            out = self._verified(kind, piece, sent, out, info)  # before anything of it is kept
+        except IntegrityError:
+            self._drop_step()
+            raise
+        if kind == "b" or sent.path == P.TRAIN_STEP:  # a fused piece: its backward is done too
+            if sent.path == P.TRAIN_STEP:
+                self._fused[piece] = (self._fused[piece][0], out[P.GRAD])
             self._backward_done(piece, info)
-        elif c is None:
+        if kind == "f":
             self._forwards_ok += 1
         return kind, piece, out
 
     def _verified(self, kind: str, piece: tuple[int, int], sent: Sent, out: dict, info: dict) -> dict:
         """The answer's tensors, unpacked, if they are what was asked for (:mod:`splitlearn.trust`):
-        a forward's trunk output (U-shape) of the hidden's shape, or its loss (2-way; a closed
-        step's also the gradient of the hidden); a backward's gradient of the piece's hidden and a
+        a forward's trunk output (U-shape) of the hidden's shape, or its loss (2-way; a fused
+        piece's also the gradient of the hidden and a finite ``grad_norm``); a backward's gradient of the piece's hidden and a
         finite ``grad_norm``. IntegrityError otherwise."""
         shape = self._shapes.get(piece)
         if shape is None:  # (a piece in flight when its step was dropped)
@@ -467,16 +450,14 @@ class RemoteSegment(nn.Module):
         if self.u_shape:
             return {P.HIDDEN: trust.answer(out, P.HIDDEN, shape, "trunk output")}
         checked = {P.LOSS: trust.loss(out)}
-        if sent.path == P.TRAIN_STEP:  # a closed 2-way step: the backward came with the forward
+        if sent.path == P.TRAIN_STEP:  # a fused 2-way piece: the backward came with the forward
             checked[P.GRAD] = trust.answer(out, P.GRAD, shape, "gradient")
+            trust.grad_norm(info.get("grad_norm"))
         return checked
 
     def _drop_step(self) -> None:
         """An answer was refused: the step cannot complete. Drop its pieces on the server (an
-        open-ended step; a closed one the server drops by itself) and here: the next forward
-        starts the same step afresh."""
-        if self.closed is not None:
-            return  # closed_step() resets the counters
+        open-ended step) and here: the next forward starts the same step afresh."""
         try:
             self.discard_pending(force=True)
         except SplitLearnError as e:
@@ -485,13 +466,15 @@ class RemoteSegment(nn.Module):
         self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
         self.server_norm = self._proxy_set = None
         self._shapes.clear()
+        self._fused.clear()
+        self._apply_now = False
 
     def prepare_step(self, model: nn.Module) -> None:
         """Before a training forward of ``model`` that opens a step (open-ended, no piece yet):
         under a federation mode, take the turn and load the shared client-side weights if
         behind, before the client computes anything with them (:mod:`.federation`)."""
         self.notice_zero_grad()
-        if self.closed is not None or self.pieces or not torch.is_grad_enabled() or \
+        if self.pieces or not torch.is_grad_enabled() or \
                 self.info.get("federation", "shared") == "shared":
             return
         from .federation import federation_of
@@ -509,7 +492,7 @@ class RemoteSegment(nn.Module):
     def refused_for_federation(self) -> bool:
         """After a ``StaleWeights``/``NotYourTurn``: True if nothing of this step exists on the
         server (so its forward may run again: the next one loads the weights and takes the turn)."""
-        if self.closed is not None or self.federation is None or self._forwards_ok or self.answered:
+        if self.federation is None or self._forwards_ok or self.answered:
             return False
         self.federation.stale()
         self.pieces = 0
@@ -519,6 +502,7 @@ class RemoteSegment(nn.Module):
                  labels: Optional[torch.Tensor] = None):
         """No-grad ``POST /v1/forward`` (server in eval mode, nothing changes): U-shape
         ``(trunk output, None)``; 2-way ``(logits (B, T, V), loss or None)``."""
+        self.flush()  # the server's weights hold the last step before they are evaluated
         tensors = self.forward_tensors(hidden, attention_mask, labels)
         meta = {"wire_dtype": self.cfg.wire_dtype, "padding": "any"}
         if not self.u_shape and not (self._loss_only and labels is not None):
@@ -583,6 +567,13 @@ class RemoteSegment(nn.Module):
         return out, info
 
     def _logged(self, step: int, sent: Sent, out: dict, info: dict) -> None:
+        if "apply" in sent.meta and sent.tensors is not None:  # a forward that carried the last step's apply
+            req, carried = self.deferred, info.get("apply")
+            if req is not None and carried is not None and req.step == step - 1:
+                answer = json.loads(carried)
+                self._logged(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()), {}, answer)  # logged as sent alone
+                self._apply_answered(req, answer)
+            sent = Sent(sent.path, sent.tensors, {k: v for k, v in sent.meta.items() if k != "apply"})
         if sent.tensors is not None and self.log.enabled:
             sent.answer = digest(out)
         self.log.record(step, sent, out if sent.tensors is not None else info, info if sent.tensors is not None else None)
@@ -608,6 +599,7 @@ class RemoteSegment(nn.Module):
         step and this checkpoint both hold."""
         from ..checkpoint import save_state
 
+        self.flush()  # the step this checkpoint holds is on the server (and in the log) first
         owner = self._owner_ref() if self._owner_ref is not None else self
         weights = {k: v.detach().cpu().clone() for k, v in owner.state_dict().items()}
         save_state(self.log.directory, "client", [], optimizer,
@@ -692,7 +684,7 @@ class RemoteSegment(nn.Module):
             return {}, rec.answer if rec is not None else {"applied": True, "step": step}
         micro = sent.meta.get("micro", "0")
         rec = next((r for r in queue if r.sent.path == sent.path and r.sent.meta.get("micro", "0") == micro), None)
-        if rec is None and self.closed is not None:  # its answer never reached the log: the server's
+        if rec is None and not self.auto_apply:  # its answer never reached the log: the server's
             del self._redo[step]  # ledger answers the retry of its last step
             return self._train_call(step, sent)
         same = rec is not None and set(rec.sent.tensors) == set(sent.tensors) and all(
@@ -765,7 +757,7 @@ class RemoteSegment(nn.Module):
         """Before a new piece, a sync or an apply: a ``zero_grad`` since the last backward
         discards the step's pending gradients on the server too; the step of an optimizer made
         after the step's backward (so not yet found) is applied now."""
-        if self.closed is not None:
+        if not self.auto_apply:  # the owner clears and applies (SplitClient)
             return
         if self.answered and not len(self._hooked) and self._proxy_version is not None and \
                 self.grad_proxy._version != self._proxy_version:  # an optimizer made after the backward stepped
@@ -787,7 +779,7 @@ class RemoteSegment(nn.Module):
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The step hook: apply the server's step (at ``optimizer``'s learning rate)."""
-        if (self.pieces == 0 and self.answered == 0) or not self._covers(optimizer) or self.closed is not None:
+        if (self.pieces == 0 and self.answered == 0) or not self._covers(optimizer) or not self.auto_apply:
             return
         self.notice_zero_grad()
         if self.pieces:
@@ -832,20 +824,45 @@ class RemoteSegment(nn.Module):
                               f"clip (0 < factor <= 1) can be sent to the server")
         return factor
 
-    def apply(self, lr: float) -> dict:
-        """``POST /v1/train/apply`` of the current step at ``lr``; the next pieces belong to
-        the next step. Returns the server's answer."""
+    def apply(self, lr: float) -> Optional[dict]:
+        """The apply of the current step at ``lr``; the next pieces belong to the next step.
+        Carried by the next step's first forward(s) (:attr:`carry_apply`; returns None, the
+        answer is :attr:`last_apply` once it came), else ``POST /v1/train/apply`` now (returns the
+        server's answer). A step the journal answers (:meth:`resume`) is applied at once."""
+        self.flush()
         req = P.ApplyRequest(self.client_id, self.step, self.answered, float(lr), self.clip_factor())
+        self.applies += 1
+        if self.carry_apply and not self._apply_now and self.step not in self._redo:
+            self.deferred = req
+            self._next_step()
+            return None
         _, answer = self._train_call(self.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
-        self.last_apply, self.applies = answer, self.applies + 1
+        self._apply_answered(req, answer)
+        self._next_step()
+        return answer
+
+    def flush(self) -> Optional[dict]:
+        """Send the deferred apply now (``POST /v1/train/apply``; a retry of one a forward
+        already carried gets its stored answer): before whatever needs the server to hold the
+        step (a sync, a checkpoint, an evaluation, a generation, ``close``). Returns its answer."""
+        req = self.deferred
+        if req is None:
+            return None
+        _, answer = self._train_call(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
+        self._apply_answered(req, answer)
+        return answer
+
+    def _apply_answered(self, req: P.ApplyRequest, answer: dict) -> None:
+        """The server's answer to ``req`` came (its own request's, or a carrying forward's)."""
+        if self.deferred is req:
+            self.deferred = None
+        self.last_apply = answer
         applied = answer.get("lr") if isinstance(answer, dict) else None
-        if isinstance(applied, (int, float)) and applied < float(lr) and not getattr(self, "_lr_capped", False):
+        if isinstance(applied, (int, float)) and applied < float(req.lr) and not getattr(self, "_lr_capped", False):
             self._lr_capped = True  # once: a schedule asks for it every step
             log.warning("the server applied lr %g, not this optimizer's %g: on weights shared between tenants it "
                         "steps at most at its own --lr (docs/SECURITY.md); start it with --lr >= your peak lr",
-                        applied, float(lr))
-        self._next_step()
-        return answer
+                        applied, float(req.lr))
 
     def discard_pending(self, force: bool = False) -> None:
         """Drop the current step's gradients on the server (``zero_grad`` before a step). Not
@@ -859,9 +876,13 @@ class RemoteSegment(nn.Module):
         self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
         self.server_norm = self._proxy_set = None
         self._shapes.clear()
+        self._fused.clear()
+        self._apply_now = False
 
     def _next_step(self) -> None:
         self.step += 1
         self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0
         self.server_norm = self._proxy_set = None
         self._shapes.clear()
+        self._fused.clear()
+        self._apply_now = False

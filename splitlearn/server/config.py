@@ -115,6 +115,11 @@ class Door:
                                          "(docs: splitlearn/server/http/frontdoor.py)")
     min_rate_kib_s: float = opt(256.0, "KiB/s a body must arrive at, and an answer be read at, on average")
     idle_timeout_s: float = opt(300.0, "seconds an authenticated keep-alive connection may idle")
+    listen: tuple[str, ...] = opt((), "also serve on a Unix socket, unix:///PATH.sock (same routes, tokens and "
+                                      "limits; bodies through shared memory: docs/TRANSPORT.md); repeatable")
+    tcp: bool = opt(True, "with --listen: serve only on the Unix socket(s), not on --host/--port", flag="--no-tcp")
+    unix_mode: str = opt("0600", "mode of the --listen socket file (0660: the group's processes may connect)",
+                         choices=("0600", "0660"))
 
     def door_limits(self):
         """The connection limits as the front door takes them (:mod:`splitlearn.server.http.frontdoor`)."""
@@ -261,6 +266,12 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
             raise ConfigError(f"--segment {self.segment}: no such exported segment spec")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.listen:
+            from .http.unixdoor import socket_path
+            for url in self.listen:
+                socket_path(url)
+        elif not self.tcp:
+            raise ConfigError("--no-tcp needs a --listen unix:///PATH.sock to serve on")
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
         if not self.lr > 0:

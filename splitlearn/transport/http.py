@@ -68,8 +68,12 @@ SPIN_S = 1e-3  # poll the socket from this long before an answer is expected to 
 # Ways to reach a server other than TCP, by URL scheme: ``opener(url)`` returns a link whose
 # ``request(method, path, headers, body)`` gives ``(status, headers, content)`` (headers with a
 # case-insensitive ``.get``), or raises ConnectionError when nothing serves the URL (retried as
-# a refused connection is). A link has no lanes or proxies; its server shares this process's
-# cores. :mod:`.inproc` registers ``inproc://`` (a server app in this process).
+# a refused connection is). A link may have lanes too: ``send(lane, method, path, headers, body)``
+# sends a tensor POST now, ``receive(lane, spin=...)`` reads its answer, ``readable(lane)``, ``drop(lane)``
+# (``unix://``); one without them answers a tensor call when it starts. A link has no proxies; its
+# server shares this process's cores unless the link's class says ``same_host = True`` (then as on
+# loopback). :mod:`.inproc` registers ``inproc://`` (a server app in this process), :mod:`.unix`
+# ``unix://`` (a Unix socket and shared memory).
 LINKS: dict[str, Callable[[str], "object"]] = {}
 
 
@@ -90,10 +94,11 @@ def is_loopback(host: str) -> bool:
 def shares_cores_with_server(url: str) -> bool:
     """Whether the server at ``url`` may run on this process's cores: a loopback server,
     unless this process is pinned to a subset of the machine's cores."""
-    if urlsplit(url).scheme in LINKS:
-        return True
-    if not is_loopback(urlsplit(url).hostname or ""):
-        return False
+    scheme = urlsplit(url).scheme
+    if scheme in LINKS and not getattr(LINKS[scheme], "same_host", False):
+        return True  # a server in this process (inproc://)
+    if scheme not in LINKS and not is_loopback(urlsplit(url).hostname or ""):
+        return False  # another host; a same_host link (unix://) is as loopback
     try:
         mine = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity API (macOS, Windows): assume shared
@@ -116,7 +121,7 @@ class TransportConfig:
         self.url = self.url.rstrip("/")
         if not self.url.startswith(("http://", "https://", *(s + "://" for s in LINKS))):
             raise ConfigError(f"server URL must start with http:// or https://, got {self.url!r}")
-        if not urlsplit(self.url).hostname:
+        if not urlsplit(self.url).hostname and urlsplit(self.url).scheme not in LINKS:  # unix:///path: none
             raise ConfigError(f"server URL {self.url!r} has no host")
         if self.retries < 0 or self.backoff_s < 0:
             raise ConfigError("retries and backoff_s must be >= 0")
@@ -228,7 +233,8 @@ class PendingCall:
     def __init__(self, transport: "Transport", lane: int, path: str, body: bytes):
         self.transport, self.lane, self.path, self.body = transport, lane, path, body
         self.t0 = time.perf_counter()
-        self.answer = None if transport.link is None else transport._link_request(
+        link = transport.link  # a link with lanes (``send``: unix://) sends now and answers in result()
+        self.answer = None if link is None or hasattr(link, "send") else transport._link_request(
             "POST", path, transport._headers, body)
         self.sent = transport._try_send(lane, path, body)
 
@@ -238,7 +244,10 @@ class PendingCall:
     def ready(self) -> bool:
         """True if :meth:`result` would not wait for the server (an answer has arrived, or
         the request must be resent); always True off the lean path, where sending waits."""
-        return self.answer is not None or not self.sent or self.transport._lane(self.lane).readable()
+        if self.answer is not None or not self.sent:
+            return True
+        link = self.transport.link
+        return link.readable(self.lane) if link is not None else self.transport._lane(self.lane).readable()
 
 
 class Transport:
@@ -252,7 +261,7 @@ class Transport:
         if cfg.token:
             self.http.headers["Authorization"] = f"Bearer {cfg.token}"
             self._headers["Authorization"] = f"Bearer {cfg.token}"
-        if is_loopback(parts.hostname):
+        if is_loopback(parts.hostname or ""):
             self.http.trust_env = False  # no proxy or .netrc applies to loopback: ~0.2 ms a call
         self._base_path = parts.path
         self.link = LINKS[parts.scheme](cfg.url) if parts.scheme in LINKS else None
@@ -274,6 +283,8 @@ class Transport:
 
     def close(self) -> None:
         self.http.close()
+        if self.link is not None and hasattr(self.link, "close"):
+            self.link.close()
         for lane in self._lanes.values():
             lane.close()
         self._lanes.clear()
@@ -318,6 +329,23 @@ class Transport:
                     raise TransportError(f"cannot reach {self.cfg.url + path} after {attempt + 1} attempts: "
                                          f"{e}") from None
                 self._backoff(attempt, method, path, e)
+        raise AssertionError("unreachable")
+
+    def _link_lane_answer(self, p: PendingCall):
+        """The answer of ``p`` on its link lane, resending it after a lost connection."""
+        sent = p.sent
+        for attempt in range(self.cfg.retries + 1):
+            try:
+                if not sent:
+                    self.link.send(p.lane, "POST", self._base_path + p.path, self._headers, p.body)
+                return self.link.receive(p.lane, spin=self.spin)
+            except ConnectionError as e:
+                self.link.drop(p.lane)
+                sent = False
+                if attempt == self.cfg.retries:
+                    raise TransportError(f"cannot reach {self.cfg.url + p.path} after {attempt + 1} attempts: "
+                                         f"{e}") from None
+                self._backoff(attempt, "POST", p.path, e)
         raise AssertionError("unreachable")
 
     def _backoff(self, attempt: int, method: str, path: str, e: Exception) -> None:
@@ -410,7 +438,15 @@ class Transport:
         return self._lanes[lane]
 
     def _try_send(self, lane: int, path: str, body: bytes) -> bool:
-        """Send now on the lean path; False if it failed (``_finish`` retries) or is not used."""
+        """Send now on the lean path or a link's lane; False if it failed (``_finish`` retries)
+        or is not used."""
+        if self.link is not None and hasattr(self.link, "send"):
+            try:
+                self.link.send(lane, "POST", self._base_path + path, self._headers, body)
+                return True
+            except ConnectionError:
+                self.link.drop(lane)
+                return False
         if not self.lean:
             return False
         try:
@@ -423,6 +459,9 @@ class Transport:
     def _finish(self, p: PendingCall) -> bytes:
         if p.answer is not None:
             status, headers, content = p.answer
+            header = headers.get
+        elif self.link is not None:  # a link with lanes
+            status, headers, content = self._link_lane_answer(p)
             header = headers.get
         elif not self.lean:
             resp = self._send("POST", p.path, data=p.body, headers={"Content-Type": P.CONTENT_TYPE})

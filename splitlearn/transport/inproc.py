@@ -23,9 +23,9 @@ client take such a URL wherever they take ``http://``; a ``requests.Session`` do
 from __future__ import annotations
 
 import io
-from http import HTTPStatus
 import itertools
 import threading
+from http import HTTPStatus
 from typing import Optional
 from urllib.parse import urlsplit
 
@@ -40,7 +40,8 @@ from .http import register_scheme
 SCHEME = "inproc"
 
 _apps: dict[str, object] = {}  # name -> WSGI app (a Flask app)
-_lock = threading.Lock()
+_running: dict[int, int] = {}  # id(app) -> its requests running now
+_lock = threading.Condition()
 _names = itertools.count(1)
 
 
@@ -54,11 +55,14 @@ def serve_inproc(app, name: Optional[str] = None) -> str:
     return f"{SCHEME}://{name}"
 
 
-def unserve(url: str) -> None:
+def unserve(url: str, timeout_s: float = 60.0) -> None:
     """Forget the app at ``url``: its clients' requests are then refused (as when nothing
-    listens on a port) until an app is served at that URL again."""
+    listens on a port) until an app is served at that URL again. Returns once the requests
+    it was running have been answered (at most ``timeout_s``), as a server that stops does."""
     with _lock:
-        _apps.pop(_name(url), None)
+        app = _apps.pop(_name(url), None)
+        if app is not None:
+            _lock.wait_for(lambda: id(app) not in _running, timeout_s)
 
 
 def _name(url: str) -> str:
@@ -81,15 +85,23 @@ class InprocLink:
         ``headers`` of the answer is case-insensitive (``.get``)."""
         with _lock:
             app = _apps.get(self.name)
-        if app is None:
-            raise ConnectionRefusedError(f"no app is served at {SCHEME}://{self.name} in this process "
-                                         f"(serve_inproc)")
-        client = app.test_client(use_cookies=False)  # one per request: threads share none of it
-        resp = client.open(path, method=method, headers=headers, data=body or b"")
+            if app is None:
+                raise ConnectionRefusedError(f"no app is served at {SCHEME}://{self.name} in this process "
+                                             f"(serve_inproc)")
+            _running[id(app)] = _running.get(id(app), 0) + 1
         try:
-            return resp.status_code, resp.headers, resp.get_data()
+            client = app.test_client(use_cookies=False)  # one per request: threads share none of it
+            resp = client.open(path, method=method, headers=headers, data=body or b"")
+            try:
+                return resp.status_code, resp.headers, resp.get_data()
+            finally:
+                resp.close()
         finally:
-            resp.close()
+            with _lock:
+                _running[id(app)] -= 1
+                if not _running[id(app)]:
+                    del _running[id(app)]
+                    _lock.notify_all()
 
 
 register_scheme(SCHEME, InprocLink)

@@ -172,6 +172,8 @@ class Training:
             st.answers[meta.micro] = answer
             answer.meta["grad_norm"] = repr(norm)
             answer.meta["accumulated"] = str(len(st.answers))  # the pieces that norm covers
+            if st.leased and self.rt.lease.contended(meta.client_id):  # others wait for the shared segment:
+                answer.meta["apply_now"] = "1"  # the client applies at once, not on its next step's request
             return answer
         st.answers[meta.micro] = answer
         if len(st.answers) < st.micros:

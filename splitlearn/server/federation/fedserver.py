@@ -30,6 +30,12 @@ later round arrives (the segment server moved on), or ``--upload-timeout`` secon
 record if a member's upload never comes (a client that died between its two syncs); a ticketed
 member whose upload is refused (schema, NaN) is a failure of the round and not waited for (as
 Flower's ``accept_failures``); its version is then the segment server's. State is in memory (a restart forgets the average).
+
+Operating it (docs/OPERATIONS.md, "The fed server"): ``GET /v1/health``, ``GET /v1/ready`` (no
+token), ``GET /metrics`` (the operator's token, or ``--metrics-port`` on loopback without one)
+and one access line per request (``--log-format json``), with the segment server's modules
+(:mod:`..http.metrics`, :mod:`..http.accesslog`, :mod:`..http.probes`) and metric names where
+they mean the same; its rounds are ``splitlearn_fed_*`` (:class:`FedCollector`).
 """
 from __future__ import annotations
 
@@ -53,10 +59,13 @@ from . import tickets
 from .clientside import ClientSide
 from .rounds import aggregate
 from .strategy import Strategy, coordinate_median
-from ..config import MiB, LoraOptions, StrategyOptions
+from ..config import MiB, LoraOptions, Observability, StrategyOptions
 from ..engine.tenants import Tenants
 from ..options import add_options, opt, options_of
 from ...protocol import read_token_file
+from ..http import accesslog
+from ..http.metrics import ServerMetrics
+from ..http.probes import fed_readiness
 from ..http.validate import json_object
 
 log = logging.getLogger(__name__)
@@ -89,8 +98,9 @@ class FedConfig(StrategyOptions):
 
 
 @dataclass(kw_only=True)
-class FedServe:
-    """Where the fed server listens, and its own tenants"""
+class FedServe(Observability):
+    """Where the fed server listens, and its own tenants (and, from Observability: --log-level,
+    --log-format, --metrics-port, --no-request-log, as on the segment server)"""
 
     tokens: tuple[str, ...] = opt((), "this server's tenants, '<name> <token>' per line, named as on the segment "
                                       "server (default: $SPLITLEARN_FED_TOKEN, comma-separated)",
@@ -99,7 +109,12 @@ class FedServe:
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8001, "port to listen on")
     max_body_bytes: int = opt(2048 * MiB, "larger request bodies get 413 (MiB)", flag="--max-body-mb", unit=MiB)
-    log_level: str = opt("INFO", "the log level (DEBUG, INFO, WARNING, ERROR)")
+
+    def __post_init__(self):
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
+        if self.metrics_port is not None and not (0 < self.metrics_port < 65536 and self.metrics_port != self.port):
+            raise ConfigError(f"--metrics-port must be in 1..65535 and not --port, got {self.metrics_port}")
 
     def tenants(self) -> Tenants:
         tokens = self.tokens or tuple(t.strip() for t in os.environ.get("SPLITLEARN_FED_TOKEN", "").split(",")
@@ -123,6 +138,7 @@ class FedRounds:
         self.target: Optional[int] = None  # the version the segment server reached (a close record)
         self.target_seen = 0.0  # time.monotonic() that record first came
         self.last_round: dict = {}
+        self.closed = dict.fromkeys(CLOSE_REASONS, 0)  # rounds closed here, by why (/metrics)
         self.lock = threading.Lock()
 
     # -- uploads and close records ----------------------------------------------------
@@ -176,7 +192,7 @@ class FedRounds:
         if self.round is not None and t.round != self.round:
             if t.round < self.round:
                 return False
-            self._close(f"a ticket of round {t.round} came")
+            self._close(f"a ticket of round {t.round} came", "later_round")
         if self.round is None:
             self._open(t.round, t.version)
         return True
@@ -190,7 +206,7 @@ class FedRounds:
             self._expire()
             if c.version > self.version and (self.round is None or c.round >= self.round):
                 if self.round is not None and c.round > self.round:
-                    self._close(f"the segment server closed round {c.round}")
+                    self._close(f"the segment server closed round {c.round}", "later_round")
                 if self.cfg.mode == "splitfed" and self.round is None:
                     self._open(c.round, c.version - 1)
                 if self.target != c.version:
@@ -205,18 +221,19 @@ class FedRounds:
 
     def _maybe_close(self) -> None:
         if self.expected is not None and len(self.uploads) + len(self.failed) >= self.expected:
-            self._close("every member's upload is here (or was refused)")
+            self._close("every member's upload is here (or was refused)", "complete")
 
     def _expire(self) -> None:
         if self.target is not None and time.monotonic() - self.target_seen > self.cfg.upload_timeout_s:
             if self.cfg.mode == "splitfed":
-                self._close(f"uploads still missing {self.cfg.upload_timeout_s:g}s after the close record")
+                self._close(f"uploads still missing {self.cfg.upload_timeout_s:g}s after the close record", "timeout")
             else:
                 log.warning("the turn holder's upload for version %d never came: keeping version %d's weights",
                             self.target - 1, self.version)
                 self.version, self.target = max(self.version, self.target), None
 
-    def _close(self, why: str) -> None:
+    def _close(self, why: str, reason: str) -> None:
+        self.closed[reason] += 1
         if self.uploads:
             agg = self._aggregate(list(self.uploads.values()))
             self.last_round = {"round": self.round, "members": len(self.uploads),
@@ -259,10 +276,74 @@ class FedRounds:
                 **self.strategy.describe()}
 
 
-def create_fedavg_app(rounds: FedRounds, tenants: Tenants) -> Flask:
-    """The fed server's routes around ``rounds``; ``tenants``: its own tokens."""
+CLOSE_REASONS = ("complete", "later_round", "timeout")  # every upload in; a later round's ticket or record; --upload-timeout
+
+
+class FedCollector:
+    """The fed server's state as metric families, read at each scrape (under the rounds' lock,
+    which an upload holds only while it is checked in or a round is averaged)::
+
+        splitlearn_server_info{shape="fed",federation,protocol_version}   1
+        splitlearn_federation_version          version of the shared client-side weights (the
+                                               segment server's family of the same meaning)
+        splitlearn_fed_round                   the segment server's round being collected (0: none)
+        splitlearn_fed_uploads{state}          uploads held for it: accepted | failed (refused
+                                               members, out of the round)
+        splitlearn_fed_expected_uploads        members the close record names (0: no record yet)
+        splitlearn_fed_rounds_closed_total{reason}   complete | later_round | timeout
+        splitlearn_fed_last_round_members, _last_round_samples   the last round averaged
+    """
+
+    def __init__(self, rounds: FedRounds):
+        self.rounds = rounds
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        fr = self.rounds
+        with fr.lock:
+            fr._expire()  # a round past --upload-timeout is closed, as a status read closes it
+            version, number, expected = fr.version, fr.round, fr.expected
+            held, failed, closed, last = len(fr.uploads), len(fr.failed), dict(fr.closed), dict(fr.last_round)
+        info = GaugeMetricFamily("splitlearn_server_info", "The server's shape and federation mode",
+                                 labels=("shape", "federation", "protocol_version"))
+        info.add_metric(("fed", fr.cfg.mode, str(P.PROTOCOL_VERSION)), 1)
+        yield info
+        yield GaugeMetricFamily("splitlearn_federation_version", "Version of the shared client-side weights",
+                                value=version)
+        yield GaugeMetricFamily("splitlearn_fed_round", "The segment server's round being collected (0: none)",
+                                value=number or 0)
+        uploads = GaugeMetricFamily("splitlearn_fed_uploads", "Uploads held for the round being collected",
+                                    labels=("state",))
+        uploads.add_metric(("accepted",), held)
+        uploads.add_metric(("failed",), failed)
+        yield uploads
+        yield GaugeMetricFamily("splitlearn_fed_expected_uploads", "Members the close record names (0: none yet)",
+                                value=expected or 0)
+        closes = CounterMetricFamily("splitlearn_fed_rounds_closed", "Rounds closed here, by reason",
+                                     labels=("reason",))
+        for reason in CLOSE_REASONS:
+            closes.add_metric((reason,), closed[reason])
+        yield closes
+        yield GaugeMetricFamily("splitlearn_fed_last_round_members", "Members averaged in the last round",
+                                value=last.get("members", 0))
+        yield GaugeMetricFamily("splitlearn_fed_last_round_samples", "Samples (target tokens) of the last round",
+                                value=last.get("samples", 0))
+
+
+def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = True) -> Flask:
+    """The fed server's routes around ``rounds``; ``tenants``: its own tokens; ``request_log``:
+    count requests in ``/metrics`` and log their access lines (as the segment server)."""
     app = Flask("splitlearn.fedavg", static_folder=None)  # every route is in openapi.py
     app.extensions["splitlearn.fedavg"] = rounds
+    metrics = ServerMetrics(None, state=FedCollector(rounds))  # this app's own registry
+    app.extensions["splitlearn.metrics"] = metrics
+    if request_log:  # first of the hooks: the clock and the request id (..http.accesslog)
+        app.before_request(lambda: accesslog.begin(request, g))
+        app.after_request(lambda resp: accesslog.finish(request, g, resp, metrics))
 
     @app.errorhandler(SplitLearnError)
     def _error(err: SplitLearnError):
@@ -272,7 +353,7 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants) -> Flask:
 
     @app.before_request
     def _authenticate():  # constant-time (Tenants.authenticate); the front door checked it already
-        if request.path == P.HEALTH:
+        if request.path in (P.HEALTH, P.READY):
             return None
         g.tenant = tenants.authenticate(request.headers.get("Authorization"))
         if g.tenant is None:
@@ -283,6 +364,20 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants) -> Flask:
     @app.get(P.HEALTH)
     def health():
         return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
+
+    @app.get(P.READY)
+    def ready():  # no token, as the segment server's (..http.probes)
+        ok, checks = fed_readiness(rounds)
+        return jsonify(ready=ok, checks=checks), 200 if ok else 503
+
+    @app.get(P.METRICS)
+    def metrics_text():
+        if not g.tenant.operator:
+            raise Forbidden("the metrics are the operator's: use the operator's fed token (a token-file line "
+                            "'<name> <token> operator', or the only token), or scrape --metrics-port on the "
+                            "fed server's loopback (docs/OPERATIONS.md)")
+        body, content_type = metrics.exposition(request.headers.get("Accept"))
+        return Response(body, status=200, headers={"Content-Type": content_type})
 
     @app.get(P.OPENAPI)
     def openapi_document():
@@ -329,16 +424,16 @@ def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
     return serve, cfg
 
 
-def build(cfg: FedConfig, tenants: Tenants) -> Flask:
+def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True) -> Flask:
     from ...loading import load_config
 
     side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
-    return create_fedavg_app(FedRounds(cfg, side, cfg.strategy()), tenants)
+    return create_fedavg_app(FedRounds(cfg, side, cfg.strategy()), tenants, request_log=request_log)
 
 
 def app_of(serve: FedServe, cfg: FedConfig) -> Flask:
     """The fed server's app as ``python -m ...fedserver`` serves it: its tenants, its body limit."""
-    app = build(cfg, serve.tenants())
+    app = build(cfg, serve.tenants(), request_log=serve.request_log)
     app.config["MAX_CONTENT_LENGTH"] = serve.max_body_bytes
     return app
 
@@ -348,8 +443,9 @@ def main(argv=None) -> int:
 
     try:
         serve, cfg = parse_args(argv)
-        logging.basicConfig(level=serve.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        accesslog.configure(serve.log_level, serve.log_format)  # text or one JSON object per line
         app = app_of(serve, cfg)
+        scrape = app.extensions["splitlearn.metrics"].serve_loopback(serve.metrics_port) if serve.metrics_port else None
     except (SplitLearnError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -357,7 +453,11 @@ def main(argv=None) -> int:
     server = make_server(app, serve.tenants(), host=serve.host, port=serve.port, threads=8,
                          max_body_bytes=serve.max_body_bytes, ident="splitlearn-fedavg")
     print(f"splitlearn fed server ({cfg.mode}) at http://{serve.host}:{serve.port} (ready)", file=sys.stderr, flush=True)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if scrape is not None:
+            scrape.shutdown()
     return 0
 
 

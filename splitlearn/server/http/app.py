@@ -33,6 +33,7 @@ from ..engine.memory import MemoryAccount
 from ..engine.runtime import SegmentRuntime
 from . import accesslog, api_federation, api_lora, api_offload, api_ops, api_sessions, api_training
 from .frontdoor import TENANT_KEY
+from .unixdoor import BODY_KEY
 from .metrics import ServerMetrics
 from .routing import SERVED, Served, error_response
 
@@ -65,6 +66,12 @@ def create_app(config: Optional[ServerConfig] = None, runtime=None) -> Flask:
         app.before_request(lambda: accesslog.begin(request, g))
         app.after_request(lambda resp: accesslog.finish(request, g, resp, metrics))
     tenants = cfg.tenants
+
+    @app.before_request
+    def _body_in_hand():  # the unix door hands over the whole body (unixdoor.py): read it once, not in 64 KiB reads
+        body = request.environ.get(BODY_KEY)
+        if body is not None:
+            request._cached_data = body  # what request.get_data() returns (werkzeug's cache)
 
     @app.before_request
     def _authenticate():

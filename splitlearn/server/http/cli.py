@@ -66,7 +66,13 @@ def serve(cfg: ServerConfig) -> None:
     app = create_app(cfg)
     rt = app.extensions["splitlearn"]
     server = make_server(app, cfg.tenants, host=cfg.host, port=cfg.port, threads=cfg.threads,
-                         max_body_bytes=cfg.max_body_bytes, limits=cfg.door_limits())
+                         max_body_bytes=cfg.max_body_bytes, limits=cfg.door_limits()) if cfg.tcp else None
+    unix_doors = []
+    if cfg.listen:  # --listen unix:///PATH.sock: the same app without HTTP (unixdoor.py)
+        from .unixdoor import UnixDoor, socket_path
+        unix_doors = [UnixDoor(app, cfg.tenants, socket_path(url), max_body_bytes=cfg.max_body_bytes,
+                               limits=cfg.door_limits(), mode=int(cfg.unix_mode, 8)).start()
+                      for url in cfg.listen]
 
     poller = IdlePoller().start() if cfg.poll_idle else None
     scrape = app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port) if cfg.metrics_port else None
@@ -78,7 +84,10 @@ def serve(cfg: ServerConfig) -> None:
         if scrape is not None:
             scrape.shutdown()
         rt.compute.run(rt.checkpoint)
-        server.close()
+        for door in unix_doors:
+            door.close()
+        if server is not None:
+            server.close()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
@@ -92,8 +101,13 @@ def serve(cfg: ServerConfig) -> None:
     else:
         seg = rt.segment
         what = f"{seg.kind} blocks [{seg.start}, {seg.end}) on {rt.device}"
-    print(f"splitlearn server: {what} at http://{cfg.host}:{cfg.port} (ready)", file=sys.stderr, flush=True)
-    server.run()
+    where = ([f"http://{cfg.host}:{cfg.port}"] if server is not None else []) + [d.url for d in unix_doors]
+    print(f"splitlearn server: {what} at {' and '.join(where)} (ready)", file=sys.stderr, flush=True)
+    if server is not None:
+        server.run()
+    else:  # --no-tcp: the doors' threads serve; this one waits for SIGTERM/SIGINT
+        while True:
+            signal.pause()
 
 
 def main(argv=None) -> int:

@@ -38,7 +38,10 @@ process may hold several apps, as the tests do). Two kinds of families:
     splitlearn_compute_queue                                   work waiting for the compute thread
     splitlearn_server_info{shape,federation,protocol_version}  1
 
-docs/OPERATIONS.md has example PromQL and server/grafana-dashboard.json a dashboard.
+docs/OPERATIONS.md has example PromQL and server/grafana-dashboard.json a dashboard. The fed
+server (splitlearn/server/federation/fedserver.py) uses this class with its own state collector
+(``state=``): the request families and ``splitlearn_server_info`` / ``_federation_version`` are
+the same, its rounds ``splitlearn_fed_*``.
 """
 from __future__ import annotations
 
@@ -61,9 +64,10 @@ WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 
 class ServerMetrics:
     """The registry of one app: request counters fed by :meth:`observe`, the server's state
-    read from the runtime ``rt`` at each scrape."""
+    read from the runtime ``rt`` at each scrape (or by ``state``, a collector of another
+    server's: the fed server's, splitlearn/server/federation/fedserver.py)."""
 
-    def __init__(self, rt, memory=None):
+    def __init__(self, rt, memory=None, state=None):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("splitlearn_requests", "Requests answered by the app",
@@ -74,7 +78,7 @@ class ServerMetrics:
                              registry=r)
         self.waits = Histogram("splitlearn_queue_wait_seconds", "Wait for the compute thread per priority class",
                                ("class",), buckets=WAIT_BUCKETS, registry=r)
-        r.register(_StateCollector(rt, memory))
+        r.register(state if state is not None else _StateCollector(rt, memory))
         # label children, kept: .labels() validates and locks on every call (~1.5 us); a dict get does not
         self._children: dict[tuple, tuple] = {}
         self._wait_children = {}

@@ -1,5 +1,7 @@
 """Readiness: may this server take traffic? (``GET /v1/ready``, beside the liveness ``GET /v1/health``)
 
+The segment server's checks (:func:`readiness`; the fed server's: :func:`fed_readiness`).
+
 ``/v1/health`` says the process answers HTTP; ``/v1/ready`` says it can do its work::
 
     model            the runtime holds its segment (or, --offload, its layers)
@@ -55,3 +57,16 @@ def readiness(rt) -> tuple[bool, dict]:
         "state_dir": writable(getattr(rt.cfg, "state_dir", None)),
     }
     return all(v is not False for v in checks.values()), checks
+
+
+def fed_readiness(rounds) -> tuple[bool, dict]:
+    """``(ready, checks)`` of the fed server's ``rounds`` (splitlearn/server/federation/fedserver.py).
+
+    Its state is in memory and it runs no model: it can take uploads once it holds the
+    client-side schema it checks them against (built from ``--model``/``--cut``/``--lora-*``
+    at start) and a secret to verify tickets with. A round being averaged (the rounds' lock
+    held) is busy, not unready, as the segment server's busy compute thread."""
+    side = getattr(rounds, "side", None)
+    checks = {"client_side_schema": bool(getattr(side, "schema", None)),
+              "fed_secret": bool(getattr(getattr(rounds, "cfg", None), "secret", None))}
+    return all(checks.values()), checks

@@ -1,0 +1,194 @@
+"""The unix:// transport against HTTP on loopback, side by side (issue 32).
+
+One server process serves the same app on a TCP port and on a Unix socket
+(``--listen unix:///...``); the client alternates between the two transports in rounds, so
+both see the same machine load (interleaved, not one after the other):
+
+- ``decode step overhead``: a U-shape decode step of batch 1 (1 x 1 x d float32 out and back),
+  the client's round trip (encode, send, answer, decode) minus the compute the server reports
+  (``X-Server-Time-Ms``): what the transport costs per call (target: <= 0.15 ms on unix, against
+  ~0.9 ms on TCP loopback);
+- ``round trip 1 MB`` / ``10 MB``: a float32 tensor of that size encoded, sent to ``POST
+  /v1/echo``, its answer decoded (targets: <= 1 ms and <= 3 ms on unix).
+
+Value: the median over all rounds, milliseconds. ``--cores 0,1`` pins the client and the
+server to the same cores (the issue's "same cores"); ``--pinned`` puts the server on core 1 and
+the client on core 0 (two devices emulated: a lane then polls for its answer). Run::
+
+    .venv/bin/python -m benchmarks.unix_transport [--calls 300] [--rounds 5] [--model tiny] [--cores 0,1]
+
+Prints one JSON row per (case, transport) and the unix/tcp ratio of the medians. ``--generate
+gpt2`` adds greedy batch-1 generation by the unsplit model and the U-shape split model over each
+transport (tokens/s, and split/unsplit per round: the issue's ">= 0.95x").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from splitlearn import protocol as P
+from splitlearn.localserver import LocalServer
+from splitlearn.transport import Transport, TransportConfig
+from splitlearn.wire import decode, encode, pack
+
+
+def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0) -> list[float]:
+    """Seconds beyond the server's compute of ``calls`` batch-1 decode steps (one session; the
+    prefill step is not counted)."""
+    sid = t.post_json(P.SESSIONS, {"rows": 1})["session_id"]
+    path = P.SESSION_STEP.format(session_id=sid)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    try:
+        for pos in range(calls + 1):
+            body = encode({**pack(P.HIDDEN, torch.randn(1, 1, d, generator=g), "float32"),
+                           P.MASK: torch.ones(1, 1, dtype=torch.long)}, P.SessionStepMeta(pos, "float32").to_meta())
+            before = t.stats.server_compute_s
+            t0 = time.perf_counter()
+            decode(t.post_bytes(path, body))
+            out.append(time.perf_counter() - t0 - (t.stats.server_compute_s - before))
+    finally:
+        t.delete(P.SESSION.format(session_id=sid))
+    return out[1:]
+
+
+def echo_round_trips(t: Transport, nbytes: int, calls: int) -> list[float]:
+    """Seconds of ``calls`` round trips of one float32 tensor of ``nbytes`` through ``/v1/echo``:
+    encode, send, the answer, decode."""
+    x = torch.randn(nbytes // 4)
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        back, _ = decode(t.post_bytes(P.ECHO, encode({"x": x})))
+        out.append(time.perf_counter() - t0)
+        assert back["x"].numel() == x.numel()
+    return out
+
+
+def cases(d: int, calls: int) -> dict:
+    return {"decode step overhead": lambda t: decode_overheads(t, d, calls),
+            "round trip 1 MB": lambda t: echo_round_trips(t, 1 << 20, max(3, calls // 10)),
+            "round trip 10 MB": lambda t: echo_round_trips(t, 10 << 20, max(3, calls // 30))}
+
+
+def measure(tcp_url: str, unix_url: str, token: str, d: int, calls: int, rounds: int) -> list[dict]:
+    """Rows of medians (ms), both transports, interleaved ``rounds`` times."""
+    ts = {"tcp": Transport(TransportConfig(tcp_url, token)), "unix": Transport(TransportConfig(unix_url, token))}
+    samples: dict = {}
+    try:
+        for name, fn in cases(d, calls).items():
+            for t in ts.values():
+                fn(t)  # warm-up: connections, regions, allocator
+            for _ in range(rounds):
+                for kind, t in ts.items():
+                    samples.setdefault((name, kind), []).extend(fn(t))
+    finally:
+        for t in ts.values():
+            t.close()
+    rows = []
+    for (name, kind), s in samples.items():
+        ms = sorted(1e3 * v for v in s)
+        rows.append({"case": name, "transport": kind, "median_ms": round(statistics.median(ms), 4),
+                     "p10_ms": round(ms[len(ms) // 10], 4), "p90_ms": round(ms[(9 * len(ms)) // 10], 4),
+                     "calls": len(ms)})
+    return rows
+
+
+def ratios(rows: list[dict]) -> dict:
+    by = {(r["case"], r["transport"]): r["median_ms"] for r in rows}
+    return {case: round(by[(case, "unix")] / by[(case, "tcp")], 3) for case, kind in by if kind == "unix"}
+
+
+def generation(tcp_url: str, unix_url: str, token: str, model_name: str, seed: int, new_tokens: int,
+               prompt_len: int, rounds: int) -> list[dict]:
+    """Greedy batch-1 generation (transformers' ``generate``) by the unsplit model and by the split
+    model over each transport, interleaved ``rounds`` times: tokens/s medians and the ratio of
+    each split run to the unsplit run of its round (the issue's ">= 0.95x the unsplit model")."""
+    import splitlearn
+    from splitlearn import load_model
+
+    from .generation import hf_generate
+
+    unsplit = load_model(model_name, dtype="float32", device="cpu", seed=seed).eval()
+    systems = {"unsplit": unsplit}
+    for kind, url in (("tcp", tcp_url), ("unix", unix_url)):
+        systems[kind] = splitlearn.SplitGPT2LMHeadModel.from_pretrained(model_name, server=url, token=token,
+                                                                        seed=seed).eval()
+    ids = torch.randint(0, unsplit.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    times: dict = {k: [] for k in systems}
+    with torch.no_grad():
+        ref = hf_generate(unsplit, ids, new_tokens)
+        same = {k: bool(torch.equal(hf_generate(m, ids, new_tokens), ref)) for k, m in systems.items()}  # + warm-up
+        order = list(systems)
+        for r in range(rounds):
+            for k in order[r % 3:] + order[:r % 3]:
+                t0 = time.perf_counter()
+                hf_generate(systems[k], ids, new_tokens)
+                times[k].append(time.perf_counter() - t0)
+    for k, m in systems.items():
+        if k != "unsplit":
+            m.remote.close()
+    return [{"case": f"greedy b1, {new_tokens} tokens ({model_name})", "transport": k,
+             "tokens_per_s": round(new_tokens / statistics.median(ts), 2),
+             "over_unsplit": round(statistics.median(u / t for u, t in zip(times["unsplit"], ts)), 3),
+             "same_tokens": same[k], "runs": len(ts)} for k, ts in times.items()]
+
+
+def main(argv=None) -> int:
+    a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a.add_argument("--model", default="tiny")
+    a.add_argument("--cuts", default="1,3")
+    a.add_argument("--calls", type=int, default=300)
+    a.add_argument("--only-generate", action="store_true", help="skip the transport cases")
+    a.add_argument("--pinned", action="store_true", help="two devices emulated: the server on core 1, "
+                                                         "the client on core 0 (transport cases)")
+    a.add_argument("--rounds", type=int, default=5)
+    a.add_argument("--cores", default=None, help="pin client and server to these cores, e.g. 0,1")
+    a.add_argument("--generate", default=None, metavar="MODEL",
+                   help="also greedy batch-1 generation, unsplit and split over each transport, on a "
+                        "second server of MODEL (e.g. gpt2) cut at --generate-cuts")
+    a.add_argument("--generate-cuts", default="2,10")
+    a.add_argument("--new-tokens", type=int, default=32)
+    args = a.parse_args(argv)
+    env = {"OMP_NUM_THREADS": "1"}
+    if args.cores:
+        cores = {int(c) for c in args.cores.split(",")}
+        os.sched_setaffinity(0, cores)  # the server inherits it
+    path = os.path.join(tempfile.mkdtemp(prefix="sl-bench-"), "server.sock")
+    flags = ["--model", args.model, "--threads", "4", "--max-echo-mb", "16", "--listen", "unix://" + path]
+    for c in args.cuts.split(","):
+        flags += ["--cut", c]
+    torch.set_num_threads(1)
+    if not args.only_generate:
+        if args.pinned:
+            os.sched_setaffinity(0, {1})  # the server inherits it
+        with LocalServer(flags, env=env) as srv:
+            if args.pinned:
+                os.sched_setaffinity(0, {0})
+            d = Transport(TransportConfig(srv.url, srv.token)).get_json(P.INFO)["model_config"]["n_embd"]
+            calls = min(args.calls, 60) if args.model == "tiny" else args.calls  # tiny: n_positions 64
+            rows = measure(srv.url, "unix://" + path, srv.token, d, calls, args.rounds)
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps({"unix/tcp": ratios(rows)}), flush=True)
+    if args.generate:
+        gpath = os.path.join(os.path.dirname(path), "gen.sock")
+        gflags = ["--model", args.generate, "--threads", "4", "--seed", "0", "--torch-threads", "1",
+                  "--listen", "unix://" + gpath]  # one torch thread each side: two cores, shared
+        for c in args.generate_cuts.split(","):
+            gflags += ["--cut", c]
+        with LocalServer(gflags, env=env) as srv:
+            for r in generation(srv.url, "unix://" + gpath, srv.token, args.generate, 0, args.new_tokens, 8,
+                                args.rounds):
+                print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,380 @@
+"""The Unix-socket door: the same app, on the same host, without HTTP.
+
+``python -m splitlearn.server ... --listen unix:///run/splitlearn.sock`` serves the app on a
+Unix stream socket too (``--no-tcp``: only there). Its framing is splitlearn's own, documented
+in :mod:`splitlearn.transport.unixframe` (a 20-byte header, a JSON part with the method, path
+and headers, the body inline or in a shared-memory region the client registered once per
+connection). Why not HTTP over a Unix socket: a decode step's round trip beyond the server's
+compute is the Python HTTP stack on both sides, not TCP (issue 32); speaking HTTP on another
+socket saves nothing.
+
+Each request goes to the same Flask app through its WSGI interface, with an environ built here
+(no HTTP parsing): the routes, tenants and tokens (``Authorization``, checked here at the frame
+as the front door does at the headers, and by the app), validation, limits and error JSON are
+the app's own. What this door enforces, as the TCP front door does:
+
+- the socket file is created mode 0600 (``--unix-mode 0660``: the group too), a stale one
+  (nobody listening) replaced, a live one or another file refused;
+- at most ``--max-connections`` connections; more wait in the listen backlog;
+- deadlines: a connection idles at most ``--idle-timeout`` between frames (``--request-timeout``
+  until it has presented a valid token); a frame, once begun, must be complete within
+  ``--request-timeout`` plus its size at ``--min-rate-kib``; an answer must be read as fast;
+- a frame that is not ours (bad magic, oversized JSON or inline body, bad JSON) gets a 400 (413
+  for sizes) and the connection is closed (nothing after it can be framed); a well-framed
+  request with a bad field (an out-of-range region, a missing path) gets a 400 and the
+  connection goes on; neither changes anything;
+- the region: only a memfd sealed against shrinking (``F_SEAL_SHRINK``), of at most twice
+  ``--max-body-mb`` (or 256 MiB if more), mapped once; every offset and length checked against its size. A region
+  belongs to its connection: no request can name another connection's region.
+
+One thread per connection runs that connection's requests (one at a time, as one HTTP/1.1
+keep-alive connection does), so concurrent clients' decode steps still batch.
+"""
+from __future__ import annotations
+
+import fcntl
+import io
+import logging
+import mmap
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from typing import Optional
+from urllib.parse import unquote_to_bytes, urlsplit
+
+from ... import protocol as P
+from ...errors import BadRequest, ConfigError, PayloadTooLarge, RequestTimeout, SplitLearnError, Unauthorized
+from ...transport import unixframe as F
+from .frontdoor import TENANT_KEY, DoorLimits
+
+log = logging.getLogger(__name__)
+
+BODY_KEY = "splitlearn.body"  # WSGI environ: the request's whole body (no client can set it; app.py)
+_TOKENLESS = (P.HEALTH, P.READY)  # answered without a token (as over HTTP)
+_MAX_PATH = 8 << 10
+
+
+def socket_path(url: str) -> str:
+    """The socket file of a ``unix:///path`` URL (ConfigError for anything else)."""
+    parts = urlsplit(url)
+    if parts.scheme != "unix" or parts.netloc or not parts.path or parts.query or parts.fragment:
+        raise ConfigError(f"--listen takes unix:///absolute/path.sock, got {url!r}")
+    return parts.path
+
+
+class UnixDoor:
+    """Serve ``app`` on the Unix socket at ``path``: :meth:`start` (threads) or :meth:`run`."""
+
+    def __init__(self, app, tenants, path: str, *, max_body_bytes: int, limits: DoorLimits = DoorLimits(),
+                 mode: int = 0o600):
+        self.app, self.tenants, self.path = app, tenants, path
+        self.max_body_bytes, self.limits, self.mode = max_body_bytes, limits, mode
+        self.max_region = max(2 * max_body_bytes, 4 * F.REGION_BYTES)  # address space only: pages are the client's
+        self.slots = threading.BoundedSemaphore(limits.max_connections)
+        self.sock = self._listen()
+        self.closed = False
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def _listen(self) -> socket.socket:
+        path = self.path
+        if os.path.lexists(path):
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode):
+                raise ConfigError(f"--listen unix://{path}: a file that is not a socket is there")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(path)  # stale: nobody listens
+            else:
+                raise ConfigError(f"--listen unix://{path}: a server already listens there")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the file is born 0600, never wider
+        try:
+            sock.bind(path)
+        except OSError as e:
+            sock.close()
+            raise ConfigError(f"--listen unix://{path}: {e}") from None
+        finally:
+            os.umask(old)
+        os.chmod(path, self.mode)
+        sock.listen(128)
+        return sock
+
+    @property
+    def url(self) -> str:
+        return "unix://" + self.path
+
+    def start(self) -> "UnixDoor":
+        self._thread = threading.Thread(target=self.run, name="unixdoor", daemon=True)
+        self._thread.start()
+        return self
+
+    def run(self) -> None:
+        while not self.closed:
+            self.slots.acquire()  # --max-connections: the next one waits in the backlog
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                self.slots.release()
+                if self.closed:
+                    return
+                continue
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="unixdoor-conn", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        with self._lock:
+            for c in list(self._conns):
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        try:
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+        except OSError:
+            pass
+
+    # -- one connection ------------------------------------------------------------------
+
+    def _serve(self, conn: socket.socket) -> None:
+        c = _Conn(self, conn)
+        try:
+            c.loop()
+        except (ConnectionError, OSError, TimeoutError):
+            pass
+        except Exception:  # noqa: BLE001 - a connection's failure never stops the door
+            log.exception("unix connection failed")
+        finally:
+            c.release()
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            self.slots.release()
+
+
+class _Conn:
+    def __init__(self, door: UnixDoor, sock: socket.socket):
+        self.door, self.sock = door, sock
+        self.region: Optional[mmap.mmap] = None
+        self.size = 0
+        self.trusted = False  # presented a valid token once: may idle --idle-timeout
+        self.frames = 0
+        self.reader = F.Reader(sock)
+
+    def release(self) -> None:
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+
+    def _recv(self, n: int, deadline: float, fds: Optional[list] = None):
+        """``n`` bytes by ``deadline`` (TimeoutError after it)."""
+        try:
+            return self.reader.take(n, deadline, fds)
+        except socket.timeout:
+            raise TimeoutError from None
+
+    def loop(self) -> None:
+        lim = self.door.limits
+        while not self.door.closed:
+            idle = lim.idle_timeout_s if self.trusted else lim.request_timeout_s
+            fds: list[int] = []
+            try:
+                # the first byte may wait the idle allowance; the header's rest, the request's
+                first = self._recv(1, time.monotonic() + idle, fds if self.frames == 0 else None)
+            except TimeoutError:
+                return  # idle past the allowance: close silently (as waitress does)
+            start = time.monotonic()
+            try:
+                head = first + self._recv(F.HEADER.size - 1, start + lim.request_timeout_s,
+                                          fds if self.frames == 0 else None)
+                self.frames += 1
+                try:
+                    kind, meta_len, body_len = F.unpack_header(head, self.door.max_body_bytes)
+                except F.FrameError as e:
+                    cls = PayloadTooLarge if "inline body" in str(e) else BadRequest
+                    self._answer_error(cls(f"malformed frame: {e}"))
+                    return
+                deadline = start + lim.allowance_s(meta_len + body_len)
+                try:
+                    meta = F.parse_meta(self._recv(meta_len, deadline))
+                except F.FrameError as e:
+                    self._answer_error(BadRequest(f"malformed frame: {e}"))
+                    return
+                if kind == F.HELLO:
+                    if self.frames != 1 or body_len:
+                        self._answer_error(BadRequest("malformed frame: HELLO comes first, once, without a body"))
+                        return
+                    if not self._hello(meta, fds):
+                        return
+                    continue
+                if kind != F.REQUEST:
+                    self._answer_error(BadRequest(f"malformed frame: a client sends no kind-{kind} frames"))
+                    return
+                if not self._request(meta, body_len, deadline):
+                    return
+            except TimeoutError:
+                self._answer_error(RequestTimeout(f"a frame was not complete within its deadline "
+                                                  f"({lim.request_timeout_s:g} s + size at "
+                                                  f"{lim.min_rate_kib_s:g} KiB/s)"))
+                return
+            finally:
+                for fd in fds:  # descriptors we did not take (sent with another frame, or refused)
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+
+    def _hello(self, meta: dict, fds: list) -> bool:
+        """Map the client's region (True), or answer why not (False: the connection closes)."""
+        try:
+            if meta.get("version") != F.VERSION:
+                raise BadRequest(f"unix transport version {meta.get('version')!r} (this server: {F.VERSION})")
+            size = meta.get("region_bytes")
+            if len(fds) != 1:
+                raise BadRequest(f"HELLO must carry exactly one file descriptor (SCM_RIGHTS), got {len(fds)}")
+            if type(size) is not int or not 0 < size <= self.door.max_region:
+                raise BadRequest(f"region_bytes must be 1..{self.door.max_region}, got {size!r}")
+            fd = fds[0]
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise BadRequest(f"the region must be a memfd of exactly region_bytes={size} bytes "
+                                 f"(got a {'file' if stat.S_ISREG(st.st_mode) else 'non-file'} of {st.st_size})")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise BadRequest("the region must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+            try:
+                self.region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError) as e:
+                raise BadRequest(f"the region cannot be mapped read-write: {e}") from None
+            self.size = size
+        except SplitLearnError as e:
+            self._answer_error(e)
+            return False
+        self._send_answer(200, [], None, extra={"region_bytes": self.size})
+        return True
+
+    def _request(self, meta: dict, body_len: int, deadline: float) -> bool:
+        """Run one request; False when the connection must close after it (an error answered
+        before an inline body was read: what follows on the socket is that body)."""
+        try:
+            method, path, query, headers = _fields(meta)
+            tenant = self.door.tenants.authenticate(headers.get("authorization"))
+            if tenant is None and path not in _TOKENLESS:  # refused before its body is read
+                raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+            if "region" in meta:
+                if body_len:
+                    raise BadRequest("a request's body is inline or in the region, not both")
+                try:
+                    off, length = F.span(meta["region"], self.size)
+                except ValueError as e:
+                    raise BadRequest(f"bad region descriptor: {e}") from None
+                if length > self.door.max_body_bytes:
+                    raise PayloadTooLarge(f"request body of {length} bytes (at most {self.door.max_body_bytes})")
+                body = self.region[off:off + length]  # the one copy out of the region
+            else:
+                body = self._recv(body_len, deadline) if body_len else b""
+                body_len = 0
+            if tenant is not None:
+                self.trusted = True
+        except SplitLearnError as e:
+            self._answer_error(e)
+            return not body_len
+        status, out_headers, content = self._call_app(method, path, query, headers, body, tenant)
+        use_region = bool(meta.get("answer_region")) and self.region is not None and \
+            F.INLINE_MAX < len(content) <= self.size
+        self._send_answer(status, out_headers, content, use_region)
+        return True
+
+    def _call_app(self, method, path, query, headers, body: bytes, tenant):
+        environ = {
+            "REQUEST_METHOD": method, "SCRIPT_NAME": "",
+            "PATH_INFO": unquote_to_bytes(path).decode("latin-1"), "QUERY_STRING": query,
+            "SERVER_NAME": "localhost", "SERVER_PORT": "0", "SERVER_PROTOCOL": "HTTP/1.1",
+            "REMOTE_ADDR": "unix", "REMOTE_PORT": "0",
+            "wsgi.version": (1, 0), "wsgi.url_scheme": "http", "wsgi.input": io.BytesIO(body),
+            "wsgi.errors": sys.stderr, "wsgi.multithread": True, "wsgi.multiprocess": False,
+            "wsgi.run_once": False, "CONTENT_LENGTH": str(len(body)),
+            TENANT_KEY: tenant, BODY_KEY: body,
+        }
+        for k, v in headers.items():
+            if k == "content-type":
+                environ["CONTENT_TYPE"] = v
+            elif k != "content-length":
+                environ["HTTP_" + k.upper().replace("-", "_")] = v
+        answer: dict = {}
+
+        def start_response(status, response_headers, exc_info=None):
+            answer["status"], answer["headers"] = int(status.split(" ", 1)[0]), response_headers
+            return lambda data: chunks.append(data)
+
+        chunks: list[bytes] = []
+        result = self.door.app(environ, start_response)
+        try:
+            for chunk in result:
+                if chunk:
+                    chunks.append(chunk)
+        finally:
+            if hasattr(result, "close"):
+                result.close()
+        content = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return answer["status"], [[k, v] for k, v in answer["headers"]], content
+
+    def _send_answer(self, status: int, headers: list, content: Optional[bytes], use_region: bool = False,
+                     extra: Optional[dict] = None) -> None:
+        meta = {"status": status, "headers": headers, **(extra or {})}
+        content = content or b""
+        inline = content
+        if use_region:
+            self.region[0:len(content)] = content
+            meta["region"], inline = [0, len(content)], b""
+        self.sock.settimeout(self.door.limits.allowance_s(len(inline)))
+        F.send_frame(self.sock, F.pack(F.ANSWER, meta, len(inline)), inline)
+
+    def _answer_error(self, e: SplitLearnError) -> None:
+        import json
+        headers = [["Content-Type", "application/json"]]
+        if e.retry_after is not None:
+            headers.append(["Retry-After", str(int(round(e.retry_after)))])
+        try:
+            self._send_answer(e.status, headers, json.dumps(e.to_payload()).encode())
+        except OSError:
+            pass
+
+
+def _fields(meta: dict) -> tuple[str, str, str, dict]:
+    """``(method, path, query, headers)`` of a REQUEST's meta, headers with lower-case names;
+    BadRequest naming the field that is wrong."""
+    method, target, headers = meta.get("method"), meta.get("path"), meta.get("headers", {})
+    if not isinstance(method, str) or not method.isalpha() or not method.isupper() or len(method) > 16:
+        raise BadRequest(f"malformed request: method {method!r}")
+    if not isinstance(target, str) or not target.startswith("/") or len(target) > _MAX_PATH \
+            or any(ch < " " or ch == "\x7f" for ch in target):
+        raise BadRequest("malformed request: path must be a string starting with '/', without control characters")
+    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise BadRequest("malformed request: headers must be an object of strings")
+    out = {}
+    for k, v in headers.items():
+        if not k or any(not (ch.isalnum() or ch in "-_") for ch in k) or any(ch in v for ch in "\r\n\0"):
+            raise BadRequest(f"malformed request: header {k[:40]!r}")
+        out[k.lower()] = v
+    path, _, query = target.partition("?")
+    return method, path, query, out

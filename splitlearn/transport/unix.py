@@ -1,0 +1,274 @@
+"""``unix:///path.sock`` URLs: a client next to its server, over a Unix socket and shared memory.
+
+    python -m splitlearn.server --model gpt2 --cut 2 --cut 10 --listen unix:///run/splitlearn.sock
+    model = SplitGPT2LMHeadModel.from_pretrained("gpt2", server="unix:///run/splitlearn.sock", token=tok)
+
+The model classes, ``SplitClient`` and the CLI take such a URL wherever they take ``http://``
+(the scheme hook of :mod:`.http`, ``register_scheme``): the same routes, tenants, tokens,
+limits and errors (an error answer's JSON is turned back into its :mod:`splitlearn.errors`
+class by :class:`~splitlearn.transport.http.Transport`, as over HTTP). The whole URL path is
+the socket file; there is no base path.
+
+The framing is :mod:`.unixframe`'s, not HTTP. Each connection (one per request in flight:
+a pool, so each concurrent caller, lane or thread has its own) creates a memfd region of
+``REGION_BYTES`` (64 MiB, its pages allocated only when touched), seals it against shrinking
+and passes its descriptor to the server once, at connect (``SCM_RIGHTS``): a body larger than
+``INLINE_MAX`` (16 KiB) is copied into the region once and the socket carries only its offset
+and length; the server writes a large answer there too, which is copied out once. Smaller
+bodies (a decode step's) go inline on the socket: one ``send`` and one ``recv`` each way.
+Nothing is unpickled; the region is reachable only through the connection that registered it.
+
+Failures: a socket nobody listens on (or no file) is a refused connection (the Transport
+retries it with backoff, as a port nobody listens on); a connection lost mid-request is
+retried too (safe: every splitlearn route is idempotent or numbered); no answer within the
+read timeout is a :class:`~splitlearn.errors.TransportError`.
+"""
+from __future__ import annotations
+
+import array
+import fcntl
+import logging
+import mmap
+import os
+import select
+import socket
+import threading
+import time
+from typing import Optional
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError, TransportError
+from . import unixframe as F
+from .http import SPIN_S, register_scheme
+
+SCHEME = "unix"
+
+
+log = logging.getLogger(__name__)
+
+
+class _Refused(Exception):
+    """The server refused a connection's region (its HELLO)."""
+
+
+class _Headers(dict):
+    """An answer's headers: ``.get`` is case-insensitive (lower-case keys)."""
+
+    def get(self, key, default=None):
+        return super().get(key.lower(), default)
+
+
+def socket_of(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme != SCHEME or parts.netloc or not parts.path:
+        raise ConfigError(f"a unix URL is unix:///absolute/path.sock, got {url!r}")
+    return parts.path
+
+
+class Connection:
+    """One connected socket with its registered region; one request at a time."""
+
+    def __init__(self, path: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0,
+                 region_bytes: int = F.REGION_BYTES):
+        self.read_timeout_s = read_timeout_s
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(connect_timeout_s)
+        self.region: Optional[mmap.mmap] = None
+        self.size = 0
+        self.sent_at, self.expected_s = 0.0, None  # the request in flight; recent waits (spin)
+        try:
+            self.sock.connect(path)  # FileNotFoundError / ConnectionRefusedError: nobody serves it
+        except FileNotFoundError as e:
+            self.sock.close()
+            raise ConnectionRefusedError(f"no socket at {path}: {e}") from None
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.settimeout(read_timeout_s)
+        self.reader = F.Reader(self.sock)
+        if region_bytes:
+            try:
+                self._register(region_bytes)
+            except _Refused as e:  # the server closed this connection: a new one, bodies inline
+                log.warning("%s; this connection sends its bodies inline", e)
+                self.close()
+                self.__init__(path, connect_timeout_s, read_timeout_s, region_bytes=0)
+
+    def _register(self, size: int) -> None:
+        fd = os.memfd_create("splitlearn-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            self.region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            head = F.pack(F.HELLO, {"version": F.VERSION, "region_bytes": size})
+            self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        finally:
+            os.close(fd)
+        status, headers, content = self._read_answer()
+        if status != 200:
+            raise _Refused(f"the server refused this connection's shared region: "
+                           f"{content[:300].decode('utf-8', 'replace')}")
+        self.size = size
+
+    def request(self, method: str, path: str, headers: dict, body: Optional[bytes]):
+        self.send(method, path, headers, body)
+        return self._read_answer()
+
+    def readable(self, wait_s: float = 0.0) -> bool:
+        """True if reading the answer would not wait (or the connection has ended), waiting up
+        to ``wait_s`` for it."""
+        return bool(self.reader.pending) or bool(select.select([self.sock], [], [], wait_s)[0])
+
+    def await_answer(self) -> None:
+        """Sleep until ``SPIN_S`` before the answer is expected, then poll up to ``SPIN_S``
+        past it (as :class:`.http._Lane` does)."""
+        if self.expected_s is None:
+            return
+        due = self.sent_at + self.expected_s
+        nap = due - SPIN_S - time.perf_counter()
+        if nap > 0 and self.readable(nap):
+            return
+        stop = due + SPIN_S
+        while time.perf_counter() < stop and not self.readable():
+            pass
+
+    def answered(self) -> None:
+        wait = time.perf_counter() - self.sent_at
+        self.expected_s = wait if self.expected_s is None else 0.5 * (self.expected_s + wait)
+
+    def send(self, method: str, path: str, headers: dict, body: Optional[bytes]) -> None:
+        meta = {"method": method, "path": path, "headers": headers}
+        body = body or b""
+        if self.size:
+            meta["answer_region"] = True
+        if len(body) > F.INLINE_MAX and len(body) <= self.size:
+            self.region[0:len(body)] = body  # the one copy into the region
+            meta["region"], body = [0, len(body)], b""
+        F.send_frame(self.sock, F.pack(F.REQUEST, meta, len(body)), body)
+        self.sent_at = time.perf_counter()
+
+    def _read_answer(self):
+        kind, meta_len, body_len = F.unpack_header(self.reader.take(F.HEADER.size), 1 << 40)
+        if kind != F.ANSWER:
+            raise F.FrameError(f"the server sent a kind-{kind} frame")
+        meta = F.parse_meta(self.reader.take(meta_len))
+        content = bytes(self.reader.take(body_len)) if body_len else b""
+        try:
+            if "region" in meta:
+                off, length = F.span(meta["region"], self.size)
+                content = self.region[off:off + length]  # the one copy out of the region
+            headers = _Headers((str(k).lower(), str(v)) for k, v in meta.get("headers", []))
+            return int(meta["status"]), headers, content
+        except (KeyError, TypeError, ValueError) as e:  # not an answer this client can read
+            raise F.FrameError(f"malformed answer from the server: {e}") from None
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        finally:
+            if self.region is not None:
+                self.region.close()
+                self.region = None
+
+
+class UnixLink:
+    """The link of a ``unix://`` URL (:data:`splitlearn.transport.http.LINKS`). A tensor call
+    goes on its lane's connection (``send`` now, ``receive`` later: a pipelined caller computes
+    while the server works, as on HTTP's lanes); ``request`` (JSON calls) takes an idle
+    connection of a pool (or opens one), so concurrent callers never share one."""
+
+    same_host = True  # the server is another process of this host: polls for answers when pinned apart
+
+    def __init__(self, url: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0):
+        self.url, self.path = url, socket_of(url)
+        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._lanes: dict[int, Connection] = {}  # a Transport's lanes (one thread uses a Transport's lanes)
+        self._sent: dict[int, str] = {}
+
+    def _path(self, path: str) -> str:
+        if path.startswith(self.path):  # the Transport puts the URL's path (the socket's) in front
+            path = path[len(self.path):] or "/"
+        return path
+
+    # -- lanes: a tensor call's connection, sent now and answered later (Transport.start) ------
+
+    def send(self, lane: int, method: str, path: str, headers: dict, body: Optional[bytes]) -> None:
+        conn = self._lanes.get(lane)
+        if conn is None:
+            conn = self._lanes[lane] = Connection(self.path, self.connect_timeout_s, self.read_timeout_s)
+        self._sent[lane] = f"{method} {self.url}{self._path(path)}"
+        try:
+            conn.send(method, self._path(path), headers, body)
+        except socket.timeout:
+            self.drop(lane)
+            raise TransportError(f"{self._sent[lane]}: the server did not take the request in time") from None
+        except BaseException:
+            self.drop(lane)
+            raise
+
+    def receive(self, lane: int, spin: bool = False):
+        """The answer on ``lane``; ``spin``: poll for it near its expected time rather than
+        sleep (the server has cores of its own: see :mod:`.http`, "Waking up for the answer")."""
+        conn = self._lanes.get(lane)
+        if conn is None:
+            raise ConnectionResetError(f"lane {lane} has no request in flight")
+        try:
+            if spin:
+                conn.await_answer()
+            answer = conn._read_answer()
+            conn.answered()
+            return answer
+        except socket.timeout:
+            self.drop(lane)
+            raise TransportError(f"{self._sent.get(lane)}: no answer within {self.read_timeout_s:g}s") from None
+        except F.FrameError as e:
+            self.drop(lane)
+            raise TransportError(f"{self._sent.get(lane)}: {e}") from None
+        except BaseException:
+            self.drop(lane)
+            raise
+
+    def readable(self, lane: int) -> bool:
+        conn = self._lanes.get(lane)
+        return conn is None or conn.readable()
+
+    def drop(self, lane: int) -> None:
+        conn = self._lanes.pop(lane, None)
+        if conn is not None:
+            conn.close()
+
+    # -- requests on the pool (JSON calls, and a tensor call of a caller without lanes) ------
+
+    def request(self, method: str, path: str, headers: dict, body: Optional[bytes]):
+        path = self._path(path)
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            conn = Connection(self.path, self.connect_timeout_s, self.read_timeout_s)
+        try:
+            answer = conn.request(method, path, headers, body)
+        except socket.timeout:
+            conn.close()
+            raise TransportError(f"{method} {self.url}{path}: no answer within {self.read_timeout_s:g}s") from None
+        except F.FrameError as e:
+            conn.close()
+            raise TransportError(f"{method} {self.url}{path}: {e}") from None
+        except BaseException:
+            conn.close()  # ConnectionError (retried by the Transport) and anything else
+            raise
+        with self._lock:
+            self._idle.append(conn)
+        return answer
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._idle = self._idle, []
+        conns += list(self._lanes.values())
+        self._lanes.clear()
+        for c in conns:
+            c.close()
+
+
+register_scheme(SCHEME, UnixLink)

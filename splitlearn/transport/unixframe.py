@@ -1,0 +1,173 @@
+"""The frames of the ``unix://`` transport (both sides): a lean framing, not HTTP.
+
+Every message, either way, is one frame on a Unix stream socket::
+
+    +-------------+---------+----------+-----------+-------------+----------------+----------------+
+    | magic 4 B   | kind u8 | flags u8 | rsvd u16  | meta_len u32| body_len u64   | (20 bytes, LE) |
+    | b"SLU1"     |         | (0)      | (0)       |             | inline bytes   |                |
+    +-------------+---------+----------+-----------+-------------+----------------+----------------+
+    | meta: meta_len bytes of UTF-8 JSON (an object)  | body: body_len bytes (inline body)        |
+    +-------------------------------------------------+-------------------------------------------+
+
+Kinds and their JSON ``meta``:
+
+- ``HELLO`` (1), client -> server, at most once, first: ``{"version": 1, "region_bytes": N}``
+  and, in the ancillary data of the same ``sendmsg`` (``SCM_RIGHTS``), the file descriptor of
+  the connection's shared region: a memfd of exactly N bytes, sealed against shrinking
+  (``F_SEAL_SHRINK``; the server refuses any other descriptor, so a client can never make the
+  server fault by truncating the region under it). No name exists that another process could
+  open: a region is reachable only through the connection that carried it. The server maps it
+  once and answers ``ANSWER`` ``{"status": 200, "headers": [], "region_bytes": N}``.
+- ``REQUEST`` (2), client -> server: ``{"method": "POST", "path": "/v1/forward?x=1",
+  "headers": {"Authorization": "Bearer ...", "Content-Type": "application/octet-stream"},
+  "region": [offset, length]}`` (``region``: the body lies in the connection's region at those
+  bytes instead of inline; absent: the body is the frame's inline body) and
+  ``"answer_region": true`` (the answer may be written into the region).
+- ``ANSWER`` (3), server -> client: ``{"status": 200, "headers": [[name, value], ...],
+  "region": [offset, length]}`` (``region``: the answer's body lies in the region; absent:
+  inline). The server writes an answer into the region only when the request allowed it.
+
+One request at a time per connection (the client's *lane*); the region is the connection's
+own, so placing the answer at offset 0 never overwrites a body still being read. Nothing in a
+frame is unpickled: JSON and raw bytes only. Every offset and length is checked against the
+region's size before it is used (a descriptor out of range is a 400 that changes nothing).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import sys
+import time
+from typing import Optional
+
+MAGIC = b"SLU1"
+HELLO, REQUEST, ANSWER = 1, 2, 3
+HEADER = struct.Struct("<4sBBHIQ")
+VERSION = 1
+MAX_META_BYTES = 64 << 10  # a frame's JSON part (as the front door's header limit)
+INLINE_MAX = 16 << 10  # bodies up to this go inline; larger ones through the region
+REGION_BYTES = 64 << 20  # the client's region per connection (memfd: pages cost only once touched)
+
+
+class FrameError(ValueError):
+    """A frame that is not ours (bad magic, sizes, JSON): the connection cannot go on."""
+
+
+def pack(kind: int, meta: dict, body_len: int = 0) -> bytes:
+    """The header and JSON part of a frame (its inline body, ``body_len`` bytes, follows)."""
+    m = json.dumps(meta, separators=(",", ":")).encode()
+    return HEADER.pack(MAGIC, kind, 0, 0, len(m), body_len) + m
+
+
+def unpack_header(raw: bytes, max_body: int) -> tuple[int, int, int]:
+    """``(kind, meta_len, body_len)`` of a frame header; FrameError unless it is well formed."""
+    magic, kind, flags, rsvd, meta_len, body_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(f"not a splitlearn unix frame (magic {magic!r}, expected {MAGIC!r})")
+    if kind not in (HELLO, REQUEST, ANSWER) or flags or rsvd:
+        raise FrameError(f"unknown frame kind {kind} / flags {flags} / reserved {rsvd}")
+    if meta_len > MAX_META_BYTES:
+        raise FrameError(f"frame metadata of {meta_len} bytes (at most {MAX_META_BYTES})")
+    if body_len > max_body:
+        raise FrameError(f"inline body of {body_len} bytes (at most {max_body})")
+    return kind, meta_len, body_len
+
+
+def parse_meta(raw: bytes) -> dict:
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FrameError(f"frame metadata is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise FrameError("frame metadata must be a JSON object")
+    return meta
+
+
+def span(value, size: int) -> tuple[int, int]:
+    """``(offset, length)`` of a ``region`` field, checked against a region of ``size`` bytes
+    (ValueError with the reason otherwise)."""
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(type(v) is int for v in value)):
+        raise ValueError(f"region must be [offset, length] (two integers), got {value!r}")
+    off, length = value
+    if size <= 0:
+        raise ValueError("region given, but this connection registered none (HELLO)")
+    if off < 0 or length < 0 or off + length > size:
+        raise ValueError(f"region [{off}, {length}] lies outside the connection's region of {size} bytes")
+    return off, length
+
+
+class Reader:
+    """Buffered reads from a socket: a small frame (header, JSON, inline body) usually comes in
+    one ``recv``. ``deadline`` (``time.monotonic()``; None: the socket's own timeout) bounds
+    each :meth:`take`; ``fds`` collects descriptors passed with the bytes (``SCM_RIGHTS``)."""
+
+    CHUNK = 256 << 10
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.pending = sock, bytearray()
+
+    def take(self, n: int, deadline: Optional[float] = None, fds: Optional[list] = None) -> bytes:
+        if len(self.pending) >= n:
+            out = bytes(self.pending[:n])
+            del self.pending[:n]
+            return out
+        if n - len(self.pending) > self.CHUNK:  # a large inline body: straight into its buffer
+            buf = bytearray(n)
+            have = len(self.pending)
+            buf[:have] = self.pending
+            self.pending = bytearray()
+            view = memoryview(buf)
+            while have < n:
+                self._timeout(deadline)
+                k = self.sock.recv_into(view[have:])
+                if not k:
+                    raise ConnectionResetError(f"connection closed after {have} of {n} bytes")
+                have += k
+            return buf
+        while len(self.pending) < n:
+            self._timeout(deadline)
+            if fds is not None:
+                data, anc, _flags, _addr = self.sock.recvmsg(self.CHUNK, socket.CMSG_SPACE(16 * 4))
+                for level, kind, raw in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True)
+                                   for i in range(0, len(raw) - len(raw) % 4, 4))
+            else:
+                data = self.sock.recv(self.CHUNK)
+            if not data:
+                raise ConnectionResetError(f"connection closed after {len(self.pending)} of {n} bytes")
+            self.pending += data
+        out = bytes(self.pending[:n])
+        del self.pending[:n]
+        return out
+
+    def _timeout(self, deadline: Optional[float]) -> None:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            self.sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` bytes; ConnectionError if the peer closes first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def send_frame(sock: socket.socket, head: bytes, body: Optional[bytes] = None) -> None:
+    """A frame's header+meta, then its inline body (no concatenation of a large body)."""
+    if body and len(body) <= INLINE_MAX:
+        sock.sendall(head + body)
+        return
+    sock.sendall(head)
+    if body:
+        sock.sendall(body)

@@ -1,0 +1,121 @@
+"""Issue 30: one training protocol, and what a step costs in requests.
+
+Every training request a client sends, counted at its transport, per optimizer step once the
+run is steady (the apply of step s rides on step s+1's first forward(s), so a step's own
+requests are its pieces). Before issue 30: the model classes sent ``2M + 1`` (a forward and a
+backward per micro-batch, then ``POST /v1/train/apply``), ``SplitClient``'s closed steps ``M``
+(2-way, one ``/v1/train/step`` per micro-batch) or ``2M`` (U-shape). Now:
+
+============  ===============================  =====================
+shape         client                           requests per step
+============  ===============================  =====================
+U-shape       model classes, SplitClient       2M (forward, backward)
+2-way         model classes                    2M (forward, backward)
+2-way         SplitClient, ``loss_gradient``   M  (fused /v1/train/step)
+============  ===============================  =====================
+"""
+import collections
+
+import pytest
+import torch
+
+from splitlearn import SplitClient
+from splitlearn import protocol as P
+from splitlearn.hf import SplitGPT2LMHeadModel
+
+from serverproc import TOKEN, InprocServerProcess
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+TRAIN = (P.TRAIN_STEP, P.TRAIN_FORWARD, P.TRAIN_BACKWARD, P.TRAIN_APPLY)
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(step))
+
+
+class Counter:
+    """The training requests ``transport`` sends (tensor calls and JSON alike), by path, and
+    how many carried an apply."""
+
+    def __init__(self, transport):
+        self.paths, self.carried = collections.Counter(), 0
+        start, send = transport.start_call, transport._send
+
+        def start_call(path, tensors, meta=None, lane=0):
+            if path in TRAIN:
+                self.paths[path] += 1
+                self.carried += "apply" in (meta or {})
+            return start(path, tensors, meta, lane)
+
+        def _send(method, path, **kw):
+            if path in TRAIN:
+                self.paths[path] += 1
+            return send(method, path, **kw)
+
+        transport.start_call, transport._send = start_call, _send
+
+    def take(self) -> tuple[dict, int]:
+        out = (dict(self.paths), self.carried)
+        self.paths.clear()
+        self.carried = 0
+        return out
+
+
+def model_class_steps(url: str, m: int, loss_gradient=None) -> list:
+    model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=url, token=TOKEN, micro_batches=m).train()
+    model.loss_gradient = loss_gradient
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    count, per_step = Counter(model.remote.transport), []
+    for step in range(STEPS):
+        ids = batch(step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(count.take())
+    assert model.flush()["applied"]  # the last step's apply, on its own
+    per_step.append(count.take())
+    model.remote.close()
+    return per_step
+
+
+def split_client_steps(url: str, m: int) -> list:
+    count, per_step = None, []
+    with SplitClient(url, "tiny", token=TOKEN, device="cpu", micro_batches=m) as client:
+        count = Counter(client.transport)
+        for step in range(STEPS):
+            client.train_step(batch(step))
+            per_step.append(count.take())
+        assert client.flush()["applied"]
+        per_step.append(count.take())
+    return per_step
+
+
+def expected(m: int, fused: bool) -> list:
+    """Per step: the pieces' requests; from step 2 on the first forward(s) carry the last apply;
+    then the flush: one POST /v1/train/apply."""
+    if fused:
+        pieces = {P.TRAIN_STEP: m}
+    else:
+        pieces = {P.TRAIN_FORWARD: m, P.TRAIN_BACKWARD: m}
+    return [pieces] * STEPS + [{P.TRAIN_APPLY: 1}]
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+def test_requests_per_step(cuts, m):
+    u = len(cuts) == 2
+    runs = {}
+    for name, steps, fused in (("model classes", lambda url: model_class_steps(url, m), False),
+                               ("model classes, loss_gradient=1", lambda url: model_class_steps(url, m, 1.0), not u),
+                               ("SplitClient", lambda url: split_client_steps(url, m), not u)):
+        with InprocServerProcess(cuts) as srv:  # one client each: an uncontended segment (no apply_now)
+            runs[name] = (steps(srv.url), fused)
+    for name, (per_step, fused) in runs.items():
+        paths = [p for p, _ in per_step]
+        assert paths == expected(m, fused), (name, paths)
+        assert sum(paths[1].values()) == (m if fused else 2 * m), name  # no apply request inside training
+        carried = [c for _, c in per_step[:STEPS]]
+        assert carried[0] == 0 and all(c >= 1 for c in carried[1:]), (name, carried)  # step 1 has nothing to carry
+        assert all(c <= m for c in carried), (name, carried)  # only the step's first forwards (those in flight)
