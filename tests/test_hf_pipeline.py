@@ -10,7 +10,7 @@ from splitlearn.errors import ConfigError
 from splitlearn.hf import SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel
 
 from serverproc import TOKEN
-from test_hf_modeling import LR, adamw_with, assert_weights_equal, batches, reference, server, split_lm  # noqa: F401
+from test_hf_modeling import LR, adamw_with, assert_weights_equal, batches, reference, server, split_lm, step_apply  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_pipelined_loop_equals_unsplit(server):
             o.zero_grad()
         # every micro-batch is a piece: a forward and a backward each, one apply
         assert model.remote.stats.calls - calls == 2 * M * accum
-        assert model.remote.deferred.pieces == M * accum  # carried by the next step's first forward
+        assert step_apply(model.remote)["pieces"] == M * accum
     # AdamW divides by sqrt(v): a gradient component near 0 summed in another order (micro-batches,
     # pieces accumulated as they arrive) moves its weight by a few 1e-4 (lr = 1e-2); a lost or
     # mis-scaled piece moves weights by ~lr. The gradients themselves were compared above (1e-5).

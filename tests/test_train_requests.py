@@ -119,3 +119,41 @@ def test_requests_per_step(cuts, m):
         carried = [c for _, c in per_step[:STEPS]]
         assert carried[0] == 0 and all(c >= 1 for c in carried[1:]), (name, carried)  # step 1 has nothing to carry
         assert all(c <= m for c in carried), (name, carried)  # only the step's first forwards (those in flight)
+
+
+def test_an_idle_client_keeps_its_deferred_step_while_another_waits_for_the_lease():
+    """The attack on a carried apply: client A finishes step 1 (its apply deferred to step 2's
+    forward, the shared segment's lease still A's) and idles past ``--lease-timeout`` while B
+    waits for the lease. The server would drop A's step at the timeout (409 at A's next step,
+    the step lost); the idle flush sends the apply after a third of the timeout instead."""
+    import threading
+    import time
+
+    with InprocServerProcess((1, 3), extra=["--lease-timeout", "1.5"]) as srv:
+        models = []
+        for _ in range(2):
+            m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN).train()
+            models.append((m, torch.optim.SGD(m.parameters(), lr=1e-2)))
+        (a, opt_a), (b, opt_b) = models
+        assert a.remote.idle_flush_s == pytest.approx(0.5)
+
+        def step(model, opt, i):
+            ids = batch(i)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        step(a, opt_a, 0)
+        assert a.remote.deferred is not None  # step 1's apply waits for step 2's forward
+        done = []
+        other = threading.Thread(target=lambda: (step(b, opt_b, 1), b.flush(), done.append(b.remote.last_apply)))
+        other.start()  # B's forward waits for the lease A holds
+        time.sleep(2.0)  # A idles past the lease timeout
+        assert a.remote.deferred is None and a.remote.last_apply["applied"]  # sent alone, before the timeout
+        step(a, opt_a, 2)  # A's next step: no 409, nothing lost
+        a.flush()  # (B waiting, the server may have asked for step 2's apply at once)
+        assert a.remote.last_apply["applied"] and a.remote.last_apply["step"] == 2
+        other.join(30)
+        assert done and done[0]["applied"]  # B got the lease once A's apply came
+        for m, _ in models:
+            m.remote.close()

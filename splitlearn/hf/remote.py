@@ -59,7 +59,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import heapq
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -80,6 +82,45 @@ from ..wire import check_wire_dtype, pack
 from .journal import Redo, RequestLog, Sent, digest
 
 log = logging.getLogger(__name__)
+
+
+class _IdleFlusher:
+    """Sends a deferred apply that waited ``idle_s`` for the next step's forward to carry it.
+
+    A shared segment's lease is held from a step's first piece to its apply; a server drops a
+    step whose lease expired (``--lease-timeout``) while another client waited. A client that
+    idles between steps (a notebook, a slow data loader) would lose its step that way, so a
+    deferred apply is sent on its own after a third of the lease timeout. One daemon thread for
+    the process; it holds the segments weakly.
+    """
+
+    def __init__(self):
+        self._due: list = []  # heap of (time due, sequence number, weakref to the segment, the apply)
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def schedule(self, segment: "RemoteSegment", req, idle_s: float) -> None:
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._due, (time.monotonic() + idle_s, self._seq, weakref.ref(segment), req))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="splitlearn-idle-apply", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._due else self._due[0][0] - time.monotonic())
+                _, _, ref, req = heapq.heappop(self._due)
+            segment = ref()
+            if segment is not None:
+                segment._idle_flush(req)
+
+
+_IDLE = _IdleFlusher()
 
 
 @dataclass
@@ -204,6 +245,10 @@ class RemoteSegment(nn.Module):
         self._optimizer_ref = None  # attach_optimizer: only this one triggers the apply
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self.defense = None  # a splitlearn.privacy.Defense on what crosses the cut (the model's .defense)
+        self._carry = threading.RLock()  # the deferred apply: carried by a forward, or sent when idle
+        self._carrying = False  # a forward carries the deferred apply (the idle flush leaves it)
+        lease = (self.info.get("limits") or {}).get("lease_timeout_s")
+        self.idle_flush_s = float(lease) / 3 if isinstance(lease, (int, float)) and lease > 0 else None
         self.deferred: Optional[P.ApplyRequest] = None  # the last step's apply, carried by the next step's first forwards
         self.carry_apply = True  # False: every apply is a POST /v1/train/apply of its own
         self.auto_apply = True  # False: the owner calls apply() itself (SplitClient); no optimizer hook applies
@@ -297,9 +342,11 @@ class RemoteSegment(nn.Module):
         a fused 2-way piece (``scale``: the gradient its loss will receive) sends it as ``loss_scale``."""
         meta = P.StepMeta(self.client_id, step, self.cfg.wire_dtype, self._fed_version, micro=micro, micros=0,
                           loss_scale=1.0 if scale is None else scale).to_meta()
-        d = self.deferred
-        if kind == "f" and d is not None and d.step == step - 1:
-            meta["apply"] = json.dumps(d.to_json(), separators=(",", ":"))
+        with self._carry:
+            d = self.deferred
+            if kind == "f" and d is not None and d.step == step - 1:
+                meta["apply"] = json.dumps(d.to_json(), separators=(",", ":"))
+                self._carrying = True
         return meta
 
     def forward_tensors(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
@@ -833,7 +880,10 @@ class RemoteSegment(nn.Module):
         req = P.ApplyRequest(self.client_id, self.step, self.answered, float(lr), self.clip_factor())
         self.applies += 1
         if self.carry_apply and not self._apply_now and self.step not in self._redo:
-            self.deferred = req
+            with self._carry:
+                self.deferred, self._carrying = req, False
+            if self.idle_flush_s:
+                _IDLE.schedule(self, req, self.idle_flush_s)
             self._next_step()
             return None
         _, answer = self._train_call(self.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
@@ -845,17 +895,30 @@ class RemoteSegment(nn.Module):
         """Send the deferred apply now (``POST /v1/train/apply``; a retry of one a forward
         already carried gets its stored answer): before whatever needs the server to hold the
         step (a sync, a checkpoint, an evaluation, a generation, ``close``). Returns its answer."""
-        req = self.deferred
-        if req is None:
-            return None
-        _, answer = self._train_call(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
-        self._apply_answered(req, answer)
-        return answer
+        with self._carry:
+            req = self.deferred
+            if req is None:
+                return None
+            _, answer = self._train_call(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
+            self._apply_answered(req, answer)
+            return answer
+
+    def _idle_flush(self, req: P.ApplyRequest) -> None:
+        """The idle flusher's call: send ``req`` unless a forward carries it or it was answered."""
+        with self._carry:
+            if self.deferred is not req or self._carrying:
+                return
+            try:
+                self.flush()
+            except Exception as e:  # noqa: BLE001 - the next forward carries it again, or raises
+                log.warning("sending the deferred apply of step %d failed (%s); the next step's forward carries it",
+                            req.step, e)
 
     def _apply_answered(self, req: P.ApplyRequest, answer: dict) -> None:
         """The server's answer to ``req`` came (its own request's, or a carrying forward's)."""
-        if self.deferred is req:
-            self.deferred = None
+        with self._carry:
+            if self.deferred is req:
+                self.deferred, self._carrying = None, False
         self.last_apply = answer
         applied = answer.get("lr") if isinstance(answer, dict) else None
         if isinstance(applied, (int, float)) and applied < float(req.lr) and not getattr(self, "_lr_capped", False):
