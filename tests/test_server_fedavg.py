@@ -84,6 +84,7 @@ def test_the_fed_server_takes_only_a_ticketed_member_of_its_tenant_in_its_own_sc
     seg, fed = servers
     a = client(seg, fed, TOKEN, "a2", FED_ALICE)
     a.train_step(*batch(30))
+    a.flush()  # the step's apply rides on the next request: sent now, as sync() would
     seg_sync = web.post(seg.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("a2", 2).to_meta()),
                         headers={**auth(TOKEN), "Content-Type": P.CONTENT_TYPE}, timeout=30)
     assert seg_sync.status_code == 200, seg_sync.text
@@ -128,6 +129,7 @@ def test_the_fed_server_takes_only_a_ticketed_member_of_its_tenant_in_its_own_sc
     # (issue 29, item 11; the in-process test below shows the round closing without it)
     m = client(seg, fed, OTHER, "m2", FED_MALLORY)
     m.train_step(*batch(31))
+    m.flush()
     r = web.post(seg.url + P.FEDERATION_SYNC, data=encode({}, P.SyncMeta("m2", 2).to_meta()),
                  headers={**auth(OTHER), "Content-Type": P.CONTENT_TYPE}, timeout=30)
     assert r.status_code == 200, r.text
