@@ -151,7 +151,29 @@ class WireStats:
         return {**asdict(self), "overhead_s": self.overhead_s}
 
 
-class _Lane:
+class AnswerWait:
+    """When to look for a lane's answer: a lane has ``sent_at``, ``expected_s`` and ``readable``."""
+
+    def await_answer(self) -> None:
+        """Sleep until ``SPIN_S`` before the answer is expected, then poll up to ``SPIN_S``
+        past it (see the module docstring); returns early when the answer is there."""
+        if self.expected_s is None:
+            return
+        due = self.sent_at + self.expected_s
+        nap = due - SPIN_S - time.perf_counter()
+        if nap > 0 and self.readable(nap):
+            return
+        stop = due + SPIN_S
+        while time.perf_counter() < stop and not self.readable():
+            pass
+
+    def answered(self) -> None:
+        """The answer is readable: fold this wait into the expected one."""
+        wait = time.perf_counter() - self.sent_at
+        self.expected_s = wait if self.expected_s is None else 0.5 * (self.expected_s + wait)
+
+
+class _Lane(AnswerWait):
     """One keep-alive ``http.client`` connection (plain HTTP); one request in flight."""
 
     def __init__(self, host: str, port: int, cfg: TransportConfig):
@@ -177,24 +199,6 @@ class _Lane:
         conn.putheader("Content-Length", str(len(body)))
         conn.endheaders(body)  # headers, then the body as is (no copy)
         self.sent_at = time.perf_counter()
-
-    def await_answer(self) -> None:
-        """Sleep until ``SPIN_S`` before the answer is expected, then poll up to ``SPIN_S``
-        past it (see the module docstring); returns early when the answer is there."""
-        if self.expected_s is None:
-            return
-        due = self.sent_at + self.expected_s
-        nap = due - SPIN_S - time.perf_counter()
-        if nap > 0 and self.readable(nap):
-            return
-        stop = due + SPIN_S
-        while time.perf_counter() < stop and not self.readable():
-            pass
-
-    def answered(self) -> None:
-        """The answer is readable: fold this wait into the expected one."""
-        wait = time.perf_counter() - self.sent_at
-        self.expected_s = wait if self.expected_s is None else 0.5 * (self.expected_s + wait)
 
     def readable(self, wait_s: float = 0.0) -> bool:
         """True if the answer (or the connection's end) can be read without blocking, waiting

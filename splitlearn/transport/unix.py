@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigError, TransportError
 from . import unixframe as F
-from .http import SPIN_S, register_scheme
+from .http import AnswerWait, register_scheme
 
 SCHEME = "unix"
 
@@ -65,7 +65,7 @@ def socket_of(url: str) -> str:
     return parts.path
 
 
-class Connection:
+class Connection(AnswerWait):
     """One connected socket with its registered region; one request at a time."""
 
     def __init__(self, path: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0,
@@ -118,23 +118,6 @@ class Connection:
         """True if reading the answer would not wait (or the connection has ended), waiting up
         to ``wait_s`` for it."""
         return bool(self.reader.pending) or bool(select.select([self.sock], [], [], wait_s)[0])
-
-    def await_answer(self) -> None:
-        """Sleep until ``SPIN_S`` before the answer is expected, then poll up to ``SPIN_S``
-        past it (as :class:`.http._Lane` does)."""
-        if self.expected_s is None:
-            return
-        due = self.sent_at + self.expected_s
-        nap = due - SPIN_S - time.perf_counter()
-        if nap > 0 and self.readable(nap):
-            return
-        stop = due + SPIN_S
-        while time.perf_counter() < stop and not self.readable():
-            pass
-
-    def answered(self) -> None:
-        wait = time.perf_counter() - self.sent_at
-        self.expected_s = wait if self.expected_s is None else 0.5 * (self.expected_s + wait)
 
     def send(self, method: str, path: str, headers: dict, body: Optional[bytes]) -> None:
         meta = {"method": method, "path": path, "headers": headers}
