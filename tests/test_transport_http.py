@@ -92,3 +92,81 @@ def test_an_answer_slower_than_expected_still_arrives_whole(server):
     assert out[P.HIDDEN].shape == (1, 64, D)
     assert lane.expected_s > before  # the prefill's longer wait was folded in
     t.close()
+
+
+class _FlakyProxy:
+    """A stand-in for a load balancer on loopback: answers the first ``fail`` requests with a
+    gateway error (HAProxy's HTML 502, or a given body), then ``ok`` (JSON)."""
+
+    def __init__(self, fail: int, status: int = 502, body: bytes = b"<html><body><h1>502 Bad Gateway</h1></body></html>",
+                 ok: bytes = b'{"status": "ok"}'):
+        import http.server
+        import threading
+
+        proxy = self
+        self.seen = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.seen += 1
+                code, content = (status, body) if proxy.seen <= fail else (200, ok)
+                self.send_response(code)
+                self.send_header("Content-Type", "text/html" if content.startswith(b"<") else "application/json")
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("path", ["requests", "lean"])
+def test_a_proxys_gateway_error_is_retried_as_a_dropped_connection(path):
+    """HAProxy answers 502 (HTML) when the replica behind it dies mid-request: the request did
+    not complete there, so it is sent again (as after a dropped connection) and the answer of
+    the attempt that gets through is returned."""
+    proxy = _FlakyProxy(fail=2)
+    try:
+        t = Transport(TransportConfig(url=proxy.url, token=TOKEN, backoff_s=0.01))
+        if path == "requests":
+            assert t.get_json(P.HEALTH) == {"status": "ok"}
+        else:
+            assert t.lean
+            assert t.start(P.HEALTH, b"{}").result() == b'{"status": "ok"}'
+        assert proxy.seen == 3 and t.stats.retries == 2
+    finally:
+        proxy.close()
+
+
+def test_gateway_errors_past_the_retries_and_splitlearns_own_503_are_errors():
+    from splitlearn.errors import ServiceUnavailable, TransportError
+
+    proxy = _FlakyProxy(fail=100)
+    try:
+        t = Transport(TransportConfig(url=proxy.url, token=TOKEN, retries=2, backoff_s=0.01))
+        with pytest.raises(TransportError, match="502"):
+            t.get_json(P.HEALTH)
+        assert proxy.seen == 3  # the first try and 2 retries
+    finally:
+        proxy.close()
+    own = _FlakyProxy(fail=1, status=503, body=b'{"error": "unavailable", "message": "busy"}')
+    try:  # the server's own 503 is an answer, not a lost request: raised at once, not resent
+        t = Transport(TransportConfig(url=own.url, token=TOKEN, backoff_s=0.01))
+        with pytest.raises(ServiceUnavailable, match="busy"):
+            t.get_json(P.HEALTH)
+        assert own.seen == 1
+    finally:
+        own.close()

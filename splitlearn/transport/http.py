@@ -30,10 +30,12 @@ round trip. Where client and server share cores, polling would take a core from 
 so it is off (``TransportConfig.spin``: None = decide so, True/False = force).
 
 Only connection failures are retried (with exponential backoff): the request never
-reached the server, or the server went away mid-request. That is safe for every splitlearn
-route because training steps are numbered and answered exactly once (a retry of an applied
-step gets the stored answer). HTTP error answers are never retried here; they are turned
-back into the :mod:`splitlearn.errors` class the server raised.
+reached the server, or the server went away mid-request. A load balancer's gateway answer
+counts as one (502, 503 or 504 whose body is not a splitlearn error: HAProxy saying the replica
+behind it died mid-request or none is up yet). That is safe for every splitlearn route because
+training steps are numbered and answered exactly once (a retry of an applied step gets the
+stored answer) and a lost generation session is replayed. Other HTTP error answers are never
+retried here; they are turned back into the :mod:`splitlearn.errors` class the server raised.
 """
 from __future__ import annotations
 
@@ -61,6 +63,25 @@ log = logging.getLogger(__name__)
 _CONNECTION_ERRORS = (ConnectionError, http.client.RemoteDisconnected, http.client.IncompleteRead,
                       http.client.BadStatusLine, http.client.CannotSendRequest,
                       http.client.ResponseNotReady, BrokenPipeError)
+
+
+class GatewayFailure(ConnectionError):
+    """A proxy's 502/503/504 that is not a splitlearn answer: the request did not complete
+    behind it (retried as a dropped connection is)."""
+
+
+def _check_gateway(status: int, content: bytes) -> None:
+    """Raise :class:`GatewayFailure` for a proxy's gateway answer (splitlearn's own errors are
+    JSON objects with an ``error`` code)."""
+    if status not in (502, 503, 504):
+        return
+    try:
+        payload = json.loads(content)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and "error" in payload:
+        return
+    raise GatewayFailure(f"HTTP {status} from a proxy: {content[:120].decode('utf-8', 'replace')!r}")
 
 
 SPIN_S = 1e-3  # poll the socket from this long before an answer is expected to as long after
@@ -303,8 +324,10 @@ class Transport:
         for attempt in range(self.cfg.retries + 1):
             try:
                 resp = self.http.request(method, url, timeout=timeout, **kw)
+                if attempt < self.cfg.retries:
+                    _check_gateway(resp.status_code, resp.content)
                 break
-            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError, GatewayFailure) as e:
                 if attempt == self.cfg.retries:
                     raise TransportError(f"cannot reach {url} after {attempt + 1} attempts: {e}") from None
                 self._backoff(attempt, method, path, e)
@@ -493,6 +516,8 @@ class Transport:
                     lane.await_answer()
                 answer = lane.receive()
                 lane.answered()
+                if attempt < self.cfg.retries:
+                    _check_gateway(answer[0], answer[2])
                 return answer
             except (socket.timeout, TimeoutError) as e:
                 lane.close()

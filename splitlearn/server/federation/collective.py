@@ -298,12 +298,19 @@ class ReplicaGroup:
         t1 = time.perf_counter()
         result = close_round(self.fed.strategy, contribution, TorchCollective(), self.run)
         t2 = time.perf_counter()
-        self.sha = self.run(self.fed.apply_close, contribution, result)
-        t3 = time.perf_counter()
-        self.closes = [*self.closes[-9:], {"round": number, "members": result.members, "local": len(contribution.samples),
-                                           "prepare_ms": round((t1 - t0) * 1e3, 2),
-                                           "collective_ms": round((t2 - t1) * 1e3, 2),
-                                           "apply_ms": round((t3 - t2) * 1e3, 2)}]
+
+        def apply_and_record() -> None:
+            # under the federation's lock, with the apply: a status read that sees the new
+            # version sees this close (and its sha) too
+            with self.fed.lock:
+                sha = self.fed.apply_close(contribution, result)
+                t3 = time.perf_counter()
+                self.sha, self.closes = sha, [*self.closes[-9:], {
+                    "round": number, "members": result.members, "local": len(contribution.samples),
+                    "prepare_ms": round((t1 - t0) * 1e3, 2), "collective_ms": round((t2 - t1) * 1e3, 2),
+                    "apply_ms": round((t3 - t2) * 1e3, 2)}]
+
+        self.run(apply_and_record)
         log.info("round %d closed over %d replicas: %s", number, len(self.members), self.closes[-1])
 
     # -- generations ---------------------------------------------------------------------
