@@ -200,7 +200,8 @@ def test_ready_is_200_and_503_when_the_checkpoint_dir_is_not_writable(tmp_path):
     ckpt.mkdir()
     assert c.get(P.READY).status_code == 200
     assert r.get_json() == {"ready": True, "checks": {"model": True, "compute_thread": True,
-                                                      "checkpoint_dir": True, "state_dir": None}}
+                                                      "checkpoint_dir": True, "state_dir": None,
+                                                      "accepting": True}}
     shutil.rmtree(ckpt, ignore_errors=True)
     ckpt.write_text("a file where the directory was")  # not writable, even by root
     r = c.get(P.READY)
@@ -217,6 +218,40 @@ def test_ready_is_503_when_the_compute_thread_is_gone():
     app.extensions["splitlearn"].compute.close()
     r = app.test_client().get(P.READY)
     assert r.status_code == 503 and r.get_json()["checks"]["compute_thread"] is False
+
+
+def test_sigterm_with_drain_is_unready_at_once_serves_meanwhile_then_stops(tmp_path):
+    """--drain-seconds: the load balancer's check sees 503 from the signal on (HAProxy takes the replica
+    out of rotation), while requests already routed here are still answered; the process then
+    checkpoints and exits 0. A second SIGTERM stops it at once."""
+    import signal
+    import time
+
+    with ServerProcess((2,), checkpoint_dir=tmp_path / "ckpt", extra=["--drain-seconds", "3"]) as srv:
+        assert requests.get(srv.url + P.READY, timeout=10).status_code == 200
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        deadline = t0 + 2
+        while requests.get(srv.url + P.READY, timeout=10).status_code == 200:
+            assert time.monotonic() < deadline, "still ready after SIGTERM"
+            time.sleep(0.05)
+        r = requests.get(srv.url + P.READY, timeout=10)
+        assert r.status_code == 503 and r.json()["checks"]["accepting"] is False
+        assert r.json()["checks"]["model"] is True
+        info = requests.get(srv.url + P.INFO, headers=auth(), timeout=10)  # still served while draining
+        assert info.status_code == 200
+        assert srv.proc.wait(30) == 0
+        assert time.monotonic() - t0 >= 2.5  # it waited the drain out
+        assert (tmp_path / "ckpt").is_dir()  # and checkpointed on the way out
+    with ServerProcess((2,), extra=["--drain-seconds", "60"]) as srv:
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert requests.get(srv.url + P.READY, timeout=10).status_code == 503
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)  # the operator means it: no 60 s wait
+        assert srv.proc.wait(20) == 0 and time.monotonic() - t0 < 15
+    with pytest.raises(ConfigError, match="drain-seconds"):
+        ServerConfig(model="tiny", cuts=(2,), drain_s=-1)
 
 
 def test_flags():

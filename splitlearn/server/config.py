@@ -120,6 +120,9 @@ class Door:
     tcp: bool = opt(True, "with --listen: serve only on the Unix socket(s), not on --host/--port", flag="--no-tcp")
     unix_mode: str = opt("0600", "mode of the --listen socket file (0660: the group's processes may connect)",
                          choices=("0600", "0660"))
+    drain_s: float = opt(0.0, "on SIGTERM, answer GET /v1/ready 503 (draining) and go on serving this many seconds, "
+                              "so a load balancer moves traffic away first; then checkpoint and stop "
+                              "(a second SIGTERM stops at once)", flag="--drain-seconds")
 
     def door_limits(self):
         """The connection limits as the front door takes them (:mod:`splitlearn.server.http.frontdoor`)."""
@@ -327,6 +330,8 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
             raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.metrics_port is not None and not (0 < self.metrics_port < 65536 and self.metrics_port != self.port):
             raise ConfigError(f"--metrics-port must be in 1..65535 and not --port, got {self.metrics_port}")
+        if not 0 <= self.drain_s <= 3600:
+            raise ConfigError(f"--drain-seconds must be in 0..3600, got {self.drain_s}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"--torch-threads must be >= 1, got {self.torch_threads}")
         if not self.tokens:

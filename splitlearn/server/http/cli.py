@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from ...errors import ConfigError, SplitLearnError
@@ -78,6 +80,17 @@ def serve(cfg: ServerConfig) -> None:
     scrape = app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port) if cfg.metrics_port else None
 
     def stop(signum, _frame):
+        if cfg.drain_s > 0 and not getattr(rt, "draining", False):
+            # draining: /v1/ready answers 503, everything else is served as before, then this
+            # handler runs again (or at once on a second signal)
+            rt.draining = True
+            logging.getLogger(__name__).info("signal %d: draining for %gs (GET /v1/ready: 503), then stopping",
+                                             signum, cfg.drain_s)
+            timer = threading.Timer(cfg.drain_s, os.kill, (os.getpid(), signal.SIGTERM))
+            timer.daemon = True
+            timer.start()
+            return
+        rt.draining = True
         logging.getLogger(__name__).info("signal %d: checkpointing and stopping", signum)
         if poller is not None:
             poller.stop()

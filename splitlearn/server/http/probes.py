@@ -10,6 +10,8 @@ The segment server's checks (:func:`readiness`; the fed server's: :func:`fed_rea
                      read-only mount, a full inode table or a file in the directory's place
                      fail it, root or not; a directory not made yet: its nearest ancestor)
     state_dir        the same for --state-dir (replicas' per-client state)
+    accepting        false from SIGTERM until the process stops (--drain-seconds: it still serves
+                     what comes, but a load balancer should send nothing new)
 
 200 ``{"ready": true, "checks": {...}}`` when every check passes, else 503 with the same body
 (``false`` on the failing checks; a check that does not apply is ``null``). Like
@@ -55,6 +57,7 @@ def readiness(rt) -> tuple[bool, dict]:
         "compute_thread": compute is not None and compute.alive(),
         "checkpoint_dir": writable(getattr(rt.cfg, "checkpoint_dir", None)),
         "state_dir": writable(getattr(rt.cfg, "state_dir", None)),
+        "accepting": not getattr(rt, "draining", False),
     }
     return all(v is not False for v in checks.values()), checks
 
