@@ -64,7 +64,7 @@ def create_app(config: Optional[ServerConfig] = None, runtime=None) -> Flask:
     _errors(app)
     if cfg.request_log:  # first of the hooks: the clock and the request id (accesslog.py)
         app.before_request(lambda: accesslog.begin(request, g))
-        app.after_request(lambda resp: accesslog.finish(request, g, resp, metrics))
+        app.after_request(lambda resp: accesslog.finish(request._get_current_object(), g, resp, metrics))
     tenants = cfg.tenants
 
     @app.before_request
