@@ -31,8 +31,8 @@ demo: $(STAMP)
 # so its module-scoped servers are shared), then the tests that measure time or fairness alone.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
-	$(PY) -m pytest tests -m serial $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m serial --durations=5 $(PYTEST_ARGS)
 
 # The tests that reach into transformers, peft, accelerate and datasets (the model classes, the
 # remote cache, generation, drafts, Trainer, LoRA), on the newest releases setup.py admits, in a
