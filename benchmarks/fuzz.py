@@ -26,8 +26,8 @@ reached and checked too:
   valid, so the next step at a stale position is a real conflict (409); the same checks, and
   the same state comparison after every 4xx.
 - :func:`hostile`: targeted sequences. Training, as a client runs it: forward -> backward
-  (U-shape; ``/v1/train/step`` in the 2-way shape), and an open-ended step forward ->
-  backward -> apply; then requests that must answer **409** (a step out of order, a backward
+  (U-shape; a fused ``/v1/train/step`` in the 2-way shape) -> apply; then requests that must
+  answer **400** (a closed step, ``micros >= 1``: gone), **409** (a step out of order, a backward
   with no forward pending, an apply of no pending step, a session step at a stale position or
   out of its numbering), **413** (a body over ``--max-body-mb``; a forward whose working
   memory is over ``--max-request-memory-gb``) and **429** (a session over
@@ -382,27 +382,23 @@ def hostile(url: str, *, operator: str = OPERATOR, tenant: str = FUZZER, client_
 
     step = http.get(url + P.CLIENT_STATE.format(client_id=client_id), timeout=30).json()["step"] + 1
     labels = torch.randint(0, vocab, (2, 4), generator=gen)
-    # training as a client runs it: a step, then (U-shape) an open-ended step with its apply
+    # training as a client runs it: a step's piece(s), then its apply
+    meta = P.StepMeta(client_id, step).to_meta()
     if u:
-        ok("train forward", send("train forward", "post", P.TRAIN_FORWARD,
-                                 data=tensors(P.StepMeta(client_id, step).to_meta())))
+        ok("train forward", send("train forward", "post", P.TRAIN_FORWARD, data=tensors(meta)))
         ok("train backward", send("train backward", "post", P.TRAIN_BACKWARD,
-                                  data=encode({P.GRAD: torch.randn(2, 4, d, generator=gen)},
-                                              P.StepMeta(client_id, step).to_meta())))
-        step += 1
-        open_ended = P.StepMeta(client_id, step, micros=0).to_meta()
-        ok("train forward (open-ended)", send("train forward (open-ended)", "post", P.TRAIN_FORWARD,
-                                              data=tensors(open_ended)))
-        ok("train backward (open-ended)", send("train backward (open-ended)", "post", P.TRAIN_BACKWARD,
-                                               data=encode({P.GRAD: torch.randn(2, 4, d, generator=gen)}, open_ended)))
-        ok("train apply", send("train apply", "post", P.TRAIN_APPLY,
-                               json={"client_id": client_id, "step": step, "pieces": 1, "lr": 0.01}))
+                                  data=encode({P.GRAD: torch.randn(2, 4, d, generator=gen)}, meta)))
     else:
-        ok("train step", send("train step", "post", P.TRAIN_STEP,
-                              data=tensors(P.StepMeta(client_id, step).to_meta(), **{P.LABELS: labels})))
+        ok("train step", send("train step", "post", P.TRAIN_STEP, data=tensors(meta, **{P.LABELS: labels})))
+    ok("train apply", send("train apply", "post", P.TRAIN_APPLY,
+                           json={"client_id": client_id, "step": step, "pieces": 1, "lr": 0.01}))
     step += 1
     two_way = {} if u else {P.LABELS: labels}
     route = P.TRAIN_FORWARD if u else P.TRAIN_STEP
+    # 400: a closed step (micros >= 1: the server applied at its own lr) is gone
+    refused("400 closed step", 400, "post", route,
+            data=tensors({**P.StepMeta(client_id, step).to_meta(), "micros": "1"}, **two_way),
+            headers={"Content-Type": P.CONTENT_TYPE})
     # 409: a step out of order (one ahead of the next), a backward with no forward, an apply of nothing
     refused("409 step out of order", 409, "post", route,
             data=tensors(P.StepMeta(client_id, step + 1).to_meta(), **two_way),

@@ -14,9 +14,8 @@ think time: the load is as much as N owners can send):
 - ``generate`` (``--gen-weight``): ``POST /v1/sessions`` {rows 1, client_id} -> ``prefill``
   (``--prompt-tokens`` positions) -> ``--new-tokens`` x ``decode`` (1 position each) ->
   ``DELETE`` (``close``);
-- ``train`` (``--train-weight``): one training step of ``--batch`` x ``--seq`` positions,
-  alternating a closed step (``train forward``, ``train backward``: the backward applies) and
-  an open-ended one (``micros=0``: forward, backward, then ``train apply`` at lr 1e-4).
+- ``train`` (``--train-weight``): one training step of ``--batch`` x ``--seq`` positions
+  (``micros=0``: ``train forward``, ``train backward``, then ``train apply`` at lr 1e-4).
 
 Every request is one row of Locust's statistics under the operation's name; an answer other
 than the expected status, or whose tensor has the wrong shape, is a failure. ``--report-json``
@@ -154,10 +153,7 @@ class Owner(FastHttpUser):
     @task
     def train(self) -> None:
         o, step = self.opts, self.step + 1
-        open_ended = step % 2 == 0
-        meta = {"client_id": self.cid, "step": str(step)}
-        if open_ended:
-            meta.update(micro="0", micros="0")
+        meta = {"client_id": self.cid, "step": str(step), "micro": "0", "micros": "0"}
         shape = (o.batch, o.seq, self.d)
         if self._post("train forward", P.TRAIN_FORWARD, 200, self._hidden(o.batch, o.seq, meta),
                       shape=shape) is None:
@@ -165,7 +161,7 @@ class Owner(FastHttpUser):
         if self._post("train backward", P.TRAIN_BACKWARD, 200, self._hidden(o.batch, o.seq, meta, P.GRAD),
                       shape=shape, out=P.GRAD) is None:
             return
-        if open_ended and self._post("train apply", P.TRAIN_APPLY, 200, json_body={
+        if self._post("train apply", P.TRAIN_APPLY, 200, json_body={
                 "client_id": self.cid, "step": step, "pieces": 1, "lr": 1e-4}) is None:
             return
         self.step = step

@@ -9,7 +9,7 @@ on the client's core with one thread. Every round runs one step of each system (
 slow phase of the machine hits all of them); medians over rounds after a warm-up round.
 Systems: unsplit; the U-shape split (float32 wire) with ``micro_batches`` 1 (client and
 server take turns), 2 and 4 (GPipe pipelining, :mod:`splitlearn.hf.pipeline`), both through
-``SplitClient.train_step`` (closed steps: the backward runs with the forward, 1F1B) and through
+``SplitClient.train_step`` (the loss gradient known: the backward runs with the forward, 1F1B) and through
 ``SplitGPT2LMHeadModel`` in a plain loop (``loss.backward(); opt.step()``: open-ended steps,
 all forwards, then the backwards).
 The ratio is split step time / unsplit step time (target for the pipelined split: <= 0.7).

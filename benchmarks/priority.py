@@ -83,6 +83,9 @@ class Trainer(threading.Thread):
             meta = P.StepMeta("trainer", self.step)
             self._post(P.TRAIN_FORWARD, P.HIDDEN, meta)
             self._post(P.TRAIN_BACKWARD, P.GRAD, meta)
+            self.session.post(self.url + P.TRAIN_APPLY, json={"client_id": "trainer", "step": self.step, "pieces": 1,
+                                                            "lr": 1e-4},
+                              headers={"Content-Type": "application/json"}, timeout=600).raise_for_status()
             self.done.append(time.perf_counter())
 
 

@@ -104,6 +104,9 @@ def child(model: str, route: str, B: int, T: int, pad: bool) -> dict:
                 grad = {P.GRAD: torch.randn(b, t, d, generator=g)}
                 r = post_tensors(client, P.TRAIN_BACKWARD, grad, meta)
                 assert r.status_code == 200, r.get_data(as_text=True)
+            r = client.post(P.TRAIN_APPLY, json={"client_id": "c", "step": step, "pieces": 1, "lr": 1e-4},
+                            headers=auth())
+            assert r.status_code == 200, r.get_data(as_text=True)
         elif route.startswith("forward"):
             r = post_tensors(client, P.FORWARD, tensors, {})
             assert r.status_code == 200, r.get_data(as_text=True)

@@ -137,10 +137,10 @@ def operations(info: dict) -> list[Op]:
     hidden = f"activations [B, T, {d}] (B <= {max_batch}, T <= {npos}), F32/BF16/F16, or I8 with `hidden.scale`"
     mask = f"optional I64 [B, T] of 0/1, left padding (absent: no padding)"
     labels = "I64 [B, T], -100 ignored"
-    step_meta = meta_fields(P.StepMeta, micros=f"0 (open-ended) or 1..{P.MAX_MICROS}",
-                            micro=f"< micros (< {P.MAX_PIECES} when open-ended)",
-                            apply=f"JSON of the previous step's {P.TRAIN_APPLY} body (at most "
-                                  f"{P.MAX_APPLY_CHARS} characters), applied first: open-ended pieces only")
+    step_meta = {**meta_fields(P.StepMeta, micro=f"< {P.MAX_PIECES}",
+                               apply=f"JSON of the previous step's {P.TRAIN_APPLY} body (at most "
+                                     f"{P.MAX_APPLY_CHARS} characters), applied first"),
+                 "micros": "int, required; 0 (closed steps, micros >= 1, are gone: 400)"}
     tensor_errors = (400, 409, 413, 415)
     status = _json_object(description="the federation's status (docs/FEDERATION.md)")
     sid = {"session_id": {"type": "string", "description": "the id POST /v1/sessions answered"}}
@@ -171,20 +171,21 @@ def operations(info: dict) -> list[Op]:
         Op("CLIENT_ADAPTER", "get", "LoRA: the server side's adapter of a client", path_params=cid, errors=(400, 404),
            answer=Tensors({"base_model.model.transformer.h.<i>.<module>.lora_A.weight": "(r, in)",
                            "...lora_B.weight": "(out, r)"}, {"lora": "the adapter spec, JSON"})),
-        Op("TRAIN_STEP", "post", "2-way: hidden + labels -> loss + grad (micros=0: a fused open-ended piece, "
-           "loss_scale its loss's gradient; else a closed step)", errors=tensor_errors,
+        Op("TRAIN_STEP", "post", "2-way: hidden + labels -> loss + grad (a fused piece, loss_scale its "
+           "loss's gradient)", errors=tensor_errors,
            body=Tensors({P.HIDDEN: hidden, P.LABELS: labels, P.MASK: mask}, step_meta),
            answer=Tensors({P.LOSS: "F32 [1]", P.GRAD: "dL/d hidden, [B, T, d]"},
-                          {"grad_norm": "decimal (open-ended)", "accumulated": "integer (open-ended)",
+                          {"grad_norm": "decimal", "accumulated": "integer",
                            "apply": "the carried apply's answer, JSON", "apply_now": "1: apply at once"})),
         Op("TRAIN_FORWARD", "post", "hidden -> trunk output (the graph waits for the backward)", errors=tensor_errors,
-           body=Tensors({P.HIDDEN: hidden, P.MASK: mask + " (open-ended: either side)",
-                         P.LABELS: "2-way open-ended pieces only: " + labels}, step_meta),
+           body=Tensors({P.HIDDEN: hidden, P.MASK: mask + " (here: either side)",
+                         P.LABELS: "2-way: " + labels}, step_meta),
            answer=Tensors({P.HIDDEN: "trunk output [B, T, d] (U-shape)", P.LOSS: "F32 [1] (2-way piece)"})),
-        Op("TRAIN_BACKWARD", "post", "grad of output -> grad of input; optimizer step", errors=tensor_errors,
-           body=Tensors({P.GRAD: "[B, T, d] (2-way open-ended: F32 [1], the piece loss's gradient)"}, step_meta),
+        Op("TRAIN_BACKWARD", "post", "grad of output -> grad of input (accumulated until the apply)",
+           errors=tensor_errors,
+           body=Tensors({P.GRAD: "[B, T, d] (2-way: F32 [1], the piece loss's gradient)"}, step_meta),
            answer=Tensors({P.GRAD: "dL/d hidden [B, T, d]"}, {"grad_norm": "decimal", "accumulated": "integer"})),
-        Op("TRAIN_APPLY", "post", "apply (or discard) an open-ended step at the client's lr", body=apply_schema(),
+        Op("TRAIN_APPLY", "post", "apply (or discard) a step at the client's lr", body=apply_schema(),
            errors=(400, 409, 415),
            answer=_json_object({"client_id": {"type": "string"}, "step": {"type": "integer"},
                                 "applied": {"type": "boolean"}, "discarded": {"type": "boolean"},

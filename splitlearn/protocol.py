@@ -13,10 +13,10 @@ route                          method   what
 /v1/info                       GET      model config, cuts, segment held, dtypes, limits
 /v1/openapi.json               GET      OpenAPI 3.1 document of these routes (splitlearn/openapi.py)
 /v1/clients/<client_id>        GET      the last training step applied for a client
-/v1/train/step                 POST     2-way: hidden + labels -> loss + grad (micros=0: fused open-ended piece)
+/v1/train/step                 POST     2-way: hidden + labels + loss_scale -> loss + grad (a fused piece)
 /v1/train/forward              POST     U-shape: hidden -> trunk output (graph kept)
-/v1/train/backward             POST     U-shape: grad of output -> grad of input; optimizer step
-/v1/train/apply                POST     JSON: apply an open-ended step (micros=0) at the client's lr (or: metadata
+/v1/train/backward             POST     grad of output -> grad of input (gradients accumulate until the apply)
+/v1/train/apply                POST     JSON: apply a step at the client's lr (or: metadata
                                         "apply" of the next step's first request, the same JSON)
 /v1/forward                    POST     no-grad forward (evaluation); changes nothing
 /v1/checkpoint                 POST     save segment + optimizer + step counters now
@@ -76,8 +76,8 @@ CLIENT_ADAPTER = "/v1/clients/{client_id}/adapter"
 OFFLOAD_LINEAR = "/v1/offload/linear"  # masked offload (splitlearn/offload/layers.py: the bytes)
 
 # tensor names in bodies
-MAX_MICROS = 64  # micro-batches per training step
-MAX_PIECES = 4096  # pieces of one open-ended step (micros=0: gradient accumulation, applied by TRAIN_APPLY)
+MAX_MICROS = 64  # micro-batches in flight: a client's pipeline depth, graphs waiting for their backward
+MAX_PIECES = 4096  # pieces of one step (gradient accumulation, applied by TRAIN_APPLY)
 MAX_LR = 10.0  # the largest learning rate an apply may carry
 
 HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"
@@ -107,11 +107,8 @@ class StepMeta:
     step: int  # 1, 2, 3... per client; a retry repeats the number
     wire_dtype: str = "float32"  # dtype of the tensors in the answer
     fed_version: Optional[int] = None  # version of the shared client-side weights the client holds
-    micro: int = 0  # which micro-batch of the step this request carries (0-based)
-    micros: int = 1  # micro-batches in the step; the server steps its optimizer after the last;
-    # 0: open-ended (gradients accumulate piece by piece; POST TRAIN_APPLY steps the optimizer)
-    loss_scale: float = 1.0  # 2-way: this micro-batch's share of the step's loss (its target tokens / all);
-    # an open-ended fused piece (TRAIN_STEP, micros=0): the gradient the client's loss sends into this piece's loss
+    micro: int = 0  # which piece of the (open-ended) step this request carries (0-based)
+    loss_scale: float = 1.0  # a fused 2-way piece (TRAIN_STEP): the gradient the client's loss sends into its loss
     apply: Optional["ApplyRequest"] = None  # the previous step's apply, carried (metadata "apply": its JSON body)
 
     def to_meta(self) -> dict[str, str]:
@@ -120,13 +117,8 @@ class StepMeta:
                 "wire_dtype": self.wire_dtype}
         if self.fed_version is not None:
             meta["fed_version"] = str(self.fed_version)
-        if self.micros != 1:
-            meta.update(micro=str(self.micro), micros=str(self.micros), loss_scale=repr(self.loss_scale))
+        meta.update(micro=str(self.micro), micros="0", loss_scale=repr(self.loss_scale))
         return meta
-
-    @property
-    def open_ended(self) -> bool:
-        return self.micros == 0
 
     @classmethod
     def from_meta(cls, meta: dict) -> "StepMeta":
@@ -134,14 +126,13 @@ class StepMeta:
         if not _CLIENT_ID.fullmatch(client_id):
             raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
         version = _int_field(meta, "fed_version", 0) if "fed_version" in meta else None
-        micros = _int_field(meta, "micros", 0) if "micros" in meta else 1
+        if meta.get("micros") != "0":  # closed steps (micros >= 1, absent: 1) are gone
+            raise BadRequest(f"closed training steps (micros >= 1) are gone: send micros=0 (an open-ended "
+                             f"step) and apply it with POST {TRAIN_APPLY} or metadata 'apply' on the next "
+                             f"step's first request (got micros={meta.get('micros', 'absent')!r})")
         micro = _int_field(meta, "micro", 0) if "micro" in meta else 0
-        if micros == 0:  # open-ended: pieces until TRAIN_APPLY
-            if micro >= MAX_PIECES:
-                raise BadRequest(f"piece {micro} of an open-ended step: need 0 <= micro < {MAX_PIECES}")
-        elif micros > MAX_MICROS or micro >= micros:
-            raise BadRequest(f"micro-batch {micro} of {micros}: need 0 <= micro < micros <= {MAX_MICROS} "
-                             f"(or micros = 0: an open-ended step)")
+        if micro >= MAX_PIECES:
+            raise BadRequest(f"piece {micro} of an open-ended step: need 0 <= micro < {MAX_PIECES}")
         try:
             scale = float(meta.get("loss_scale", "1"))
         except ValueError:
@@ -149,19 +140,19 @@ class StepMeta:
         if not 0.0 < scale <= 1.0:
             raise BadRequest(f"metadata field 'loss_scale' must be in (0, 1], got {scale}")
         step = _int_field(meta, "step", 1)
-        carried = carried_apply(meta["apply"], client_id, step, micros) if "apply" in meta else None
+        carried = carried_apply(meta["apply"], client_id, step) if "apply" in meta else None
         return cls(client_id, step, check_wire_dtype(meta.get("wire_dtype", "float32")),
-                   version, micro, micros, scale, carried)
+                   version, micro, scale, carried)
 
 
 MAX_APPLY_CHARS = 512  # the JSON of a carried apply ({client_id, step, pieces, lr, clip}: ~120 characters)
 
 
-def carried_apply(raw, client_id: str, step: int, micros: int) -> "ApplyRequest":
+def carried_apply(raw, client_id: str, step: int) -> "ApplyRequest":
     """The ``apply`` metadata field of a training request: the previous step's ``POST
     /v1/train/apply`` body as JSON, carried on the next step's first request(s) instead of a
     request of its own. 400 unless it is a valid apply of the same client's step ``step - 1``
-    in an open-ended request (no ``discard``)."""
+    (no ``discard``)."""
     import json
 
     if not isinstance(raw, str) or len(raw) > MAX_APPLY_CHARS:
@@ -178,8 +169,6 @@ def carried_apply(raw, client_id: str, step: int, micros: int) -> "ApplyRequest"
         req = ApplyRequest.from_json(payload)
     except BadRequest as e:
         raise BadRequest(f"metadata field 'apply': {e.message}") from None
-    if micros != 0:
-        raise BadRequest("metadata field 'apply' rides on open-ended pieces (micros=0) only")
     if req.discard:
         raise BadRequest(f"metadata field 'apply' cannot discard: send {{\"discard\": true}} to {TRAIN_APPLY}")
     if req.client_id != client_id:
@@ -205,7 +194,7 @@ def _number(payload: dict, key: str) -> float:
 
 @dataclass(frozen=True)
 class ApplyRequest:
-    """``POST /v1/train/apply``: step the optimizer over an open-ended step's accumulated
+    """``POST /v1/train/apply``: step the optimizer over a step's accumulated
     gradients (JSON ``{"client_id", "step", "pieces", "lr", "clip", "discard"}``).
 
     ``pieces``: how many backward pieces of the step the client got answers for (the server

@@ -8,16 +8,11 @@ A GPT-2 cut at block boundaries gives at most three kinds of segment::
 
 (``full`` holds everything and exists for tests and single-process use.)
 
-Every segment takes the 2-D ``attention_mask`` of the whole sequence so far, shape
-(B, past + T), 1 for real tokens and 0 for (left) padding, and builds its own 4-D causal
-mask with ``transformers.masking_utils.create_causal_mask`` sized against a cache slot it
-holds: transformers 5 caches read slot 0 by default, which a segment without block 0 never
-fills (docs/INTERNALS.md, "transformers 5 and segments"). Positions are derived the way ``generate()`` derives them, from the
-mask (cumsum - 1), so left-padded rows get the same positions as in Hugging Face generation.
-
-Blocks keep their global ``layer_idx``, so one :class:`SegmentCache` per segment (a
-``DynamicCache`` with a slot for every model layer, of which the segment fills its own)
-lets each side decode token by token on its own.
+Every segment takes the 2-D ``attention_mask`` of the whole sequence so far, (B, past + T), 1
+for real tokens and 0 for (left) padding, builds its 4-D causal mask against a cache slot it
+holds (docs/INTERNALS.md, "transformers 5 and segments") and derives positions from the mask
+(cumsum - 1) as ``generate()`` does. Blocks keep their global ``layer_idx``, so one
+:class:`SegmentCache` per segment lets each side decode token by token on its own.
 
 One block runner: :func:`run_blocks` (the causal mask against a slot the blocks hold, then the
 blocks) and :func:`embed` (token + position embeddings, dropout) are what both a

@@ -38,6 +38,16 @@ def post_tensors(client, path: str, tensors: dict, meta: Optional[dict] = None, 
     return client.post(path, data=body, headers=headers)
 
 
+def apply_step(client, client_id: str, step: int, pieces: int = 1, lr: float = P.MAX_LR, *,
+               token: Optional[str] = TOKEN, url: str = ""):
+    """``POST /v1/train/apply`` of an open-ended step (Flask's test client, or a requests
+    session with ``url``). ``lr`` defaults to the cap: the server's own ``--lr`` on the shared
+    segment, what a closed step applied; a client's own state (SplitFed copy, LoRA adapter in
+    shared mode) steps at ``lr`` as sent."""
+    body = json.dumps({"client_id": client_id, "step": step, "pieces": pieces, "lr": lr})
+    return client.post(url + P.TRAIN_APPLY, data=body, headers={**auth(token), "Content-Type": "application/json"})
+
+
 def tensors_of(resp) -> dict:
     assert resp.status_code == 200, resp.get_data(as_text=True)
     assert resp.mimetype == P.CONTENT_TYPE

@@ -93,6 +93,15 @@ def test_stream_yields_the_generated_tokens(client, padded_batch):
     assert torch.equal(torch.stack(streamed, dim=1), whole[:, ids.shape[1]:])
 
 
+def test_the_model_classes_stream_too(client, padded_batch):
+    """``model.generate_stream`` (splitlearn.hf.streaming): what SplitClient.generate_stream runs on."""
+    ids, mask = padded_batch
+    whole = client.generate(ids, mask, max_new_tokens=NEW)
+    streamed = list(client.model.generate_stream(input_ids=ids, attention_mask=mask, max_new_tokens=NEW,
+                                                 do_sample=False, eos_token_id=None, pad_token_id=0))
+    assert len(streamed) == NEW and torch.equal(torch.stack(streamed, dim=1), whole[:, ids.shape[1]:])
+
+
 def test_each_decode_step_sends_only_the_new_position(client, padded_batch):
     ids, mask = padded_batch
     B, T = ids.shape

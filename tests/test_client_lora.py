@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from splitlearn import load_model
 from splitlearn import protocol as P
 from splitlearn.client import SplitClient
-from splitlearn.client.lora import client_adapter_tensors
+from splitlearn.hf.lora import adapter_tensors
 from splitlearn.errors import ConfigError
 from splitlearn.lora import LoraSpec, init_adapter_pair
 from splitlearn.segments import labels_from_batch, positions_from_mask
@@ -70,7 +70,7 @@ def both_sides(client, srv) -> dict:
     client.flush()  # the last step's apply rides on the next request: sent before reading the server
     r = server_adapter(srv, client.client_id)
     assert r.status_code == 200, r.text
-    return {**client_adapter_tensors(client.segments), **decode(r.content)[0]}
+    return {**adapter_tensors(client.model), **decode(r.content)[0]}
 
 
 def assert_adapters_equal(got: dict, ref_model):

@@ -81,6 +81,7 @@ def _train_and_sync(rt, keys, step=1):
         h, y = _member_data(f"{key}{step}")
         rt.compute.run(rt.train_step, P.StepMeta(f"t:{key}", step, "float32", fed_version=rt.federation.version),
                        h, y, None)
+        rt.compute.run(rt.train_apply, f"t:{key}", P.ApplyRequest(key, step, 1, rt.cfg.lr))  # the member's copy
     for key in keys:
         rt.sync(f"t:{key}", _client_upload(rt, f"{key}{step}"))
 

@@ -68,7 +68,7 @@ def test_forward_only_pieces_and_one_token_rows_buy_no_weight_and_one_member_hol
         a.train_step(*batch(1))
         b.train_step(*batch(2))
         s = session(MALLORY)
-        meta = lambda i: P.StepMeta("m", 1, fed_version=0, micro=i, micros=0).to_meta()  # noqa: E731
+        meta = lambda i: P.StepMeta("m", 1, fed_version=0, micro=i).to_meta()  # noqa: E731
         grad = lambda rows, length: torch.full((rows, length, 32), 1e-4)  # noqa: E731
         for i, (rows, length, backward) in enumerate([(64, 16, True), (64, 16, False), (64, 16, False),
                                                       (64, 1, True)]):

@@ -368,7 +368,8 @@ def test_bad_applies_change_nothing(server):
             ({**good, "clip": 1.5}, 400, "'clip'"), ({**good, "clip": 0}, 400, "'clip'"),
             ({**good, "pieces": 0}, 400, "pieces"), ({**good, "step": 0}, 400, "'step'"),
             ({**good, "surprise": 1}, 400, "unknown fields"), ({**good, "client_id": "a:b"}, 400, "client_id"),
-            ({**good, "step": step + 1}, 409, "no open-ended step"), ({**good, "pieces": 2}, 409, "backward pieces")]:
+            ({**good, "step": step + 1}, 409, f"no step {step + 1} is pending"),
+            ({**good, "pieces": 2}, 409, "backward pieces")]:
         r = post_apply(server, bad)
         assert r.status_code == status, (bad, r.text)
         assert set(r.json()) == {"error", "message"} and words.lower() in r.json()["message"].lower(), r.json()
@@ -377,7 +378,7 @@ def test_bad_applies_change_nothing(server):
     assert r.status_code == 400 and r.json()["error"] == "bad_request"
     # another tenant cannot apply (or discard) this step: its "cid" is a client of its own
     r = post_apply(server, good, token=OTHER)
-    assert r.status_code == 409 and "no open-ended step" in r.json()["message"]
+    assert r.status_code == 409 and f"no step {step} is pending" in r.json()["message"]
     r = post_apply(server, {"client_id": cid, "step": step, "discard": True}, token=OTHER)
     assert r.status_code == 200 and r.json()["discarded"]
     after = server.weights()
@@ -403,9 +404,12 @@ def test_apply_request_validation():
         with pytest.raises(BadRequest):
             P.ApplyRequest.from_json(bad)
     m = P.StepMeta.from_meta({"client_id": "a", "step": "1", "micro": "100", "micros": "0"})
-    assert m.open_ended and m.micro == 100
+    assert m.micro == 100 and m.to_meta()["micros"] == "0"
     with pytest.raises(BadRequest):
         P.StepMeta.from_meta({"client_id": "a", "step": "1", "micro": str(P.MAX_PIECES), "micros": "0"})
+    for closed in ({"micros": "1"}, {"micros": "3", "micro": "1"}, {}):  # closed steps are gone
+        with pytest.raises(BadRequest, match="closed training steps"):
+            P.StepMeta.from_meta({"client_id": "a", "step": "1", **closed})
 
 
 # -- peft on the client's modules ---------------------------------------------------------------

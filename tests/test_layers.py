@@ -23,6 +23,8 @@ LAYERS = {
     "cluster": 6,
     "netem": 6,
     "demo": 6,
+    "defensetrain": 6,  # defense-aware fine-tuning through the model classes and an in-process server
+    "main": 7,        # every package's __main__.py: a command, imported by nothing
 }
 
 
@@ -31,6 +33,8 @@ def unit_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "facade"  # splitlearn/__init__.py: lazy re-exports of every layer
+    if parts[-1] == "__main__":
+        return "main"  # python -m splitlearn.X: the top of the stack (it may start any layer)
     name = parts[1]
     if (ROOT / name).is_dir():
         return name
@@ -87,6 +91,12 @@ def test_no_two_packages_import_each_other():
     pairs = {(s, d) for s, d, _ in edges()}
     loops = sorted({tuple(sorted(p)) for p in pairs if (p[1], p[0]) in pairs})
     assert not loops, f"packages that import each other: {loops}"
+
+
+def test_nothing_imports_a_command():
+    """A ``__main__`` sits above every layer only because nothing imports it."""
+    assert not [(s, w) for s, d, w in edges() if d == "main"]
+    assert unit_of("splitlearn.privacy.__main__") == "main" and unit_of("splitlearn.defensetrain") == "defensetrain"
 
 
 def test_the_checker_sees_a_lie(tmp_path):

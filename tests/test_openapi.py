@@ -77,7 +77,8 @@ def test_document_is_openapi_3_1_with_the_protocol_fields():
     step = paths[P.TRAIN_FORWARD]["post"]
     assert step["requestBody"]["content"][P.CONTENT_TYPE]["schema"] == {
         "type": "string", "format": "binary", "description": step["requestBody"]["content"][P.CONTENT_TYPE]["schema"]["description"]}
-    assert set(step["x-safetensors"]["metadata"]) == {f.name for f in dataclasses.fields(P.StepMeta)}
+    assert set(step["x-safetensors"]["metadata"]) == {f.name for f in dataclasses.fields(P.StepMeta)} | {"micros"}
+    assert "closed steps" in step["x-safetensors"]["metadata"]["micros"]  # micros=0 only
     assert {P.HIDDEN, P.MASK} <= set(step["x-safetensors"]["tensors"])
     session = paths[P.SESSION_STEP]["post"]
     assert set(session["x-safetensors"]["metadata"]) == {f.name for f in dataclasses.fields(P.SessionStepMeta)}

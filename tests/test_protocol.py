@@ -14,12 +14,21 @@ def _through_the_wire(meta: dict) -> dict:
 def test_step_meta_round_trip():
     m = P.StepMeta("client_A.1-x", 42, "int8")
     meta = _through_the_wire(m.to_meta())
-    assert meta == {"client_id": "client_A.1-x", "step": "42", "wire_dtype": "int8"}
+    assert meta == {"client_id": "client_A.1-x", "step": "42", "wire_dtype": "int8", "micro": "0", "micros": "0",
+                    "loss_scale": "1.0"}
     assert P.StepMeta.from_meta(meta) == m
 
 
 def test_step_meta_defaults_to_float32():
-    assert P.StepMeta.from_meta({"client_id": "c", "step": "1"}) == P.StepMeta("c", 1, "float32")
+    assert P.StepMeta.from_meta({"client_id": "c", "step": "1", "micros": "0"}) == P.StepMeta("c", 1, "float32")
+
+
+@pytest.mark.parametrize("micros", ["1", "2", "64", None])
+def test_a_closed_step_is_refused(micros):
+    """Closed steps (micros >= 1; absent meant 1) are gone: one protocol, micros=0 and an apply."""
+    meta = {"client_id": "c", "step": "1"} if micros is None else {"client_id": "c", "step": "1", "micros": micros}
+    with pytest.raises(BadRequest, match=r"closed training steps \(micros >= 1\) are gone: send micros=0"):
+        P.StepMeta.from_meta(meta)
 
 
 @pytest.mark.parametrize("meta, words", [
@@ -29,12 +38,12 @@ def test_step_meta_defaults_to_float32():
     ({"client_id": "a b", "step": "1"}, "client_id"),
     ({"client_id": "x" * 65, "step": "1"}, "client_id"),
     ({"client_id": "abc\n", "step": "1"}, "client_id"),  # `$` alone would let a newline through
-    ({"client_id": "c"}, "'step' is missing"),
-    ({"client_id": "c", "step": "two"}, "integer"),
-    ({"client_id": "c", "step": "1.0"}, "integer"),
-    ({"client_id": "c", "step": "0"}, ">= 1"),
-    ({"client_id": "c", "step": "-3"}, ">= 1"),
-    ({"client_id": "c", "step": "1", "wire_dtype": "float64"}, "wire dtype"),
+    ({"client_id": "c", "micros": "0"}, "'step' is missing"),
+    ({"client_id": "c", "micros": "0", "step": "two"}, "integer"),
+    ({"client_id": "c", "micros": "0", "step": "1.0"}, "integer"),
+    ({"client_id": "c", "micros": "0", "step": "0"}, ">= 1"),
+    ({"client_id": "c", "micros": "0", "step": "-3"}, ">= 1"),
+    ({"client_id": "c", "micros": "0", "step": "1", "wire_dtype": "float64"}, "wire dtype"),
 ])
 def test_step_meta_refuses_bad_fields(meta, words):
     with pytest.raises(BadRequest) as e:

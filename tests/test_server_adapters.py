@@ -14,7 +14,7 @@ from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import decode
 
-from serverproc import TENANTS, OTHER, assert_error, auth, post_tensors, same_weights, snapshot, tensors_of
+from serverproc import TENANTS, OTHER, apply_step, assert_error, auth, post_tensors, same_weights, snapshot, tensors_of
 
 SPEC = LoraSpec(r=2, alpha=4.0, targets=("c_attn", "c_fc"))
 
@@ -106,6 +106,7 @@ def test_routes_bind_adapters_to_tenants(app):
     meta = P.StepMeta("alice", 1).to_meta()
     tensors_of(post_tensors(app, P.TRAIN_FORWARD, {P.HIDDEN: h}, meta))
     tensors_of(post_tensors(app, P.TRAIN_BACKWARD, {P.GRAD: torch.ones(1, 4, 32)}, meta))
+    assert apply_step(app, "alice", 1, lr=0.1).get_json()["lr"] == 0.1  # her own adapter: her lr
     # the other tenant has no "alice": her adapter, her sessions' adapter and her step are not its
     assert_error(app.get(P.CLIENT_ADAPTER.format(client_id="alice"), headers=auth(OTHER)), 404, "not trained")
     assert app.get(P.CLIENT_STATE.format(client_id="alice"), headers=auth(OTHER)).get_json()["step"] == 0

@@ -11,8 +11,8 @@ from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import encode, pack
 
-from serverproc import (TENANTS, OTHER, TOKEN, assert_error, auth, post_tensors, same_weights, segment_of,
-                        snapshot, tensors_of)
+from serverproc import (TENANTS, OTHER, TOKEN, apply_step, assert_error, auth, post_tensors, same_weights,
+                        segment_of, snapshot, tensors_of)
 
 D, NPOS, VOCAB = 32, 64, 257  # models/tiny.json
 
@@ -121,13 +121,16 @@ BAD_STEPS = {  # name: (tensors, meta, raw body or None, content type, status, w
     "labels-range": (*_with(labels=torch.full((2, 6), VOCAB)), None, P.CONTENT_TYPE, 400, "labels"),
     "labels-float": (*_with(labels=torch.zeros(2, 6)), None, P.CONTENT_TYPE, 400, "labels"),
     "mask-not-01": (*_with(attention_mask=torch.full((2, 6), 2)), None, P.CONTENT_TYPE, 400, "0 and 1"),
-    "mask-right-pad": (*_with(attention_mask=torch.tensor([[1] * 6, [1] * 5 + [0]])), None,
-                       P.CONTENT_TYPE, 400, "pad on the left"),
+    "closed-step": (step_body()[0], {**step_body()[1], "micros": "1"}, None, P.CONTENT_TYPE, 400,
+                    "closed training steps (micros >= 1) are gone: send micros=0"),
+    "micros-absent": (step_body()[0], {"client_id": "c1", "step": "1"}, None, P.CONTENT_TYPE, 400,
+                      "closed training steps"),
     "mask-shape": (*_with(attention_mask=torch.ones(2, 7, dtype=torch.long)), None, P.CONTENT_TYPE,
                    400, "attention_mask"),
     "no-client-id": (step_body()[0], {"step": "1"}, None, P.CONTENT_TYPE, 400, "client_id"),
-    "bad-step": (step_body()[0], {"client_id": "c1", "step": "zero"}, None, P.CONTENT_TYPE, 400, "step"),
-    "bad-wire": (step_body()[0], {"client_id": "c1", "step": "1", "wire_dtype": "fp8"}, None,
+    "bad-step": (step_body()[0], {"client_id": "c1", "step": "zero", "micros": "0"}, None, P.CONTENT_TYPE, 400,
+                 "step"),
+    "bad-wire": (step_body()[0], {"client_id": "c1", "step": "1", "micros": "0", "wire_dtype": "fp8"}, None,
                  P.CONTENT_TYPE, 400, "wire dtype"),
     "text-content-type": (*step_body(), None, "text/plain", 415, "application/octet-stream"),
     "form-content-type": (*step_body(), None, "application/x-www-form-urlencoded", 415, "octet-stream"),
@@ -199,16 +202,21 @@ def test_two_way_steps_apply_exactly_once(two_way_app, two_way):
     first = post_tensors(two_way, P.TRAIN_STEP, *step_body(1))
     out = tensors_of(first)
     assert out[P.GRAD].shape == (2, 6, D) and torch.isfinite(out[P.LOSS]).all()
+    assert post_tensors(two_way, P.TRAIN_STEP, *step_body(1)).get_data() == first.get_data()  # a retry
+    assert same_weights(w0, snapshot(seg))  # accumulated: nothing applied before the apply
+    applied = apply_step(two_way, "c1", 1)
+    assert applied.status_code == 200 and applied.get_json()["applied"]
     w1 = snapshot(seg)
     assert not same_weights(w0, w1)  # step 1 was applied
 
-    again = post_tensors(two_way, P.TRAIN_STEP, *step_body(1))  # a retry: same step number
-    assert again.get_data() == first.get_data()
-    assert same_weights(w1, snapshot(seg))  # ...and the retry did not step again
+    assert apply_step(two_way, "c1", 1).get_json() == applied.get_json()  # a retried apply: its answer
+    assert_error(post_tensors(two_way, P.TRAIN_STEP, *step_body(1)), 409, "was applied")  # a retried piece
+    assert same_weights(w1, snapshot(seg))  # ...and no retry stepped again
 
     assert_error(post_tensors(two_way, P.TRAIN_STEP, *step_body(3)), 409, "next is 2")
     assert same_weights(w1, snapshot(seg))
     tensors_of(post_tensors(two_way, P.TRAIN_STEP, *step_body(2, seed=1)))
+    assert apply_step(two_way, "c1", 2).status_code == 200
     w2 = snapshot(seg)
     assert_error(post_tensors(two_way, P.TRAIN_STEP, *step_body(1)), 409, "applied step 2")  # stale
     assert same_weights(w2, snapshot(seg))
@@ -216,7 +224,32 @@ def test_two_way_steps_apply_exactly_once(two_way_app, two_way):
     # another client counts its own steps
     assert _client_step(two_way, "c2") == 0
     tensors_of(post_tensors(two_way, P.TRAIN_STEP, *step_body(1, client="c2")))
+    assert apply_step(two_way, "c2", 1).status_code == 200
     assert _client_step(two_way, "c2") == 1 and _client_step(two_way) == 2
+
+
+def test_a_closed_step_is_refused_and_changes_nothing(u_app, u, two_way_app, two_way):
+    """Closed steps (micros >= 1, or micros absent: the server applied at its own lr after the
+    last piece) are gone: 400 naming the way (micros=0 and an apply), nothing pending or applied."""
+    for app, client, path, tensors in ((u_app, u, P.TRAIN_FORWARD, {P.HIDDEN: hidden()}),
+                                       (two_way_app, two_way, P.TRAIN_STEP, step_body()[0])):
+        before = snapshot(segment_of(app))
+        for micros in ("1", "4", None):
+            meta = {**P.StepMeta("c1", 1).to_meta(), "micros": micros}
+            if micros is None:
+                meta.pop("micros")
+            r = post_tensors(client, path, tensors, meta)
+            assert_error(r, 400, "closed training steps (micros >= 1) are gone: send micros=0")
+            assert "apply" in r.get_json()["message"]
+        assert_error(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: hidden()}, {**P.StepMeta("c1", 1).to_meta(),
+                                                                                 "micros": "1"}), 400, "closed")
+        assert same_weights(before, snapshot(segment_of(app)))
+        rt = app.extensions["splitlearn"]
+        assert rt.ledger.pending("t:c1") is None and rt.ledger.pending("alice:c1") is None
+        assert _client_step(client) == 0
+        assert_error(apply_step(client, "c1", 1), 409, "no step 1 is pending")  # nothing was opened
+        # and the same step as an open-ended one goes through
+        tensors_of(post_tensors(client, path, tensors, P.StepMeta("c1", 1).to_meta()))
 
 
 def test_u_shape_steps_apply_exactly_once(u_app, u):
@@ -234,9 +267,12 @@ def test_u_shape_steps_apply_exactly_once(u_app, u):
 
     bwd = post_tensors(u, P.TRAIN_BACKWARD, grad, meta1)
     assert tensors_of(bwd)[P.GRAD].shape == (2, 6, D)
+    assert post_tensors(u, P.TRAIN_BACKWARD, grad, meta1).get_data() == bwd.get_data()  # retry
+    assert same_weights(w0, snapshot(seg))  # accumulated until the apply
+    assert apply_step(u, "c1", 1).status_code == 200
     w1 = snapshot(seg)
     assert not same_weights(w0, w1)
-    assert post_tensors(u, P.TRAIN_BACKWARD, grad, meta1).get_data() == bwd.get_data()  # retry
+    assert_error(post_tensors(u, P.TRAIN_BACKWARD, grad, meta1), 409, "was applied")  # a retry after it
     assert same_weights(w1, snapshot(seg))
     assert_error(post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: hidden()}, P.StepMeta("c1", 3).to_meta()),
                  409, "next is 2")
@@ -263,16 +299,18 @@ def test_a_retry_after_a_restart_gets_the_stored_answer(tmp_path):
     retry of that step must get the same answer, not 409 (it could never catch up then)."""
     cfg = dict(model="tiny", cuts=(2,), tokens=(TOKEN,), checkpoint_dir=str(tmp_path))
     before = create_app(ServerConfig(**cfg)).test_client()
-    first = post_tensors(before, P.TRAIN_STEP, *step_body(1))
-    tensors_of(first)
+    tensors_of(post_tensors(before, P.TRAIN_STEP, *step_body(1)))
+    first = apply_step(before, "c1", 1)
+    assert first.status_code == 200
     assert before.post(P.CHECKPOINT, json={}, headers=auth()).status_code == 200
 
     app = create_app(ServerConfig(**cfg))  # the restarted server, from the checkpoint
     after = app.test_client()
     w1 = snapshot(segment_of(app))
     assert _client_step(after) == 1
-    again = post_tensors(after, P.TRAIN_STEP, *step_body(1))
-    assert again.get_data() == first.get_data()
+    again = apply_step(after, "c1", 1)
+    assert again.get_json() == first.get_json()
+    assert_error(post_tensors(after, P.TRAIN_STEP, *step_body(1)), 409, "was applied")  # a piece: its digest
     assert same_weights(w1, snapshot(segment_of(app)))
     tensors_of(post_tensors(after, P.TRAIN_STEP, *step_body(2)))  # and training goes on
 

@@ -27,7 +27,7 @@ from splitlearn.server.http.cli import parse_args
 from splitlearn.server.config import ServerConfig
 from splitlearn.wire import decode, encode
 
-from serverproc import (TENANTS, TOKEN, assert_error, auth, post_tensors, same_weights, segment_of,
+from serverproc import (TENANTS, TOKEN, apply_step, assert_error, auth, post_tensors, same_weights, segment_of,
                         snapshot, tensors_of)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,7 +187,8 @@ def test_an_over_budget_training_step_is_413_and_changes_nothing():
     assert _client_step(client) == 0  # the ledger never saw it: no record, nothing pending
     assert not rt.ledger.known("alice:c1") and rt.ledger.pending_since() == {}
     out = tensors_of(post_tensors(client, P.TRAIN_STEP, *_step(2, 6)))  # the same step number, smaller
-    assert out[P.GRAD].shape == (2, 6, D) and _client_step(client) == 1
+    assert out[P.GRAD].shape == (2, 6, D)
+    assert apply_step(client, "c1", 1).status_code == 200 and _client_step(client) == 1
     assert not same_weights(before, snapshot(segment_of(app)))
 
 
@@ -203,24 +204,28 @@ def test_an_over_budget_u_shape_forward_keeps_no_graph_and_no_lease():
     other = P.StepMeta("c2", 1).to_meta()
     tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(2, 6)}, other))
     tensors_of(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: _hidden(2, 6, 1)}, other))
+    assert apply_step(client, "c2", 1).status_code == 200
     tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(2, 6)}, meta))
     assert not same_weights(before, snapshot(segment_of(app)))  # c2's step was applied
     assert _client_step(client) == 0
 
 
-def test_a_u_shape_micro_batch_is_priced_with_its_steps_other_graphs():
-    """The graphs of a step's micro-batches wait together for their backwards: a piece that fits
-    alone is refused when its step's ``micros`` graphs of its size would not."""
+def test_a_u_shape_steps_waiting_graphs_are_priced_together():
+    """The graphs of a step's pieces wait together for their backwards: each is reserved in the
+    tenant's share (:mod:`splitlearn.server.engine.memory`), so a piece that fits the per-request
+    budget alone is refused (429, nothing kept) once its step's waiting graphs would not fit."""
     probe = _app((1, 3), 1 << 40)
     rt = probe.extensions["splitlearn"]
-    m = bm.Dims.of(rt.segment, rt.dtype)
-    one, four = (bm.train_cost(m, 32, 64, False, graphs=g) for g in (1, 4))
-    app = _app((1, 3), (one + four) // 2)
+    graph = bm.graph_bytes(bm.Dims.of(rt.segment, rt.dtype), 32, 64, False)
+    app = create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS, max_request_memory_bytes=1 << 40,
+                                  max_tenant_memory_bytes=int(2.5 * graph)))
     client = app.test_client()
-    piece = lambda micros: P.StepMeta("c1", 1, micro=0, micros=micros, loss_scale=1 / micros).to_meta()
-    assert_error(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(32, 64)}, piece(4)), 413,
-                 "x 4 micro-batches")
-    assert tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(32, 64)}, piece(1)))
+    piece = lambda i: P.StepMeta("c1", 1, micro=i).to_meta()  # noqa: E731
+    for i in range(2):
+        assert tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(32, 64, i)}, piece(i)))
+    assert_error(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: _hidden(32, 64, 2)}, piece(2)), 429,
+                 "--max-tenant-memory-gb")
+    assert set(app.extensions["splitlearn"].ledger.pending("alice:c1").state.forwards) == {0, 1}
 
 
 def test_an_over_budget_forward_is_413_and_a_smaller_one_answers():
@@ -336,6 +341,8 @@ def test_a_real_server_under_an_address_space_limit_refuses_or_serves_and_keeps_
         assert r.status_code == 200, r.text[:500]
         out = decode(r.content)[0]
         assert out[P.GRAD].shape == (4, 1024, 32) and torch.isfinite(out[P.LOSS]).all()
+        r = apply_step(requests, "c1", 1, url=srv.url)  # the optimizer step (its state allocated) fits too
+        assert r.status_code == 200, r.text[:500]
 
         assert requests.get(srv.url + P.HEALTH, timeout=10).status_code == 200
         state = requests.get(srv.url + P.CLIENT_STATE.format(client_id="c1"), headers=auth(), timeout=10)

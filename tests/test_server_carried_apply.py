@@ -1,5 +1,5 @@
 """Issue 30: the apply of open-ended step s carried on step s+1's first request (metadata
-``apply``), and the fused 2-way open-ended piece (``POST /v1/train/step`` with ``micros=0``).
+``apply``), and the fused 2-way piece (``POST /v1/train/step``).
 
 The carried apply is the explicit one: the same weights after it, the same ledger record (a
 retry of the carrying request applies nothing twice), the same lr rule on shared state; a
@@ -35,7 +35,7 @@ def post(s, url: str, path: str, tensors: dict, meta: dict):
 
 
 def meta(step: int, apply: dict = None, **kw) -> dict:
-    m = P.StepMeta("c", step, micros=0, **kw).to_meta()
+    m = P.StepMeta("c", step, **kw).to_meta()
     if apply is not None:
         m["apply"] = json.dumps(apply)
     return m
@@ -149,7 +149,7 @@ def test_a_carried_apply_on_the_shared_segment_steps_at_most_at_the_servers_lr(s
 
 
 def test_a_fused_two_way_piece_equals_a_forward_and_a_backward():
-    """POST /v1/train/step with micros=0: loss, dL/dhidden and grad_norm as forward (labels) +
+    """POST /v1/train/step (a fused piece): loss, dL/dhidden and grad_norm as forward (labels) +
     backward (the loss's gradient) give them; the apply carried on the next step's fused piece."""
     labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(5))
     with InprocServerProcess((2,), lr=SERVER_LR) as fused, InprocServerProcess((2,), lr=SERVER_LR) as split:

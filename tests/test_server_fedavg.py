@@ -13,7 +13,7 @@ import torch
 from splitlearn import SplitClient
 from splitlearn import protocol as P
 from splitlearn.transport.fedsync import untied_weights
-from splitlearn.client.lora import client_adapter_tensors
+from splitlearn.hf.lora import adapter_tensors
 from splitlearn.errors import BadRequest, ConfigError, Conflict, Forbidden
 from splitlearn.loading import load_config
 from splitlearn.lora import LoraSpec
@@ -248,7 +248,7 @@ def test_lora_with_a_fed_server_says_external_and_its_clients_train_through_it(t
         c.train_step(*batch(70))
         assert c.sync()["version"] == 1
         r = web.get(fed.url + P.FEDERATION_WEIGHTS, headers=auth(FED_ALICE), timeout=10)
-        shared, mine = decode(r.content)[0], client_adapter_tensors(c.segments)
+        shared, mine = decode(r.content)[0], adapter_tensors(c.model)
         side = ClientSide(load_config("tiny"), CUTS, model="tiny", lora=LoraSpec(r=2, alpha=4.0))
         assert set(shared) == set(mine) == set(side.schema)  # adapters only, in the fed server's own schema
         assert all(torch.equal(shared[k], mine[k]) for k in mine)  # one member: the average is its adapters
@@ -279,7 +279,7 @@ def test_the_model_classes_train_lora_in_a_round_through_a_fed_server_as_split_c
                                 optimizer="sgd", lr=0.1, fed_url=fed.url, fed_token=FED_ALICE)
                 c.train_step(*batch(70))
                 assert c.sync()["version"] == 1
-                mine = client_adapter_tensors(c.segments)
+                mine = adapter_tensors(c.model)
             else:
                 with pytest.raises(ConfigError, match="fed_token"):
                     SplitGPT2LMHeadModel.from_pretrained("tiny", server=seg.url, token=TOKEN, fed_url=fed.url)

@@ -9,7 +9,7 @@ from splitlearn.server.config import ServerConfig
 from splitlearn.errors import BadRequest
 from splitlearn.wire import pack
 
-from serverproc import TOKEN, assert_error, post_tensors, same_weights, segment_of, snapshot, tensors_of
+from serverproc import TOKEN, apply_step, assert_error, post_tensors, same_weights, segment_of, snapshot, tensors_of
 
 D, VOCAB = 32, 257
 
@@ -67,6 +67,7 @@ def test_a_huge_gradient_to_a_u_shape_backward_is_refused_and_changes_nothing():
     good = P.StepMeta("good", 1).to_meta()
     tensors_of(post_tensors(c, P.TRAIN_FORWARD, pack(P.HIDDEN, h, "float32"), good))
     tensors_of(post_tensors(c, P.TRAIN_BACKWARD, pack(P.GRAD, torch.randn(2, 6, D), "float32"), good))
+    assert apply_step(c, "good", 1).status_code == 200
     assert not same_weights(before, snapshot(segment_of(app)))
 
 
@@ -92,6 +93,7 @@ def test_max_grad_norm_clips_the_servers_step():
         tensors = {**pack(P.HIDDEN, torch.randn(2, 6, D, generator=g), "float32"),
                    P.LABELS: torch.randint(0, VOCAB, (2, 6), generator=g)}
         tensors_of(post_tensors(c, P.TRAIN_STEP, tensors, P.StepMeta("a", 1).to_meta()))
+        assert apply_step(c, "a", 1).get_json()["lr"] == 1.0  # the server's own lr (the cap)
         after = snapshot(segment_of(app))
         steps[clip] = sum(float((after[k] - before[k]).pow(2).sum()) for k in before) ** 0.5
     assert steps[1e-3] == pytest.approx(1e-3, rel=1e-2) and steps[None] > 10 * steps[1e-3]

@@ -5,7 +5,8 @@ asks again at once whenever its forward was dropped, so that it holds the shared
 ``--lease-timeout`` each time (another owner made 56 steps in 20 s against ~3,600 alone). The
 bound (splitlearn/server/engine/lease.py): a lapsing owner is demoted for timeout x 2^k after its k-th
 lapse, so in D seconds it holds the segment against a busy owner at most 1 + log2(D / timeout)
-times; here (D = 8 s, timeout 1 s) the honest owner keeps at least half its steps alone.
+times; here (D = 8 s, timeout 0.5 s: at most 5 holds, 2.5 s) the honest owner keeps ~2/3 of its
+steps alone in the worst case, and the test asks for half (a margin for a loaded machine).
 """
 import threading
 import time
@@ -22,7 +23,7 @@ from serverproc import OTHER, TOKEN, ServerProcess, auth
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # measures throughput: run alone (pytest.ini)
 
-LEASE_S = 1.0
+LEASE_S = 0.5
 RUN_S = 8.0
 KEPT = 0.5  # the honest owner's steps with the hog / alone, at least
 
@@ -59,7 +60,7 @@ def test_a_tenant_that_never_sends_its_backward_cannot_hold_the_segment(server):
         def hog(cid: str):
             s = requests.Session()
             s.headers.update({**auth(OTHER), "Content-Type": P.CONTENT_TYPE})
-            body = encode({P.HIDDEN: torch.randn(2, 8, 32)}, P.StepMeta(cid, 1, micros=2).to_meta())
+            body = encode({P.HIDDEN: torch.randn(2, 8, 32)}, P.StepMeta(cid, 1).to_meta())  # piece 0, no more
             while not stop.is_set():
                 r = s.post(server.url + P.TRAIN_FORWARD, data=body, timeout=30)
                 if r.status_code == 200:

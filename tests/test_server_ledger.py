@@ -8,7 +8,8 @@ from splitlearn.server.engine.memory import MemoryAccount
 
 
 def answer(x: float) -> Answer:
-    return Answer({"grad": torch.full((2, 3), x)}, {"step": str(int(x))})
+    """An apply's answer (the ledger keeps whatever it holds: here a tensor too)."""
+    return Answer({"grad": torch.full((2, 3), x)}, {"step": str(int(x)), APPLIED: "1"})
 
 
 def test_next_step_passes_and_others_conflict():
@@ -27,13 +28,14 @@ def test_next_step_passes_and_others_conflict():
 
 def test_replay_gives_the_stored_answer_of_the_last_step_only():
     led = StepLedger()
-    assert led.replay("a", 1) is None
+    assert led.replay_apply("a", 1) is None
     first = answer(1)
     led.applied("a", 1, first)
-    assert led.replay("a", 1).encode() == first.encode()  # kept as its bytes: byte for byte the first
+    assert led.replay_apply("a", 1).encode() == first.encode()  # kept as its bytes: byte for byte the first
+    assert led.replay("a", 1) is None  # not a piece of it: the caller's 409
     led.applied("a", 2, answer(2))
-    assert led.replay("a", 1) is None  # an older step is not replayable: 409 from expect_next
-    assert led.replay("a", 2).meta == {"step": "2"}
+    assert led.replay_apply("a", 1) is None  # an older step is not replayable: 409 from expect_next
+    assert led.replay_apply("a", 2).meta == {"step": "2", APPLIED: "1"}
 
 
 def test_pending_forward_is_kept_per_step_and_cleared_when_applied():
@@ -56,13 +58,22 @@ def test_counters_round_trip_with_byte_identical_answers():
     back = StepLedger.from_counters(counters)
     assert back.steps_applied == 3
     assert {c: r.step for c, r in back.clients.items()} == {"a": 2, "b": 1, "c": 0}
-    assert back.replay("a", 2).encode() == led.replay("a", 2).encode()
-    assert torch.equal(back.replay("b", 1).tensors["grad"], torch.full((2, 3), 7.0))
-    assert back.pending("c") is None and back.replay("c", 0) is None
+    assert back.replay_apply("a", 2).encode() == led.replay_apply("a", 2).encode()
+    assert torch.equal(back.replay_apply("b", 1).tensors["grad"], torch.full((2, 3), 7.0))
+    assert back.pending("c") is None and back.replay_apply("c", 0) is None
+
+
+def test_a_closed_step_in_an_older_checkpoint_keeps_its_number_only():
+    closed = Answer({"grad": torch.ones(2, 3)}, {"step": "4"})  # no "applied": a closed step's last piece
+    import base64
+    counters = {"clients": {"a": 4}, "answers": {"a": base64.b64encode(closed.encode()).decode()},
+                "pieces": {"a": {"0": base64.b64encode(closed.encode()).decode()}}, "steps_applied": 4}
+    back = StepLedger.from_counters(counters)
+    assert back.last_step("a") == 4 and back.replay_apply("a", 4) is None and back.replay("a", 4) is None
 
 
 def big(x: float, n: int = 1 << 16) -> Answer:
-    return Answer({"grad": torch.full((n,), float(x))}, {"step": str(int(x))})  # 256 KiB
+    return Answer({"grad": torch.full((n,), float(x))}, {"step": str(int(x)), APPLIED: "1"})  # 256 KiB
 
 
 def apply_answer(step: int) -> Answer:
@@ -89,45 +100,50 @@ def test_an_open_ended_steps_pieces_are_kept_as_digests_and_a_retry_is_409_never
     assert led.replay_apply("t:a", 1).meta[APPLIED] == "1"
     assert led.last_step("t:a") == 1 and led.steps_applied == 1
     counters = led.to_counters()  # the checkpoint carries digests, not the pieces' bytes
-    assert "t:a" not in counters["pieces"] and len(counters["digests"]["t:a"]["pieces"]) == 8
+    assert "pieces" not in counters and len(counters["digests"]["t:a"]["pieces"]) == 8
     back = StepLedger.from_counters(counters)
     with pytest.raises(Conflict, match=digest_of(bodies[3]).hex()):
         back.replay("t:a", 1, 3)
     assert back.replay_apply("t:a", 1).encode() == led.replay_apply("t:a", 1).encode()
 
 
-def test_a_closed_steps_answers_are_kept_reserved_and_evicted_to_digests_when_room_is_needed():
+def test_the_applies_answers_are_kept_reserved_and_evicted_to_digests_when_room_is_needed():
     account = MemoryAccount(4 << 20, 4 << 20)
     led = StepLedger(account=account)
-    led.applied("t:a", 1, big(3), {i: big(i) for i in range(4)}, {i: big(-i) for i in range(4)})
-    assert account.reserved == sum(len(k.body) for k in led.clients["t:a"].kept())  # kept bytes, reserved
-    assert torch.equal(led.replay("t:a", 1, 2).tensors["grad"], big(2).tensors["grad"])
-    assert torch.equal(led.replay_forward("t:a", 1, 1).tensors["grad"], big(-1).tensors["grad"])
+    for i, c in enumerate("abc"):  # 1 MiB each; the pieces' and forwards' answers: digests
+        led.applied(f"t:{c}", 1, big(i, 1 << 18), {0: big(10 + i)}, {0: big(20 + i)})
+    kept = lambda: [led.clients[f"t:{c}"].answer for c in "abc"]  # noqa: E731
+    assert account.reserved == sum(len(k.body) for k in kept())  # the applies' bytes, reserved
+    assert torch.equal(led.replay_apply("t:b", 1).tensors["grad"], big(1, 1 << 18).tensors["grad"])
     # another reservation needs the room: the oldest stored answers go (digests stay)
     hold = account.reserve("t", 2 << 20, "a waiting graph")
     assert account.evictions > 0 and account.reserved <= account.limit
-    evicted = [i for i, k in led.clients["t:a"].forwards.items() if k.body is None]
-    assert evicted and led.clients["t:a"].answer.body is not None  # the last answer goes last
+    evicted = [c for c, k in zip("abc", kept()) if k.body is None]
+    assert evicted and evicted[0] == "a" and kept()[-1].body is not None  # the newest goes last
     with pytest.raises(Conflict, match="no longer held"):
-        led.replay_forward("t:a", 1, evicted[0])
+        led.replay_apply("t:a", 1)
     hold.release()
-    led.applied("t:a", 2, big(5))  # the next step gives the last one's memory back
-    assert account.reserved == len(led.clients["t:a"].answer.body)
-    led.forget("t:a")
+    led.applied("t:c", 2, big(5))  # the next step gives the last one's memory back
+    assert account.reserved == sum(len(k.body) for k in kept() if k.body is not None)
+    for c in "abc":
+        led.forget(f"t:{c}")
     assert account.reserved == 0 and account.tenants == {}
 
 
 def test_the_checkpoint_carries_a_bounded_number_of_answer_bytes():
     led = StepLedger()
-    led.applied("t:a", 1, big(9), {i: big(i) for i in range(16)})  # 16 x 256 KiB
+    led.applied("t:a", 1, big(9, 1 << 19), {i: big(i) for i in range(16)})  # 2 MiB: over the bound
+    led.applied("t:b", 1, big(8))  # 256 KiB
     counters = led.to_counters()
     import json
     text = json.dumps(counters)
     assert len(text) < 4 / 3 * CHECKPOINT_ANSWER_BYTES + 64 * 1024
     back = StepLedger.from_counters(counters)
-    assert back.replay("t:a", 1, 0).encode() == led.replay("t:a", 1, 0).encode()  # the first ones: bytes
+    assert back.replay_apply("t:b", 1).encode() == led.replay_apply("t:b", 1).encode()  # bytes
     with pytest.raises(Conflict, match="no longer held"):
-        back.replay("t:a", 1, 15)  # the rest: digests, a clear 409
+        back.replay_apply("t:a", 1)  # past the bound: a digest, a clear 409
+    with pytest.raises(Conflict, match="was applied"):
+        back.replay("t:a", 1, 15)  # its pieces: digests
 
 
 def test_a_full_account_refuses_with_429_and_the_tenant_share_is_separate_from_the_total():

@@ -1,6 +1,6 @@
 """A client's learning rate rules only state that is the client's own (issue 29, item 1).
 
-The attack: a tenant opens an open-ended step (``micros=0``), sends one forward and backward,
+The attack: a tenant opens a step (open-ended, ``micros=0``), sends one forward and backward,
 and applies it with ``"lr": 10``. In ``shared`` and ``sequential`` modes the segment is every
 tenant's, so the server steps it at most at its own ``--lr``: another owner's evaluation is
 bit-identical to the one after the same step applied honestly at the server's lr. On a
@@ -35,7 +35,7 @@ def post(session, url: str, path: str, tensors: dict, meta: dict):
 
 def open_ended_step(session, url: str, lr: float, fed_version=None) -> dict:
     """Mallory's step 1 of client "m": one forward, one backward, applied at ``lr``."""
-    meta = P.StepMeta("m", 1, fed_version=fed_version, micros=0).to_meta()
+    meta = P.StepMeta("m", 1, fed_version=fed_version).to_meta()
     r = post(session, url, P.TRAIN_FORWARD, {P.HIDDEN: hidden(1)}, meta)
     assert r.status_code == 200, r.text
     r = post(session, url, P.TRAIN_BACKWARD, {P.GRAD: hidden(2)}, meta)
@@ -82,7 +82,7 @@ def test_a_tenants_lr_10_moves_the_shared_segment_as_an_honest_step_at_the_serve
         assert not torch.equal(after, before)
         # a lower lr is the client's to choose (schedules decay), on the shared segment too
         s = mallory()
-        meta = P.StepMeta("m", 2, micros=0).to_meta()
+        meta = P.StepMeta("m", 2).to_meta()
         assert post(s, attacked.url, P.TRAIN_FORWARD, {P.HIDDEN: hidden(4)}, meta).status_code == 200
         assert post(s, attacked.url, P.TRAIN_BACKWARD, {P.GRAD: hidden(5)}, meta).status_code == 200
         r = s.post(attacked.url + P.TRAIN_APPLY, json={"client_id": "m", "step": 2, "pieces": 1, "lr": 1e-3},
@@ -113,7 +113,7 @@ def in_process(**kw):
 def test_on_its_own_copy_or_adapter_the_clients_lr_is_applied_as_sent(kw):
     client = in_process(**kw)
     version = 0 if "federation" in kw else None
-    meta = P.StepMeta("m", 1, fed_version=version, micros=0).to_meta()
+    meta = P.StepMeta("m", 1, fed_version=version).to_meta()
     headers = {**auth(OTHER), "Content-Type": P.CONTENT_TYPE}
     for path, t in ((P.TRAIN_FORWARD, {P.HIDDEN: hidden(1)}), (P.TRAIN_BACKWARD, {P.GRAD: hidden(2)})):
         r = client.post(path, data=encode(t, meta), headers=headers)

@@ -68,8 +68,8 @@ def hidden(B, T, seed=0):
     return {P.HIDDEN: torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))}
 
 
-def piece(cid, step, micro, micros=0):
-    return P.StepMeta(cid, step, micro=micro, micros=micros).to_meta()
+def piece(cid, step, micro):
+    return P.StepMeta(cid, step, micro=micro).to_meta()
 
 
 def refused(r, what="this tenant holds"):
@@ -138,17 +138,19 @@ def test_many_waiting_pieces_and_many_steps_without_a_lease_are_bounded(server):
 
 
 def honest_step(srv):
-    """A closed U-shape step of two micro-batches of 4 x 64: the answers' bytes."""
+    """A U-shape step of two pieces of 4 x 64, then its apply: the answers' bytes."""
     out = []
     for i in range(2):
-        r = post(srv, P.TRAIN_FORWARD, hidden(4, 64, 100 + i), piece("honest", 1, i, micros=2), token=TOKEN)
+        r = post(srv, P.TRAIN_FORWARD, hidden(4, 64, 100 + i), piece("honest", 1, i), token=TOKEN)
         assert r.status_code == 200, r.text
         out.append(r.content)
     for i in range(2):
         g = {P.GRAD: torch.randn(4, 64, D, generator=torch.Generator().manual_seed(200 + i))}
-        r = post(srv, P.TRAIN_BACKWARD, g, piece("honest", 1, i, micros=2), token=TOKEN)
+        r = post(srv, P.TRAIN_BACKWARD, g, piece("honest", 1, i), token=TOKEN)
         assert r.status_code == 200, r.text
         out.append(decode(r.content)[0][P.GRAD])
+    r = apply(srv, {"client_id": "honest", "step": 1, "pieces": 2, "lr": 1e-3}, TOKEN)
+    assert r.status_code == 200 and r.json()["applied"], r.text
     return out
 
 
@@ -228,7 +230,7 @@ def test_steps_without_a_lease_are_bounded_by_the_budget_not_only_their_count(tm
     with _server(tmp_path, "lora", ["--max-request-memory-gb", str(LIMIT), "--lora-r", "4"]) as srv:
         ok = []
         for c in range(8):
-            r = post(srv, P.TRAIN_FORWARD, hidden(4, 256, c), piece(f"c{c}", 1, 0, micros=1))
+            r = post(srv, P.TRAIN_FORWARD, hidden(4, 256, c), piece(f"c{c}", 1, 0))
             if r.status_code != 200:
                 refused(r)
                 break
@@ -236,9 +238,10 @@ def test_steps_without_a_lease_are_bounded_by_the_budget_not_only_their_count(tm
         assert 1 <= len(ok) <= 3
         for c in ok:  # the accepted steps complete, and give their memory back
             g = {P.GRAD: torch.full((4, 256, D), 1e-3)}
-            assert post(srv, P.TRAIN_BACKWARD, g, piece(f"c{c}", 1, 0, micros=1)).status_code == 200
+            assert post(srv, P.TRAIN_BACKWARD, g, piece(f"c{c}", 1, 0)).status_code == 200
+            assert apply(srv, {"client_id": f"c{c}", "step": 1, "pieces": 1, "lr": 1e-3}).status_code == 200
         assert memory(srv)["tenant_reserved_bytes"] < 8 * MiB  # the kept answers of the last steps
-        r = post(srv, P.TRAIN_FORWARD, hidden(4, 256, 9), piece("c9", 1, 0, micros=1))
+        r = post(srv, P.TRAIN_FORWARD, hidden(4, 256, 9), piece("c9", 1, 0))
         assert r.status_code == 200, r.text  # room again (stored answers are evicted for it if needed)
 
 

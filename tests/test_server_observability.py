@@ -23,7 +23,7 @@ from splitlearn.server.config import ServerConfig
 from splitlearn.server.engine.tenants import digest_of
 from splitlearn.errors import ConfigError
 
-from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, assert_error, auth, post_tensors, tensors_of
+from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, apply_step, assert_error, auth, post_tensors, tensors_of
 
 D, VOCAB = 32, 257  # models/tiny.json
 
@@ -46,9 +46,12 @@ def value(samples: dict, name: str, **labels) -> float:
 
 
 def train_step(client, step: int, token=TOKEN):
+    """One fused 2-way piece of step ``step``, then its apply: two requests."""
     g = torch.Generator().manual_seed(step)
     tensors = {P.HIDDEN: torch.randn(2, 6, D, generator=g), P.LABELS: torch.randint(0, VOCAB, (2, 6), generator=g)}
-    return tensors_of(post_tensors(client, P.TRAIN_STEP, tensors, P.StepMeta("c1", step).to_meta(), token=token))
+    out = tensors_of(post_tensors(client, P.TRAIN_STEP, tensors, P.StepMeta("c1", step).to_meta(), token=token))
+    assert apply_step(client, "c1", step, token=token).status_code == 200
+    return out
 
 
 def decode_steps(client, n: int, token=OTHER) -> str:
@@ -100,7 +103,7 @@ def test_metrics_parse_and_move_with_real_requests(app):
     assert moved("splitlearn_request_bytes_total", route=route, direction="in") > 3 * D * 4
     assert moved("splitlearn_steps_applied_total") == 2
     assert moved("splitlearn_decode_steps_total") == 3
-    assert moved("splitlearn_queue_wait_seconds_count", **{"class": "training"}) == 2  # one wait per step
+    assert moved("splitlearn_queue_wait_seconds_count", **{"class": "training"}) == 4  # a piece and an apply a step
     assert moved("splitlearn_queue_wait_seconds_count", **{"class": "decode"}) >= 1
     assert value(after, "splitlearn_sessions", tenant="mallory") == 1
     assert value(after, "splitlearn_cached_tokens", tenant="mallory") == 3  # 1 row x 3 positions
@@ -154,15 +157,16 @@ def test_one_json_access_line_per_request_with_its_fields(app, access):
     c.get(P.INFO)  # no token: 401
     lines = access()
     assert [(x["method"], x["route"], x["status"], x["tenant"]) for x in lines] == [
-        ("POST", P.TRAIN_STEP, 200, "mallory"), ("GET", P.INFO, 200, "mallory"),
-        ("GET", P.INFO, 200, "mallory"), ("GET", P.INFO, 401, "-")]
+        ("POST", P.TRAIN_STEP, 200, "mallory"), ("POST", P.TRAIN_APPLY, 200, "mallory"),
+        ("GET", P.INFO, 200, "mallory"), ("GET", P.INFO, 200, "mallory"), ("GET", P.INFO, 401, "-")]
+    assert len({x["request_id"] for x in lines}) == 5
+    del lines[1]  # the apply
     step = lines[0]
     assert step["bytes_in"] > 2 * 6 * D * 4 and step["bytes_out"] > 2 * 6 * D * 4 and step["ms"] > 0
     assert step["level"] == "INFO" and step["logger"] == "splitlearn.server.http.accesslog"
     assert "incident" not in step
     assert lines[1]["request_id"] == mine.headers[P.REQUEST_ID_HEADER] == "trace-42:a"  # the client's id, kept
     assert re.fullmatch(r"[0-9a-f]{16}", lines[2]["request_id"]) and bad_id.headers[P.REQUEST_ID_HEADER] == lines[2]["request_id"]
-    assert len({x["request_id"] for x in lines}) == 4
     assert lines[1]["bytes_out"] == len(mine.get_data())
     assert not any(TOKEN in json.dumps(x) or OTHER in json.dumps(x) for x in lines)
 

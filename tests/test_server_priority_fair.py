@@ -12,6 +12,7 @@ queued before each request one batch of 256 rows; the rest is the hog's HTTP han
 same two cores). The unbounded setting (``--decode-rows`` and ``--decode-share`` huge) is
 measured too, so the test shows the bound is what holds the attack.
 """
+import json
 import statistics
 import threading
 import time
@@ -23,7 +24,7 @@ import torch
 from splitlearn import protocol as P
 from splitlearn.wire import decode, encode
 
-from serverproc import OTHER, TOKEN, ServerProcess, auth
+from serverproc import OTHER, TOKEN, ServerProcess, apply_step, auth
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # measures time: run alone (pytest.ini)
 
@@ -45,15 +46,21 @@ def train_steps(srv, seconds: float, steps: list) -> list[float]:
     s.headers.update({**auth(TOKEN), "Content-Type": P.CONTENT_TYPE})
     g = torch.Generator().manual_seed(len(steps))
     took, end = [], time.monotonic() + seconds
+    first = len(steps) + 1
     while time.monotonic() < end:
-        meta = P.StepMeta("alice", len(steps) + 1).to_meta()
+        step = len(steps) + 1
+        meta = P.StepMeta("alice", step).to_meta()
+        carried = {"apply": json.dumps({"client_id": "alice", "step": step - 1, "pieces": 1, "lr": P.MAX_LR})}
         t0 = time.monotonic()
-        for path, name, x in ((P.TRAIN_FORWARD, P.HIDDEN, torch.randn(4, 64, D, generator=g)),
-                              (P.TRAIN_BACKWARD, P.GRAD, 1e-3 * torch.randn(4, 64, D, generator=g))):
-            r = s.post(srv.url + path, data=encode({name: x}, meta), timeout=120)
+        for path, name, x, more in ((P.TRAIN_FORWARD, P.HIDDEN, torch.randn(4, 64, D, generator=g),
+                                     carried if step > first else {}),  # the last step's apply rides on it
+                                    (P.TRAIN_BACKWARD, P.GRAD, 1e-3 * torch.randn(4, 64, D, generator=g), {})):
+            r = s.post(srv.url + path, data=encode({name: x}, {**meta, **more}), timeout=120)
             assert r.status_code == 200, r.text
         took.append(time.monotonic() - t0)
-        steps.append(len(steps) + 1)
+        steps.append(step)
+    r = apply_step(s, "alice", len(steps), url=srv.url)  # the last one's, untimed
+    assert r.status_code == 200, r.text
     return took
 
 

@@ -15,7 +15,7 @@ from splitlearn import SplitClient
 from splitlearn import protocol as P
 from splitlearn.wire import decode, encode
 
-from serverproc import OTHER, TOKEN, ServerProcess, auth
+from serverproc import OTHER, TOKEN, ServerProcess, apply_step, auth
 
 # measures time or fairness: `make test` runs it after the parallel phase, alone (pytest.ini)
 pytestmark = pytest.mark.serial
@@ -70,6 +70,7 @@ def test_another_tenants_client_id_is_a_different_client(server):
         r = post(server, P.TRAIN_BACKWARD, {P.GRAD: torch.ones(2, 8, 32) * 1e-3}, P.StepMeta("alice", 1).to_meta(),
                  MALLORY)
         assert r.status_code == 200
+        assert apply_step(requests, "alice", 1, token=MALLORY, url=server.url).json()["applied"]
         # ... and Alice's next step is hers, step 3, unaffected
         alice.train_step(batch(5))
         assert alice.step == 3
@@ -111,6 +112,7 @@ def test_caps_are_per_tenant(server):
     r = post(server, P.TRAIN_BACKWARD, {P.GRAD: h}, P.StepMeta("m1", 1).to_meta(), MALLORY)
     assert r.status_code == 409 and "no forward pending" in r.json()["message"]
     assert post(server, P.TRAIN_BACKWARD, {P.GRAD: h}, P.StepMeta("m2", 1).to_meta(), MALLORY).status_code == 200
+    assert apply_step(requests, "m2", 1, token=MALLORY, url=server.url).status_code == 200
     # client ids: mallory has alice (first test), m1, m2; a fourth id is refused, alice is not limited
     r = post(server, P.TRAIN_FORWARD, {P.HIDDEN: h}, P.StepMeta("m4", 1).to_meta(), MALLORY)
     assert r.status_code == 429 and "max-clients-per-tenant" in r.json()["message"]

@@ -64,7 +64,10 @@ class Counter:
 
 
 def model_class_steps(url: str, m: int, loss_gradient=None) -> list:
-    model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=url, token=TOKEN, micro_batches=m).train()
+    # apply_wait_s: the test counts what the steps carry, whatever the machine's speed (an apply
+    # sent alone after 0.1 s idle is test_an_idle_client_...'s subject)
+    model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=url, token=TOKEN, micro_batches=m,
+                                                 apply_wait_s=30).train()
     model.loss_gradient = loss_gradient
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     count, per_step = Counter(model.remote.transport), []
@@ -83,6 +86,7 @@ def model_class_steps(url: str, m: int, loss_gradient=None) -> list:
 def split_client_steps(url: str, m: int) -> list:
     count, per_step = None, []
     with SplitClient(url, "tiny", token=TOKEN, device="cpu", micro_batches=m) as client:
+        client.model.remote.idle_flush_s = 30  # as model_class_steps' apply_wait_s
         count = Counter(client.transport)
         for step in range(STEPS):
             client.train_step(batch(step))
@@ -125,14 +129,15 @@ def test_an_idle_client_keeps_its_deferred_step_while_another_waits_for_the_leas
     """The attack on a carried apply: client A finishes step 1 (its apply deferred to step 2's
     forward, the shared segment's lease still A's) and idles past ``--lease-timeout`` while B
     waits for the lease. The server would drop A's step at the timeout (409 at A's next step,
-    the step lost); the idle flush sends the apply after a third of the timeout instead."""
+    the step lost); the idle flush sends the apply after a third of the timeout instead
+    (``apply_wait_s`` caps it, 0.1 s by default: here 10, so the lease's third decides)."""
     import threading
     import time
 
     with InprocServerProcess((1, 3), extra=["--lease-timeout", "1.5"]) as srv:
         models = []
         for _ in range(2):
-            m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN).train()
+            m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, apply_wait_s=10).train()
             models.append((m, torch.optim.SGD(m.parameters(), lr=1e-2)))
         (a, opt_a), (b, opt_b) = models
         assert a.remote.idle_flush_s == pytest.approx(0.5)
@@ -156,4 +161,32 @@ def test_an_idle_client_keeps_its_deferred_step_while_another_waits_for_the_leas
         other.join(30)
         assert done and done[0]["applied"]  # B got the lease once A's apply came
         for m, _ in models:
+            m.remote.close()
+
+
+def test_an_owner_waiting_for_the_segment_is_not_held_up_by_another_owners_deferred_apply():
+    """Two owners take turns, one step each, on the shared U-shape segment (the default lease of
+    60 s). Owner A's apply waits for A's next step to carry it, and holds the segment meanwhile;
+    A does not come back, so after ``apply_wait_s`` (0.1 s) it is sent alone and B's step goes
+    through: B waits well under the 20 s a third of the lease would cost (the old idle flush),
+    and both steps are applied."""
+    import time
+
+    with InprocServerProcess((1, 3)) as srv:
+        models = []
+        for _ in range(2):
+            m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN).train()
+            models.append((m, torch.optim.SGD(m.parameters(), lr=1e-2)))
+        assert models[0][0].remote.idle_flush_s == pytest.approx(0.1)
+        waits = []
+        for i, (m, opt) in enumerate(models):
+            t0 = time.monotonic()
+            m(input_ids=batch(i), labels=batch(i)).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            waits.append(time.monotonic() - t0)
+        assert waits[1] < 10, waits  # not 20 s
+        for m, _ in models:
+            m.flush()
+            assert m.remote.last_apply["applied"] and m.remote.last_apply["step"] == 1
             m.remote.close()

@@ -1,30 +1,11 @@
 """The transport doctor: what a call to this server costs, and what that means for a split.
 
-``python -m splitlearn.client diagnose --server URL [--json]`` measures, against a running
-server:
-
-- **round trips** of payloads from 1 KiB to 16 MiB through ``POST /v1/echo`` (the body goes
-  out and comes back; no tensor work on the server), on the same keep-alive connection a
-  :class:`~splitlearn.client.SplitClient` uses for its tensors;
-- the **per-call overhead** and the **effective bandwidth**, from a least-squares line
-  through those round trips: ``round trip = overhead + 2 x bytes / bandwidth``;
-- the **(de)serialisation cost** of each wire dtype on this machine, for the activation of
-  a decode step (B x 1 x d) and of a training step (B x T x d);
-- the **bytes per cut** of the server's model (the analyzer's
-  :func:`splitlearn.analysis.traffic.wire_bytes`) for a training step and a decode step,
-  and what each would cost on this link, per wire dtype;
-
-and says in words which bound applies: "latency-bound: fewer round trips or larger batches"
-when the per-call overhead is most of a step's link time, "bandwidth-bound: bfloat16 halves
-the bytes, int8 quarters them" when the bytes are.
-
-On a link whose calls cost milliseconds (a WAN, docs/WAN.md) it adds what the measured link
-means for the two knobs that hide it (:func:`wan_advice`): generation is capped at one token
-per call, which speculative decoding lifts (the expected tokens per round trip of a draft that
-agrees 90% at the draft length :func:`splitlearn.hf.draft.best_draft_length` picks for this
-link); a training step's link time is hidden behind compute by ``micro_batches``. The
-report's ``link`` entry (``rtt_ms``, ``link_mbps``) is what ``analyze_model_performance
---link-from`` reads, so the analyzer's cut and wire-dtype recommendation use the measured link.
+``python -m splitlearn.client diagnose --server URL [--json]``: round trips of 1 KiB to 16 MiB
+through ``POST /v1/echo`` fitted to ``round trip = overhead + 2 x bytes / bandwidth``
+(:func:`fit_link`), each wire dtype's (de)serialisation cost, the bytes per cut of the server's
+model priced on this link, a latency- or bandwidth-bound verdict, and on a slow link
+:func:`wan_advice`. The report's ``link`` entry (``rtt_ms``, ``link_mbps``) is what
+``analyze_model_performance --link-from`` reads. Design: docs/WAN.md, 'Measure your own link'.
 """
 from __future__ import annotations
 

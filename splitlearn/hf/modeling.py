@@ -54,7 +54,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 from ..errors import ConfigError, NotYourTurn, StaleWeights
 from ..loading import _LOAD_LOCK, is_spec_source, load_model
 from ..packed import PackedLinears
-from ..partition import validate_cuts
+from ..export import load_segments
+from ..partition import partition, validate_cuts
 from ..segments import embed, run_blocks
 from ..transport import shares_cores_with_server
 from ..trust import Pins
@@ -231,12 +232,20 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         output_shape = (-1,) + tuple(input_shape[1:]) + (hidden.size(-1),)
         (a, b) = self.client_blocks[0]
         hidden = self._run_blocks(a, b, hidden, attention_mask, local, position_ids, inputs_embeds)
+        clean = hidden
         hidden = self._defended(hidden, inputs_embeds)  # what crosses the cut
+        residual = self.u_shape and getattr(getattr(self.remote, "defense", None), "residual", False)
         return hidden, dict(mask=attention_mask, cache=remote_cache, local=local, position_ids=position_ids,
-                            embeds=inputs_embeds, output_shape=output_shape)
+                            embeds=inputs_embeds, output_shape=output_shape,
+                            residual=(clean, hidden) if residual else None)
 
     def top_half(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
-        """U-shape: the trunk's output (B, T, d) through the client's last blocks and ``ln_f``."""
+        """U-shape: the trunk's output (B, T, d) through the client's last blocks and ``ln_f``. With
+        a defense's residual design (``GaussianNoise(residual=True)``), the server's update (its
+        output minus what was sent) is added to the client's clean activations first."""
+        if ctx.get("residual") is not None:
+            clean, sent = ctx["residual"]
+            hidden = clean + (hidden - sent)  # (B, T, d)
         (a, b) = self.client_blocks[1]
         hidden = self._run_blocks(a, b, hidden, ctx["mask"], ctx["local"], ctx["position_ids"], ctx["embeds"])
         return self.ln_f(hidden).view(ctx["output_shape"])
@@ -296,7 +305,8 @@ class SplitMixin:
         """The end of this owner's turn (sequential) or of its part of a round (splitfed): upload
         the client-side weights; splitfed waits for the round's other members and loads the
         average. A no-op in shared mode. Call it between optimizer steps. Returns the server's
-        federation status. See :mod:`splitlearn.hf.federation`."""
+        federation status. With a ``journal_dir`` and an attached optimizer, the client
+        checkpoint is written again after it. See :mod:`splitlearn.hf.federation`."""
         from .federation import federation_of, shared_weights
 
         remote = self.transformer.remote
@@ -305,7 +315,12 @@ class SplitMixin:
             raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
                               "(optimizer.step() or zero_grad() first)")
         remote.flush()  # the last step's deferred apply, before the turn or the round closes
-        return federation_of(self).sync(shared_weights(self))
+        fed = federation_of(self)
+        status = fed.sync(shared_weights(self))
+        optimizer = remote._optimizer_ref() if remote._optimizer_ref is not None else None
+        if not fed.shared and optimizer is not None and remote.log.directory is not None and remote.log.enabled:
+            remote.persist(optimizer)  # journal_dir: the server checkpoints at a sync; the average is loaded
+        return status
 
     @property
     def micro_batches(self) -> int:
@@ -318,6 +333,8 @@ class SplitMixin:
         from .pipeline import check_micro_batches
 
         check_micro_batches(m)
+        if m > 1 and getattr(self.defense, "residual", False):
+            raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
         if m > 1 and not isinstance(self, SplitGPT2LMHeadModel):
             raise ConfigError(f"micro_batches works with SplitGPT2LMHeadModel (a causal-LM loss); "
                               f"{type(self).__name__} trains whole batches")
@@ -362,6 +379,12 @@ class SplitMixin:
         if defense is not None and not isinstance(defense, Defense):
             raise ConfigError(f"defense must be a splitlearn.privacy Defense (GaussianNoise, NoPeek), "
                               f"got {type(defense).__name__}")
+        if getattr(defense, "residual", False):
+            if not self.transformer.u_shape:
+                raise ConfigError("a defense's residual design needs a U-shape server (the client "
+                                  "keeps the residual stream between the two cuts)")
+            if self.micro_batches > 1:
+                raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
         self.remote.defense = defense
 
     def _add_defense_loss(self, out):
@@ -386,7 +409,7 @@ class SplitMixin:
         both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). ``micro_batches``: see
         :attr:`micro_batches`. ``fed_url``, ``fed_token``: a separate fed server for the federation
         modes (:mod:`splitlearn.hf.federation`); ``journal_dir``: the crash journal on disk too
-        (:meth:`resume`); ``wait_timeout_s``, ``reconnect_timeout_s``: as
+        (:meth:`resume`); ``wait_timeout_s``, ``reconnect_timeout_s``, ``apply_wait_s``: as
         :class:`~splitlearn.hf.remote.RemoteConfig`. ``min_client_blocks`` (default 1: a server cut at 0 is refused),
         ``expected_cuts``, ``shape`` (``"u"``: a 2-way server is refused, the labels stay here):
         the splits accepted (:class:`splitlearn.trust.Pins`), checked before anything is sent.
@@ -523,6 +546,13 @@ class SplitGenerationMixin:
     #: the :class:`~splitlearn.hf.draft.LinkAwarePolicy` of the last ``generate`` that drafted by
     #: default (its ``rounds``, ``lengths``, ``measured_acceptance``), or None
     last_draft_policy = None
+
+    def generate_stream(self, **kwargs):
+        """Yield the next token of every row, (B,), as ``generate(**kwargs)`` makes it (in a
+        thread; closing the iterator stops it at its next token): :mod:`splitlearn.hf.streaming`."""
+        from .streaming import stream_tokens
+
+        return stream_tokens(self.generate, **kwargs)
 
     def generate(self, *args, **kwargs):
         """``GenerationMixin.generate``; a cache it makes is closed on return, and drafting
@@ -778,6 +808,31 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
     return model
 
 
+def split_segments(source, remote: RemoteSegment, device=None, seed: int = 0) -> tuple:
+    """The client's :class:`~splitlearn.segments.Segment`\\ s of ``source`` (a
+    :func:`splitlearn.load_model` source, or a directory of exported segments) at ``remote``'s cuts
+    (bottom; U-shape also top), and a :class:`SplitGPT2LMHeadModel` over ``remote`` whose modules
+    are theirs (no copy) -> (model, segments)."""
+    if isinstance(source, (str, Path)) and (Path(source) / "bottom.json").is_file():
+        segments = [s.to(device) for s in load_segments(source, ["bottom", "top"][:1 + remote.u_shape])]
+    else:
+        m = load_model(source, device=device, seed=seed)
+        _check_config(m.config, remote.info)
+        parts = partition(m, remote.cuts)  # the server's segment dies with `m` and `parts`
+        segments = [parts.bottom, parts.top] if remote.u_shape else [parts.bottom]
+    config = copy.deepcopy(segments[0].config)
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(config)
+    t = hf.transformer
+    t.wte, t.wpe, t.drop = segments[0].wte, segments[0].wpe, segments[0].drop
+    for seg in segments:
+        for j, block in enumerate(seg.h):
+            t.h[seg.start + j] = block
+    if remote.u_shape:
+        t.ln_f, hf.lm_head = segments[1].ln_f, segments[1].lm_head
+    return split_model(hf, remote=remote), segments
+
+
 def _load_hf(hf_cls: type, source, seed: int = 0, **config_kwargs):
     """A Hugging Face ``hf_cls`` for a :func:`splitlearn.load_model` source: checkpoints (a
     directory, a hub id) through ``hf_cls.from_pretrained``; spec names and configs as the seeded
@@ -816,7 +871,7 @@ def _from_pretrained(hf_cls: type, source, server, token, client_id, wire_dtype,
     if server is None:
         raise ConfigError("from_pretrained of a split model needs server=URL (the splitlearn server)")
     pins = Pins(*(kwargs.pop(k, d) for k, d in (("min_client_blocks", 1), ("expected_cuts", None), ("shape", None))))
-    more = {k: kwargs.pop(k) for k in ("wait_timeout_s", "reconnect_timeout_s", "fed_url", "fed_token", "journal_dir")
+    more = {k: kwargs.pop(k) for k in ("wait_timeout_s", "reconnect_timeout_s", "apply_wait_s", "fed_url", "fed_token", "journal_dir")
             if k in kwargs}  # RemoteConfig's other fields
     remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries, pins=pins, **more))
     try:

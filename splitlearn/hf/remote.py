@@ -9,8 +9,8 @@ exactly as if the blocks were local; without gradients (``torch.no_grad()``, eva
 
 Training is numbered as everywhere in splitlearn (docs/PROTOCOL.md): every request carries
 ``client_id``, ``step`` (the optimizer step it belongs to, 1, 2, 3...) and ``micro`` (the
-piece of that step, 0, 1, 2...), with ``micros = 0``: an **open-ended** step, whose pieces the
-server accumulates until the client's optimizer steps::
+piece of that step, 0, 1, 2...), with ``micros = 0`` (the only kind of step: its pieces the
+server accumulates until the client's optimizer steps)::
 
     forward (grad on)   POST /v1/train/forward   hidden [+ attention_mask] (+ labels, 2-way)
                                                  -> hidden (U) | loss F32 [1] (2-way)
@@ -67,6 +67,7 @@ import uuid
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -90,8 +91,9 @@ class _IdleFlusher:
     A shared segment's lease is held from a step's first piece to its apply; a server drops a
     step whose lease expired (``--lease-timeout``) while another client waited. A client that
     idles between steps (a notebook, a slow data loader) would lose its step that way, so a
-    deferred apply is sent on its own after a third of the lease timeout. One daemon thread for
-    the process; it holds the segments weakly.
+    deferred apply is sent on its own after ``RemoteConfig.apply_wait_s`` (0.1 s; at most a third
+    of the lease timeout), so another owner waiting for the segment is not held up by an idle
+    one. One daemon thread for the process; it holds the segments weakly.
     """
 
     def __init__(self):
@@ -139,6 +141,9 @@ class RemoteConfig:
     fed_url: Optional[str] = None  # a separate fed server for the client-side weights (federation modes)
     fed_token: Optional[str] = None  # its own token (default $SPLITLEARN_FED_TOKEN; never the segment server's)
     journal_dir: Optional[str] = None  # the request log on disk too, with the client's checkpoint (.journal)
+    # how long a step's apply waits for the next step's first request to carry it before it is sent
+    # alone: the server holds a shared segment for this client until then (at most a third of the lease)
+    apply_wait_s: float = 0.1
 
     def __post_init__(self):
         self.wire_dtype = check_wire_dtype(self.wire_dtype)
@@ -146,6 +151,8 @@ class RemoteConfig:
             raise ConfigError(f"pins must be a splitlearn.trust.Pins, got {type(self.pins).__name__}")
         if self.client_id is not None and not P.valid_client_id(self.client_id):
             raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
+        if not 0 < self.apply_wait_s <= 60:
+            raise ConfigError(f"apply_wait_s must be in (0, 60] seconds, got {self.apply_wait_s}")
 
 
 # -- finding the optimizer ----------------------------------------------------------------
@@ -248,7 +255,8 @@ class RemoteSegment(nn.Module):
         self._carry = threading.RLock()  # the deferred apply: carried by a forward, or sent when idle
         self._carrying = False  # a forward carries the deferred apply (the idle flush leaves it)
         lease = (self.info.get("limits") or {}).get("lease_timeout_s")
-        self.idle_flush_s = float(lease) / 3 if isinstance(lease, (int, float)) and lease > 0 else None
+        self.idle_flush_s = (min(float(lease) / 3, self.cfg.apply_wait_s)
+                             if isinstance(lease, (int, float)) and lease > 0 else self.cfg.apply_wait_s)
         self.deferred: Optional[P.ApplyRequest] = None  # the last step's apply, carried by the next step's first forwards
         self.carry_apply = True  # False: every apply is a POST /v1/train/apply of its own
         self.auto_apply = True  # False: the owner calls apply() itself (SplitClient); no optimizer hook applies
@@ -340,7 +348,7 @@ class RemoteSegment(nn.Module):
     def _meta(self, step: int, micro: int, kind: str = "b", scale: Optional[float] = None) -> dict:
         """A piece's metadata; a forward of the step after a deferred apply carries it (``apply``);
         a fused 2-way piece (``scale``: the gradient its loss will receive) sends it as ``loss_scale``."""
-        meta = P.StepMeta(self.client_id, step, self.cfg.wire_dtype, self._fed_version, micro=micro, micros=0,
+        meta = P.StepMeta(self.client_id, step, self.cfg.wire_dtype, self._fed_version, micro=micro,
                           loss_scale=1.0 if scale is None else scale).to_meta()
         with self._carry:
             d = self.deferred
@@ -638,46 +646,106 @@ class RemoteSegment(nn.Module):
         self.log.durable(min(int(state.get("durable", 0)), server))
         self.log.replay(server, self.step, lambda r: self._send_once(r)[0])
 
+    def recover(self) -> int:
+        """Bring a server that restarted from its checkpoint back to this client's step (training
+        does it by itself) -> the number of steps replayed."""
+        before = len(self.log.replays)
+        self._recover()
+        return sum(r["steps"] for r in self.log.replays[before:])
+
     # -- the journal on disk: a crash of the client (cfg.journal_dir, see .journal) ----------
 
-    def persist(self, optimizer: torch.optim.Optimizer) -> None:
+    def _is_journal(self, directory) -> bool:
+        return self.log.directory is not None and Path(directory).resolve() == self.log.directory.resolve()
+
+    def persist(self, optimizer: torch.optim.Optimizer, directory=None) -> None:
         """Write the model's weights, ``optimizer``'s state and the RNG state as the client
-        checkpoint in ``cfg.journal_dir`` (between steps); drop the log the server's durable
-        step and this checkpoint both hold."""
+        checkpoint in ``directory`` (default: ``cfg.journal_dir``; between steps); drop the log
+        the server's durable step and this checkpoint both hold."""
         from ..checkpoint import save_state
 
         self.flush()  # the step this checkpoint holds is on the server (and in the log) first
+        directory = Path(directory) if directory is not None else self.log.directory
         owner = self._owner_ref() if self._owner_ref is not None else self
         weights = {k: v.detach().cpu().clone() for k, v in owner.state_dict().items()}
-        save_state(self.log.directory, "client", [], optimizer,
+        save_state(directory, "client", [], optimizer,
                    {"client_id": self.client_id, "step": self.step - 1, "cuts": list(self.cuts)},
                    extra={"model": weights, "rng": {"cpu": torch.get_rng_state()}})
-        self._snap_step = self.step - 1
-        self.log.prune(min(self.log.durable_step, self._snap_step))
+        if self._is_journal(directory):
+            self._snap_step = self.step - 1
+        RequestLog(True, directory).prune(min(self.log.durable_step, self.step - 1))
 
-    def resume(self, optimizer: torch.optim.Optimizer) -> int:
-        """After a crash of the client: load the client checkpoint of ``cfg.journal_dir`` (written
-        by :meth:`persist`) into the model and ``optimizer``, then :meth:`load_journal`. Returns
-        the step the loop starts again at (its data must be that step's)."""
+    def restore(self, directory, optimizer: torch.optim.Optimizer, rng: bool = True,
+                client_id: Optional[str] = None) -> dict:
+        """Load the client checkpoint in ``directory`` (:meth:`persist`'s) into the model and
+        ``optimizer`` (and the RNG state if ``rng``) -> its counters (``client_id``, ``step``,
+        ``cuts``). ConfigError if there is none, or it is not at the server's cuts (or not
+        ``client_id``'s, if given)."""
         from ..checkpoint import has_state, load_state, read_extra
 
-        directory = self.log.directory
         if directory is None or not has_state(directory, "client"):
-            raise ConfigError(f"no client checkpoint to resume from in {directory} (journal_dir)")
+            raise ConfigError(f"no client checkpoint in {directory}")
         counters = load_state(directory, "client", [], optimizer)
-        if counters["client_id"] != self.client_id or tuple(counters["cuts"]) != self.cuts:
-            raise ConfigError(f"the journal in {directory} is client {counters['client_id']!r}'s at cuts "
-                              f"{counters['cuts']}; this is {self.client_id!r} at {list(self.cuts)}")
+        if tuple(counters["cuts"]) != self.cuts:
+            raise ConfigError(f"checkpoint was made with cuts {counters['cuts']}, server has {list(self.cuts)}")
+        if client_id is not None and counters["client_id"] != client_id:
+            raise ConfigError(f"the checkpoint in {directory} is client {counters['client_id']!r}'s, not {client_id!r}")
         owner = self._owner_ref() if self._owner_ref is not None else self
         weights = read_extra(directory, "client", "model")
         with torch.no_grad():
             for k, v in owner.state_dict(keep_vars=True).items():
                 v.copy_(weights[k])
-        torch.set_rng_state(read_extra(directory, "client", "rng")["cpu"])
+        if rng:
+            torch.set_rng_state(read_extra(directory, "client", "rng")["cpu"])
+        if self._is_journal(directory):
+            self._snap_step = int(counters["step"])
+        return counters
+
+    def resume(self, optimizer: torch.optim.Optimizer) -> int:
+        """After a crash of the client: :meth:`restore` the client checkpoint of
+        ``cfg.journal_dir``, then :meth:`load_journal`. Returns the step the loop starts again at
+        (its data must be that step's)."""
+        self.restore(self.log.directory, optimizer, client_id=self.client_id)
         self.attach_optimizer(optimizer)
-        self._snap_step = int(counters["step"])
-        self.load_journal(directory, self._snap_step)
+        self.load_journal(self.log.directory, self._snap_step)
         return self.step
+
+    def run_step(self, attempt, optimizer: torch.optim.Optimizer, lr: float) -> float:
+        """One whole step for an owner that applies (:attr:`auto_apply` False, ``SplitClient``):
+        ``attempt()`` (forward and backward of :attr:`step` -> its loss) runs again, the refused
+        attempt's pieces dropped on both sides, while the segment is busy or the server refuses it
+        (stale shared weights, a lapsed turn, a forward it no longer has), within
+        ``wait_timeout_s``; then ``optimizer.step()``, the apply at ``lr`` and, with a journal on
+        disk, a new client checkpoint once the server's is past the last. Returns the loss."""
+        from ..transport.fedsync import wait_while_busy
+        from .federation import federation_of
+
+        fed, step = federation_of(self._owner_ref()), self.step
+        deadline = time.monotonic() + self.cfg.wait_timeout_s
+
+        def once() -> float:
+            if self.pieces or self.answered:  # an earlier attempt's pieces: dropped on both sides
+                self.discard_pending(force=True)
+            return attempt()
+
+        while True:
+            try:
+                fed.before_step()
+                loss = wait_while_busy(once, "the segment", max(deadline - time.monotonic(), 0.0))
+                break
+            except (StaleWeights, NotYourTurn) as e:
+                log.info("step %d redone: %s", step, e.message)
+                fed.stale()
+            except Redo as e:
+                log.warning("step %d redone: %s", step, e)
+            self.log.drop(step)  # what was logged of the refused attempt
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"step {step} could not be applied within {self.cfg.wait_timeout_s:g}s")
+        optimizer.step()
+        self.apply(lr)  # carried by the next step's first request (or flushed)
+        if self.log.directory is not None and self.log.enabled and self.log.durable_step > self._snap_step:
+            self.persist(optimizer)  # the server's checkpoint moved past this client's: a new one
+        return loss
 
     def load_journal(self, directory, mine: int) -> dict[int, dict]:
         """This client is back at step ``mine`` (its checkpoint): the logged steps in

@@ -3,8 +3,10 @@
 The attacker sees ``y = defense.apply(bottom(x))`` (B, T, d) and wants the ids ``x``:
 learned inverters ``linear``, ``mlp``, ``gru`` trained on public text through the same
 bottom and defense (:func:`train_inverter`), and white-box inversion knowing the bottom's
-weights (:func:`invert_whitebox`). Every attack returns predicted ids (B, T); :func:`recovery`
-is the top-1 fraction correct. See docs/PRIVACY.md, 'Attacks'."""
+weights (:func:`invert_whitebox`: greedy, position by position) and the optimisation attack
+(:func:`invert_optimize`: all positions at once, maximum a posteriori under the defense's noise
+with the best inverter's guess as the prior, a la BiSR). Every attack returns predicted ids
+(B, T); :func:`recovery` is the top-1 fraction correct. See docs/PRIVACY.md, 'Attacks'."""
 from __future__ import annotations
 
 import logging
@@ -21,7 +23,7 @@ from .defenses import Defense, GaussianNoise
 log = logging.getLogger(__name__)
 
 LEARNED = ("linear", "mlp", "gru")
-ATTACKS = LEARNED + ("whitebox",)
+ATTACKS = LEARNED + ("whitebox", "optimize")
 
 
 @dataclass
@@ -37,9 +39,13 @@ class AttackConfig:
     whitebox_candidates: int = 512  # white-box tries every candidate token up to this many;
                                     # above it, the top ones of the best learned inverter
     seed: int = 0               # inverter initialisation, batching and noise
+    opt_steps: int = 150        # optimisation attack: Adam steps on the relaxed tokens
+    opt_lr: float = 0.1         # ... and their learning rate
 
     def __post_init__(self):
-        for f in ("epochs", "batch_tokens", "hidden", "gru_hidden", "whitebox_candidates"):
+        if not self.opt_lr > 0:
+            raise ConfigError("AttackConfig.opt_lr must be > 0")
+        for f in ("epochs", "batch_tokens", "hidden", "gru_hidden", "whitebox_candidates", "opt_steps"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"AttackConfig.{f} must be a positive integer, got {v!r}")
@@ -197,3 +203,63 @@ def _whitebox_batch(bottom: Segment, y: torch.Tensor, candidates: torch.Tensor,
         dist = (hc - y[:, t:t + 1]).pow(2).sum(-1)  # (B, K)
         rec[:, t] = cand.gather(1, dist.argmin(1, keepdim=True))[:, 0]
     return rec
+
+
+@torch.no_grad()
+def inverter_log_probs(inv: Inverter, y: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    """The inverter's log-probabilities (B, T, K) over its classes for activations ``y`` (B, T, d)."""
+    return torch.cat([inv(y[i:i + batch]).log_softmax(-1) for i in range(0, len(y), batch)])
+
+
+def invert_optimize(bottom: Segment, y: torch.Tensor, classes: torch.Tensor, defense: Optional[Defense] = None,
+                    prior: Optional[torch.Tensor] = None, config: AttackConfig = AttackConfig(),
+                    batch: int = 16) -> torch.Tensor:
+    """Recover ids (B, T) from observed activations ``y`` (B, T, d), knowing the bottom, by
+    optimisation (BiSR's, arXiv 2409.00960, on the forward activations): every position is a
+    softmax over the candidate ids ``classes`` (K,), embedded as the softmax-weighted token
+    embeddings, run through the bottom (causal, all positions at once) and clipped as the defense
+    clips; Adam maximises the Gaussian log-likelihood of ``y`` under the defense's noise plus the
+    log-prior ``prior`` (B, T, K), e.g. the best learned inverter's log-probabilities, which also
+    starts the search. The argmax of each position is the guess."""
+    out = [_optimize_batch(bottom, y[i:i + batch], classes, defense,
+                           None if prior is None else prior[i:i + batch], config)
+           for i in range(0, len(y), batch)]
+    return torch.cat(out)  # (B, T)
+
+
+def _optimize_batch(bottom, y, classes, defense, prior, config):
+    dev = next(bottom.parameters()).device
+    y = y.to(dev).float()
+    B, T, _ = y.shape
+    classes = classes.to(dev)
+    K = len(classes)
+    clip = defense.clip_tokens if isinstance(defense, GaussianNoise) else (lambda v: v)
+    noise = defense.sigma * defense.clip if isinstance(defense, GaussianNoise) else 0.0
+    # the likelihood's scale: the noise, or (none) a small fraction of the activations' size
+    var = noise ** 2 + (0.05 * y.norm(dim=-1).mean().item()) ** 2 / y.shape[-1]
+    logp = prior.to(dev).float() if prior is not None else torch.zeros(B, T, K, device=dev)
+    z = logp.clone().requires_grad_()  # (B, T, K) relaxed tokens, started at the prior
+    emb = bottom.wte.weight[classes].detach()  # (K, d)
+    pos = bottom.wpe(torch.arange(T, device=dev))[None].detach()  # (1, T, d)
+    mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None].expand(B, 1, T, T)
+    params = [p for p in bottom.parameters()]
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        opt = torch.optim.Adam([z], lr=config.opt_lr)
+        for _ in range(config.opt_steps):
+            w = z.softmax(-1)  # (B, T, K)
+            x = w @ emb + pos  # (B, T, d)
+            for block in bottom.h:
+                x = block(x, None, mask)
+                x = x[0] if isinstance(x, tuple) else x
+            nll = (clip(x) - y).pow(2).sum(-1) / (2 * var)  # (B, T)
+            loss = (nll - (w * logp).sum(-1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        for p, f in zip(params, flags):
+            p.requires_grad_(f)
+    return classes[z.detach().argmax(-1)]  # (B, T)

@@ -1,8 +1,15 @@
 """``python -m splitlearn.privacy``: the leakage table of docs/PRIVACY.md, per cut and defense
 strength (commands there, 'Reproduce, or measure your own checkpoint').
 
-Every cut is measured without a defense and with ``GaussianNoise(sigma, clip)`` per ``--sigma``;
-``--clip`` defaults to the median per-token norm at the cut. Bad input: one line on stderr, exit 2."""
+Every cut is measured without a defense, with ``GaussianNoise(sigma, clip)`` per ``--sigma`` and with
+each ``--defense NAME[:FIELD=V,...]`` (``recommended``: :func:`~.presets.recommended`); ``--clip``
+defaults to the median per-token norm at the cut. With ``--defense-train-steps N`` every defended
+row is measured on the model fine-tuned N steps *with* its defense, over the split
+(:func:`splitlearn.defensetrain.finetune_defense`, cached), the attackers trained on that model's
+activations. Bad input: one line on stderr, exit 2.
+
+``python -m splitlearn.privacy`` runs :func:`main` with the fine-tuning (``splitlearn.defensetrain``,
+which sits above this package); this module alone measures defenses at test time only."""
 from __future__ import annotations
 
 import argparse
@@ -19,9 +26,10 @@ import torch
 from ..errors import SplitLearnError
 from ..loading import is_spec_source, load_model
 from .attacks import ATTACKS, AttackConfig
-from .defenses import GaussianNoise
-from .meter import measure_leakage, median_token_norm
-from .reference import reference_info, train_reference
+from .defenses import GaussianNoise, parse_defense
+from .meter import default_tokenizer, measure_leakage, median_token_norm, perplexities, private_windows
+from .presets import recommended
+from .reference import finetune_info, reference_info, train_reference
 
 log = logging.getLogger(__name__)
 PROG = "python -m splitlearn.privacy"
@@ -44,7 +52,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cut", type=parse_cut, action="append", dest="cuts", metavar="C[,C2]",
                    help="a 2-way cut C or a U-shape C1,C2; repeatable")
     p.add_argument("--sigma", type=float, action="append", default=[], help="GaussianNoise "
-                   "noise multiplier; repeatable (a row without a defense is always measured)")
+                   "noise multiplier, inserted at test time (never fine-tuned); repeatable (a row "
+                   "without a defense is always measured)")
+    p.add_argument("--defense", action="append", default=[], dest="defenses", metavar="NAME[:FIELD=V,...]",
+                   help="a defense row: gaussian:sigma=2, nopeek:weight=0.5, gaussian+nopeek:sigma=1,"
+                   "weight=0.3, recommended (the documented preset); repeatable")
+    p.add_argument("--defense-train-steps", type=int, metavar="N", help="fine-tune the model N steps "
+                   "with each --defense, over the split, before measuring it (cached; default 0: "
+                   "the defense at test time only; recommended: its preset's steps; --sigma rows "
+                   "stay at test time)")
+    p.add_argument("--defense-lr", type=float, default=1e-3, help="fine-tuning learning rate")
+    p.add_argument("--defense-batch-size", type=int, default=16, help="fine-tuning sequences per step")
+    p.add_argument("--defense-seq-len", type=int, default=64, help="fine-tuning tokens per sequence")
     p.add_argument("--clip", type=float, help="per-token L2 clip (default: median norm at the cut)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma list of {', '.join(ATTACKS)}")
@@ -57,13 +76,42 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--markdown", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Measure every (cut, defense) of ``args``; returns {"model", "rows", "seconds", ...}."""
+def _defense_rows(args, cut, clip):
+    """[(defense or None, fine-tuning steps, preset name or None)] of ``cut``: none, each --sigma,
+    each --defense."""
+    rows = [(None, 0, None)]
+    steps = args.defense_train_steps
+    for sigma in args.sigma:  # at test time, as before fine-tuning existed
+        rows.append((GaussianNoise(sigma=sigma, clip=clip), 0, None))
+    for spec in args.defenses:
+        if spec == "recommended":
+            preset = recommended("u" if len(cut) == 2 else "2-way", cut)
+            rows.append((preset.defense(clip), preset.train_steps if steps is None else steps, spec))
+        else:
+            rows.append((parse_defense(spec, clip=clip), steps or 0, None))
+    return rows
+
+
+def _needs_clip(args) -> bool:
+    return bool(args.sigma) or any(s == "recommended" or s.split(":")[0].startswith("gaussian")
+                                   for s in args.defenses)
+
+
+def run(args: argparse.Namespace, finetune=None) -> dict:
+    """Measure every (cut, defense) of ``args``; returns {"model", "rows", "seconds", ...}.
+    ``finetune``: :func:`splitlearn.defensetrain.finetune_defense` (needed for fine-tuned rows)."""
     t0 = time.perf_counter()
+    steps = args.defense_train_steps
+    if steps is not None and (isinstance(steps, bool) or steps < 0):
+        raise SplitLearnError(f"--defense-train-steps must be >= 0, got {steps}")
+    for spec in args.defenses:  # bad specs fail before anything is trained
+        if spec != "recommended":
+            parse_defense(spec, clip=1.0)
     if args.threads is not None:
         if args.threads < 1:
             raise SplitLearnError(f"--threads must be >= 1, got {args.threads}")
@@ -75,7 +123,8 @@ def run(args: argparse.Namespace) -> dict:
         if not is_spec_source(args.model):
             raise SplitLearnError("--train-steps trains a spec (tiny, tiny-demo, ...); "
                                   f"{args.model!r} is a checkpoint")
-        source = str(train_reference(args.model, steps=args.train_steps, seed=args.seed))
+        source = str(train_reference(args.model, steps=args.train_steps, seed=args.seed,
+                                     progress=not args.no_progress))
         trained = reference_info(source)
     model = load_model(source, seed=args.seed, device=args.device)
     tokenizer = None
@@ -86,26 +135,72 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for cut in args.cuts:
         clip = args.clip
-        if args.sigma and clip is None:
+        if clip is None and _needs_clip(args):
             clip = median_token_norm(model, cut, tokenizer=tokenizer, seq_len=args.seq_len)
-        for sigma in [None] + list(args.sigma):
-            defense = None if sigma is None else GaussianNoise(sigma=sigma, clip=clip)
-            r = measure_leakage(model, cut, defense=defense, tokenizer=tokenizer,
+        plan = _defense_rows(args, cut, clip)
+        if any(n for _, n, _ in plan):
+            if finetune is None:
+                raise SplitLearnError("defense-aware fine-tuning runs through the model classes: use "
+                                      "python -m splitlearn.privacy (splitlearn.defensetrain)")
+            from ..data import ByteTokenizer
+            if not isinstance(tokenizer or default_tokenizer(model, source), ByteTokenizer):
+                raise SplitLearnError("defense-aware fine-tuning trains on the corpus as bytes: a model "
+                                      "with its own tokenizer is measured with the defense at test time "
+                                      "only (no --defense-train-steps)")
+        undefended = None
+        for defense, n, preset in plan:
+            measured, info = model, None
+            if n:
+                path = finetune(source, cut, defense, n, batch_size=args.defense_batch_size,
+                                seq_len=args.defense_seq_len, lr=args.defense_lr, seed=args.seed,
+                                progress=not args.no_progress)
+                measured, info = load_model(str(path), seed=args.seed, device=args.device), finetune_info(path)
+            r = measure_leakage(measured, cut, defense=defense, tokenizer=tokenizer,
                                 attacks=tuple(args.attacks.split(",")), seq_len=args.seq_len,
                                 delta=args.delta, config=config,
                                 max_private_tokens=args.max_private_tokens, seed=args.seed)
-            rows.append(r.as_dict())
-            print(f"  cut {','.join(map(str, cut))} {_defense(rows[-1])}: recovery "
-                  f"{r.token_recovery:.3f} ({r.best_attack}), perplexity {r.perplexity:.2f} "
-                  f"(unsplit {r.perplexity_unsplit:.2f}), {r.seconds:.1f} s", file=sys.stderr)
+            if undefended is None:
+                undefended = r.perplexity
+            r.perplexity_undefended = undefended
+            if defense is not None:
+                ids = private_windows(tokenizer or default_tokenizer(model, source), seq_len=args.seq_len,
+                                      max_private_tokens=args.max_private_tokens)
+                r.perplexity_test_time = perplexities(model, cut, ids, defense, args.seed)[0]
+            if info is not None:
+                _add_finetune(r, defense, info, args.delta)
+            rows.append(dict(r.as_dict(), preset=preset))
+            print(f"  cut {','.join(map(str, cut))} {_defense(rows[-1])}"
+                  f"{f' trained {n} steps' if n else ''}: recovery {r.token_recovery:.3f} "
+                  f"({r.best_attack}), perplexity {r.perplexity:.2f} (undefended {undefended:.2f}), "
+                  f"{r.seconds:.1f} s", file=sys.stderr)
     return {"model": args.model, "trained": trained, "device": args.device,
             "threads": torch.get_num_threads(), "rows": rows,
             "seconds": time.perf_counter() - t0}
 
 
+def _add_finetune(r, defense, info: dict, delta: float) -> None:
+    """The fine-tuning's cost and epsilon on report ``r``. A token of the fine-tuning text lies in
+    about ``windows_sent * seq_len / tokens`` of the random windows sent; each can release up to
+    ``seq_len`` vectors that depend on it: that many releases (a mean; random windows)."""
+    r.defense_trained = True
+    r.finetune = info
+    r.finetune_steps, r.finetune_seconds = info["steps"], info["seconds"]
+    if hasattr(defense, "noise_multiplier"):
+        per_token = math.ceil(info["windows_sent"] * info["seq_len"] / info["tokens"])
+        r.releases_finetune = per_token * info["seq_len"]
+        r.epsilon_finetune = defense.epsilon(delta, steps=per_token, tokens=info["seq_len"])
+
+
 def _defense(row: dict) -> str:
     d = row["defense"]
-    return "none" if d["name"] == "none" else f"σ={d['sigma']:g}, C={d['clip']:.3g}"
+    parts = []
+    if "sigma" in d:
+        parts.append(f"σ={d['sigma']:g}, C={d['clip']:.3g}")
+    if "weight" in d:
+        parts.append(f"NoPeek {d['weight']:g}")
+    if d.get("residual"):
+        parts.append("residual")
+    return ("recommended: " if row.get("preset") == "recommended" else "") + (", ".join(parts) or "none")
 
 
 def _eps(row: dict) -> str:
@@ -116,26 +211,34 @@ def _eps(row: dict) -> str:
 def to_markdown(data: dict) -> str:
     """The table of docs/PRIVACY.md."""
     attacks = [a for a in ATTACKS if any(a in r["attacks"] for r in data["rows"])]
-    head = (["cut", "defense", f"ε (δ={data['rows'][0]['delta'] or 1e-5:g}, per window)"]
-            + attacks + ["best", "perplexity", "unsplit", "labels to server", "s"])
+    head = (["cut", "defense", "fine-tuned", f"ε (δ={data['rows'][0]['delta'] or 1e-5:g}, per window)"]
+            + attacks + ["best", "perplexity", "× undefended", "at test time", "without server",
+                         "labels to server", "s (fine-tune + meter)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
         cut = ",".join(map(str, r["cut"]))
-        cells = ([cut if len(r["cut"]) == 1 else f"U {cut}", _defense(r), _eps(r)]
+        undef = r.get("perplexity_undefended") or r["perplexity_unsplit"]
+        test_time = r.get("perplexity_test_time")
+        ft = r.get("finetune_steps") or 0
+        cells = ([cut if len(r["cut"]) == 1 else f"U {cut}", _defense(r), f"{ft} steps" if ft else "no",
+                  _eps(r)]
                  + [f"{r['attacks'][a]:.3f}" if a in r["attacks"] else "" for a in attacks]
                  + [f"**{r['token_recovery']:.3f}** ({r['best_attack']})", f"{r['perplexity']:.2f}",
-                    f"{r['perplexity_unsplit']:.2f}", "yes" if r["labels_reach_server"] else "no",
-                    f"{r['seconds']:.0f}"])
+                    f"{r['perplexity'] / undef:.2f}", "" if test_time is None else f"{test_time:.2f}",
+                    "" if r.get("perplexity_without_server") is None else f"{r['perplexity_without_server']:.2f}",
+                    "yes" if r["labels_reach_server"] else "no",
+                    f"{r.get('finetune_seconds') or 0:.0f} + {r['seconds']:.0f}"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, finetune=None) -> int:
+    """The command; ``finetune``: see :func:`run` (``python -m splitlearn.privacy`` passes it)."""
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        data = run(args)
+        data = run(args, finetune=finetune)
     except (SplitLearnError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@
 :class:`NoPeek` (a distance-correlation loss, no guarantee). See docs/PRIVACY.md, 'Defenses'."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -53,11 +54,17 @@ class Defense:
 
 @dataclass
 class GaussianNoise(Defense):
-    """Clip each token's activation to L2 norm ``clip``, add N(0, (sigma * clip)^2) noise."""
+    """Clip each token's activation to L2 norm ``clip``, add N(0, (sigma * clip)^2) noise.
+
+    ``residual`` (U-shape only): the client keeps the residual stream's identity path. The server
+    computes its blocks from the noised activations as always; the client adds the server's
+    *update* (its output minus what was sent) to its own clean activations instead of taking the
+    output as it is. The server sees exactly the same; the client's last blocks see clean input."""
 
     sigma: float = 1.0                 # noise multiplier: noise std = sigma * clip
     clip: float = 1.0                  # per-token L2 norm bound C, in activation units
     generator: Optional[torch.Generator] = field(default=None, repr=False, compare=False)
+    residual: bool = False             # U-shape: clean + (server output - sent) on the client
 
     name = "gaussian"
 
@@ -70,6 +77,15 @@ class GaussianNoise(Defense):
             raise ConfigError(f"GaussianNoise.sigma must be >= 0, got {self.sigma}")
         if self.clip <= 0:
             raise ConfigError(f"GaussianNoise.clip must be > 0, got {self.clip}")
+        if self.residual not in (True, False, 0, 1):
+            raise ConfigError(f"GaussianNoise.residual must be a bool, got {self.residual!r}")
+        self.residual = bool(self.residual)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if not self.residual:
+            d.pop("residual")  # as before the residual design existed
+        return d
 
     def clip_tokens(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` (B, T, d) with each token's vector scaled to L2 norm <= clip."""
@@ -147,11 +163,62 @@ def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (dcov2 / denom).clamp_min(1e-12).sqrt()
 
 
-DEFENSES = {"none": Defense, "gaussian": GaussianNoise, "nopeek": NoPeek}
+@dataclass
+class GaussianNoPeek(GaussianNoise):
+    """Both: :class:`GaussianNoise` on what is sent (with its epsilon) and :class:`NoPeek`'s
+    ``weight * dCor(inputs, h)`` in the training loss (computed on ``h`` before the noise)."""
+
+    weight: float = 0.1
+    unit: str = "sequence"
+
+    name = "gaussian+nopeek"
+
+    def validate(self) -> None:
+        super().validate()
+        NoPeek.validate(self)
+
+    def loss(self, inputs: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return NoPeek.loss(self, inputs, h)
+
+
+DEFENSES = {"none": Defense, "gaussian": GaussianNoise, "nopeek": NoPeek,
+            "gaussian+nopeek": GaussianNoPeek}
 
 
 def make_defense(name: str, **kwargs) -> Defense:
-    """A defense by name (``none``, ``gaussian``, ``nopeek``) and its fields."""
+    """A defense by name (``none``, ``gaussian``, ``nopeek``, ``gaussian+nopeek``) and its fields."""
     if name not in DEFENSES:
         raise ConfigError(f"unknown defense {name!r}; known: {', '.join(DEFENSES)}")
+    fields = {f.name for f in dataclasses.fields(DEFENSES[name])} - {"generator"}
+    bad = sorted(set(kwargs) - fields)
+    if bad:
+        raise ConfigError(f"defense {name!r} has no field {bad[0]!r}; its fields: "
+                          f"{', '.join(sorted(fields)) or 'none'}")
     return DEFENSES[name](**kwargs)
+
+
+def parse_defense(spec: str, **defaults) -> Defense:
+    """A defense from its command-line form ``NAME[:FIELD=VALUE,...]``: ``gaussian:sigma=2``,
+    ``nopeek:weight=0.5``, ``gaussian+nopeek:sigma=1,weight=0.3,clip=2.4``, ``none``;
+    ``residual=1``: :class:`GaussianNoise`'s U-shape residual design.
+    ``defaults`` fill the fields the spec does not give and the defense has (e.g. ``clip``).
+    Raises :class:`ConfigError` naming what is wrong."""
+    name, _, rest = str(spec).strip().partition(":")
+    if name not in DEFENSES:
+        raise ConfigError(f"unknown defense {name!r}; known: {', '.join(DEFENSES)} (or recommended)")
+    kwargs: dict = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"defense {spec!r}: {item!r} is not FIELD=VALUE")
+        key = key.strip()
+        try:
+            kwargs[key] = (value.strip() if key == "unit" else
+                           bool(float(value)) if key == "residual" else float(value))
+        except ValueError:
+            raise ConfigError(f"defense {spec!r}: {key} must be a number, got {value!r}") from None
+    fields = {f.name for f in dataclasses.fields(DEFENSES[name])}
+    for k, v in defaults.items():
+        if k in fields and k not in kwargs and v is not None:
+            kwargs[k] = v
+    return make_defense(name, **kwargs)

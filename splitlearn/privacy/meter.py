@@ -15,8 +15,8 @@ from ..errors import ConfigError
 from ..loading import load_model
 from ..partition import partition, validate_cuts
 from ..segments import loss_from_logits
-from .attacks import (ATTACKS, LEARNED, AttackConfig, bottom_activations, check_attacks,
-                      invert_learned, invert_whitebox, recovery, train_inverter)
+from .attacks import (ATTACKS, LEARNED, AttackConfig, bottom_activations, check_attacks, invert_learned,
+                      invert_optimize, invert_whitebox, inverter_log_probs, recovery, train_inverter)
 from .defenses import Defense
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,22 @@ class LeakageReport:
     private_tokens: int = 0              # tokens to recover
     seconds: float = 0.0                 # wall time of the measurement
     notes: list[str] = field(default_factory=list)
+    defense_trained: bool = False        # the model was fine-tuned with the defense (defensetrain)
+    perplexity_undefended: Optional[float] = None  # the undefended model (before any fine-tuning)
+    perplexity_test_time: Optional[float] = None   # the undefended model with the defense inserted
+    finetune_steps: int = 0              # defense-aware fine-tuning: steps (0: none)
+    finetune_seconds: float = 0.0        # ... and its wall time (when it was run, cached or not)
+    epsilon_finetune: Optional[float] = None  # at delta, for a token of the fine-tuning text
+    releases_finetune: Optional[int] = None   # released vectors that can depend on it (mean)
+    finetune: Optional[dict] = None      # the fine-tuning's finetune.json
+    perplexity_without_server: Optional[float] = None  # U-shape: the server's blocks skipped
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["cut"] = list(self.cut)
-        if d["epsilon"] is not None and math.isinf(d["epsilon"]):
-            d["epsilon"] = "inf"  # JSON has no infinity
+        for k in ("epsilon", "epsilon_finetune"):
+            if d[k] is not None and math.isinf(d[k]):
+                d[k] = "inf"  # JSON has no infinity
         return d
 
 
@@ -92,6 +102,32 @@ def _vocab_size(tokenizer) -> int:
 
 
 @torch.no_grad()
+def perplexity_without_server(model, cut: tuple[int, ...], ids: torch.Tensor, batch: int = 32) -> float:
+    """U-shape: the perplexity of ``ids`` (N, T) through the client's blocks alone, the server's
+    blocks skipped (their update taken as zero): what the model is worth without the server. A
+    defense whose perplexity is no better than this has made the server's blocks useless."""
+    if len(cut) != 2:
+        raise ConfigError(f"the client runs without the server only in a U-shape, got cut {tuple(cut)}")
+    part = partition(model, cut)
+    dev = next(model.parameters()).device
+    loss = 0.0
+    for i in range(0, len(ids), batch):
+        x = ids[i:i + batch].to(dev)  # (b, T)
+        loss += loss_from_logits(part.segments[2](part.bottom(x)), x).item() * len(x)
+    return math.exp(loss / len(ids))
+
+
+def uses_residual(defense: Optional[Defense], cut: Sequence[int]) -> bool:
+    """Whether ``defense`` asks for the U-shape residual design; ConfigError at a 2-way cut."""
+    if not getattr(defense, "residual", False):
+        return False
+    if len(cut) != 2:
+        raise ConfigError(f"the residual design keeps the residual stream on the client between two "
+                          f"cuts: it needs a U-shape, got cut {tuple(cut)}")
+    return True
+
+
+@torch.no_grad()
 def perplexities(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Optional[Defense],
                  seed: int = 0, batch: int = 32) -> tuple[float, float]:
     """(split with the defense at the first cut, unsplit) perplexity of ``ids`` (N, T)."""
@@ -99,13 +135,18 @@ def perplexities(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Option
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
     split_loss = whole_loss = 0.0
+    residual = uses_residual(defense, cut)
     for i in range(0, len(ids), batch):
         x = ids[i:i + batch].to(dev)  # (b, T)
-        h = part.bottom(x)  # (b, T, d)
+        clean = h = part.bottom(x)  # (b, T, d)
         if defense is not None:
             h = defense.apply(h, generator=gen)
-        for seg in part.segments[1:]:
-            h = seg(h)
+        if residual:  # the server's update on the client's clean activations
+            h = clean + (part.segments[1](h) - h)  # (b, T, d)
+            h = part.segments[2](h)
+        else:
+            for seg in part.segments[1:]:
+                h = seg(h)
         n = len(x)
         split_loss += loss_from_logits(h, x).item() * n
         whole_loss += loss_from_logits(model(x).logits, x).item() * n
@@ -138,6 +179,7 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
     if isinstance(model, str):
         model = load_model(model, seed=seed)
     cut = validate_cuts(cut, model.config.n_layer)
+    uses_residual(defense, cut)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 2 <= seq_len <= model.config.n_positions:
         raise ConfigError(f"seq_len must be an integer in [2, n_positions={model.config.n_positions}], "
                           f"got {seq_len!r}")
@@ -197,9 +239,17 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
             notes.append(f"white-box candidates: the {len(classes)} token ids of the public text")
         results["whitebox"] = recovery(invert_whitebox(bottom, y_priv, cands, defense), priv_ids)
         log.info("cut %s: white-box inversion recovers %.3f", cut, results["whitebox"])
+    if "optimize" in attacks:
+        prior = None if best_inv is None else inverter_log_probs(best_inv[1], y_priv)  # (N, T, K)
+        if best_inv is not None:
+            notes.append(f"optimisation attack: started from, and regularised by, the {best_inv[0]} inverter")
+        results["optimize"] = recovery(invert_optimize(bottom, y_priv, classes, defense, prior, config),
+                                       priv_ids)
+        log.info("cut %s: optimisation attack recovers %.3f", cut, results["optimize"])
     best = max(results, key=lambda k: (results[k], -attacks.index(k)))
     ppl, ppl_whole = perplexities(model, cut, priv_ids, defense, seed)
     two_way = len(cut) == 1
+    ppl_alone = None if two_way else perplexity_without_server(model, cut, priv_ids)
     if two_way:
         notes.append("2-way split: during training the labels, which are the input text itself, "
                      "are sent to the server; no defense of the activations protects them")
@@ -210,10 +260,18 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
     return LeakageReport(
         cut=tuple(cut), defense=defense.describe() if defense is not None else {"name": "none"},
         token_recovery=results[best], best_attack=best, attacks=results, perplexity=ppl,
-        perplexity_unsplit=ppl_whole, labels_reach_server=two_way,
+        perplexity_unsplit=ppl_whole, perplexity_undefended=ppl_whole, labels_reach_server=two_way,
+        perplexity_without_server=ppl_alone,
         training_token_recovery=1.0 if two_way else results[best], epsilon=eps,
         delta=delta if eps is not None else None, releases=rel, seq_len=seq_len,
         public_tokens=pub_ids.numel(), private_tokens=priv_ids.numel(), notes=notes)
+
+
+def private_windows(tokenizer, texts: Optional[Sequence[str]] = None, seq_len: int = 32,
+                    max_private_tokens: Optional[int] = None) -> torch.Tensor:
+    """The private windows (N, seq_len) :func:`measure_leakage` recovers and scores perplexity on."""
+    ids = windows(tokenizer, texts if texts is not None else split_corpus()[1], seq_len)
+    return ids if max_private_tokens is None else ids[:max(1, max_private_tokens // seq_len)]
 
 
 @torch.no_grad()

@@ -87,3 +87,12 @@ def reference_info(path: Union[str, Path]) -> Optional[dict]:
     """The ``train.json`` written next to a reference model, or None."""
     p = Path(path) / "train.json"
     return json.loads(p.read_text()) if p.is_file() else None
+
+
+FINETUNE_JSON = "finetune.json"  # written next to a defense-fine-tuned model (splitlearn.defensetrain)
+
+
+def finetune_info(path: Union[str, Path]) -> Optional[dict]:
+    """The ``finetune.json`` written next to a defense-fine-tuned model, or None."""
+    p = Path(path) / FINETUNE_JSON
+    return json.loads(p.read_text()) if p.is_file() else None

@@ -1,21 +1,10 @@
-"""The client's side of the federation modes (see ``splitlearn/server/federation/modes.py``).
+"""The client's side of the federation modes (:mod:`splitlearn.server.federation.modes`).
 
-``FederationState`` keeps what a :class:`~.core.SplitClient` needs to train with others:
-the server's mode, the version of the shared client-side weights this client holds, the
-samples trained since its last sync, and whether it holds the turn (sequential). It does
-the waiting users should not have to write::
-
-    sequential: take the turn (wait while another client holds it) -> download the latest
-                client-side weights if behind -> train ... -> sync (upload, give the turn back)
-    splitfed:   train (wait while the round is full) ... -> sync (upload) -> wait for the
-                round to close -> download the average -> train in the next round
-    fed server: sync sends the segment server an empty sync (its answer: a signed ticket)
-                and the weights, with the ticket, to the fed server, which has its own token;
-                downloads come from the fed server once it has closed the round too
-    shared:     nothing: sync() is a no-op, client-side weights stay with their owner
-
-Every wait is bounded by ``wait_timeout_s`` and ends in a clear
-:class:`~splitlearn.errors.ServiceUnavailable`.
+``FederationState`` keeps the server's mode, the version of the shared client-side weights this
+client holds, the samples trained since its last sync and whether it holds the turn; it takes
+the turn, downloads newer weights, syncs (to the segment server, or with a ticket to a fed
+server) and waits for a round's result. Every wait is bounded by ``wait_timeout_s`` and ends in
+a :class:`~splitlearn.errors.ServiceUnavailable`. Flow per mode: docs/FEDERATION.md.
 """
 from __future__ import annotations
 

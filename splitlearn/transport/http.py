@@ -1,41 +1,14 @@
 """HTTP transport of the client: keep-alive connections, retries, statistics.
 
-Every tensor exchange goes through :meth:`Transport.call`: encode the tensors (safetensors,
-:mod:`splitlearn.wire`), POST them, decode the answer, and count bytes and times in
-:class:`WireStats`. JSON control calls use :meth:`get_json` / :meth:`post_json` on a
-``requests.Session``.
-
-Tensor POSTs take a leaner path where they can: a plain ``http.client`` keep-alive
-connection per *lane* (TCP_NODELAY on), which costs about 0.5 ms less per call than
-``requests`` on loopback (measured: 0.49 vs 1.03 ms for a GET; see benchmarks/README.md).
-It is used for ``http://`` URLs that no proxy setting of the environment applies to;
-``https://`` and proxied URLs go through ``requests`` (its certificate and proxy handling).
-For a loopback host the ``requests.Session`` ignores the environment (``trust_env=False``,
-about 0.2 ms a call): no proxy or ``.netrc`` applies to 127.0.0.1 anyway.
-
-A lane holds at most one request in flight: :meth:`Transport.start` sends a request and
-returns a :class:`PendingCall` whose ``result()`` reads the answer later, so a caller can
-compute while the server works (generation's two row groups keep two lanes busy:
-``RemoteCache.row_groups`` in :mod:`splitlearn.hf.cache`).
-
-Waking up for the answer. A thread blocked on a socket sleeps, and its core goes idle; when
-the answer comes, the kernel must wake the core first (on a virtual machine, the hypervisor
-must run the idle vCPU again), which costs a fraction of a millisecond. Where the server has
-cores of its own (:func:`shares_cores_with_server` is False), a lean-path wait for an answer
-sleeps until ``SPIN_S`` before the answer is expected (a per-lane average of recent waits),
-then polls the socket without sleeping until the answer comes or ``SPIN_S`` past the
-expected time, then sleeps again: at most ``2 x SPIN_S`` of one core's time a call. Measured
-on the two-device emulation (benchmarks/README.md): it takes ~0.25 ms off a decode step's
-round trip. Where client and server share cores, polling would take a core from the server,
-so it is off (``TransportConfig.spin``: None = decide so, True/False = force).
-
-Only connection failures are retried (with exponential backoff): the request never
-reached the server, or the server went away mid-request. A load balancer's gateway answer
-counts as one (502, 503 or 504 whose body is not a splitlearn error: HAProxy saying the replica
-behind it died mid-request or none is up yet). That is safe for every splitlearn route because
-training steps are numbered and answered exactly once (a retry of an applied step gets the
-stored answer) and a lost generation session is replayed. Other HTTP error answers are never
-retried here; they are turned back into the :mod:`splitlearn.errors` class the server raised.
+Every tensor exchange goes through :meth:`Transport.call` (safetensors via
+:mod:`splitlearn.wire`, counted in :class:`WireStats`); JSON control calls use
+:meth:`get_json` / :meth:`post_json`. Plain ``http://`` URLs without a proxy take a lean
+``http.client`` path, one keep-alive connection per *lane*, at most one request in flight each
+(:meth:`Transport.start` returns a :class:`PendingCall`); a lean wait polls its socket around
+the expected answer time (``SPIN_S``) unless client and server share cores
+(``TransportConfig.spin``). Only connection failures (and a load balancer's 502/503/504 that is
+not a splitlearn error) are retried; other error answers become the :mod:`splitlearn.errors`
+class the server raised. Design and measurements: docs/INTERNALS.md, 'The client transport'.
 """
 from __future__ import annotations
 

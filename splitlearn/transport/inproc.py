@@ -6,18 +6,11 @@
     ...
     unserve(url)
 
-A :class:`~splitlearn.transport.http.Transport` whose URL has the ``inproc://`` scheme sends
-each request through the app's WSGI interface (Flask's test client) in the calling thread:
-the same routes, headers (the ``Authorization`` bearer token, which the app checks), status
-codes, error JSON and bytes as over HTTP, without the HTTP server in front of the app (the
-front door's connection slots, deadlines and header-time refusals: splitlearn/server/http/
-frontdoor.py) and without a second process. A tensor call is answered when it is started
-(``Transport.start``), so a pipelined caller's requests reach the app in the order it sent
-them. A URL that nothing serves (yet, or any more) is a refused connection: the Transport
-retries it with backoff as it would a port nobody listens on, then raises TransportError.
-
-For tests and in-process experiments: the model classes, ``SplitClient`` and the offload
-client take such a URL wherever they take ``http://``; a ``requests.Session`` does with
+Each request goes through the app's WSGI interface (Flask's test client) in the calling thread:
+the same routes, headers, statuses, error JSON and bytes as over HTTP, without the front door
+or a second process. A tensor call is answered when started (``Transport.start``), so requests
+reach the app in the order sent. An unserved URL is a refused connection (retried with backoff,
+then TransportError). For tests and experiments; a ``requests.Session`` takes such URLs with
 :class:`InprocAdapter` mounted. Imports neither Flask nor the server.
 """
 from __future__ import annotations

@@ -3,25 +3,11 @@
     python -m splitlearn.server --model gpt2 --cut 2 --cut 10 --listen unix:///run/splitlearn.sock
     model = SplitGPT2LMHeadModel.from_pretrained("gpt2", server="unix:///run/splitlearn.sock", token=tok)
 
-The model classes, ``SplitClient`` and the CLI take such a URL wherever they take ``http://``
-(the scheme hook of :mod:`.http`, ``register_scheme``): the same routes, tenants, tokens,
-limits and errors (an error answer's JSON is turned back into its :mod:`splitlearn.errors`
-class by :class:`~splitlearn.transport.http.Transport`, as over HTTP). The whole URL path is
-the socket file; there is no base path.
-
-The framing is :mod:`.unixframe`'s, not HTTP. Each connection (one per request in flight:
-a pool, so each concurrent caller, lane or thread has its own) creates a memfd region of
-``REGION_BYTES`` (64 MiB, its pages allocated only when touched), seals it against shrinking
-and passes its descriptor to the server once, at connect (``SCM_RIGHTS``): a body larger than
-``INLINE_MAX`` (16 KiB) is copied into the region once and the socket carries only its offset
-and length; the server writes a large answer there too, which is copied out once. Smaller
-bodies (a decode step's) go inline on the socket: one ``send`` and one ``recv`` each way.
-Nothing is unpickled; the region is reachable only through the connection that registered it.
-
-Failures: a socket nobody listens on (or no file) is a refused connection (the Transport
-retries it with backoff, as a port nobody listens on); a connection lost mid-request is
-retried too (safe: every splitlearn route is idempotent or numbered); no answer within the
-read timeout is a :class:`~splitlearn.errors.TransportError`.
+Taken wherever ``http://`` is (the scheme hook of :mod:`.http`); the whole URL path is the
+socket file. Frames: :mod:`.unixframe`. Each connection (one per request in flight) registers a
+memfd region of ``REGION_BYTES``; bodies over ``INLINE_MAX`` go through it, smaller ones inline.
+Refused or lost connections are retried by the Transport; no answer within the read timeout is
+a :class:`~splitlearn.errors.TransportError`. Design: docs/TRANSPORT.md.
 """
 from __future__ import annotations
 

@@ -11,26 +11,18 @@ Every message, either way, is one frame on a Unix stream socket::
 
 Kinds and their JSON ``meta``:
 
-- ``HELLO`` (1), client -> server, at most once, first: ``{"version": 1, "region_bytes": N}``
-  and, in the ancillary data of the same ``sendmsg`` (``SCM_RIGHTS``), the file descriptor of
-  the connection's shared region: a memfd of exactly N bytes, sealed against shrinking
-  (``F_SEAL_SHRINK``; the server refuses any other descriptor, so a client can never make the
-  server fault by truncating the region under it). No name exists that another process could
-  open: a region is reachable only through the connection that carried it. The server maps it
-  once and answers ``ANSWER`` ``{"status": 200, "headers": [], "region_bytes": N}``.
-- ``REQUEST`` (2), client -> server: ``{"method": "POST", "path": "/v1/forward?x=1",
-  "headers": {"Authorization": "Bearer ...", "Content-Type": "application/octet-stream"},
-  "region": [offset, length]}`` (``region``: the body lies in the connection's region at those
-  bytes instead of inline; absent: the body is the frame's inline body) and
-  ``"answer_region": true`` (the answer may be written into the region).
-- ``ANSWER`` (3), server -> client: ``{"status": 200, "headers": [[name, value], ...],
-  "region": [offset, length]}`` (``region``: the answer's body lies in the region; absent:
-  inline). The server writes an answer into the region only when the request allowed it.
+- ``HELLO`` (1), client -> server, at most once, first: ``{"version": 1, "region_bytes": N}``,
+  with the connection's region passed as ``SCM_RIGHTS``: a memfd of exactly N bytes sealed
+  with ``F_SEAL_SHRINK`` (anything else is refused). Answered ``ANSWER`` ``{"status": 200,
+  "headers": [], "region_bytes": N}``.
+- ``REQUEST`` (2), client -> server: ``{"method", "path", "headers": {...}, "region": [offset,
+  length]?, "answer_region": true?}`` (``region``: the body lies in the region; absent: inline).
+- ``ANSWER`` (3), server -> client: ``{"status", "headers": [[name, value], ...], "region"?}``
+  (the server uses the region only when the request allowed it).
 
-One request at a time per connection (the client's *lane*); the region is the connection's
-own, so placing the answer at offset 0 never overwrites a body still being read. Nothing in a
-frame is unpickled: JSON and raw bytes only. Every offset and length is checked against the
-region's size before it is used (a descriptor out of range is a 400 that changes nothing).
+One request at a time per connection; JSON and raw bytes only (nothing unpickled); every offset
+and length is checked against the region's size (out of range: 400). Design and safety:
+docs/TRANSPORT.md, 'Frames' and 'Tensor bytes through shared memory'.
 """
 from __future__ import annotations
 

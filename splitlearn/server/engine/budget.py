@@ -21,7 +21,7 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
     KV cache                   2·L·tokens·d·e
     in and out                 16·N·d                                    body, decoded, answer, encoded
 
-    training step    (L·kept·graphs + workspace + head + update + in/out) x 1.25
+    training step    (L·kept + workspace + head + update + in/out) x 1.25
     forward          (e·N·d + workspace + head + in/out) x 1.25
     session step     (KV(rows·K) + one block's K, V copy + workspace + last logits + in/out) x 1.25
     session open     KV(min(rows·n_positions, --max-tokens-per-client))
@@ -50,8 +50,8 @@ moderate batches from heaps that fragment. The totals are checked against peaks 
 CPU (peak RSS of the route through Flask's test client, in a fresh process:
 ``benchmarks/request_memory.py``, docs/INTERNALS.md "What a request costs in memory"): 1.04 to
 1.8 times the measured peak, never below it. Training with ``/v1/train/forward`` is charged at
-the forward for its backward too, and for its step's other micro-batches' graphs, which wait
-with it (``micros``).
+the forward for its backward too (the step's other pieces' waiting graphs are reserved one by
+one, see below).
 
 The default limit (no ``--max-request-memory-gb``) is derived at start from the memory this
 process can still get (:func:`available_memory`) minus what the segment's training state
@@ -176,12 +176,11 @@ def update_bytes(m: Dims) -> int:
     return m.grads + 2 * m.largest + (m.grads * 4 // m.elem if m.elem < 4 else 0)
 
 
-def train_cost(m: Dims, B: int, T: int, padded: bool, graphs: int = 1) -> int:
+def train_cost(m: Dims, B: int, T: int, padded: bool) -> int:
     """A training step's forward and backward and its update: ``/v1/train/step`` (a top, with
-    the loss) or ``/v1/train/forward`` + its ``/v1/train/backward`` (a trunk), whose graph
-    waits between; ``graphs``: how many such graphs may wait at once (a step's micro-batches)."""
+    the loss) or ``/v1/train/forward`` + its ``/v1/train/backward``, whose graph waits between."""
     e, N = m.elem, B * T
-    b = graphs * m.blocks * kept_per_block(m, B, T, T, padded) + block_workspace(m, B, T, T, padded, m.scores)
+    b = m.blocks * kept_per_block(m, B, T, T, padded) + block_workspace(m, B, T, T, padded, m.scores)
     if m.head:  # ln_f's input and output, the shifted copy, grad of x; grad of W; one chunk
         b += 4 * e * N * m.d + 4 * m.vocab * m.d + _chunk(m, N, grads=True)
     return _slack(b + update_bytes(m) + io_bytes(m, B, T))
@@ -258,11 +257,9 @@ class Budget:
 
     # one method per route, each (what, bytes) checked
 
-    def train(self, B: int, T: int, mask: Optional[torch.Tensor], graphs: int = 1) -> None:
-        """``/v1/train/step`` or ``/v1/train/forward`` (with its backward) of B x T positions;
-        ``graphs``: the graphs of this size that may wait for their backward at once."""
-        what = f"a training step of {B} x {T} positions" + (f" (x {graphs} micro-batches)" if graphs > 1 else "")
-        self.check(what, train_cost(self.dims, B, T, padded(mask), graphs))
+    def train(self, B: int, T: int, mask: Optional[torch.Tensor]) -> None:
+        """``/v1/train/step`` or ``/v1/train/forward`` (with its backward) of B x T positions."""
+        self.check(f"a training step of {B} x {T} positions", train_cost(self.dims, B, T, padded(mask)))
 
     def forward(self, B: int, T: int, mask: Optional[torch.Tensor], labels: bool) -> None:
         """``/v1/forward`` of B x T positions, with the loss if ``labels``."""

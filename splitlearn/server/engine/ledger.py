@@ -10,25 +10,20 @@ applied and the answer it got. For a request carrying step ``s`` of client ``c``
 anything else                           409 (:class:`~splitlearn.errors.Conflict`)
 =====================================  ====================================================
 
-An open-ended step (``micros=0``: gradient accumulation) is applied by ``POST
-/v1/train/apply``; its answer (metadata ``applied=1``, no tensors) is the step's stored answer,
-replayed to a retried apply (:meth:`replay_apply`). Its pieces' answers are not kept after the
-apply (a client applies only once it holds every piece's answer; up to 4096 pieces a step):
-only their digests, and a retried piece of the applied step gets 409 naming its digest,
-never a second application.
+A step (gradient accumulation, its pieces in flight as a :class:`Pending` entry) is applied
+by ``POST /v1/train/apply``; its answer (metadata ``applied=1``, no tensors) is the step's
+stored answer, replayed to a retried apply (:meth:`replay_apply`). Its pieces' answers are not
+kept after the apply (a client applies only once it holds every piece's answer; up to 4096
+pieces a step): only their digests, and a retried piece of the applied step gets 409 naming
+its digest, never a second application.
 
-A U-shape step has two requests: the forward leaves a :class:`Pending` entry (the graph
-waiting for its backward), which a retried forward replays and the backward consumes.
-
-A closed step's answers (its last piece's, and with several micro-batches every piece's
-forward and backward answers: a client that lost them redoes the step and gets them back) are
-kept as their encoded bytes (:class:`Kept`), reserved in the server's
-:class:`~.memory.MemoryAccount` as *evictable*: when a reservation needs the room they are
-dropped to a digest (BLAKE2b-128 of the bytes), and a retry of that piece gets 409 naming it.
-The ledger goes into the checkpoint as JSON counters (:meth:`to_counters`; the kept answers
-as base64 of their bytes, at most ``CHECKPOINT_ANSWER_BYTES`` per client, the others as
-digests) so a retry of the last step after a restart is replayed, not refused. It holds no
-tensors of the model and does no compute; the runtime calls it under its lock.
+The apply's answer is kept as its encoded bytes (:class:`Kept`), reserved in the server's
+:class:`~.memory.MemoryAccount` as *evictable*: when a reservation needs the room it is
+dropped to a digest (BLAKE2b-128 of the bytes), and a retry gets 409 naming it. The ledger
+goes into the checkpoint as JSON counters (:meth:`to_counters`; the kept answers as base64 of
+their bytes, at most ``CHECKPOINT_ANSWER_BYTES`` per client, the others as digests) so a retry
+of the last apply after a restart is replayed, not refused. It holds no tensors of the model
+and does no compute; the runtime calls it under its lock.
 """
 from __future__ import annotations
 
@@ -44,7 +39,7 @@ from ...wire import decode, encode
 from .tenants import client_of, tenant_of
 
 
-APPLIED = "applied"  # metadata of an apply's answer (open-ended steps): "1"
+APPLIED = "applied"  # metadata of an apply's answer: "1"
 CHECKPOINT_ANSWER_BYTES = 1 << 20  # encoded answer bytes of one client in a checkpoint's state.json (the rest: digests)
 
 
@@ -111,7 +106,7 @@ class Kept:
 
 @dataclass
 class Pending:
-    """A U-shape forward waiting for its backward."""
+    """A step whose pieces are arriving (graphs waiting for their backward, answers)."""
 
     step: int
     state: Any  # what the rest of the step needs (the runtime's graphs, the pieces' answers)
@@ -121,11 +116,10 @@ class Pending:
 @dataclass
 class ClientRecord:
     step: int = 0  # last step applied
-    answer: Optional[Kept] = None  # the answer to it (its last piece, or the apply's), replayed to retries
-    pieces: dict[int, Kept] = field(default_factory=dict)  # micro-batch -> answer, when several
-    forwards: dict[int, Kept] = field(default_factory=dict)  # micro-batch -> forward answer
+    answer: Optional[Kept] = None  # the apply's answer, replayed to retries
+    pieces: dict[int, Kept] = field(default_factory=dict)  # piece -> its answer's digest
+    forwards: dict[int, Kept] = field(default_factory=dict)  # piece -> its forward answer's digest
     pending: Optional[Pending] = None
-    open_ended: bool = False  # the step was applied by POST /v1/train/apply (its pieces: digests)
     live: Optional[tuple] = field(default=None, repr=False)  # (answer, pieces, forwards) until sealed
 
     def kept(self) -> list[Kept]:
@@ -133,8 +127,8 @@ class ClientRecord:
 
 
 def _sealed(rec: ClientRecord, final: bool) -> tuple[Kept, dict[int, Kept], dict[int, Kept]]:
-    """A just-applied record's answers as kept: bytes, or digests for an open-ended step's
-    pieces. ``final=False`` (a checkpoint inside the apply) leaves the live answers unencoded:
+    """A just-applied record's answers as kept: the apply's as bytes, the pieces' as digests.
+    ``final=False`` (a checkpoint inside the apply) leaves the live answers unencoded:
     the last one still gets its "durable" field."""
     answer, pieces, forwards = rec.live
 
@@ -142,7 +136,7 @@ def _sealed(rec: ClientRecord, final: bool) -> tuple[Kept, dict[int, Kept], dict
         return a.encode() if final else (a._bytes or encode(a.tensors, a.meta))
 
     def kept(a: Answer) -> Kept:
-        return Kept(None, digest_of(body(a))) if rec.open_ended else Kept(body(a))
+        return Kept(None, digest_of(body(a)))
 
     return (Kept(body(answer)), {i: kept(a) for i, a in pieces.items()},
             {i: kept(a) for i, a in forwards.items()})
@@ -174,23 +168,19 @@ class StepLedger:
         rec = self.clients.get(client_id)
         if rec is None or step != rec.step or rec.answer is None:
             return None
-        if rec.open_ended:  # its pieces' own answers: digests only (409), or not a piece of it
-            kept = rec.pieces.get(micro)
-        else:
-            kept = rec.pieces.get(micro, rec.answer) if rec.pieces else rec.answer
+        kept = rec.pieces.get(micro)  # its pieces' own answers: digests only (409), or not a piece of it
         return None if kept is None else kept.answer(f"piece {micro} of step {step}")
 
     def replay_apply(self, client_id: str, step: int) -> Optional[Answer]:
         """The stored answer of ``POST /v1/train/apply`` if ``step`` was the client's last
-        applied step and an open-ended one (a retried apply), else None."""
+        applied step (a retried apply), else None."""
         rec = self.clients.get(client_id)
-        if rec is None or step != rec.step or rec.answer is None or not rec.open_ended:
+        if rec is None or step != rec.step or rec.answer is None:
             return None
         return rec.answer.answer(f"the apply of step {step}")
 
     def replay_forward(self, client_id: str, step: int, micro: int = 0) -> Optional[Answer]:
-        """U-shape: the forward answer of the client's last applied step, if ``step`` is it
-        (a client that lost the step's answers asks for both again)."""
+        """The forward answer of the client's last applied step, if ``step`` is it: its digest (409)."""
         rec = self.clients.get(client_id)
         kept = rec.forwards.get(micro) if rec is not None and step == rec.step else None
         return None if kept is None else kept.answer(f"the forward of piece {micro} of step {step}")
@@ -227,16 +217,14 @@ class StepLedger:
 
     def applied(self, client_id: str, step: int, answer: Answer, pieces: Optional[dict[int, Answer]] = None,
                 forwards: Optional[dict[int, Answer]] = None, seal: bool = True) -> int:
-        """Record ``step`` of ``client_id`` as applied with ``answer`` (its last piece's, or the
-        apply's for an open-ended step), the answers of all its pieces if it had several (an
-        open-ended step: their digests), and its forwards' answers; returns the total of steps
-        applied. The answers are kept as bytes by :meth:`seal` (``seal=False``: the caller
-        seals once the answer is final; until then a checkpoint encodes them as they are)."""
+        """Record ``step`` of ``client_id`` as applied with ``answer`` (the apply's), the
+        digests of its pieces' and forwards' answers; returns the total of steps applied. The
+        answer is kept as bytes by :meth:`seal` (``seal=False``: the caller seals once the
+        answer is final; until then a checkpoint encodes it as it is)."""
         rec = self.record(client_id)
         self._release(rec)
-        rec.step, rec.pending, rec.open_ended = step, None, answer.meta.get(APPLIED) == "1"
-        keep = pieces and (len(pieces) > 1 or rec.open_ended)
-        rec.live = (answer, dict(pieces) if keep else {}, dict(forwards or {}))
+        rec.step, rec.pending = step, None
+        rec.live = (answer, dict(pieces or {}), dict(forwards or {}))
         rec.answer, rec.pieces, rec.forwards = None, {}, {}
         self.steps_applied += 1
         if seal:
@@ -244,8 +232,8 @@ class StepLedger:
         return self.steps_applied
 
     def seal(self, client_id: str) -> None:
-        """The answers of the step just applied, final now, kept as bytes (reserved, evictable)
-        or, for an open-ended step's pieces, as digests (their bytes are dropped)."""
+        """The answers of the step just applied, final now: the apply's kept as bytes
+        (reserved, evictable), its pieces' as digests (their bytes are dropped)."""
         rec = self.clients.get(client_id)
         if rec is None or rec.live is None:
             return
@@ -286,49 +274,34 @@ class StepLedger:
     # -- checkpoint --------------------------------------------------------------------
 
     def to_counters(self) -> dict:
-        """JSON: each client's step; its kept answers as base64, at most
-        ``CHECKPOINT_ANSWER_BYTES`` of them per client (the last piece's first), the others
-        (and an open-ended step's pieces) as digests."""
-        answers, pieces, forwards, digests, open_ended = {}, {}, {}, {}, []
+        """JSON: each client's step; the apply's answer as base64 (if at most
+        ``CHECKPOINT_ANSWER_BYTES``), the other answers as digests."""
+        answers, digests = {}, {}
         for c, r in self.clients.items():
             answer, ps, fs = (r.answer, r.pieces, r.forwards) if r.live is None else _sealed(r, final=False)
+            if answer is not None and answer.body is not None and len(answer.body) <= CHECKPOINT_ANSWER_BYTES:
+                answers[c] = base64.b64encode(answer.body).decode()
+                answer = None
             tables = {"answer": {0: answer} if answer is not None else {}, "pieces": ps, "forwards": fs}
-            if r.open_ended:
-                open_ended.append(c)
-            budget = CHECKPOINT_ANSWER_BYTES
             for kind, table in tables.items():
                 for i, k in table.items():
-                    body = k.body
-                    if body is not None and len(body) <= budget:
-                        budget -= len(body)
-                        text = base64.b64encode(body).decode()
-                        if kind == "answer":
-                            answers[c] = text
-                        else:
-                            (pieces if kind == "pieces" else forwards).setdefault(c, {})[str(i)] = text
-                    elif body is not None or k.digest is not None:
+                    if k.body is not None or k.digest is not None:
                         digests.setdefault(c, {}).setdefault(kind, {})[str(i)] = k.digest_hex()
         return {"clients": {c: r.step for c, r in self.clients.items()}, "answers": answers,
-                "pieces": pieces, "forward_answers": forwards, "digests": digests,
-                "open_ended": open_ended, "steps_applied": self.steps_applied}
+                "digests": digests, "steps_applied": self.steps_applied}
 
     @classmethod
     def from_counters(cls, counters: dict) -> "StepLedger":
-        answers = counters.get("answers", {})
-        pieces, forwards = counters.get("pieces", {}), counters.get("forward_answers", {})
-        digests, open_ended = counters.get("digests", {}), set(counters.get("open_ended", ()))
+        answers, digests = counters.get("answers", {}), counters.get("digests", {})
 
-        def table(bodies: dict, kind: str, c: str) -> dict[int, Kept]:
-            out = {int(i): Kept(None, bytes.fromhex(d)) for i, d in digests.get(c, {}).get(kind, {}).items()}
-            out.update({int(i): Kept(base64.b64decode(b)) for i, b in bodies.items()})
-            return out
+        def table(c: str, kind: str) -> dict[int, Kept]:
+            return {int(i): Kept(None, bytes.fromhex(d)) for i, d in digests.get(c, {}).get(kind, {}).items()}
 
         def record(c: str, s) -> ClientRecord:
-            answer = table({"0": answers[c]} if c in answers else {}, "answer", c).get(0)
-            legacy = answer is not None and c not in open_ended and "open_ended" not in counters
-            ended = c in open_ended or (legacy and Answer.decode(answer.body).meta.get(APPLIED) == "1")
-            return ClientRecord(step=int(s), answer=answer, pieces=table(pieces.get(c, {}), "pieces", c),
-                                forwards=table(forwards.get(c, {}), "forwards", c), open_ended=ended)
+            answer = Kept(base64.b64decode(answers[c])) if c in answers else table(c, "answer").get(0)
+            if answer is not None and answer.body is not None and Answer.decode(answer.body).meta.get(APPLIED) != "1":
+                return ClientRecord(step=int(s))  # a closed step's (an older checkpoint): its number only
+            return ClientRecord(step=int(s), answer=answer, pieces=table(c, "pieces"), forwards=table(c, "forwards"))
 
         clients = {c: record(c, s) for c, s in counters.get("clients", {}).items()}
         led = cls(clients, int(counters.get("steps_applied", 0)))

@@ -20,7 +20,7 @@ hook on their output, before their backward::
 At a point, if decode steps are queued (:meth:`~.batching.DecodeBatcher.pending`), they run
 there and then, on the compute thread, in no-grad eval mode with their own KV caches; the
 training step then continues. Training is unchanged: decode neither reads the step's
-activations nor changes a parameter, the optimizer steps only after the step's last piece,
+activations nor changes a parameter, the optimizer steps only at the step's apply,
 and the segment's train/eval mode is restored. ``fifo`` keeps arrival order (the comparison).
 
 Fair and bounded (a hostile tenant keeping 16 sessions x 64 rows of one-token steps queued

@@ -98,6 +98,7 @@ def _answered(future: Future, sess: Session, began: list) -> Future:
 class SegmentRuntime:
     def __init__(self, cfg: ServerConfig, compute: Optional[ComputeThread] = None):
         self.cfg = cfg
+        self.draining = False  # SIGTERM with --drain-seconds: /v1/ready answers 503 until the process stops
         self.compute = compute or ComputeThread(cfg.torch_threads)
         self.compute.run(self._load)
 
@@ -240,10 +241,10 @@ class SegmentRuntime:
     def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                       labels: Optional[torch.Tensor] = None) -> Answer:
         """U-shape: trunk output for ``hidden``; the graph waits for the backward (see :mod:`.lease`).
-        2-way: only open-ended pieces (``micros=0``) with ``labels``: the loss (see :mod:`.training`)."""
-        if not self.u_shape and not (meta.open_ended and labels is not None):
-            raise BadRequest(f"{P.TRAIN_FORWARD} is for U-shape servers; this one holds the top "
-                             f"(use {P.TRAIN_STEP}, or open-ended pieces (micros=0) with labels)")
+        2-way: a piece with ``labels``: the loss (see :mod:`.training`)."""
+        if not self.u_shape and labels is None:
+            raise BadRequest(f"this server holds the top: send the labels with {P.TRAIN_FORWARD} "
+                             f"(or use {P.TRAIN_STEP})")
         if self.u_shape and labels is not None:
             raise BadRequest(f"this server holds the trunk: the labels never leave the client")
         with self.lock, self._preemptible():
@@ -257,8 +258,8 @@ class SegmentRuntime:
             return self.training.apply(key, req)
 
     def train_backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
-        """U-shape: backpropagate ``grad`` of the trunk output; grad of input. Applied or
-        refused, a step's last piece gives the lease back; refused, the step is dropped."""
+        """Backpropagate ``grad`` of a piece's output; grad of input. Refused, the step is
+        dropped (and the lease given back)."""
         with self.lock:
             self.claim(meta.client_id)
             return self.training.backward(meta, grad)

@@ -1,26 +1,18 @@
-"""Training steps on the server: whole batches or micro-batches, applied exactly once.
+"""Training steps on the server: pieces accumulated, applied exactly once at the client's lr.
 
-A step may arrive in ``micros`` pieces (GPipe micro-batching, Huang et al. 2019: the client
-keeps several requests in flight so both sides compute at once). Every piece carries the
-step's number, its ``micro`` index and ``micros``; the server accumulates the gradients of
-the pieces and applies one optimizer step when the last backward arrives::
-
-    2-way:   POST /v1/train/step     (micro i)  forward + backward of the top, loss x loss_scale
-    U-shape: POST /v1/train/forward  (micro i)  trunk output; the graph waits
-             POST /v1/train/backward (micro i)  gradient of the trunk's input
-             ... after the M-th backward: guards, optimizer step, the ledger records the step
-
-An **open-ended** step (``micros = 0``; gradient accumulation under a client's own optimizer,
-:mod:`splitlearn.hf`) has no count fixed in advance: each backward piece adds to the
-accumulated gradients and answers, in its metadata, ``grad_norm`` (the L2 norm of the
-server's accumulated parameter gradients so far) and ``accumulated`` (how many pieces that
-covers), and nothing is applied until ``POST
-/v1/train/apply`` (:meth:`Training.apply`) names the step, how many backward pieces the client
-got answers for, the learning rate to step with (the client's current one; on state shared
-between tenants, at most the server's own ``--lr``) and an optional clip factor. On a 2-way
-server an open-ended forward carries the labels and answers the
-loss (the graph waits); its backward carries the scalar gradient of that loss (``grad`` F32
-``[1]``: what the client's autograd backpropagates into it) and answers ``dL/dhidden``::
+A step arrives in pieces (GPipe micro-batching, Huang et al. 2019, or gradient accumulation
+under a client's own optimizer, :mod:`splitlearn.hf`), with no count fixed in advance. Every
+piece carries the step's number, its ``micro`` index and ``micros = 0`` (closed steps, whose
+server applied at its own lr after ``micros >= 1`` pieces, are gone: 400). Each backward
+piece adds to the accumulated gradients and answers, in its metadata, ``grad_norm`` (the L2
+norm of the server's accumulated parameter gradients so far) and ``accumulated`` (how many
+pieces that covers); nothing is applied until ``POST /v1/train/apply`` (:meth:`Training.apply`)
+names the step, how many backward pieces the client got answers for, the learning rate to
+step with (the client's current one; on state shared between tenants, at most the server's
+own ``--lr``) and an optional clip factor. On a 2-way server a forward carries the labels and
+answers the loss (the graph waits); its backward carries the scalar gradient of that loss
+(``grad`` F32 ``[1]``: what the client's autograd backpropagates into it) and answers
+``dL/dhidden``::
 
     U-shape: forward (piece k) -> hidden;  backward (piece k) -> grad + grad_norm
     2-way:   forward (piece k, labels) -> loss;  backward (piece k, scalar) -> grad + grad_norm
@@ -30,16 +22,16 @@ The apply may instead ride on the next step's first request(s): metadata ``apply
 JSON as the apply's body (:func:`splitlearn.protocol.carried_apply`), is applied first, exactly as
 ``POST /v1/train/apply`` would be (the same ledger record: a retry of the carrying request gets the
 stored apply; an apply of a step the ledger already has passed is a no-op), and the piece's answer
-carries the apply's answer as metadata ``apply`` (JSON). A 2-way open-ended piece may be **fused**
-(``POST /v1/train/step`` with ``micros = 0``: forward, loss and backward at once, the loss's
-gradient sent as ``loss_scale``: one request per piece when the client knows that gradient)::
+carries the apply's answer as metadata ``apply`` (JSON). A 2-way piece may be **fused**
+(``POST /v1/train/step``: forward, loss and backward at once, the loss's gradient sent as
+``loss_scale``: one request per piece when the client knows that gradient)::
 
     U-shape: forward (piece 0 of step s+1, apply of s) -> apply s, then the trunk output
-    2-way:   step (piece k, labels, loss_scale) -> loss + grad + grad_norm (fused, open-ended)
+    2-way:   step (piece k, labels, loss_scale) -> loss + grad + grad_norm (fused)
 
 Pieces may come in any order and be retried: each piece's answer is kept until the step is
-applied (and in the ledger after), so a retry gets the same bytes. On the shared segment a
-multi-request step holds the :class:`~.lease.StepLease` from its first piece to its last, so no
+applied (the ledger keeps their digests after), so a retry gets the same bytes. On the shared
+segment a step holds the :class:`~.lease.StepLease` from its first piece to its apply, so no
 other client's step touches the weights or the accumulated gradients in between. A poisoned
 piece (see :mod:`.guard`) aborts the whole step: gradients zeroed, pieces dropped, lease
 released, weights and optimizer state unchanged.
@@ -72,7 +64,6 @@ class StepInFlight:
     """A step whose pieces are arriving."""
 
     rep: Replica  # the segment (or the client's copy / adapter) being trained
-    micros: int
     leased: bool  # holds the shared segment's lease: the state is shared between tenants
     forwards: dict[int, tuple] = field(default_factory=dict)  # micro -> (inputs, outputs, answer)
     answers: dict[int, Answer] = field(default_factory=dict)  # micro -> backward/step answer
@@ -113,13 +104,8 @@ class Training:
         rt = self.rt
         pend = rt.ledger.pending(meta.client_id, meta.step)
         if pend is not None:
-            st = pend.state
-            if st.micros != meta.micros:
-                raise BadRequest(f"step {meta.step} was started in {st.micros} micro-batches, "
-                                 f"this piece says {meta.micros}")
-            if st.micros == 0:  # open-ended: alive while its pieces keep coming
-                pend.since = time.monotonic()
-            return st
+            pend.since = time.monotonic()  # alive while its pieces keep coming
+            return pend.state
         rt.ledger.expect_next(meta.client_id, meta.step)
         self._admit(meta.client_id)
         rep = rt.federation.replica_for(meta.client_id, meta.fed_version)
@@ -127,7 +113,7 @@ class Training:
         if leased:
             rt.lease.acquire(meta.client_id, meta.step)
         rep.optimizer.zero_grad(set_to_none=True)
-        st = StepInFlight(rep, meta.micros, leased)
+        st = StepInFlight(rep, leased)
         rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, time.monotonic()))
         return st
 
@@ -163,37 +149,17 @@ class Training:
             self.rt.lease.release(meta.client_id)
 
     def _piece_done(self, meta: P.StepMeta, st: StepInFlight, answer: Answer) -> Answer:
-        if st.micros == 0:  # open-ended: accumulate; the client learns the norm so far (global clip)
-            try:
-                norm = guard.grad_norm(p for p in st.rep.segment.parameters() if p.grad is not None)
-            except Exception:
-                self.abort(meta, st)
-                raise
-            st.answers[meta.micro] = answer
-            answer.meta["grad_norm"] = repr(norm)
-            answer.meta["accumulated"] = str(len(st.answers))  # the pieces that norm covers
-            if st.leased and self.rt.lease.contended(meta.client_id):  # others wait for the shared segment:
-                answer.meta["apply_now"] = "1"  # the client applies at once, not on its next step's request
-            return answer
-        st.answers[meta.micro] = answer
-        if len(st.answers) < st.micros:
-            return answer
-        try:  # the last piece: guards, one optimizer step
-            params = [p for p in st.rep.segment.parameters() if p.grad is not None]
-            norm = guard.grad_norm(params)
-            if self.rt.cfg.max_grad_norm is not None and norm > self.rt.cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, self.rt.cfg.max_grad_norm)
-            st.rep.optimizer.step()
-            st.rep.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free between steps
+        """Accumulated: the client learns the norm so far (a global clip)."""
+        try:
+            norm = guard.grad_norm(p for p in st.rep.segment.parameters() if p.grad is not None)
         except Exception:
             self.abort(meta, st)
             raise
-        if st.leased:
-            self.rt.lease.release(meta.client_id)
-        forwards = {i: f[2] for i, f in st.forwards.items()}
-        release(st, self.rt.memory)  # the ledger reserves what it keeps
-        self.rt.federation.trained(meta.client_id, sum(st.tokens.values()))  # a member's FedAvg weight
-        self.rt.applied(meta, answer, st.answers, forwards)
+        st.answers[meta.micro] = answer
+        answer.meta["grad_norm"] = repr(norm)
+        answer.meta["accumulated"] = str(len(st.answers))  # the pieces that norm covers
+        if st.leased and self.rt.lease.contended(meta.client_id):  # others wait for the shared segment:
+            answer.meta["apply_now"] = "1"  # the client applies at once, not on its next step's request
         return answer
 
     # -- the routes ----------------------------------------------------------------------
@@ -217,9 +183,8 @@ class Training:
 
     def step(self, meta: P.StepMeta, hidden: torch.Tensor, labels: torch.Tensor,
              mask: Optional[torch.Tensor]) -> Answer:
-        """2-way: loss of the top on ``hidden`` (scaled by ``loss_scale``), gradients
-        accumulated; a closed step's optimizer steps after its last piece, an open-ended one's
-        at its apply (a fused piece: ``loss_scale`` is the gradient of its loss)."""
+        """2-way, a fused piece: loss of the top on ``hidden``, backpropagated from ``loss_scale``
+        (the gradient of its loss); gradients accumulated until the apply."""
         rt = self.rt
         applied = self.carried(meta)
         replay = rt.ledger.replay(meta.client_id, meta.step, meta.micro)
@@ -230,7 +195,7 @@ class Training:
             raise Conflict(f"piece {meta.micro} of step {meta.step} was sent to {P.TRAIN_FORWARD}")
         if meta.micro in st.answers:
             return st.answers[meta.micro]
-        try:  # its answer waits for the step's last piece: reserved (tensor + bytes, float32 at most)
+        try:  # its answer waits for the apply: reserved (tensor + bytes, float32 at most)
             self._hold(meta, st, 2 * (4 * hidden.numel() + 4), f"the answer of piece {meta.micro}")
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
@@ -250,8 +215,8 @@ class Training:
 
     def forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor] = None) -> Answer:
-        """U-shape: trunk output for ``hidden``; the graph waits for the backward. 2-way,
-        open-ended (``labels`` given): the top's loss; the graph waits for its scalar gradient."""
+        """U-shape: trunk output for ``hidden``; the graph waits for the backward. 2-way
+        (``labels`` given): the top's loss; the graph waits for its scalar gradient."""
         rt = self.rt
         applied = self.carried(meta)
         pend = rt.ledger.pending(meta.client_id, meta.step)
@@ -274,7 +239,7 @@ class Training:
                                              loss=labels is not None), f"the graph of piece {meta.micro}")
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
-            if labels is not None:  # 2-way, open-ended: the loss (chunked head), graph kept
+            if labels is not None:  # 2-way: the loss (chunked head), graph kept
                 out = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels)  # ()
                 guard.finite("loss", out)
             else:
@@ -295,7 +260,7 @@ class Training:
         return answer
 
     def backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
-        """U-shape: backpropagate ``grad`` of a piece's trunk output; the gradient of its input."""
+        """Backpropagate ``grad`` of a piece's output (2-way: its loss); the gradient of its input."""
         rt = self.rt
         replay = rt.ledger.replay(meta.client_id, meta.step, meta.micro)
         if replay is not None:
@@ -308,8 +273,8 @@ class Training:
         st = pend.state
         if meta.micro in st.answers:
             return st.answers[meta.micro]
-        inputs, outputs, fwd = st.forwards[meta.micro]  # (B, T, d) each; 2-way open-ended: outputs = loss ()
-        if outputs is None:  # an open-ended piece whose backward was answered, then the answer lost
+        inputs, outputs, fwd = st.forwards[meta.micro]  # (B, T, d) each; 2-way: outputs = loss ()
+        if outputs is None:  # a piece whose backward was answered, then the answer lost
             raise Conflict(f"piece {meta.micro} of step {meta.step} has had its backward")
         if outputs.ndim == 0 and grad.numel() == 1:
             grad = grad.reshape(())  # the scalar gradient of a 2-way loss
@@ -331,7 +296,7 @@ class Training:
         return self._piece_done(meta, st, answer)
 
     def apply(self, key: str, req: P.ApplyRequest) -> Answer:
-        """``POST /v1/train/apply``: the optimizer step of open-ended step ``req.step`` of client
+        """``POST /v1/train/apply``: the optimizer step of step ``req.step`` of client
         ``key``, at ``req.lr`` (capped at the server's own lr on state shared between tenants:
         the leased segment, never a client's own SplitFed copy or LoRA adapter; the answer's
         ``lr`` is the one applied), on its accumulated gradients times ``req.clip``; exactly once (a
@@ -343,18 +308,15 @@ class Training:
         if done is not None:
             return done
         pend = rt.ledger.pending(key, req.step)
-        meta = P.StepMeta(key, req.step, micros=0)
-        if pend is not None and pend.state.micros != 0:
-            raise Conflict(f"step {req.step} was started in {pend.state.micros} micro-batches: it is "
-                           f"applied by its last backward, not by {P.TRAIN_APPLY}")
+        meta = P.StepMeta(key, req.step)
         if req.discard:
             if pend is not None:
                 self.abort(meta, pend.state)
             return Answer({}, {"client_id": req.client_id, "step": str(req.step), "discarded": "1"})
         if pend is None:
-            raise Conflict(f"no open-ended step {req.step} is pending for client {req.client_id!r} "
+            raise Conflict(f"no step {req.step} is pending for client {req.client_id!r} "
                            f"(the server has applied step {rt.ledger.last_step(key)}; a step is opened "
-                           f"by its first forward with micros=0, and dropped after "
+                           f"by its first piece, and dropped after "
                            f"{rt.cfg.lease_timeout_s:g}s without a piece)")
         st = pend.state
         if len(st.answers) != req.pieces:

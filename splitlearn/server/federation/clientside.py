@@ -1,25 +1,16 @@
 """The client side of the split as the servers see it: the schema a sync must match, and
 the weights every client starts from.
 
-Both the segment server (``--client-weights server``) and the fed server (:mod:`.fedserver`)
-take client-side weights from clients. Neither lets the first upload decide what they
-should look like: each computes the schema from its own flags (model, cuts, LoRA options)
-on the meta device (shapes only, no memory)::
+The schema is computed from the server's own flags on the meta device, never from an upload::
 
     full model   every client-side parameter under its Hugging Face name, float32
                  (2-way: the bottom; U-shape: bottom + top, a tied lm_head once, as wte)
     LoRA         the client-side adapters only, under peft's names
                  (base_model.model.transformer.h.<i>.<module>.lora_{A,B}.weight)
 
-and refuses anything else (400): other names, other shapes, any dtype but float32, NaN/inf.
-
-The initial weights are the reference of the first round's update bound
-(:mod:`.strategy`): clients start from the model source and seed the server was started
-with (a LoRA client's adapters from :func:`splitlearn.lora.init_adapter_pair` with the
-common id ""), so the server rebuilds them, once, when first needed. A server started from
-an exported ``--segment`` reads the export's bottom (and top) if they are there; otherwise
-it has none (:attr:`ClientSide.initial` answers None) and the caller falls back to the
-coordinate-wise median of the first round's uploads.
+Anything else is refused (400). :attr:`ClientSide.initial` rebuilds the initial weights (the
+first round's bound reference) once, or answers None (then the caller uses the first round's
+median). Design: docs/FEDERATION.md, 'One member cannot break the federation'.
 """
 from __future__ import annotations
 

@@ -1,72 +1,19 @@
 """SplitFed across replicas: one round over every replica's members, closed by torch.distributed.
 
-Replicas of a SplitFed server (``python -m splitlearn.cluster ... -- --federation splitfed``, or
-by hand with ``--fed-store HOST:PORT --fed-rank I --fed-world-size R``) each train the copies
-of the members HAProxy sends them, exactly as one server does; what they must agree on is the
-*round*: who is in it, when it closes, and the weights every member continues from. Three
-pieces of ``torch.distributed`` carry that (nothing home-made on the wire):
+A TCPStore (hosted by the cluster's supervisor) holds the round's global counters, changed
+atomically (``Store.add``, ``Store.compare_set``)::
 
-**A TCPStore** (``torch.distributed.TCPStore``; the cluster's supervisor hosts it, replicas
-are clients) holds the round's global counters, each changed atomically (``Store.add``,
-``Store.compare_set``)::
-
-    r<n>/members   members admitted to round n over all replicas; a replica admits a new
-                   member only while this stays <= --clients-per-round (503 "round full" else)
+    r<n>/members   members admitted to round n over all replicas (<= --clients-per-round)
     r<n>/started   wall time of round n's first member (its --round-timeout runs from it)
     r<n>/synced    members of round n that synced, over all replicas
-    r<n>/close     set once ("full": the K-th sync; "timeout": by whichever replica sees the
-                   round time out first); every replica polls it (every 50 ms) and closes
-    gen            the generation of the process group (below)
+    r<n>/close     set once: "full" (the K-th sync) or "timeout"; every replica polls it
+    gen            the generation of the process group
+    g<gen>/in/<index>, g<gen>/members   a generation's announcements and its fixed member list
 
-**A gloo process group** over the live replicas closes a round with
-:func:`.rounds.close_round`, the function one server closes its rounds with (there over a
-collective of one; here over :class:`TorchCollective`): every replica freezes its local round
-(its synced members' copies, bounded around the shared weights exactly as one server bounds
-them, :mod:`.strategy`), then
-
-- ``fedavg``: ``all_reduce`` (SUM) of the round's counts (target tokens, members, bounded
-  updates), ``all_gather`` of every member's count (``--max-member-share`` caps a member's
-  weight against the whole round's), then ``all_reduce`` (SUM, float64) of each replica's
-  ``sum_k w'_k * n_k / N`` (N: the weight of the whole round), server side and client side in one flat buffer: the weighted mean one
-  server computes, summed in another order: bit-identical when every replica holds at most
-  one synced member (x + 0 = x and a + b = b + a are exact), otherwise equal up to float64
-  rounding, i.e. within one float32 ulp of the float32 result;
-- ``median`` / ``trimmed-mean``: ``all_gather`` of the bounded uploads (padded to the largest
-  replica's count), then the strategy's own coordinate-wise rule on all of them on every
-  replica: bit-identical to one server (both rules sort, so the order does not matter);
-
-then an ``all_gather`` of the result's sha256 checks that every replica holds the same bits
-(were they ever to differ, rank 0's result is broadcast; logged as an error). A replica with
-no member contributes zeros and zero rows. Each replica then loads the result, and the round
-number and version advance everywhere together.
-
-**Generations.** A process group's membership is fixed, so a replica that dies breaks it and
-a restarted one cannot join it. Every (re)start and every failed collective moves the store's
-``gen`` on; a replica that sees ``gen`` change leaves its group and joins the new generation:
-it announces itself (``g<gen>/in/<index>``); when all ``--fed-world-size`` replicas are in, or
-``--fed-timeout`` seconds after it announced, the members are fixed once (``compare_set`` of
-``g<gen>/members``: every replica reads the same list; one left out starts the next
-generation) and the group is created (``init_process_group("gloo", store=PrefixStore(...))``).
-The new group first agrees on the state: ``all_gather`` of every member's (version, round);
-if any is behind (a restarted replica starts from the initial weights), the most advanced
-broadcasts its shared weights (server side, and client side) and the others load them. A
-replica answers 503 to training and syncs until its first group is formed and agreed.
-
-**A dead replica and the round.** Its members' copies die with it (as a server's round does
-in a crash): they hold their places in ``r<n>/members`` until the round's --round-timeout,
-like members that never sync. A collective that a dead peer leaves waits at most
-``--fed-timeout`` seconds (gloo notices a closed connection sooner), then fails on every
-survivor: the round stays frozen (its synced members' uploads kept), the survivors form the
-next generation (with the restarted replica, or without it after ``--fed-timeout``), and the
-close is retried with the same uploads: no member is counted twice or lost, except the dead
-replica's. If the close had completed anywhere before the failure, that replica is ahead and
-the others take its result in the state agreement (their own synced members were in it: a
-collective completes only with every member's contribution).
-
-Trust: the replicas trust each other and the store (one operator). Neither the store nor gloo
-authenticates: keep their ports on loopback or a private network. Values read from the store
-are parsed as plain integers and floats (never unpickled); sizes come from our own model, and
-a collective's result that is not finite is refused (the round stays open, logged).
+A gloo process group over the live replicas closes a round with :func:`.rounds.close_round`
+(one server runs the same function over a collective of one; here over :class:`TorchCollective`).
+Design, equality to one server, generations, a dead replica, trust: docs/CLUSTER.md,
+'SplitFed across replicas' and 'A dead replica and the round'.
 """
 from __future__ import annotations
 
@@ -157,12 +104,9 @@ class TorchCollective:
 # -- one replica's membership of the group ----------------------------------------------------
 
 class ReplicaGroup:
-    """The coordinator thread of one replica: store counters, generations, closes.
-
-    ``fed`` is the :class:`~.modes.Federation` (its ``freeze_round``, ``apply_close``,
-    ``position``, ``state_flat``, ``flat_size`` and ``adopt_state``), ``run`` executes a
-    callable on the compute thread. A round closes with :func:`.rounds.close_round` over the
-    process group, as one server's closes over itself."""
+    """The coordinator thread of one replica: store counters, generations, closes. ``fed``: the
+    :class:`~.modes.Federation` (``freeze_round``, ``apply_close``, ``position``, ``state_flat``,
+    ``flat_size``, ``adopt_state``); ``run`` executes a callable on the compute thread."""
 
     def __init__(self, spec: GroupSpec, fed, run: Callable):
         self.spec = spec

@@ -1,41 +1,17 @@
 """A separate "fed server" for client-side weights: the segment server never sees them.
 
-SplitFed proper (Thapa et al., AAAI 2022) averages the clients' client-side weights on a fed
-server of their own, apart from the server that trains the segment; sharing client-side
-weights with the segment server raises what it can learn from the activations it sees (see
-docs/FEDERATION.md). Run one beside a ``--federation splitfed --client-weights external``
-(or ``sequential``) segment server, with the same model, cuts, LoRA options and a secret
-the two share::
+Runs beside a ``--client-weights external`` segment server with the same model, cuts, LoRA
+options and a shared secret::
 
     python -m splitlearn.server.federation.fedserver --model tiny-demo --cut 2 --cut 4 --mode splitfed \\
         --fed-secret-file fed.secret --token-file fed-tokens.txt --port 8001
-    SplitClient(url, model, client_id="alice", fed_url="http://127.0.0.1:8001", fed_token=...)
 
-Who may upload what. The fed server has its own tokens (``--token-file``, or
-``$SPLITLEARN_FED_TOKEN``), one per tenant, named as on the segment server; a client never
-sends it the segment server's token. It takes an upload only with the ticket the segment
-server answered that member's sync (:mod:`.tickets`): signed with the shared secret, for
-the round being collected (splitfed) or the latest version (sequential: the turn holder's
-sync), from the tenant the ticket names, once per member and round. The FedAvg weight is the
-ticket's samples (the target tokens the segment server trained for the member, no member above
-``--max-member-share`` of the round), the schema is this
-server's own (:mod:`.clientside`: from ``--model``/``--cut``/``--lora-*``, never the first
-upload), and each update is bounded and combined by the same :mod:`.strategy` as on the
-segment server.
-
-When a round closes. The segment server's status carries a signed close record once its
-round (or turn) closed; clients forward it (``POST /v1/federation/close``). The fed server
-closes its round when it holds the uploads of all the record's members, when a ticket of a
-later round arrives (the segment server moved on), or ``--upload-timeout`` seconds after the
-record if a member's upload never comes (a client that died between its two syncs); a ticketed
-member whose upload is refused (schema, NaN) is a failure of the round and not waited for (as
-Flower's ``accept_failures``); its version is then the segment server's. State is in memory (a restart forgets the average).
-
-Operating it (docs/OPERATIONS.md, "The fed server"): ``GET /v1/health``, ``GET /v1/ready`` (no
-token), ``GET /metrics`` (the operator's token, or ``--metrics-port`` on loopback without one)
-and one access line per request (``--log-format json``), with the segment server's modules
-(:mod:`..http.metrics`, :mod:`..http.accesslog`, :mod:`..http.probes`) and metric names where
-they mean the same; its rounds are ``splitlearn_fed_*`` (:class:`FedCollector`).
+Takes an upload only with the segment server's ticket (:mod:`.tickets`) for the round being
+collected, from the tenant it names, once per member, in its own schema (:mod:`.clientside`);
+combines with the same :mod:`.strategy`. A round closes on the forwarded close record's members
+all uploaded, a later round's ticket, or ``--upload-timeout``. State is in memory.
+Design and trust: docs/FEDERATION.md, 'Who sees the client-side weights'; operating it and
+its metrics: docs/OPERATIONS.md, 'The fed server'.
 """
 from __future__ import annotations
 
@@ -280,19 +256,8 @@ CLOSE_REASONS = ("complete", "later_round", "timeout")  # every upload in; a lat
 
 
 class FedCollector:
-    """The fed server's state as metric families, read at each scrape (under the rounds' lock,
-    which an upload holds only while it is checked in or a round is averaged)::
-
-        splitlearn_server_info{shape="fed",federation,protocol_version}   1
-        splitlearn_federation_version          version of the shared client-side weights (the
-                                               segment server's family of the same meaning)
-        splitlearn_fed_round                   the segment server's round being collected (0: none)
-        splitlearn_fed_uploads{state}          uploads held for it: accepted | failed (refused
-                                               members, out of the round)
-        splitlearn_fed_expected_uploads        members the close record names (0: no record yet)
-        splitlearn_fed_rounds_closed_total{reason}   complete | later_round | timeout
-        splitlearn_fed_last_round_members, _last_round_samples   the last round averaged
-    """
+    """The fed server's rounds as ``splitlearn_fed_*`` metric families, read at each scrape under
+    the rounds' lock (families: docs/OPERATIONS.md, 'The fed server')."""
 
     def __init__(self, rounds: FedRounds):
         self.rounds = rounds

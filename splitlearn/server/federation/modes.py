@@ -1,47 +1,16 @@
 """Federation modes: who may train the server's segment now, on which copy, and the
-client-side weights that data owners share.
+client-side weights that data owners share: ``shared`` (default; a U-shape step holds the
+:class:`~.lease.StepLease`), ``sequential`` (one turn holder at a time) and ``splitfed``
+(a round's members train copies, combined by :mod:`.strategy` when all synced).
 
-=============  ==============================================================================
-``shared``     (default) every client trains the one segment, concurrently or in turns; a
-               U-shape step holds the :class:`~.lease.StepLease` from forward to backward.
-               Client-side weights are never shared: each owner keeps its own bottom (+ top).
-``sequential`` vanilla split learning (Gupta & Raskar 2018): one client at a time holds the
-               *turn*, trains, and ends its turn with ``sync``, uploading its client-side
-               weights; the next client downloads them before its first step. K clients
-               taking turns equal one model trained on their batches in the server's order.
-``splitfed``   SplitFed v1 (Thapa et al., AAAI 2022): the first ``clients_per_round``
-               clients of a round each train their own copy of the server segment in
-               parallel; each ends with ``sync``; when all have synced, the copies and the
-               client-side weights are aggregated by the :mod:`.strategy` (FedAvg weighted
-               by the target tokens this server trained for each member, no member above
-               ``--max-member-share``, each update norm-bounded), and every client
-               continues from the result.
-=============  ==============================================================================
+Keys are opaque: the app passes ``"<tenant>:<client_id>"``; :meth:`Federation.status` shows a
+viewer its own tenant's ids only. Versions count the uploads (sequential) or closed rounds
+(splitfed); a training request of an older version gets 409 ``stale_weights``. Across replicas
+the round is global (:mod:`.collective`); ``--client-weights external`` answers syncs with
+signed tickets (:mod:`.tickets`, :mod:`.fedserver`).
 
-One member cannot break it: a member's FedAvg weight is the target tokens this server trained
-for it in the round, backwards received (:meth:`Federation.trained`), never a number it claims,
-and at most ``--max-member-share`` of the round's; uploads must match the server's own schema
-(:mod:`.clientside`); each update is bounded around the current shared weights before the
-:mod:`.strategy` combines them; a round's timeout runs from its *first member*, so members that
-never sync (made-up ids included) leave it then; a member whose sync is refused is a *failure*
-of the round (Flower's ``accept_failures``, :meth:`Federation.refuse`): out of it, and the round
-closes once every other member synced or failed. Versions count the
-uploads (sequential) or closed rounds (splitfed); a training request of an older version gets
-409 ``stale_weights`` and the library downloads the latest. With ``--client-weights external``
-a sync carries no weights and is answered a signed ticket, and a closed round leaves a signed
-close record in the status, for the fed server (:mod:`.fedserver`, :mod:`.tickets`). Keys are
-opaque: the app passes ``"<tenant>:<client_id>"`` (:mod:`splitlearn.server.engine.tenants`), and :meth:`Federation.status`
-shows a viewer its own tenant's ids only.
-
-Across replicas (``--fed-store``, set by ``python -m splitlearn.cluster``): a splitfed round
-spans every replica's members; admission, sync counts and the close are global (a
-torch.distributed TCPStore), and the close combines the replicas' bounded uploads with a gloo
-collective, so every replica continues from the same weights (:mod:`.collective`).
-
-Server memory per client: ``shared`` and ``sequential`` none beyond the ledger; ``splitfed``
-one copy of the segment and its optimizer state per member of the current round (created at
-the client's first step of the round, freed when the round closes): for GPT-2 small's trunk
-of blocks 2-10, 57M parameters, that is 227 MB of parameters (+454 MB of AdamW state).
+Design, the modes, robustness against one member, memory per client: docs/FEDERATION.md;
+across replicas: docs/CLUSTER.md, 'SplitFed across replicas'.
 """
 from __future__ import annotations
 
@@ -282,10 +251,8 @@ class Federation:
             return {**self.status(viewer), **({"ticket": ticket} if ticket else {})}
 
     def refuse(self, key: str, err: Exception) -> None:
-        """``key``'s sync was refused (``err``: 400 or 409): as Flower's ``accept_failures``, a
-        member of the open round counts as a *failure* of it: out of the round, which closes
-        with the others once every other member synced or failed; the turn holder's turn ends
-        (sequential; nothing is shared, the version stays). Anyone else: nothing changes."""
+        """``key``'s sync was refused (``err``: 400 or 409): a member of the open round is its
+        *failure* (out of it); the turn holder's turn ends; anyone else: nothing changes."""
         with self.lock:
             why = f"{type(err).__name__}: {err}"[:200]
             r = self.round

@@ -1,25 +1,10 @@
 """Where a federation round closes: :func:`close_round`, the one function every close calls.
 
-A round's members' uploads become the new shared weights in three steps, whoever runs them:
-
-1. **freeze** (:class:`Contribution`): each member's upload bounded around the current shared
-   weights (:func:`bound`, the :mod:`.strategy`'s norm bound), flattened to one float32
-   buffer per side (server side, client side), with its FedAvg weight (the target tokens the
-   server trained for it);
-2. **combine** (:func:`close_round`): the strategy's rule over every member of the round, the
-   members spread over the ranks of a *collective*; the answer (:class:`Combined`) is the same
-   on every rank;
-3. **apply**: the caller loads the result and opens the next round.
-
-One server is a collective of world size 1 (:data:`SOLO`, whose reductions are the identity):
-the modes' rounds on one server (:mod:`.modes`), a sequential turn, the fed server's rounds
-(:mod:`.fedserver`) and :meth:`.strategy.Strategy.aggregate` all close through
-:func:`close_round` with it; replicas (:mod:`.collective`) pass a torch.distributed one. So a
-round over R replicas is computed exactly as one server computes it: ``fedavg`` sums
-``w'_k * n_k / N`` (float64) over every member, on one rank or summed over the ranks (the same
-value up to the order of the sum: bit-identical when every rank holds at most one member);
-``median`` and ``trimmed-mean`` gather every bounded upload and apply the rule to all of them
-(bit-identical: both sort).
+Freeze (:class:`Contribution`: each upload bounded by :func:`bound`, flattened to one float32
+buffer per side, with its FedAvg weight), combine (:func:`close_round` over a *collective*; the
+:class:`Combined` answer is the same on every rank), apply (the caller). One server is a
+collective of world size 1 (:data:`SOLO`); replicas pass a torch.distributed one
+(:mod:`.collective`). Design: docs/FEDERATION.md, 'Where a round closes'.
 """
 from __future__ import annotations
 

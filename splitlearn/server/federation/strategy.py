@@ -1,37 +1,19 @@
-"""How a round's updates become the shared weights: federation strategies as objects.
+"""How a round's updates become the shared weights: federation strategies as objects (as in
+Flower's ``flwr.server.strategy``), shared by the segment server and the fed server.
 
-As in Flower (``flwr.server.strategy``: ``FedAvg``, ``FedMedian``, ``FedTrimmedAvg``), the
-rule is an object both servers share: the segment server averages its members' copies of the
-segment and (``--client-weights server``) their client-side weights with it, and the fed
-server (:mod:`.fedserver`) averages the client-side weights with the same one.
+Every rule works on updates ``d_k = w_k - w`` around the current shared weights ``w``:
 
-Every strategy works on *updates* relative to the current shared weights ``w``
-(the reference), never on the uploads as they are:
+1. **bounded**: ``d_k * min(1, M / ||d_k||_2)``, the norm over all tensors (``--max-update-norm M``);
+2. **combined** coordinate by coordinate, in float64, over ``w + d'_k``:
+   ``FedAvg`` sum_k n_k w'_k / sum_k n_k (McMahan et al. 2017, eq. 1; n_k: the target tokens
+   the server trained for member k, capped at ``--max-member-share`` by :func:`capped_weights`);
+   ``FedMedian`` (Yin et al. 2018, option I; an even count averages the two middle values, as
+   numpy); ``FedTrimmedAvg`` the mean after dropping the floor(beta K) largest and smallest
+   values (option II; Flower's ``_trim_mean``);
+3. the result is float32 and finite (every rule's result lies between the smallest and largest
+   bounded upload). Integer and boolean tensors (buffers) keep the reference's values.
 
-1. **bounded** (norm-bounded FedAvg, Sun et al. 2019, "Can You Really Backdoor Federated
-   Learning?", sec. 4): member k's update ``d_k = w_k - w`` is scaled to
-   ``d_k * min(1, M / ||d_k||_2)``, the L2 norm taken over all its tensors at once
-   (``--max-update-norm M``), so no member moves the model by more than M, whatever it sends
-   and however many samples it claims;
-2. **combined**, coordinate by coordinate, in float64, over the bounded uploads
-   ``w + d'_k`` (each rule commutes with translation, so this is ``w`` plus the combination
-   of the bounded updates ``d'_k``):
-
-   ``FedAvg``         sum_k n_k w'_k / sum_k n_k (McMahan et al. 2017, eq. 1); the weights n_k
-                      are the target tokens the *server* trained for member k (backwards
-                      received), and no member's share n_k / sum n passes ``--max-member-share``
-                      (:func:`capped_weights`), however many tokens it paid for
-   ``FedMedian``      the median (Yin et al. 2018, "Byzantine-Robust Distributed Learning:
-                      Towards Optimal Statistical Rates", option I); an even count averages
-                      the two middle values, as numpy's median (Flower's ``aggregate_median``)
-   ``FedTrimmedAvg``  the mean after dropping the floor(beta K) largest and smallest values of
-                      each coordinate (Yin et al. 2018, option II; Flower's ``_trim_mean``)
-
-3. the result is float32 whatever the uploads' dtype (the servers take float32 uploads only,
-   :mod:`.clientside`), and finite: every rule's result lies between the smallest and the
-   largest bounded upload, each a point between two finite float32 values.
-
-Integer and boolean tensors (buffers) are not averaged: the reference's are kept.
+Design: docs/FEDERATION.md, 'One member cannot break the federation'.
 """
 from __future__ import annotations
 
@@ -47,10 +29,8 @@ from ...errors import ConfigError
 log = logging.getLogger(__name__)
 
 AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
-# --max-update-norm's default. Honest rounds measured (docs/FEDERATION.md): tiny-demo moves either
-# side by at most 9.6 (make demo's first round; 3.9 with the CLI's defaults), GPT-2 small's AdamW
-# rounds (lr 1e-3) by 46 in 10 steps and 75 in 30: none of these is bounded, while no member moves
-# the model by more than 100 per round, and none can make it non-finite.
+# --max-update-norm's default, above every honest round measured: docs/FEDERATION.md,
+# '`--max-update-norm`: the default, measured'.
 DEFAULT_MAX_UPDATE_NORM = 100.0
 # --max-member-share's default: no member holds the majority of a round's FedAvg weight; it bites
 # only when one member trained more target tokens than all the others together.

@@ -1,29 +1,15 @@
 """Signed statements from the segment server to the fed server, carried by clients.
 
-With ``--client-weights external`` the fed server (:mod:`.fedserver`) averages client-side
-weights it gets from clients, and must know which uploads belong in the average. Only the
-segment server knows: it admitted the round's members, counted the rows each trained, and
-closed the round. So it signs what the fed server needs, and the clients carry it:
+- ``sync``: answered to a member's sync (``ticket``): mode, round, the version the member
+  trained from, its tenant, client id and the rows the segment server counted for it;
+- ``close``: ``last_close`` in ``GET /v1/federation`` once a round or turn closed: the round,
+  the version it produced and the members that synced (forwarded by clients to
+  ``POST /v1/federation/close``).
 
-==========  =================================================================================
-``sync``    answered to a member's sync (``ticket`` in the JSON): mode, round, the version the
-            member trained from, its tenant, client id and the rows the segment server
-            counted for it. The member sends it with its upload; the fed server takes the
-            samples from it and binds the upload to the tenant (the caller's fed token must
-            be that tenant's).
-``close``   ``last_close`` in ``GET /v1/federation`` once a round (splitfed) or turn
-            (sequential) has closed: the round, the version it produced and how many members
-            synced in it. Any client forwards it (``POST /v1/federation/close``), so the fed
-            server closes its round with exactly those uploads, even when the segment
-            server's round closed on its timeout.
-==========  =================================================================================
-
-Format: ``base64url(JSON) + "." + hex(HMAC-SHA256(secret, b"splitlearn-fed/1\\n" + JSON))``.
-The secret is shared by the two servers only (``--fed-secret-file`` on both); a client can
-read a statement but not forge or alter one. Verification compares MACs with
-``hmac.compare_digest`` (constant time) and parses JSON only after the MAC matched. A
-statement is valid for its round or version only: the fed server refuses one for a round it
-has closed, and an upload per member and round.
+Format: ``base64url(JSON) + "." + hex(HMAC-SHA256(secret, b"splitlearn-fed/1\\n" + JSON))``, the
+secret shared by the two servers only (``--fed-secret-file``). MACs are compared with
+``hmac.compare_digest``; JSON is parsed only after the MAC matched. Design:
+docs/FEDERATION.md, 'Who sees the client-side weights'.
 """
 from __future__ import annotations
 

@@ -1,30 +1,11 @@
 """One access line per request, and the server's log format (``--log-format text|json``).
 
-The app's first ``before_request`` hook (:func:`begin`) starts the clock and names the request;
-its ``after_request`` hook (:func:`finish`) counts it in ``/metrics`` (:mod:`.metrics`) and
-logs one line on the logger ``splitlearn.server.http.accesslog`` at INFO, with these fields::
-
-    request_id   the client's X-Request-Id if it fits [A-Za-z0-9_.:-]{1,64}, else 16 hex
-                 (answered in X-Request-Id either way: a client or a proxy can join its logs)
-    tenant       the tenant's name (token file), "-" before authentication; never a token
-    method       GET, POST, DELETE
-    route        the URL rule (/v1/sessions/<session_id>/step): a path would log session ids
-    status       the HTTP status answered
-    bytes_in     the request body's length (Content-Length)
-    bytes_out    the answer body's length
-    ms           from the first hook to the answer built, milliseconds
-    incident     on a 500 only: the id the answer names, which the error's traceback carries too
-
-``--log-format json`` writes every log line of the process as one JSON object (``ts``,
-``level``, ``logger``, ``message``, the fields above on access lines, ``exc`` with a
-traceback), for a log shipper; ``text`` (the default) keeps the classic line, access lines as
-``GET /v1/info 200 0B>1337B 1.20ms tenant=alice id=...``. Silence access lines with the
-logger's level (``logging.getLogger("splitlearn.server.http.accesslog").setLevel("WARNING")``).
-
-Written by hand: the JSON formatter is ~20 lines over :mod:`json`; ``python-json-logger`` would
-do it but is not a dependency (the server's extras add nothing for it).
-Requests refused at the front door (no token, headers too slow: :mod:`.frontdoor`) never reach
-the app and get no line.
+:func:`begin` (the app's first ``before_request`` hook) starts the clock and names the request;
+:func:`finish` (``after_request``) counts it in :mod:`.metrics` and logs one line on
+``splitlearn.server.http.accesslog`` (INFO) with ``request_id``, ``tenant``, ``method``,
+``route``, ``status``, ``bytes_in``, ``bytes_out``, ``ms`` and, on a 500, ``incident``. The
+JSON formatter is written by hand (``python-json-logger`` is not a dependency). Fields and
+formats: docs/OPERATIONS.md, 'Logs'.
 """
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from flask import Blueprint, jsonify, request
 
 from ... import protocol as P
-from ...errors import BadRequest
 from ...lora import lora_scope
 from ...wire import check_wire_dtype
 from ..engine.ledger import Answer
@@ -19,15 +18,17 @@ from .validate import json_object
 bp = Blueprint("training", __name__)
 
 
+def _hidden_any_padding(s: Served, t: dict):
+    """A piece's hidden and mask: any 0/1 padding (a Trainer's collator pads on the right)."""
+    h = validate.hidden(t, P.HIDDEN, s.dims[0], s.cfg.max_batch, s.dims[1])
+    return h, validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], s.dims[1], left_padded=False)
+
+
 @tensor_route(bp, P.TRAIN_STEP, owner=True, cls="training")
 def train_step(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
-    rt, (_, _, vocab) = s.rt, s.dims
+    rt, vocab = s.rt, s.dims[2]
     m = scoped(P.StepMeta.from_meta(meta), owner)
-    if m.open_ended:  # a fused open-ended piece: any 0/1 padding, loss_scale = its loss's gradient
-        h = validate.hidden(t, P.HIDDEN, s.dims[0], s.cfg.max_batch, s.dims[1])
-        mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], s.dims[1], left_padded=False)
-    else:
-        h, mask = hidden_and_mask(s, t)
+    h, mask = _hidden_any_padding(s, t)  # a fused piece: loss_scale = its loss's gradient
     y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
     rt.budget.train(h.shape[0], h.shape[1], mask)  # 413 before allocating
     return rt.train_step(m, h, y, mask)
@@ -35,20 +36,12 @@ def train_step(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
 
 @tensor_route(bp, P.TRAIN_FORWARD, owner=True, cls="training")
 def train_forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
-    rt, (d, npos, vocab) = s.rt, s.dims
+    rt, vocab = s.rt, s.dims[2]
     m = scoped(P.StepMeta.from_meta(meta), owner)
-    if m.open_ended:  # any 0/1 padding (a Trainer's collator pads on the right)
-        h = validate.hidden(t, P.HIDDEN, d, s.cfg.max_batch, npos)
-        mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], npos, left_padded=False)
-    else:
-        h, mask = hidden_and_mask(s, t)
-    y = None
-    if P.LABELS in t:  # 2-way open-ended pieces: the server computes the loss
-        if not m.open_ended:
-            raise BadRequest(f"labels go to {P.TRAIN_FORWARD} only in open-ended pieces (micros=0)")
-        y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
-    # its graph waits for the backward, with its step's other micro-batches' (GPipe)
-    rt.budget.train(h.shape[0], h.shape[1], mask, graphs=max(m.micros, 1))
+    h, mask = _hidden_any_padding(s, t)
+    # 2-way: the server computes the loss
+    y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+    rt.budget.train(h.shape[0], h.shape[1], mask)  # its graph waits for the backward
     return rt.train_forward(m, h, mask, y)
 
 
@@ -56,7 +49,7 @@ def train_forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
 def train_backward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
     rt, (d, npos, _) = s.rt, s.dims
     m = scoped(P.StepMeta.from_meta(meta), owner)
-    if not rt.u_shape and m.open_ended:  # 2-way: the scalar gradient of the piece's loss
+    if not rt.u_shape:  # 2-way: the scalar gradient of the piece's loss
         grad = validate.scalar(t, P.GRAD)
     else:
         grad = validate.hidden(t, P.GRAD, d, s.cfg.max_batch, npos)
@@ -86,7 +79,7 @@ def forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
     rt.budget.forward(h.shape[0], h.shape[1], mask, labels=y is not None)
     adapter = None
     if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter
-        key = scoped(P.StepMeta.from_meta({**meta, "step": "1"}), owner).client_id
+        key = scoped(P.StepMeta.from_meta({**meta, "step": "1", "micros": "0"}), owner).client_id
         adapter = rt.adapters.adapter_for(key, cfg.federation)
     all_logits = meta.get("logits") == "all"  # a top: every position's logits (B, T, V)
     if all_logits and not rt.u_shape:

@@ -1,21 +1,10 @@
 """The Flask app: ``create_app(config)`` -> a WSGI app serving one segment.
 
-The app itself holds what every request goes through; the routes are blueprints, one per
-concern, sharing :mod:`.routing` (the runtime of the app, ``tensor_route``)::
-
-    api_ops         /v1/health, /v1/ready, /metrics, /v1/echo, /v1/info, /v1/openapi.json,
-                    /v1/checkpoint
-    api_training    /v1/train/*, /v1/forward, /v1/clients/<id>/state
-    api_sessions    /v1/sessions, /v1/sessions/<id>, /v1/sessions/<id>/step
-    api_federation  /v1/federation, .../turn, .../sync, .../weights
-    api_lora        /v1/clients/<id>/adapter
-    api_offload     /v1/offload/linear (an --offload server: only this and api_ops)
-
-Every failure is a :class:`SplitLearnError` turned into ``{"error": CODE, "message": TEXT}``
-with its HTTP status by one handler, so a bad request changes nothing and the server keeps
-serving. Around every request, :mod:`.accesslog`'s first and last hooks time it, count it in
-the app's own Prometheus registry (:mod:`.metrics`, ``GET /metrics``) and log its access
-line; ``GET /v1/ready`` is :mod:`.probes`.
+The routes are blueprints, one per concern (api_ops, api_training, api_sessions,
+api_federation, api_lora, api_offload; routes: docs/INTERNALS.md, 'The server package'),
+sharing :mod:`.routing`. Every failure is a :class:`SplitLearnError` turned into ``{"error":
+CODE, "message": TEXT}`` with its status by one handler, so a bad request changes nothing;
+:mod:`.accesslog`'s hooks time, count and log every request; ``GET /v1/ready`` is :mod:`.probes`.
 """
 from __future__ import annotations
 

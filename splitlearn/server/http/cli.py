@@ -1,11 +1,6 @@
-"""``python -m splitlearn.server``: the command line, and serving the app with waitress.
-
-Why waitress: it is a production WSGI server in pure Python that runs in this process (one
-model copy, shared by its worker threads), keeps connections alive and sets TCP_NODELAY by
-default. It is set up by :mod:`.frontdoor`: request and response bodies stay in memory,
-a request without a valid token is refused at its headers (before its body is read), slow
-senders and clients that do not read their answers are cut off, and waitress's own error
-answers are the same JSON ``{"error", "message"}`` as every other error (docs/INTERNALS.md).
+"""``python -m splitlearn.server``: the command line, and serving the app with waitress (in
+process, one model copy shared by its threads, keep-alive, TCP_NODELAY) set up by
+:mod:`.frontdoor` (docs/INTERNALS.md, 'HTTP on loopback', 'waitress and the front door').
 A token generated for a run goes to a 0600 file, never to the log.
 """
 from __future__ import annotations

@@ -1,45 +1,23 @@
 """The front door: waitress, with every request that has no business here refused before it costs.
 
-Why. waitress reads a request's whole body before the app sees it, into memory (splitlearn
-raises ``inbuf_overflow`` to the body limit so activations never touch the disk), so a token
-checked by the app came after the cost: 48 connections without a token, each announcing
-200 MB and sending 16 MB, grew the server by 769 MiB (at the old defaults, 256 connections x
-256 MB: 64 GiB); behind this door, by 0. A sender that sent a byte now and then was never
-idle, so the idle timeout never cut it; an answer nobody read stayed in memory until the idle
-timeout, and with a second request in the same pipe it held a WSGI thread as well (waitress
-blocks a writer over its 16 MiB high watermark): 4 such clients stopped a 2-thread server.
+All on waitress's event loop (no WSGI thread, no body buffer):
 
-What this module changes, all on waitress's event loop (no WSGI thread, no body buffer):
+- **Header-time auth**: a request without a valid token (bodiless ``GET /v1/health`` and
+  ``/v1/ready`` excepted) is answered 401 before its body is buffered; over-limit
+  Content-Length: 413; malformed headers: 400. After the answer the write side is shut and
+  what the client still sends is dropped for at most :data:`LINGER_S` or the announced length.
+- **Deadlines in**: headers by ``request_timeout_s`` after the first byte, the body by
+  ``request_timeout_s + size / min_rate``; a connection without a valid token may idle
+  ``request_timeout_s`` only. Cut off: 408.
+- **Deadlines out**: an answer must be read by ``request_timeout_s + size / min_rate`` from
+  when it was written, else the connection is closed (freeing a WSGI thread blocked on it).
+- **Limits stated**: :class:`DoorLimits` (``/v1/info`` "limits"); deadlines are checked once a
+  second from waitress's maintenance hook (``cleanup_interval=1``).
 
-- **Header-time auth.** When a request's headers are complete, ``Authorization`` is checked
-  (:meth:`.tenants.Tenants.authenticate`, constant-time); a request without a valid token
-  (``GET /v1/health`` and ``/v1/ready`` without a body excepted) is refused before one byte of its body is
-  buffered. The JSON 401 ``{"error": "unauthorized", ...}`` is written from the event loop,
-  the write side is shut, and what the client still sends is read and dropped, a read at a
-  time, for at most :data:`LINGER_S` or the announced length (so a client that sends its whole
-  body before reading, as ``http.client`` does, reads the 401 rather than a reset), then the
-  connection is closed. A Content-Length over the body limit is refused the same way (413), and so are
-  malformed headers (400).
-- **Deadlines in.** A request's headers must be complete ``request_timeout_s`` after its
-  first byte, and its body by ``request_timeout_s + size / min_rate`` (an average rate, so a
-  sender of a few bytes a second is cut however often it sends); a connection that has not
-  presented a valid token may idle ``request_timeout_s``, not ``idle_timeout_s``. A request
-  cut off is answered 408 as above.
-- **Deadlines out (the send timeout).** An answer waiting to be read must be read by
-  ``request_timeout_s + its size / min_rate`` from when it was written; a client that does
-  not read is disconnected, which frees its buffers and wakes a WSGI thread blocked on it.
-- **Limits stated.** :class:`DoorLimits` (``/v1/info`` "limits"): connections, header bytes,
-  timeouts, the minimum rate. Deadlines are checked once a second, from waitress's own
-  maintenance hook (``cleanup_interval=1``), so they cost nothing per request.
-
-Cost on the per-request path: none added. The token's SHA-256 moves from the app to the event
-loop, and the app reads the tenant from ``environ[TENANT_KEY]`` (it still checks the token
-itself under another WSGI server); what is added is a few comparisons per connection per loop
-turn. Measured paired against plain waitress, a decode step's 3 KiB POST: -0.027 ms median
-difference, server CPU 0.973 against 0.975 ms per call; the decode-step overhead of
-``benchmarks/overhead.py`` and the RSS figures: docs/INTERNALS.md ("waitress and the front door").
-:func:`make_server` builds the waitress server for ``python -m splitlearn.server`` and for the
-fed server (:mod:`..federation.fedserver`) alike.
+The app reads the tenant from ``environ[TENANT_KEY]`` (it still checks the token itself under
+another WSGI server). :func:`make_server` builds the waitress server for ``python -m
+splitlearn.server`` and the fed server alike. Why, waitress's internals, cost measured:
+docs/INTERNALS.md, 'waitress and the front door'; guarantees: docs/SECURITY.md, 'Outsiders'.
 """
 from __future__ import annotations
 

@@ -1,47 +1,11 @@
-"""Prometheus metrics of one server (``prometheus-client``): ``GET /metrics`` and ``--metrics-port``.
-
-Where they are read::
-
-    GET /metrics                 on the server's port; the operator's token only (403 for a
-                                 tenant's, 401 without); Prometheus' text format 0.0.4
-                                 (OpenMetrics if the scraper's Accept asks for it)
-    --metrics-port P             the same text on 127.0.0.1:P, no token (loopback only: for a
-                                 Prometheus or an agent on the same machine); prometheus-client's
-                                 own HTTP server on a daemon thread
+"""Prometheus metrics of one server (``prometheus-client``): ``GET /metrics`` (operator's token)
+and ``--metrics-port`` (127.0.0.1, no token).
 
 Each app has its own :class:`~prometheus_client.CollectorRegistry` (never the global one: a
-process may hold several apps, as the tests do). Two kinds of families:
-
-- **counted per request** (the app's ``after_request`` hook, :mod:`.accesslog`), labels
-  ``route`` (the URL rule, ``/v1/sessions/<session_id>/step``; ``unmatched`` for a 404 of no
-  route), ``method``, ``status``, ``tenant`` (the tenant's *name* from the token file; ``-``
-  before authentication; never a token or its digest)::
-
-    splitlearn_requests_total{route,method,status,tenant}      counter
-    splitlearn_request_duration_seconds{route,method}          histogram  the app's first hook to
-                                                               its answer built (a body's upload is
-                                                               before, its download after)
-    splitlearn_request_bytes_total{route,direction}            counter    direction: in (body) | out
-    splitlearn_queue_wait_seconds{class}                       histogram  wait for the compute thread,
-                                                               per priority class (.priority)
-
-- **read at scrape time** (:class:`_StateCollector`, nothing on the request path)::
-
-    splitlearn_steps_applied_total                             optimizer steps applied (the ledger)
-    splitlearn_decode_steps_total, _decode_forwards_total      decode steps, batched forwards running them
-    splitlearn_preemptions_total                               times training yielded to decode steps
-    splitlearn_sessions{tenant}, splitlearn_cached_tokens{tenant}   generation sessions, rows x length
-    splitlearn_memory_reserved_bytes{tenant}                   what each tenant holds (.memory)
-    splitlearn_memory_reserved_total_bytes, _memory_limit_bytes, _memory_tenant_limit_bytes
-    splitlearn_memory_evictions_total, _memory_refusals_total
-    splitlearn_federation_round, splitlearn_federation_version the round open now, the shared weights'
-    splitlearn_compute_queue                                   work waiting for the compute thread
-    splitlearn_server_info{shape,federation,protocol_version}  1
-
-docs/OPERATIONS.md has example PromQL and server/grafana-dashboard.json a dashboard. The fed
-server (splitlearn/server/federation/fedserver.py) uses this class with its own state collector
-(``state=``): the request families and ``splitlearn_server_info`` / ``_federation_version`` are
-the same, its rounds ``splitlearn_fed_*``.
+process may hold several apps). Request families are counted in the app's ``after_request``
+hook (:mod:`.accesslog`); the state families are read at scrape time (:class:`_StateCollector`);
+the fed server passes its own state collector (``state=``). Families, labels, PromQL:
+docs/OPERATIONS.md, 'Metrics'.
 """
 from __future__ import annotations
 

@@ -6,13 +6,9 @@ error answer, and :func:`tensor_route`, the one shape of every route that carrie
                      -> the runtime's method -> an Answer, or a future of one (decode steps)
     WSGI thread:     wait for the future, encode the Answer, add X-Server-Time-Ms
 
-so requests are decoded and answers encoded at this one layer, and this layer is the only one
-that hands work to the runtime's compute thread (``rt.compute.run``; every tensor operation
-on the model runs there: see :mod:`splitlearn.server.engine.compute`). One exception, for the
-decode step's latency: a generation step's body of at most ``INLINE_BODY_BYTES`` is decoded
-and validated on the WSGI thread (a tensor that small never starts OpenMP threads), and a
-decode step goes straight to the batcher's queue, which is safe from any thread; that saves a
-hand-off to the compute thread and back (about 0.3 ms a step, see benchmarks/README.md).
+This layer is the only one that hands work to the compute thread (``rt.compute.run``). Except:
+a generation step's body of at most ``INLINE_BODY_BYTES`` is decoded and validated on the WSGI
+thread and goes straight to the batcher's queue (saves ~0.3 ms a step, benchmarks/README.md).
 """
 from __future__ import annotations
 

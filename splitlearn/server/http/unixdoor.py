@@ -1,34 +1,13 @@
 """The Unix-socket door: the same app, on the same host, without HTTP.
 
-``python -m splitlearn.server ... --listen unix:///run/splitlearn.sock`` serves the app on a
-Unix stream socket too (``--no-tcp``: only there). Its framing is splitlearn's own, documented
-in :mod:`splitlearn.transport.unixframe` (a 20-byte header, a JSON part with the method, path
-and headers, the body inline or in a shared-memory region the client registered once per
-connection). Why not HTTP over a Unix socket: a decode step's round trip beyond the server's
-compute is the Python HTTP stack on both sides, not TCP (issue 32); speaking HTTP on another
-socket saves nothing.
-
-Each request goes to the same Flask app through its WSGI interface, with an environ built here
-(no HTTP parsing): the routes, tenants and tokens (``Authorization``, checked here at the frame
-as the front door does at the headers, and by the app), validation, limits and error JSON are
-the app's own. What this door enforces, as the TCP front door does:
-
-- the socket file is created mode 0600 (``--unix-mode 0660``: the group too), a stale one
-  (nobody listening) replaced, a live one or another file refused;
-- at most ``--max-connections`` connections; more wait in the listen backlog;
-- deadlines: a connection idles at most ``--idle-timeout`` between frames (``--request-timeout``
-  until it has presented a valid token); a frame, once begun, must be complete within
-  ``--request-timeout`` plus its size at ``--min-rate-kib``; an answer must be read as fast;
-- a frame that is not ours (bad magic, oversized JSON or inline body, bad JSON) gets a 400 (413
-  for sizes) and the connection is closed (nothing after it can be framed); a well-framed
-  request with a bad field (an out-of-range region, a missing path) gets a 400 and the
-  connection goes on; neither changes anything;
-- the region: only a memfd sealed against shrinking (``F_SEAL_SHRINK``), of at most twice
-  ``--max-body-mb`` (or 256 MiB if more), mapped once; every offset and length checked against its size. A region
-  belongs to its connection: no request can name another connection's region.
-
-One thread per connection runs that connection's requests (one at a time, as one HTTP/1.1
-keep-alive connection does), so concurrent clients' decode steps still batch.
+``--listen unix:///run/splitlearn.sock`` (``--no-tcp``: only there) serves the app with the
+frames of :mod:`splitlearn.transport.unixframe`; each request goes to the same Flask app
+through a WSGI environ built here (no HTTP parsing), the token checked at the frame too. As the
+TCP front door, it enforces the socket file's mode (0600, ``--unix-mode``), ``--max-connections``,
+the idle and request deadlines, 400/413 on malformed frames (connection closed) or bad fields
+(connection goes on), and only sealed memfd regions of bounded size. One thread per connection
+runs its requests one at a time, so concurrent clients' decode steps still batch.
+Design: docs/TRANSPORT.md; guarantees: docs/SECURITY.md, 'The Unix socket'.
 """
 from __future__ import annotations
 

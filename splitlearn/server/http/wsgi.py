@@ -1,25 +1,14 @@
 """WSGI entry for running the app under another server (waitress-serve, gunicorn).
 
-The server's flags come from ``$SPLITLEARN_ARGS`` (the same flags as
-``python -m splitlearn.server``), the token from ``$SPLITLEARN_TOKEN``::
+The server's flags come from ``$SPLITLEARN_ARGS`` (those of ``python -m splitlearn.server``),
+the token from ``$SPLITLEARN_TOKEN``::
 
     SPLITLEARN_ARGS="--model gpt2 --cut 2 --cut 10 --checkpoint-dir /var/lib/splitlearn" \\
         waitress-serve --listen 127.0.0.1:8000 --call splitlearn.server.wsgi:create_app_from_env
 
-Run exactly one worker process: the segment, its optimizer and the per-client step
-counters live in that process (threads are fine; gunicorn: ``-w 1 -k gthread --threads 4``).
-Checkpoint-on-SIGTERM is done by ``python -m splitlearn.server``; under another server,
-rely on ``--checkpoint-every`` and ``POST /v1/checkpoint``.
-
-What another server does not have: the front door of ``python -m splitlearn.server``
-(:mod:`.frontdoor`). The app still refuses a request without a valid token before its view
-reads the body (Flask's ``before_request``, which reads no ``wsgi.input``), so under a server
-that streams bodies (gunicorn) a tokenless body is never read into memory; but
-``waitress-serve`` as configured by default reads the whole body first (into memory up to
-512 KiB, then into a temporary file) before the app is called, and neither enforces the
-request and answer deadlines or ``--max-connections``, ``--request-timeout``,
-``--min-rate-kib`` and ``--idle-timeout`` (their values in ``/v1/info`` then describe nothing).
-Put a proxy that enforces them in front (server/README.md, "Behind TLS").
+Run exactly one worker process. There is no front door, no checkpoint on SIGTERM, and the
+connection limits and deadlines of ``/v1/info`` describe nothing: server/README.md,
+"Under another WSGI server" and "Behind TLS".
 """
 from __future__ import annotations
 

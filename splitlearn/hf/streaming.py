@@ -1,10 +1,6 @@
-"""Streaming ``SplitClient.generate``: each new token of every row as transformers' ``generate``
-makes it (:meth:`SplitClient.generate_stream <splitlearn.client.SplitClient.generate_stream>`).
-
-Generation itself is transformers' ``generate`` on the client's split model
-(:mod:`splitlearn.hf`); two row groups in flight are :class:`splitlearn.hf.cache.RemoteCache`'s
-row groups, run by the model's forward.
-"""
+"""Streaming generation: each new token of every row as transformers' ``generate`` makes it
+(:meth:`SplitGenerationMixin.generate_stream <splitlearn.hf.modeling.SplitGenerationMixin.generate_stream>`,
+``SplitClient.generate_stream``)."""
 from __future__ import annotations
 
 import queue
@@ -12,7 +8,7 @@ import threading
 from typing import Callable, Iterator
 
 import torch
-from transformers import StoppingCriteria
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 _END = object()
@@ -45,16 +41,17 @@ class _StopFlag(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.stop.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
-def stream_tokens(run: Callable[[BaseStreamer, StoppingCriteria], object]) -> Iterator[torch.Tensor]:
-    """Yield each new token of every row, (B,), while ``run(streamer, stopping_criterion)``
-    (a transformers ``generate`` given both) runs in a thread; its exception is re-raised
-    here. Closing the iterator early stops the generation at its next token and waits for it
-    (so its server session is closed when this returns)."""
+def stream_tokens(generate: Callable[..., object], **kwargs) -> Iterator[torch.Tensor]:
+    """Yield each new token of every row, (B,), while ``generate(**kwargs, streamer=...,
+    stopping_criteria=...)`` runs in a thread; its exception is re-raised here. Closing the
+    iterator early stops the generation at its next token and waits for it (so its server
+    session is closed when this returns)."""
     streamer, flag, error = _TokenQueue(), _StopFlag(), []
+    criteria = StoppingCriteriaList([*(kwargs.pop("stopping_criteria", None) or []), flag])
 
     def target():
         try:
-            run(streamer, flag)
+            generate(**kwargs, streamer=streamer, stopping_criteria=criteria)
         except BaseException as e:  # noqa: BLE001 - re-raised in the reader's thread
             error.append(e)
         finally:

@@ -1,0 +1,175 @@
+"""Defense-aware fine-tuning (docs/PRIVACY.md, 'Defenses trained in'): the meter's reference model
+fine-tuned *with* a defense on what crosses the cut, over the split, through the model classes.
+
+    path = finetune_defense(reference_dir, (1, 5), GaussianNoise(sigma=2, clip=2.4), steps=200)
+    model = splitlearn.load_model(path)          # the fine-tuned whole model, measured by the meter
+
+The client is a :class:`~splitlearn.hf.modeling.SplitGPT2LMHeadModel` with the defense
+(``model.defense``: its noise on every activation sent, its extra loss, e.g. NoPeek's, added to
+the loss), the server a segment server of this process reached at an ``inproc://`` URL (the same
+app as ``python -m splitlearn.server``, without a socket); both sides train with AdamW. The
+client's and the server's weights are then put back into one ``GPT2LMHeadModel`` (2-way: the
+server's LM head is its own, untied, copy), saved and cached per setting like
+:func:`~splitlearn.privacy.train_reference`.
+
+This module is also the driver of ``python -m splitlearn.privacy`` (:func:`main`): it sits above
+``privacy`` (which the model classes import) and ``server`` (which it starts).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import secrets
+import time
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .data import ByteTokenizer, lm_batches
+from .errors import ConfigError
+from .loading import load_model
+from .partition import validate_cuts
+from .privacy.defenses import Defense
+from .privacy.meter import split_corpus
+from .privacy.reference import FINETUNE_JSON, default_cache_dir, finetune_info  # noqa: F401 (re-export)
+
+log = logging.getLogger(__name__)
+
+def _tag(source: Union[str, Path], cut: tuple[int, ...], defense: Defense, steps: int, batch_size: int,
+         seq_len: int, lr: float, seed: int) -> str:
+    d = defense.describe()
+    params = json.dumps(d, sort_keys=True)
+    digest = hashlib.sha256(f"{Path(source).resolve() if Path(source).exists() else source}|{params}"
+                            .encode()).hexdigest()[:10]
+    return (f"{Path(str(source)).name.replace(':', '_')}-cut{'_'.join(map(str, cut))}-{d['name']}-{digest}"
+            f"-steps{steps}-b{batch_size}-t{seq_len}-lr{lr:g}-seed{seed}")
+
+
+def finetune_defense(source: Union[str, Path], cut: Union[int, Sequence[int]], defense: Defense, steps: int, *,
+                     batch_size: int = 16, seq_len: int = 64, lr: float = 1e-3, seed: int = 0,
+                     texts: Optional[Sequence[str]] = None, cache_dir: Union[str, Path, None] = None,
+                     progress: bool = True) -> Path:
+    """Fine-tune ``source`` (a model directory, e.g. :func:`~splitlearn.privacy.train_reference`'s,
+    or a spec) split at ``cut`` with ``defense`` applied to what the client sends, ``steps`` AdamW
+    steps of ``batch_size`` x ``seq_len`` windows of ``texts`` (default: the public paragraphs of
+    the shipped corpus, bytes); return the ``save_pretrained`` directory, cached per setting under
+    ``cache_dir`` (default ``<privacy cache>/defended``). Its ``finetune.json``: the setting,
+    ``seconds``, the training losses (the task's, without the defense's extra loss) of the first
+    and last tenth of the steps. Raises :class:`ConfigError` on bad input."""
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"defense fine-tuning: {name} must be a positive integer, got {v!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ConfigError(f"defense fine-tuning: lr must be > 0, got {lr!r}")
+    if not isinstance(defense, Defense):
+        raise ConfigError(f"defense must be a splitlearn.privacy.Defense, got {type(defense).__name__}")
+    base = load_model(str(source), seed=seed)
+    cut = validate_cuts(cut, base.config.n_layer)
+    if seq_len > base.config.n_positions:
+        raise ConfigError(f"seq_len={seq_len} is longer than n_positions={base.config.n_positions}")
+    if base.config.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError(f"{source} has a vocabulary of {base.config.vocab_size}; defense fine-tuning "
+                          f"trains on bytes (257)")
+    out = Path(cache_dir or default_cache_dir() / "defended") / _tag(source, cut, defense, steps, batch_size,
+                                                                     seq_len, lr, seed)
+    if (out / "config.json").is_file() and (out / FINETUNE_JSON).is_file():
+        log.info("defense-fine-tuned model cached at %s", out)
+        return out
+    ids = ByteTokenizer().encode("\n\n".join(texts if texts is not None else split_corpus()[0]))
+    t0 = time.perf_counter()
+    losses, client, server = _train(source, cut, defense, steps, batch_size, seq_len, lr, seed, ids, progress)
+    seconds = time.perf_counter() - t0
+    model = _assemble(base, cut, client, server)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tenth = max(1, steps // 10)
+    info = {"source": str(source), "cut": list(cut), "defense": defense.describe(), "steps": steps,
+            "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "seed": seed, "seconds": seconds,
+            "loss_first": sum(losses[:tenth]) / tenth, "loss_last": sum(losses[-tenth:]) / tenth,
+            "tokens": len(ids), "windows_sent": steps * batch_size}
+    (out / FINETUNE_JSON).write_text(json.dumps(info, indent=2))
+    log.info("fine-tuned %s at cut %s with %s: %d steps in %.1f s, loss %.3f -> %.3f -> %s", source, cut,
+             info["defense"], steps, seconds, info["loss_first"], info["loss_last"], out)
+    return out
+
+
+def _train(source, cut, defense, steps, batch_size, seq_len, lr, seed, ids, progress):
+    """The training run: (task losses per step, client state dict, server state dict (HF names))."""
+    from .hf.modeling import SplitGPT2LMHeadModel
+    from .server.config import ServerConfig
+    from .server.http.app import create_app
+    from .transport.inproc import serve_inproc, unserve
+
+    token = secrets.token_hex(16)
+    cfg = ServerConfig(model=str(source), cuts=tuple(cut), optimizer="adamw", lr=lr, weight_decay=0.01,
+                       seed=seed, tokens=(token,), torch_threads=torch.get_num_threads())
+    app = create_app(cfg)
+    rt = app.extensions["splitlearn"]
+    url = serve_inproc(app)
+    model = None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # the defense's noise draws
+            model = SplitGPT2LMHeadModel.from_pretrained(str(source), server=url, token=token, seed=seed,
+                                                         defense=defense, client_id="defense-finetune")
+            model.train()
+            opt = model.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01))
+            bar = None
+            if progress:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=steps, desc=f"fine-tuning with {defense.name} at cut "
+                           f"{','.join(map(str, cut))}", unit="step")
+            losses = []
+            for batch in lm_batches(ids, batch_size, seq_len, seed=seed + 1, steps=steps):
+                loss = model(batch, labels=batch).loss
+                extra = model.transformer.defense_loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item() - (extra.item() if extra is not None else 0.0))
+                if not math.isfinite(losses[-1]):
+                    raise ConfigError(f"defense fine-tuning diverged at step {len(losses)} (loss "
+                                      f"{losses[-1]}); try a lower lr")
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if bar is not None:
+                bar.close()
+            model.flush()  # the last step's apply reaches the server
+        client = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        server = rt.compute.run(lambda: {k: v.detach().clone() for k, v in rt.segment.hf_state_dict().items()})
+    finally:
+        if model is not None:
+            model.remote.close()
+        unserve(url)
+        rt.compute.close()
+    return losses, client, server
+
+
+def _assemble(base, cut, client: dict, server: dict):
+    """``base`` (the untuned ``GPT2LMHeadModel``) with the client's and the server's trained weights;
+    2-way: untied, the LM head being the server's own copy."""
+    if len(cut) == 1:  # the server trained its own LM head: keep it
+        base.config.tie_word_embeddings = False
+        base.lm_head.weight = torch.nn.Parameter(base.transformer.wte.weight.detach().clone())
+    state = base.state_dict()
+    got = {}
+    for k, v in list(client.items()) + list(server.items()):
+        if k in state and not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias"):
+            got[k] = v
+    missing = [k for k in state if k not in got and k.endswith((".weight", ".bias"))
+               and not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    if missing:
+        raise ConfigError(f"defense fine-tuning: no trained value for {missing[:3]} (of {len(missing)})")
+    base.load_state_dict(got, strict=False)
+    return base.eval()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m splitlearn.privacy``: :func:`splitlearn.privacy.cli.main` with the fine-tuning."""
+    from .privacy.cli import main as meter_main
+
+    return meter_main(argv, finetune=finetune_defense)
