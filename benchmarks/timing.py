@@ -115,14 +115,14 @@ def run_in_child(target: Callable, args: Sequence, what: str, env: Optional[dict
 
 
 def pinned_u_server(model: str, cuts: Sequence[int], client_core: int = 0, server_core: int = 1):
-    """Two emulated devices: a started U-shape ``LocalServer`` of ``model`` on ``server_core``
-    (it inherits the affinity, one torch thread), this process on ``client_core`` with one
-    torch thread. The caller stops the server."""
+    """Two emulated devices: a started ``LocalServer`` of ``model`` (U-shape, or 2-way for one
+    cut) on ``server_core`` (it inherits the affinity, one torch thread), this process on
+    ``client_core`` with one torch thread. The caller stops the server."""
     from splitlearn.localserver import LocalServer
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {server_core})  # the server inherits it
-    srv = LocalServer(["--model", model, "--cut", str(cuts[0]), "--cut", str(cuts[1]), "--torch-threads", "1",
+    srv = LocalServer(["--model", model, *[a for c in cuts for a in ("--cut", str(c))], "--torch-threads", "1",
                        "--device", "cpu", "--lr", "1e-4"], env={"OMP_NUM_THREADS": "1"}).start()
     os.sched_setaffinity(0, {client_core})
     return srv
