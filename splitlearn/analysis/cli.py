@@ -15,7 +15,7 @@ from ..errors import SplitLearnError
 from ..wire import WIRE_DTYPE_NAMES
 from . import plots, report
 from .core import AnalysisConfig, analyze_partition, prepare_model
-from .leakage import Meter, PrivacyConfig, annotate_sweep
+from .leakage import Meter, PrivacyConfig, annotate_sweep, describe_defense, load_rows
 from .sweep import LinkConfig, sweep_cuts
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--privacy-attacks", default="linear,mlp,gru,whitebox")
     p.add_argument("--privacy-epochs", type=int, default=30, help="inverter training epochs")
     p.add_argument("--privacy-max-tokens", type=int, help="private tokens to recover at most")
+    p.add_argument("--privacy-rows", metavar="FILE.json", action="append", default=[],
+                   help="with --privacy: rows measured by `python -m splitlearn.privacy --json` (e.g. "
+                   "defenses fine-tuned in) used at the cuts they cover instead of measuring there; the "
+                   "planner chooses among them; repeatable")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--csv", metavar="FILE")
     p.add_argument("--markdown", metavar="FILE")
@@ -156,12 +160,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         privacy = None
         if args.max_leakage is not None and not (args.privacy and args.sweep):
             raise SplitLearnError("--max-leakage needs --sweep and --privacy")
+        if args.privacy_rows and not args.privacy:
+            raise SplitLearnError("--privacy-rows needs --privacy")
         if args.privacy:
             privacy = PrivacyConfig(
                 sigmas=tuple(args.noise_sigma), clip=args.noise_clip, max_leakage=args.max_leakage,
                 seq_len=args.privacy_seq_len, attacks=tuple(args.privacy_attacks.split(",")),
                 epochs=args.privacy_epochs, max_private_tokens=args.privacy_max_tokens,
-                seed=args.seed)
+                seed=args.seed, rows=load_rows(args.privacy_rows, args.model) if args.privacy_rows else ())
         data = build_report(config, link, args.sweep, privacy=privacy)
     except (SplitLearnError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -201,8 +207,9 @@ def privacy_rows(data: dict) -> list[dict]:
     seen, out = set(), []
     for r in rows:
         key = (tuple(r["cut"]), str(r["defense"]))
-        if key not in seen and (len(r["cut"]) == 1 or r["cut"][1] == r["cut"][0] + 1):
-            seen.add(key)  # U-shapes: one per first cut (same activations cross)
+        if key not in seen and (len(r["cut"]) == 1 or r["cut"][1] == r["cut"][0] + 1
+                                or r.get("source") == "file"):
+            seen.add(key)  # U-shapes: one per first cut (same activations cross); given rows: all
             out.append(r)
     return out
 
@@ -211,12 +218,11 @@ def privacy_text(data: dict) -> str:
     """Leakage lines for the text output ("" without --privacy)."""
     lines = []
     for r in data.get("privacy") or []:
-        d = r["defense"]
-        dtext = "no defense" if d["name"] == "none" else f"sigma={d['sigma']:g} clip={d['clip']:.3g}"
+        dtext = describe_defense(r["defense"], r.get("finetune_steps") or 0)
         lines.append(f"Privacy cut {r['cut']} {dtext}: token recovery {r['token_recovery']:.3f} "
                      f"({r['best_attack']}), perplexity {r['perplexity']:.2f} (unsplit "
-                     f"{r['perplexity_unsplit']:.2f})" + (", labels reach the server"
-                                                          if r["labels_reach_server"] else ""))
+                     f"{r.get('perplexity_unsplit', r.get('perplexity_undefended')) or float('nan'):.2f})"
+                     + (", labels reach the server" if r.get("labels_reach_server") else ""))
     sweep = data.get("sweep") or {}
     for p in sweep.get("points", []) if "privacy" in (sweep.get("points") or [{}])[0] else []:
         best = min(p["privacy"], key=lambda s: s["leakage"])

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import SplitLearnError
 from ..loading import is_spec_source, load_model
-from .attacks import ATTACKS, AttackConfig
+from .attacks import ATTACKS, LEARNED, AttackConfig
 from .defenses import GaussianNoise, parse_defense
 from .meter import default_tokenizer, measure_leakage, median_token_norm, perplexities, private_windows
 from .presets import recommended
@@ -33,6 +33,7 @@ from .reference import finetune_info, reference_info, train_reference
 
 log = logging.getLogger(__name__)
 PROG = "python -m splitlearn.privacy"
+KNOWS = ("finetuned", "public", "both")
 
 
 def parse_cut(s: str) -> tuple[int, ...]:
@@ -64,6 +65,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--defense-lr", type=float, default=1e-3, help="fine-tuning learning rate")
     p.add_argument("--defense-batch-size", type=int, default=16, help="fine-tuning sequences per step")
     p.add_argument("--defense-seq-len", type=int, default=64, help="fine-tuning tokens per sequence")
+    p.add_argument("--attacker-knows", choices=KNOWS, default="finetuned",
+                   help="the weights the attacker uses: finetuned (the client's own, fine-tuned where the "
+                   "row is; pessimistic, the default), public (the reference model before the defense "
+                   "fine-tuning: a client that fine-tuned its blocks in secret), both (a row each; rows "
+                   "not fine-tuned are measured once, their weights being the public ones)")
+    p.add_argument("--gradient-attacks", default="", metavar="KIND[,KIND]",
+                   help="U-shape: learned inverters (linear, mlp, gru) on the gradient the client sends at "
+                   "the second cut in training; the row's token_recovery_gradient (default: none)")
     p.add_argument("--clip", type=float, help="per-token L2 clip (default: median norm at the cut)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma list of {', '.join(ATTACKS)}")
@@ -112,6 +121,13 @@ def run(args: argparse.Namespace, finetune=None) -> dict:
     for spec in args.defenses:  # bad specs fail before anything is trained
         if spec != "recommended":
             parse_defense(spec, clip=1.0)
+    knows = getattr(args, "attacker_knows", "finetuned")
+    if knows not in KNOWS:
+        raise SplitLearnError(f"--attacker-knows is one of {', '.join(KNOWS)}, got {knows!r}")
+    grad_kinds = tuple(k for k in (getattr(args, "gradient_attacks", "") or "").split(",") if k)
+    for k in grad_kinds:
+        if k not in LEARNED:
+            raise SplitLearnError(f"unknown gradient attack {k!r}; known: {', '.join(LEARNED)}")
     if args.threads is not None:
         if args.threads < 1:
             raise SplitLearnError(f"--threads must be >= 1, got {args.threads}")
@@ -155,24 +171,34 @@ def run(args: argparse.Namespace, finetune=None) -> dict:
                                 seq_len=args.defense_seq_len, lr=args.defense_lr, seed=args.seed,
                                 progress=not args.no_progress)
                 measured, info = load_model(str(path), seed=args.seed, device=args.device), finetune_info(path)
-            r = measure_leakage(measured, cut, defense=defense, tokenizer=tokenizer,
-                                attacks=tuple(args.attacks.split(",")), seq_len=args.seq_len,
-                                delta=args.delta, config=config,
-                                max_private_tokens=args.max_private_tokens, seed=args.seed)
-            if undefended is None:
-                undefended = r.perplexity
-            r.perplexity_undefended = undefended
-            if defense is not None:
-                ids = private_windows(tokenizer or default_tokenizer(model, source), seq_len=args.seq_len,
-                                      max_private_tokens=args.max_private_tokens)
-                r.perplexity_test_time = perplexities(model, cut, ids, defense, args.seed)[0]
-            if info is not None:
-                _add_finetune(r, defense, info, args.delta)
-            rows.append(dict(r.as_dict(), preset=preset))
-            print(f"  cut {','.join(map(str, cut))} {_defense(rows[-1])}"
-                  f"{f' trained {n} steps' if n else ''}: recovery {r.token_recovery:.3f} "
-                  f"({r.best_attack}), perplexity {r.perplexity:.2f} (undefended {undefended:.2f}), "
-                  f"{r.seconds:.1f} s", file=sys.stderr)
+            # the attacker's weights: the client's own, or the public reference (a secret client);
+            # a row that was not fine-tuned has the public weights, measured once
+            who = ("finetuned", "public") if knows == "both" else (knows,)
+            if not n and knows == "both":
+                who = ("finetuned",)
+            for k in who:
+                r = measure_leakage(measured, cut, defense=defense, tokenizer=tokenizer,
+                                    attacks=tuple(args.attacks.split(",")), seq_len=args.seq_len,
+                                    delta=args.delta, config=config,
+                                    max_private_tokens=args.max_private_tokens, seed=args.seed,
+                                    attacker_model=model if k == "public" else None,
+                                    gradient_attacks=grad_kinds if len(cut) == 2 else ())
+                if undefended is None:
+                    undefended = r.perplexity
+                r.perplexity_undefended = undefended
+                if defense is not None:
+                    ids = private_windows(tokenizer or default_tokenizer(model, source), seq_len=args.seq_len,
+                                          max_private_tokens=args.max_private_tokens)
+                    r.perplexity_test_time = perplexities(model, cut, ids, defense, args.seed)[0]
+                if info is not None:
+                    _add_finetune(r, defense, info, args.delta)
+                rows.append(dict(r.as_dict(), preset=preset))
+                grad = r.token_recovery_gradient
+                print(f"  cut {','.join(map(str, cut))} {_defense(rows[-1])}"
+                      f"{f' trained {n} steps' if n else ''}, attacker knows {r.attacker_knows}: recovery "
+                      f"{r.token_recovery:.3f} ({r.best_attack})"
+                      f"{'' if grad is None else f', from the gradient at cut 2 {grad:.3f}'}, perplexity "
+                      f"{r.perplexity:.2f} (undefended {undefended:.2f}), {r.seconds:.1f} s", file=sys.stderr)
     return {"model": args.model, "trained": trained, "device": args.device,
             "threads": torch.get_num_threads(), "rows": rows,
             "seconds": time.perf_counter() - t0}
@@ -211,19 +237,26 @@ def _eps(row: dict) -> str:
 def to_markdown(data: dict) -> str:
     """The table of docs/PRIVACY.md."""
     attacks = [a for a in ATTACKS if any(a in r["attacks"] for r in data["rows"])]
-    head = (["cut", "defense", "fine-tuned", f"ε (δ={data['rows'][0]['delta'] or 1e-5:g}, per window)"]
-            + attacks + ["best", "perplexity", "× undefended", "at test time", "without server",
-                         "labels to server", "s (fine-tune + meter)"])
+    knows = any(r.get("attacker_knows", "finetuned") != "finetuned" for r in data["rows"])
+    grads = any(r.get("token_recovery_gradient") is not None for r in data["rows"])
+    head = (["cut", "defense", "fine-tuned"] + (["attacker knows"] if knows else [])
+            + [f"ε (δ={data['rows'][0]['delta'] or 1e-5:g}, per window)"]
+            + attacks + ["best"] + (["gradient at cut 2"] if grads else [])
+            + ["perplexity", "× undefended", "at test time", "without server", "labels to server",
+               "s (fine-tune + meter)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
         cut = ",".join(map(str, r["cut"]))
         undef = r.get("perplexity_undefended") or r["perplexity_unsplit"]
         test_time = r.get("perplexity_test_time")
         ft = r.get("finetune_steps") or 0
-        cells = ([cut if len(r["cut"]) == 1 else f"U {cut}", _defense(r), f"{ft} steps" if ft else "no",
-                  _eps(r)]
+        g = r.get("token_recovery_gradient")
+        kinds = r.get("gradient_attacks") or {}
+        gcell = [] if not grads else ["" if g is None else f"{g:.3f} ({max(kinds, key=kinds.get)})"]
+        cells = ([cut if len(r["cut"]) == 1 else f"U {cut}", _defense(r), f"{ft} steps" if ft else "no"]
+                 + ([r.get("attacker_knows", "finetuned")] if knows else []) + [_eps(r)]
                  + [f"{r['attacks'][a]:.3f}" if a in r["attacks"] else "" for a in attacks]
-                 + [f"**{r['token_recovery']:.3f}** ({r['best_attack']})", f"{r['perplexity']:.2f}",
+                 + [f"**{r['token_recovery']:.3f}** ({r['best_attack']})"] + gcell + [f"{r['perplexity']:.2f}",
                     f"{r['perplexity'] / undef:.2f}", "" if test_time is None else f"{test_time:.2f}",
                     "" if r.get("perplexity_without_server") is None else f"{r['perplexity_without_server']:.2f}",
                     "yes" if r["labels_reach_server"] else "no",

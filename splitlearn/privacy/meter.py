@@ -52,6 +52,10 @@ class LeakageReport:
     releases_finetune: Optional[int] = None   # released vectors that can depend on it (mean)
     finetune: Optional[dict] = None      # the fine-tuning's finetune.json
     perplexity_without_server: Optional[float] = None  # U-shape: the server's blocks skipped
+    attacker_knows: str = "finetuned"    # weights the attacker uses: the client's own ("finetuned",
+                                         # fine-tuned where the row was) or the public reference's
+    token_recovery_gradient: Optional[float] = None  # U-shape training: best attack on the gradient
+    gradient_attacks: Optional[dict] = None          # the client sends at the second cut (per kind)
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -158,7 +162,9 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
                     public_texts: Optional[Sequence[str]] = None, tokenizer=None,
                     attacks: Sequence[str] = ATTACKS, seq_len: int = 32, delta: float = 1e-5,
                     accountant: str = "rdp", config: Optional[AttackConfig] = None,
-                    max_private_tokens: Optional[int] = None, seed: int = 0) -> LeakageReport:
+                    max_private_tokens: Optional[int] = None, seed: int = 0,
+                    attacker_model: Optional[torch.nn.Module] = None,
+                    gradient_attacks: Sequence[str] = ()) -> LeakageReport:
     """Measure what the server can read back at ``cut``.
 
     model: a ``GPT2LMHeadModel`` or a :func:`~splitlearn.load_model` source.
@@ -169,6 +175,13 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
     attacks: a subset of ``ATTACKS``; seq_len: tokens per window (<= n_positions).
     delta, accountant: for epsilon (GaussianNoise only); config: the attacker's budget.
     max_private_tokens: recover at most this many private tokens (whole windows).
+    attacker_model: the weights the attacker *believes* the client has (a secret client: the public
+    reference before the client's private fine-tuning); the learned inverters train on its
+    activations, the white-box and optimisation attacks run its bottom, and the row says
+    ``attacker_knows="public"``. None: the attacker knows the measured model (pessimistic).
+    gradient_attacks: learned inverters (a subset of ``LEARNED``) run on the gradient the client
+    sends at the second cut of a U-shape in training (``token_recovery_gradient``); ConfigError at
+    a 2-way cut (there the labels themselves reach the server).
     Raises :class:`ConfigError` on a cut out of range, an unknown attack, a bad defense."""
     t0 = time.perf_counter()
     attacks = check_attacks(attacks)
@@ -180,6 +193,18 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
         model = load_model(model, seed=seed)
     cut = validate_cuts(cut, model.config.n_layer)
     uses_residual(defense, cut)
+    gradient_attacks = tuple(gradient_attacks)
+    for a in gradient_attacks:
+        if a not in LEARNED:
+            raise ConfigError(f"unknown gradient attack {a!r}; known: {', '.join(LEARNED)}")
+    if gradient_attacks and len(cut) != 2:
+        raise ConfigError(f"the gradient attack reads the gradient at the second cut of a U-shape, "
+                          f"got cut {tuple(cut)} (2-way: the labels reach the server anyway)")
+    if attacker_model is not None:
+        a, b = getattr(attacker_model, "config", None), model.config
+        if (not isinstance(attacker_model, torch.nn.Module) or a is None
+                or (a.n_layer, a.n_embd, a.vocab_size) != (b.n_layer, b.n_embd, b.vocab_size)):
+            raise ConfigError("attacker_model must be a GPT-2 of the measured model's shape")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 2 <= seq_len <= model.config.n_positions:
         raise ConfigError(f"seq_len must be an integer in [2, n_positions={model.config.n_positions}], "
                           f"got {seq_len!r}")
@@ -189,12 +214,18 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
         texts = priv if texts is None else texts
         public_texts = pub if public_texts is None else public_texts
     was_training = model.training
+    attacker = attacker_model if attacker_model is not None else model
+    was_attacker = attacker.training
     model.eval()
+    attacker.eval()
     try:
         report = _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_len,
-                          delta, accountant, config, max_private_tokens, seed)
+                          delta, accountant, config, max_private_tokens, seed, attacker, gradient_attacks)
     finally:
         model.train(was_training)
+        attacker.train(was_attacker)
+    if attacker_model is not None:
+        report.attacker_knows = "public"
     report.seconds = time.perf_counter() - t0
     log.info("cut %s %s: recovery %.3f (%s), ppl %.2f / %.2f, %.1f s", cut, report.defense,
              report.token_recovery, report.best_attack, report.perplexity,
@@ -203,16 +234,17 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
 
 
 def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_len, delta,
-             accountant, config, max_private_tokens, seed) -> LeakageReport:
+             accountant, config, max_private_tokens, seed, attacker=None, gradient_attacks=()) -> LeakageReport:
     part = partition(model, cut)
-    bottom = part.bottom
+    attacker = model if attacker is None else attacker
+    bottom = partition(attacker, cut).bottom  # the bottom the attacker knows (or believes)
     dev = next(model.parameters()).device
     pub_ids = windows(tokenizer, public_texts, seq_len, max(1, seq_len // 4))  # (Np, T)
     priv_ids = windows(tokenizer, texts, seq_len)  # (N, T)
     if max_private_tokens is not None:
         priv_ids = priv_ids[:max(1, max_private_tokens // seq_len)]
-    h_pub = bottom_activations(bottom, pub_ids)  # (Np, T, d)
-    h_priv = bottom_activations(bottom, priv_ids)  # (N, T, d)
+    h_pub = bottom_activations(bottom, pub_ids)  # (Np, T, d): the attacker's model on public text
+    h_priv = bottom_activations(part.bottom, priv_ids)  # (N, T, d): the client's real bottom
     gen = torch.Generator(device=dev).manual_seed(seed + 1000)  # the victim's noise
     with torch.no_grad():
         y_priv = h_priv if defense is None else defense.apply(h_priv, generator=gen)  # (N, T, d)
@@ -247,6 +279,14 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
                                        priv_ids)
         log.info("cut %s: optimisation attack recovers %.3f", cut, results["optimize"])
     best = max(results, key=lambda k: (results[k], -attacks.index(k)))
+    grad_results = None
+    if gradient_attacks:
+        grad_results = gradient_recovery(model, attacker, cut, defense, pub_ids, priv_ids, classes,
+                                         gradient_attacks, config, seed)
+        notes.append("gradient channel: learned inverters from the gradient the client sends at the "
+                     "second cut (training) to the labels, the next tokens; recovery over positions "
+                     "1..T-1 of each window")
+    grad_best = None if grad_results is None else max(grad_results.values())
     ppl, ppl_whole = perplexities(model, cut, priv_ids, defense, seed)
     two_way = len(cut) == 1
     ppl_alone = None if two_way else perplexity_without_server(model, cut, priv_ids)
@@ -262,9 +302,62 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
         token_recovery=results[best], best_attack=best, attacks=results, perplexity=ppl,
         perplexity_unsplit=ppl_whole, perplexity_undefended=ppl_whole, labels_reach_server=two_way,
         perplexity_without_server=ppl_alone,
-        training_token_recovery=1.0 if two_way else results[best], epsilon=eps,
+        training_token_recovery=1.0 if two_way else max(results[best], grad_best or 0.0),
+        token_recovery_gradient=grad_best,
+        gradient_attacks=grad_results, epsilon=eps,
         delta=delta if eps is not None else None, releases=rel, seq_len=seq_len,
         public_tokens=pub_ids.numel(), private_tokens=priv_ids.numel(), notes=notes)
+
+
+def cut_gradients(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Optional[Defense],
+                  generator: Optional[torch.Generator] = None, batch: int = 32,
+                  server_model=None) -> torch.Tensor:
+    """U-shape training: the gradient (N, T, d) the client sends the server at the second cut for
+    the windows ``ids`` (N, T): the gradient of the language-model loss (summed over the tokens, so
+    independent of the batch size, which the server knows) with respect to the server's output,
+    the defense applied at the first cut as in training (the residual design: the client's top
+    runs on ``clean + (s(y) - y)``, whose gradient with respect to ``s(y)`` is the same).
+    ``server_model``: whose middle blocks the server runs (default ``model``): an attacker who
+    believes the client is public still knows the server's own, possibly fine-tuned, blocks."""
+    part = partition(model, cut)
+    server = partition(server_model, cut).segments[1] if server_model is not None else part.segments[1]
+    dev = next(model.parameters()).device
+    residual = uses_residual(defense, cut)
+    out = []
+    for i in range(0, len(ids), batch):
+        x = ids[i:i + batch].to(dev)  # (b, T)
+        with torch.no_grad():
+            clean = part.bottom(x)  # (b, T, d)
+            y = clean if defense is None else defense.apply(clean, generator=generator)
+            s = server(y)  # (b, T, d): the server's output
+        s = s.detach().requires_grad_()
+        top_in = clean + (s - y) if residual else s
+        with torch.enable_grad():
+            logits = part.segments[2](top_in)  # (b, T, V)
+            loss = loss_from_logits(logits, x) * (x.shape[0] * (x.shape[1] - 1))  # summed
+            g, = torch.autograd.grad(loss, s)
+        out.append(g.float())
+    return torch.cat(out)  # (N, T, d)
+
+
+def gradient_recovery(model, attacker, cut, defense, pub_ids, priv_ids, classes, kinds,
+                      config: AttackConfig, seed: int = 0) -> dict[str, float]:
+    """The gradient channel of the U-shape: per learned inverter kind, the fraction of the private
+    labels (tokens 1..T-1 of each window) recovered from the gradients the client sends at the
+    second cut. The inverters train on the gradients of the public windows through ``attacker``
+    (the weights the attacker knows or believes), with its own draws of the defense's noise (one
+    per window; the gradient itself is not noised by any defense here)."""
+    dev = next(model.parameters()).device
+    g_priv = cut_gradients(model, cut, priv_ids, defense,  # the victim's gradients, its own noise
+                           torch.Generator(device=dev).manual_seed(seed + 1000))
+    g_pub = cut_gradients(attacker, cut, pub_ids, defense,
+                          torch.Generator(device=dev).manual_seed(seed + 2000), server_model=model)
+    out = {}
+    for kind in kinds:
+        inv = train_inverter(kind, g_pub[:, :-1], pub_ids[:, 1:], None, classes, config)
+        out[kind] = recovery(invert_learned(inv, g_priv[:, :-1], classes), priv_ids[:, 1:])
+        log.info("cut %s: %s inverter on the gradient at the second cut recovers %.3f", cut, kind, out[kind])
+    return out
 
 
 def private_windows(tokenizer, texts: Optional[Sequence[str]] = None, seq_len: int = 32,

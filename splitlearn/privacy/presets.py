@@ -45,7 +45,9 @@ _PRESETS = {
     "u": Preset("u", (1, 5), "gaussian:sigma=4,residual=1", 200,
                 "tiny-demo trained, 200 steps of defense-aware fine-tuning: best attack 0.186 at "
                 "U-shape 1,5 and 0.184 at 3,5, perplexity 8.33 and 8.89 (undefended 8.89); the "
-                "server's blocks then add nothing (perplexity without them 8.30 and 8.98)"),
+                "server's blocks then add nothing (perplexity without them 8.30 and 8.98); in "
+                "training the gradient the client sends at the second cut is not defended: an "
+                "inverter on it recovers 0.998 of the labels (the next tokens) at both cuts"),
     # 2-way cannot keep the residual stream (the server holds the top); the labels (the text)
     # reach the server in training anyway: this protects the activations (e.g. a prompt) only
     "2-way": Preset("2-way", (1,), "gaussian:sigma=4", 200,
