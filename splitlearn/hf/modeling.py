@@ -44,6 +44,7 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from transformers import GenerationMixin, GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GPT2Model
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -242,13 +243,35 @@ class SplitGPT2Model(GPT2PreTrainedModel):
     def top_half(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
         """U-shape: the trunk's output (B, T, d) through the client's last blocks and ``ln_f``. With
         a defense's residual design (``GaussianNoise(residual=True)``), the server's update (its
-        output minus what was sent) is added to the client's clean activations first."""
+        output minus what was sent) is added to the client's clean activations first. With a
+        gradient defense (``GaussianNoise(grad_clip=..., grad_sigma=...)``), the gradient the
+        client sends back for ``hidden`` is clipped and noised (:class:`_DefendGradient`)."""
+        defense = getattr(self.remote, "defense", None)
+        if getattr(defense, "defends_gradient", False) and torch.is_grad_enabled() and hidden.requires_grad:
+            hidden = _DefendGradient.apply(hidden, defense)
         if ctx.get("residual") is not None:
             clean, sent = ctx["residual"]
             hidden = clean + (hidden - sent)  # (B, T, d)
         (a, b) = self.client_blocks[1]
         hidden = self._run_blocks(a, b, hidden, ctx["mask"], ctx["local"], ctx["position_ids"], ctx["embeds"])
         return self.ln_f(hidden).view(ctx["output_shape"])
+
+
+class _DefendGradient(torch.autograd.Function):
+    """Identity forward on the trunk's output (B, T, d); backward: the defense's
+    ``defend_gradient`` (clip per token + noise) on the gradient sent back to the server, so the
+    server's blocks and the client's bottom train from what was sent. The client's own paths
+    (the residual design's clean stream) keep the clean gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, defense):
+        ctx.defense = defense
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return ctx.defense.defend_gradient(grad), None
 
 
 class SplitMixin:
@@ -335,6 +358,9 @@ class SplitMixin:
         check_micro_batches(m)
         if m > 1 and getattr(self.defense, "residual", False):
             raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
+        if m > 1 and getattr(self.defense, "defends_gradient", False):
+            raise ConfigError("a defense of the gradient channel trains whole batches (micro_batches=1: "
+                              "its clip is per token of the whole batch's loss)")
         if m > 1 and not isinstance(self, SplitGPT2LMHeadModel):
             raise ConfigError(f"micro_batches works with SplitGPT2LMHeadModel (a causal-LM loss); "
                               f"{type(self).__name__} trains whole batches")
@@ -385,6 +411,13 @@ class SplitMixin:
                                   "keeps the residual stream between the two cuts)")
             if self.micro_batches > 1:
                 raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
+        if getattr(defense, "defends_gradient", False):
+            if not self.transformer.u_shape:
+                raise ConfigError("a defense of the gradient channel (grad_clip, grad_sigma) clips the "
+                                  "gradient a U-shape client sends back at the second cut; a 2-way "
+                                  "client sends none (the server computes the loss from the labels)")
+            if self.micro_batches > 1:
+                raise ConfigError("a defense of the gradient channel trains whole batches (micro_batches=1)")
         self.remote.defense = defense
 
     def _add_defense_loss(self, out):

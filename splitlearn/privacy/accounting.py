@@ -41,6 +41,29 @@ def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float,
     return eps
 
 
+def composed_gaussian_epsilon(parts, delta: float, accountant: str = "rdp") -> float:
+    """epsilon at ``delta`` of several self-composed Gaussian mechanisms composed:
+    ``parts`` = [(noise_multiplier, releases), ...] (e.g. the activations and the gradients a
+    U-shape client sends); ``math.inf`` when any noise multiplier is 0."""
+    parts = list(parts)
+    if not parts:
+        raise ConfigError("composed_gaussian_epsilon needs at least one (noise_multiplier, releases)")
+    for z, n in parts:
+        check_accounting(z, n, delta, accountant)
+    if any(z == 0 for z, _ in parts):
+        return math.inf
+    from .._extras import require
+
+    require("privacy", "dp_accounting", what="the Gaussian defense's epsilon")
+    import dp_accounting
+
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), n) for z, n in parts])
+    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    acc.compose(event)
+    return float(acc.get_epsilon(delta))
+
+
 def check_accounting(noise_multiplier: float, releases: int, delta: float, accountant: str) -> None:
     """Raise :class:`ConfigError` naming the first unusable accounting parameter."""
     if not isinstance(noise_multiplier, (int, float)) or not noise_multiplier >= 0:

@@ -215,6 +215,8 @@ def _add_finetune(r, defense, info: dict, delta: float) -> None:
         per_token = math.ceil(info["windows_sent"] * info["seq_len"] / info["tokens"])
         r.releases_finetune = per_token * info["seq_len"]
         r.epsilon_finetune = defense.epsilon(delta, steps=per_token, tokens=info["seq_len"])
+        if getattr(defense, "defends_gradient", False):  # both channels were released
+            r.epsilon_finetune = defense.training_epsilon(delta, steps=per_token, tokens=info["seq_len"])
 
 
 def _defense(row: dict) -> str:
@@ -226,6 +228,8 @@ def _defense(row: dict) -> str:
         parts.append(f"NoPeek {d['weight']:g}")
     if d.get("residual"):
         parts.append("residual")
+    if d.get("grad_clip") is not None:
+        parts.append(f"gradient σ={d.get('grad_sigma', 0):g}, C={d['grad_clip']:.3g}")
     return ("recommended: " if row.get("preset") == "recommended" else "") + (", ".join(parts) or "none")
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
 
 from ..errors import ConfigError
-from .accounting import gaussian_epsilon
+from .accounting import composed_gaussian_epsilon, gaussian_epsilon
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class GaussianNoise(Defense):
     clip: float = 1.0                  # per-token L2 norm bound C, in activation units
     generator: Optional[torch.Generator] = field(default=None, repr=False, compare=False)
     residual: bool = False             # U-shape: clean + (server output - sent) on the client
+    grad_sigma: float = 0.0            # U-shape training: noise multiplier of the gradient sent back
+    grad_clip: Optional[float] = None  # ... and its per-token L2 bound (see :meth:`defend_gradient`)
 
     name = "gaussian"
 
@@ -80,12 +83,73 @@ class GaussianNoise(Defense):
         if self.residual not in (True, False, 0, 1):
             raise ConfigError(f"GaussianNoise.residual must be a bool, got {self.residual!r}")
         self.residual = bool(self.residual)
+        g, c = self.grad_sigma, self.grad_clip
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not g >= 0 or math.isinf(g):
+            raise ConfigError(f"GaussianNoise.grad_sigma must be a finite number >= 0, got {g!r}")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not c > 0 or math.isinf(c)):
+            raise ConfigError(f"GaussianNoise.grad_clip must be a finite number > 0, got {c!r}")
+        if g > 0 and c is None:
+            raise ConfigError("GaussianNoise.grad_sigma needs grad_clip (the per-token L2 bound of the "
+                              "gradient sent at the second cut; its noise std is grad_sigma * grad_clip)")
 
     def describe(self) -> dict:
         d = super().describe()
         if not self.residual:
             d.pop("residual")  # as before the residual design existed
+        if not self.defends_gradient:
+            d.pop("grad_sigma"), d.pop("grad_clip")  # as before the gradient defense existed
         return d
+
+    # -- the gradient channel (U-shape training) -----------------------------------------------
+
+    @property
+    def defends_gradient(self) -> bool:
+        """Whether the gradient the client sends back at a U-shape's second cut is clipped (and
+        noised): ``grad_clip`` set."""
+        return self.grad_clip is not None
+
+    def defend_gradient(self, grad: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """What the client sends the server for the gradient ``grad`` (B, T, d) of its loss with
+        respect to the server's output at the second cut: per token clipped to L2 norm
+        ``grad_clip`` and noised with N(0, (grad_sigma * grad_clip)^2), in the units of a loss
+        *summed* over the B * (T - 1) predicted tokens (the causal LM's loss is their mean: the
+        gradient is multiplied by B * (T - 1) first and divided after, so ``grad_clip`` does not
+        depend on the batch size). Unchanged without ``grad_clip``. Not differentiable (it is the
+        backward message)."""
+        if not self.defends_gradient:
+            return grad
+        gen = generator if generator is not None else self.generator
+        scale = float(grad.shape[0] * max(grad.shape[1] - 1, 1)) if grad.ndim == 3 else 1.0
+        g = grad.detach().float() * scale  # (B, T, d): per-token gradients of the summed loss
+        norms = g.norm(dim=-1, keepdim=True)  # (B, T, 1)
+        g = g * (self.grad_clip / norms.clamp_min(1e-12)).clamp(max=1.0)  # (B, T, d)
+        if self.grad_sigma > 0:
+            noise = torch.randn(g.shape, generator=gen, device=g.device, dtype=g.dtype)  # (B, T, d)
+            g = g + (self.grad_sigma * self.grad_clip) * noise
+        return (g / scale).to(grad.dtype)  # (B, T, d)
+
+    def gradient_epsilon(self, delta: float, steps: int = 1, tokens: int = 1,
+                         accountant: str = "rdp") -> Optional[float]:
+        """epsilon at ``delta`` of the gradient channel alone: ``tokens * steps`` released gradient
+        vectors, each clipped to ``grad_clip`` (L2 sensitivity 2 * grad_clip) with noise std
+        ``grad_sigma * grad_clip`` (noise multiplier grad_sigma / 2); None without the gradient
+        defense, ``inf`` when it clips without noise."""
+        if not self.defends_gradient:
+            return None
+        _check_releases(steps, tokens)
+        return gaussian_epsilon(self.grad_sigma / 2, steps * tokens, delta, accountant)
+
+    def training_epsilon(self, delta: float, steps: int = 1, tokens: int = 1,
+                         accountant: str = "rdp") -> float:
+        """epsilon at ``delta`` of U-shape training: per send, ``tokens`` activations and, with the
+        gradient defense, ``tokens`` gradients (the two Gaussian mechanisms composed); the
+        gradient undefended: ``inf`` (it is released in clear)."""
+        if not self.defends_gradient:
+            return math.inf
+        _check_releases(steps, tokens)
+        return composed_gaussian_epsilon([(self.noise_multiplier, steps * tokens),
+                                          (self.grad_sigma / 2, steps * tokens)], delta, accountant)
 
     def clip_tokens(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` (B, T, d) with each token's vector scaled to L2 norm <= clip."""
@@ -110,10 +174,14 @@ class GaussianNoise(Defense):
                 accountant: str = "rdp") -> float:
         """epsilon at ``delta`` for ``tokens * steps`` released vectors (``tokens`` per send, e.g. T;
         ``steps`` sends; generation: ``tokens=prompt_length + new_tokens, steps=1``)."""
-        for name, v in (("steps", steps), ("tokens", tokens)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        _check_releases(steps, tokens)
         return gaussian_epsilon(self.noise_multiplier, steps * tokens, delta, accountant)
+
+
+def _check_releases(steps, tokens) -> None:
+    for name, v in (("steps", steps), ("tokens", tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
 
 @dataclass
@@ -200,7 +268,8 @@ def make_defense(name: str, **kwargs) -> Defense:
 def parse_defense(spec: str, **defaults) -> Defense:
     """A defense from its command-line form ``NAME[:FIELD=VALUE,...]``: ``gaussian:sigma=2``,
     ``nopeek:weight=0.5``, ``gaussian+nopeek:sigma=1,weight=0.3,clip=2.4``, ``none``;
-    ``residual=1``: :class:`GaussianNoise`'s U-shape residual design.
+    ``residual=1``: :class:`GaussianNoise`'s U-shape residual design; ``grad_sigma=S,grad_clip=C``:
+    its gradient defense (U-shape training: the gradient sent back at the second cut).
     ``defaults`` fill the fields the spec does not give and the defense has (e.g. ``clip``).
     Raises :class:`ConfigError` naming what is wrong."""
     name, _, rest = str(spec).strip().partition(":")

@@ -56,11 +56,13 @@ class LeakageReport:
                                          # fine-tuned where the row was) or the public reference's
     token_recovery_gradient: Optional[float] = None  # U-shape training: best attack on the gradient
     gradient_attacks: Optional[dict] = None          # the client sends at the second cut (per kind)
+    epsilon_gradient: Optional[float] = None  # at delta, per window: the gradient defense's releases
+    epsilon_training: Optional[float] = None  # ... the activations' and the gradients' composed
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["cut"] = list(self.cut)
-        for k in ("epsilon", "epsilon_finetune"):
+        for k in ("epsilon", "epsilon_finetune", "epsilon_gradient", "epsilon_training"):
             if d[k] is not None and math.isinf(d[k]):
                 d[k] = "inf"  # JSON has no infinity
         return d
@@ -193,6 +195,9 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
         model = load_model(model, seed=seed)
     cut = validate_cuts(cut, model.config.n_layer)
     uses_residual(defense, cut)
+    if getattr(defense, "defends_gradient", False) and len(cut) != 2:
+        raise ConfigError(f"a defense of the gradient channel (grad_clip, grad_sigma) needs a U-shape "
+                          f"(the gradient sent back at the second cut), got cut {tuple(cut)}")
     gradient_attacks = tuple(gradient_attacks)
     for a in gradient_attacks:
         if a not in LEARNED:
@@ -297,6 +302,10 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
     if defense is not None and hasattr(defense, "noise_multiplier"):
         rel = seq_len
         eps = defense.epsilon(delta, steps=1, tokens=seq_len, accountant=accountant)
+    eps_g = eps_t = None
+    if getattr(defense, "defends_gradient", False):
+        eps_g = defense.gradient_epsilon(delta, steps=1, tokens=seq_len, accountant=accountant)
+        eps_t = defense.training_epsilon(delta, steps=1, tokens=seq_len, accountant=accountant)
     return LeakageReport(
         cut=tuple(cut), defense=defense.describe() if defense is not None else {"name": "none"},
         token_recovery=results[best], best_attack=best, attacks=results, perplexity=ppl,
@@ -304,7 +313,7 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
         perplexity_without_server=ppl_alone,
         training_token_recovery=1.0 if two_way else max(results[best], grad_best or 0.0),
         token_recovery_gradient=grad_best,
-        gradient_attacks=grad_results, epsilon=eps,
+        gradient_attacks=grad_results, epsilon=eps, epsilon_gradient=eps_g, epsilon_training=eps_t,
         delta=delta if eps is not None else None, releases=rel, seq_len=seq_len,
         public_tokens=pub_ids.numel(), private_tokens=priv_ids.numel(), notes=notes)
 
@@ -316,13 +325,16 @@ def cut_gradients(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Optio
     the windows ``ids`` (N, T): the gradient of the language-model loss (summed over the tokens, so
     independent of the batch size, which the server knows) with respect to the server's output,
     the defense applied at the first cut as in training (the residual design: the client's top
-    runs on ``clean + (s(y) - y)``, whose gradient with respect to ``s(y)`` is the same).
+    runs on ``clean + (s(y) - y)``, whose gradient with respect to ``s(y)`` is the same), and a
+    gradient defense (``GaussianNoise.defend_gradient``) to the gradient itself, as the model
+    classes apply it (``generator`` draws both noises).
     ``server_model``: whose middle blocks the server runs (default ``model``): an attacker who
     believes the client is public still knows the server's own, possibly fine-tuned, blocks."""
     part = partition(model, cut)
     server = partition(server_model, cut).segments[1] if server_model is not None else part.segments[1]
     dev = next(model.parameters()).device
     residual = uses_residual(defense, cut)
+    defends = getattr(defense, "defends_gradient", False)
     out = []
     for i in range(0, len(ids), batch):
         x = ids[i:i + batch].to(dev)  # (b, T)
@@ -336,6 +348,9 @@ def cut_gradients(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Optio
             logits = part.segments[2](top_in)  # (b, T, V)
             loss = loss_from_logits(logits, x) * (x.shape[0] * (x.shape[1] - 1))  # summed
             g, = torch.autograd.grad(loss, s)
+        if defends:  # what the model classes send: on the mean loss's gradient, rescaled
+            n = x.shape[0] * max(x.shape[1] - 1, 1)
+            g = defense.defend_gradient(g / n, generator=generator) * n
         out.append(g.float())
     return torch.cat(out)  # (N, T, d)
 
@@ -346,7 +361,7 @@ def gradient_recovery(model, attacker, cut, defense, pub_ids, priv_ids, classes,
     labels (tokens 1..T-1 of each window) recovered from the gradients the client sends at the
     second cut. The inverters train on the gradients of the public windows through ``attacker``
     (the weights the attacker knows or believes), with its own draws of the defense's noise (one
-    per window; the gradient itself is not noised by any defense here)."""
+    per window; with a gradient defense, its clip and noise too, as the model classes send it)."""
     dev = next(model.parameters()).device
     g_priv = cut_gradients(model, cut, priv_ids, defense,  # the victim's gradients, its own noise
                            torch.Generator(device=dev).manual_seed(seed + 1000))
