@@ -102,15 +102,24 @@ def test_the_model_classes_stream_too(client, padded_batch):
     assert len(streamed) == NEW and torch.equal(torch.stack(streamed, dim=1), whole[:, ids.shape[1]:])
 
 
-def test_each_decode_step_sends_only_the_new_position(client, padded_batch):
+def test_each_decode_step_sends_only_the_new_position(client, padded_batch, monkeypatch):
     ids, mask = padded_batch
     B, T = ids.shape
     d = client.bottom.config.n_embd
-    sent = [client.stats.bytes_sent]
+    # the bodies of the session steps as they are sent (generate_stream runs generate() in a
+    # thread of its own: sampling the byte counter between tokens would race with it)
+    sizes, start = [], client.transport.start
+
+    def recording(path, body, lane=0):
+        if path.endswith("/step"):
+            sizes.append(len(body))
+        return start(path, body, lane)
+
+    monkeypatch.setattr(client.transport, "start", recording)
     for _ in client.generate_stream(ids, mask, max_new_tokens=NEW):
-        sent.append(client.stats.bytes_sent)
-    per_step = [b - a for a, b in zip(sent, sent[1:])]
-    prefill, decode = per_step[0], per_step[1:]
+        pass
+    prefill, decode = sizes[0], sizes[1:]
+    assert len(decode) == NEW - 1, sizes  # one call per new position after the prefill
     assert len(set(decode)) == 1, f"decode steps grow with the sequence: {decode}"
     # B x 1 x d float32 activations, a (B, 1) mask and a header; the prefill carried B x T x d
     assert B * d * 4 <= decode[0] <= B * d * 4 + B * 8 + 512
