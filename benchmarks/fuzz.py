@@ -124,6 +124,23 @@ def safetensors_bodies(info: dict) -> st.SearchStrategy[bytes]:
 
 # -- state ------------------------------------------------------------------------------------
 
+def schema_problems(case, resp, checks, headers) -> list[str]:
+    """schemathesis' verdict on one answer: the first line of its failure, or nothing."""
+    try:
+        case.validate_response(resp, checks=checks, headers=headers)
+    except Exception as e:  # noqa: BLE001 - schemathesis' failures, collected
+        return [str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__]
+    return []
+
+
+def changed(before: dict, after: dict, status: int) -> list[str]:
+    """A problem if the server's state moved across a 4xx answer."""
+    if after == before:
+        return []
+    return [f"state changed after {status}: "
+            f"{ {k: (before[k], after.get(k)) for k in before if before[k] != after.get(k)} }"]
+
+
 def state(url: str, checkpoint: bool, operator: str = OPERATOR, tenant: str = FUZZER) -> dict:
     """What a refused request must leave as it was: the counters as the fuzzing ``tenant``
     sees them, and (``checkpoint``) the digest of a checkpoint by the ``operator``."""
@@ -204,16 +221,10 @@ def fuzz(url: str, examples: int, *, operator: str = OPERATOR, tenant: str = FUZ
                 report.requests += 1
                 report.statuses[resp.status_code] += 1
                 report.by_operation[op.label] += 1
-                problems = []
-                try:
-                    case.validate_response(resp, checks=checks, headers=fz)
-                except Exception as e:  # noqa: BLE001 - schemathesis' failures, collected
-                    problems.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                problems = schema_problems(case, resp, checks, fz)
                 if 400 <= resp.status_code < 500:
                     after = state(url, weights, operator, tenant)
-                    if {k: v for k, v in after.items() if k in before} != before:
-                        diff = {k: (before[k], after[k]) for k in before if before[k] != after.get(k)}
-                        problems.append(f"state changed after {resp.status_code}: {diff}")
+                    problems += changed(before, {k: v for k, v in after.items() if k in before}, resp.status_code)
                     cached["state"] = after
                 elif op.label == f"POST {P.SESSIONS}" and resp.status_code == 201:
                     http.delete(url + P.SESSION.format(session_id=resp.json()["session_id"]), headers=fz, timeout=30)
@@ -296,16 +307,9 @@ def stateful(url: str, examples: int, *, operator: str = OPERATOR, tenant: str =
                 sessions.pop(sid, None)
 
         def validate_response(self, response, case, **kwargs):
-            problems = []
-            try:
-                case.validate_response(response, checks=checks, headers=fz)
-            except Exception as e:  # noqa: BLE001 - schemathesis' failures, collected
-                problems.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            problems = schema_problems(case, response, checks, fz)
             if 400 <= response.status_code < 500:
-                after = state(url, False, operator, tenant)
-                if after != self.before:
-                    diff = {k: (self.before[k], after[k]) for k in self.before if self.before[k] != after.get(k)}
-                    problems.append(f"state changed after {response.status_code}: {diff}")
+                problems += changed(self.before, state(url, False, operator, tenant), response.status_code)
             if problems:
                 report.failures.append({"operation": "stateful " + case.operation.label, "mode": "stateful",
                                         "status": response.status_code, "problems": problems,

@@ -5,7 +5,10 @@ so nothing depends on another module's conftest.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -244,3 +247,42 @@ def run_threads(fns, timeout_s: float = 300.0) -> None:
     for t in threads:
         t.join(timeout_s)
     assert not errors, errors
+
+
+# -- helpers shared by test files ----------------------------------------------------------
+
+@contextlib.contextmanager
+def access_lines():
+    """The access lines logged meanwhile, as the JSON objects of ``--log-format json``: yields a
+    function that returns the lines so far."""
+    from splitlearn.server.http import accesslog
+
+    buf, handler = io.StringIO(), logging.StreamHandler()
+    handler.stream = buf
+    handler.setFormatter(accesslog.JsonFormatter())
+    logger = logging.getLogger("splitlearn.server.http.accesslog")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lambda: [json.loads(line) for line in buf.getvalue().splitlines()]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def sgd_steps(url: str, ids: torch.Tensor, client_id: str, steps: int = 2):
+    """``steps`` SGD steps (lr 0.1) of a tiny split model against ``url``: (losses, the model)."""
+    from splitlearn.hf import SplitGPT2LMHeadModel
+
+    model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=url, token=TOKEN, client_id=client_id)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model

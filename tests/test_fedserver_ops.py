@@ -7,9 +7,7 @@ Flask's test client for the rules and the metrics' values; the last test a real
 ``python -m splitlearn.server.federation.fedserver`` process, where the process matters: the
 loopback port, ``--log-format json`` on its stderr, the front door letting the probe through.
 """
-import io
 import json
-import logging
 import sys
 import time
 
@@ -27,10 +25,9 @@ from splitlearn.server.federation import tickets
 from splitlearn.server.federation.clientside import ClientSide
 from splitlearn.server.federation.fedserver import FedConfig, FedRounds, FedServe, create_fedavg_app, parse_args
 from splitlearn.server.federation.strategy import make_strategy
-from splitlearn.server.http import accesslog
 from splitlearn.wire import encode
 
-from serverproc import OTHER, TENANTS, TOKEN, assert_error, auth
+from serverproc import OTHER, TENANTS, TOKEN, access_lines, assert_error, auth
 
 SECRET = b"k" * 20 + b"9a1c3e5f7b2d4f6a8c0e1b3d"  # 44 bytes
 CUTS = (1, 3)
@@ -47,16 +44,8 @@ def fed():
 @pytest.fixture
 def access():
     """The access lines logged meanwhile, as the JSON objects of --log-format json."""
-    buf, handler = io.StringIO(), logging.StreamHandler()
-    handler.stream = buf
-    handler.setFormatter(accesslog.JsonFormatter())
-    logger = logging.getLogger("splitlearn.server.http.accesslog")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lambda: [json.loads(line) for line in buf.getvalue().splitlines()]
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    with access_lines() as lines:
+        yield lines
 
 
 def samples_of(text: str) -> dict:

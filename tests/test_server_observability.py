@@ -3,7 +3,6 @@
 In-process through Flask's test client, except the last test: ``--metrics-port`` and
 ``--log-format json`` on a real server process.
 """
-import io
 import json
 import logging
 import re
@@ -23,7 +22,8 @@ from splitlearn.server.config import ServerConfig
 from splitlearn.server.engine.tenants import digest_of
 from splitlearn.errors import ConfigError
 
-from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, apply_step, assert_error, auth, post_tensors, tensors_of
+from serverproc import (OTHER, TENANTS, TOKEN, ServerProcess, access_lines, apply_step, assert_error, auth, post_tensors,
+                        tensors_of)
 
 D, VOCAB = 32, 257  # models/tiny.json
 
@@ -72,16 +72,8 @@ def app():
 @pytest.fixture
 def access(app):
     """The access lines the app logs, as parsed JSON objects (the JSON formatter of --log-format json)."""
-    buf, handler = io.StringIO(), logging.StreamHandler()
-    handler.stream = buf
-    handler.setFormatter(accesslog.JsonFormatter())
-    logger = logging.getLogger("splitlearn.server.http.accesslog")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield lambda: [json.loads(line) for line in buf.getvalue().splitlines()]
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+    with access_lines() as lines:
+        yield lines
 
 
 def test_metrics_parse_and_move_with_real_requests(app):

@@ -6,12 +6,11 @@ import torch
 
 from splitlearn import protocol as P
 from splitlearn.errors import BadRequest, ConfigError, NotFound, TransportError, Unauthorized
-from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.transport import Transport, TransportConfig, shares_cores_with_server
 from splitlearn.transport.inproc import serve_inproc, unserve
 from splitlearn.wire import decode, encode, pack
 
-from serverproc import TOKEN, InprocServerProcess, ServerProcess
+from serverproc import TOKEN, InprocServerProcess, ServerProcess, sgd_steps
 
 D = 32  # models/tiny.json
 
@@ -111,16 +110,7 @@ def test_a_training_step_is_the_same_over_both():
             InprocServerProcess((1, 3), optimizer="sgd", lr=0.1) as inproc:
         results = []
         for srv in (http, inproc):
-            model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, client_id="c")
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            model.train()
-            losses = []
-            for _ in range(2):
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses, model = sgd_steps(srv.url, ids, "c")
             model.eval()
             with torch.no_grad():
                 logits = model(input_ids=ids).logits

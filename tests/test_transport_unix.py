@@ -22,7 +22,7 @@ from splitlearn.transport import unixframe as F
 from splitlearn.transport.unix import Connection, UnixLink
 from splitlearn.wire import decode, encode, pack
 
-from serverproc import TOKEN, ServerProcess
+from serverproc import TOKEN, ServerProcess, sgd_steps
 
 D = 32  # models/tiny.json
 
@@ -103,16 +103,7 @@ def test_a_training_step_is_the_same_as_over_http(server):
     with ServerProcess((1, 3), optimizer="sgd", lr=0.1) as plain:
         results = []
         for url in (plain.url, server.unix_url):
-            model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=url, token=TOKEN, client_id="train")
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            model.train()
-            losses = []
-            for _ in range(2):
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses, model = sgd_steps(url, ids, "train")
             results.append((losses, {k: v.detach().clone() for k, v in model.state_dict().items()}))
     (l1, w1), (l2, w2) = results
     assert l1 == l2 and l1[1] < l1[0]
