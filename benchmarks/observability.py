@@ -138,7 +138,8 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
     auth = {"Authorization": f"Bearer {token}"}
     times = {"on": [], "off": []}
     hooks = []  # seconds in the two hooks, per request of the "on" app
-    begin, finish = accesslog.begin, accesslog.finish
+    after = []  # seconds in what runs once the answer is sent (accesslog.record: metrics, the line)
+    begin, finish, record = accesslog.begin, accesslog.finish, accesslog.record
 
     def timed_begin(*args):
         t0 = time.perf_counter()
@@ -151,7 +152,12 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
         hooks[-1] += time.perf_counter() - t0
         return out
 
-    accesslog.begin, accesslog.finish = timed_begin, timed_finish
+    def timed_record(*args):
+        t0 = time.perf_counter()
+        record(*args)
+        after.append(time.perf_counter() - t0)
+
+    accesslog.begin, accesslog.finish, accesslog.record = timed_begin, timed_finish, timed_record
     try:
         sids = {k: c.post(P.SESSIONS, json={"rows": 1}, headers=auth).get_json()["session_id"] for k, c in apps.items()}
         d = apps["on"].get(P.INFO, headers=auth).get_json()["model_config"]["n_embd"]
@@ -172,7 +178,7 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
                 times[k].append(time.perf_counter() - t0)
                 assert r.status_code == 200, r.get_data(as_text=True)
     finally:
-        accesslog.begin, accesslog.finish = begin, finish
+        accesslog.begin, accesslog.finish, accesslog.record = begin, finish, record
         logger.removeHandler(handler)
         handler.close()
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
@@ -181,7 +187,9 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
             "median_off_ms": round(off * 1e3, 4), "ratio_on_off": round(on / off, 4),
             "paired_diff_ms": round(diff * 1e3, 4), "paired_diff_pct": round(100 * diff / off, 2),
             "hooks_us": round(statistics.median(hooks) * 1e6, 2),
-            "hooks_pct_of_step": round(100 * statistics.median(hooks) / off, 3)}
+            "hooks_pct_of_step": round(100 * statistics.median(hooks) / off, 3),
+            "after_send_us": round(statistics.median(after) * 1e6, 2),
+            "after_send_pct_of_step": round(100 * statistics.median(after) / off, 3)}
 
 
 def main(argv=None) -> int:
@@ -205,7 +213,8 @@ def main(argv=None) -> int:
         print(f"{r['model'] + ' (' + where + ')':<26}{r['median_off_ms']:>9.3f}{r['median_on_ms']:>9.3f}{r['ratio_on_off']:>8.3f}"
               f"{r['paired_diff_ms']:>9.3f} ms ({r['paired_diff_pct']:+.2f}%)   "
               + (f"[{r['access_lines']} access lines, {r['scrapes']} scrapes]" if "scrapes" in r else
-                 f"[hooks: {r['hooks_us']:.1f} us a request, {r['hooks_pct_of_step']:.2f}% of a step]"))
+                 f"[hooks: {r['hooks_us']:.1f} us a request ({r['hooks_pct_of_step']:.2f}% of a step) before "
+                 f"the answer, {r['after_send_us']:.1f} us ({r['after_send_pct_of_step']:.2f}%) after it]"))
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results}, indent=2) + "\n")
     return 0

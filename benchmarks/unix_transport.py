@@ -35,7 +35,7 @@ import torch
 from splitlearn import protocol as P
 from splitlearn.localserver import LocalServer
 from splitlearn.transport import Transport, TransportConfig
-from splitlearn.wire import decode, encode, pack
+from splitlearn.wire import pack
 
 
 def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0) -> list[float]:
@@ -47,11 +47,11 @@ def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0) -> list[fl
     out = []
     try:
         for pos in range(calls + 1):
-            body = encode({**pack(P.HIDDEN, torch.randn(1, 1, d, generator=g), "float32"),
-                           P.MASK: torch.ones(1, 1, dtype=torch.long)}, P.SessionStepMeta(pos, "float32").to_meta())
+            tensors = {**pack(P.HIDDEN, torch.randn(1, 1, d, generator=g), "float32"),
+                       P.MASK: torch.ones(1, 1, dtype=torch.long)}
             before = t.stats.server_compute_s
-            t0 = time.perf_counter()
-            decode(t.post_bytes(path, body))
+            t0 = time.perf_counter()  # as the model classes call it: encode, send, answer, decode
+            t.call(path, tensors, P.SessionStepMeta(pos, "float32").to_meta())
             out.append(time.perf_counter() - t0 - (t.stats.server_compute_s - before))
     finally:
         t.delete(P.SESSION.format(session_id=sid))
@@ -59,13 +59,14 @@ def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0) -> list[fl
 
 
 def echo_round_trips(t: Transport, nbytes: int, calls: int) -> list[float]:
-    """Seconds of ``calls`` round trips of one float32 tensor of ``nbytes`` through ``/v1/echo``:
-    encode, send, the answer, decode."""
+    """Seconds of ``calls`` round trips of one float32 tensor of ``nbytes`` through ``/v1/echo``
+    as a client's tensor call makes them (``Transport.call``): encode, send, the server reads
+    the body and writes it back, the answer decoded into a tensor of the client's own."""
     x = torch.randn(nbytes // 4)
     out = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        back, _ = decode(t.post_bytes(P.ECHO, encode({"x": x})))
+        back = t.call(P.ECHO, {"x": x})
         out.append(time.perf_counter() - t0)
         assert back["x"].numel() == x.numel()
     return out

@@ -90,28 +90,57 @@ def unpack(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return x
 
 
+class Encoded:
+    """Tensors + string metadata laid out as a safetensors body, written where it goes:
+    ``bytes(e)`` (one copy of each tensor), or :meth:`write_into` a buffer (the unix
+    transport's shared memory: the one copy there). ``len(e)`` is the body's size."""
+
+    __slots__ = ("head", "tensors", "nbytes")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None):
+        meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+        cpu = {str(k): v.detach().cpu().contiguous() for k, v in tensors.items()}
+        if sys.byteorder != "little" or any(v.dtype not in _ST_DTYPES for v in cpu.values()):
+            self.head, self.tensors = st_save(cpu, metadata=meta), []  # the library handles the rest
+            self.nbytes = len(self.head)
+            return
+        header: dict = {"__metadata__": meta} if meta else {}
+        offset = 0
+        for name, v in cpu.items():
+            n = v.numel() * v.element_size()
+            header[name] = {"dtype": _ST_DTYPES[v.dtype], "shape": list(v.shape),
+                            "data_offsets": [offset, offset + n]}
+            offset += n
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.head = struct.pack("<Q", len(head)) + head
+        self.tensors = [v for v in cpu.values() if v.numel()]
+        self.nbytes = len(self.head) + offset
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join([self.head, *(memoryview(v.reshape(-1).view(torch.uint8).numpy()) for v in self.tensors)])
+
+    def write_into(self, buf, offset: int = 0) -> int:
+        """Write the body into the writable buffer ``buf`` at ``offset``; its size."""
+        end = offset + len(self.head)
+        buf[offset:end] = self.head
+        for v in self.tensors:
+            n = v.numel() * v.element_size()
+            torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=end).copy_(v.reshape(-1).view(torch.uint8))
+            end += n
+        return end - offset
+
+
 def encode(tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> bytes:
     """Tensors (on any device) + string metadata -> safetensors bytes."""
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    cpu = {str(k): v.detach().cpu().contiguous() for k, v in tensors.items()}
-    if sys.byteorder != "little" or any(v.dtype not in _ST_DTYPES for v in cpu.values()):
-        return st_save(cpu, metadata=meta)  # the library handles the rest
-    header: dict = {"__metadata__": meta} if meta else {}
-    offset = 0
-    for name, v in cpu.items():
-        n = v.numel() * v.element_size()
-        header[name] = {"dtype": _ST_DTYPES[v.dtype], "shape": list(v.shape),
-                        "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    parts = [struct.pack("<Q", len(head)), head]
-    parts += [memoryview(v.reshape(-1).view(torch.uint8).numpy()) for v in cpu.values() if v.numel()]
-    return b"".join(parts)  # the one copy of each tensor
+    return bytes(Encoded(tensors, metadata))  # the one copy of each tensor
 
 
-def read_metadata(body: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors buffer, checking the header's framing."""
+def _header(body) -> tuple[object, int]:
+    """The JSON header of a safetensors buffer and where its data starts, checking the framing."""
     if len(body) < 8:
         raise BadRequest(f"body of {len(body)} bytes is not safetensors (no 8-byte header length)")
     (n,) = struct.unpack("<Q", body[:8])
@@ -119,20 +148,74 @@ def read_metadata(body: bytes) -> dict[str, str]:
         raise BadRequest(f"body is not safetensors or is truncated: header of {n} bytes "
                          f"in a body of {len(body)}")
     try:
-        header = json.loads(body[8:8 + n])
+        header = json.loads(bytes(body[8:8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadRequest(f"body is not safetensors: header is not JSON ({e})") from None
+    return header, 8 + n
+
+
+def read_metadata(body: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer, checking the header's framing."""
+    header = _header(body)[0]
     meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise BadRequest("safetensors __metadata__ must map strings to strings")
     return meta
 
 
-def decode(body: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors bytes -> (tensors on cpu, metadata); BadRequest on anything malformed."""
+def decode(body) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors bytes -> (tensors on cpu, metadata); BadRequest on anything malformed. A
+    ``memoryview`` (shared memory) is read in place: each tensor copied out once (:func:`decode_view`)."""
+    if isinstance(body, memoryview) and sys.byteorder == "little":
+        return decode_view(body)
     meta = read_metadata(body)
     try:
         tensors = st_load(body if isinstance(body, bytes) else bytes(body))
     except (SafetensorError, ValueError, RuntimeError, TypeError) as e:
         raise BadRequest(f"body is not valid safetensors: {e}") from None
     return tensors, meta
+
+
+_DTYPE_OF = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def decode_view(body: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`decode` of a buffer without copying it first: the header checked as safetensors
+    checks it (known dtypes, shapes of non-negative integers, each tensor's bytes inside the
+    data, in order and not overlapping: nothing allocated beyond the body's size), then each
+    tensor copied out of ``body`` into memory of its own. Written by hand: the safetensors
+    library reads only ``bytes`` (a copy of the whole body first)."""
+    meta = read_metadata(body)
+    header, start = _header(body)
+    size, spans, out = len(body) - start, [], {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} must have dtype, shape, data_offsets")
+        dtype, shape, offsets = _DTYPE_OF.get(info["dtype"]), info["shape"], info["data_offsets"]
+        if dtype is None:
+            raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} has dtype {str(info['dtype'])[:20]!r}")
+        if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
+            raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} has shape {str(shape)[:60]}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= size):
+            raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} lies outside the data")
+        count = 1
+        for x in shape:
+            count *= x
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offsets[1] - offsets[0] != count * itemsize:
+            raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} of shape {shape} "
+                             f"does not fill its {offsets[1] - offsets[0]} bytes")
+        spans.append((offsets[0], offsets[1], name, dtype, shape, count))
+    spans.sort()
+    for (_, end, *_), (begin, *_) in zip(spans, spans[1:]):
+        if begin < end:
+            raise BadRequest("body is not valid safetensors: tensors overlap")
+    for begin, _, name, dtype, shape, count in spans:
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = torch.frombuffer(body, dtype=dtype, count=count, offset=start + begin).reshape(shape).clone()
+    return out, meta

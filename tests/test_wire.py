@@ -91,9 +91,10 @@ GOOD = encode({"hidden": torch.ones(2, 3, 4)}, {"step": "1"})
     (_header({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}), "not valid"),
     (_header({"x": {"dtype": "Q99", "shape": [1], "data_offsets": [0, 1]}}) + b"\0", "not valid"),
 ])
-def test_malformed_bodies_raise_bad_request(body, words):
+@pytest.mark.parametrize("view", [False, True], ids=["bytes", "shared-memory view"])
+def test_malformed_bodies_raise_bad_request(body, words, view):
     with pytest.raises(BadRequest) as e:
-        decode(body)
+        decode(memoryview(bytearray(body)) if view else body)
     assert words in str(e.value)
     assert e.value.status == 400
 
@@ -143,3 +144,46 @@ def test_encode_writes_safetensors_the_library_reads():
     assert wire.read_metadata(body) == {"step": "3"}
     payload = sum(v.numel() * v.element_size() for v in tensors.values())
     assert len(body) - payload < 1024  # raw bytes plus a small header
+
+
+# -- shared memory: Encoded.write_into and decode of a memoryview (the unix transport's region) --
+
+def test_a_body_written_into_a_buffer_and_read_in_place_is_the_same_tensors_and_bytes():
+    import mmap
+    tensors = {"hidden": _activations(2, 3, 16), "mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+               "half": _activations(4, seed=1).to(torch.bfloat16), "empty": torch.zeros(0, 3)}
+    region = mmap.mmap(-1, 1 << 16)
+    e = wire.Encoded(tensors, {"step": 7})
+    n = e.write_into(region, 64)
+    assert n == len(e) and bytes(region[64:64 + n]) == encode(tensors, {"step": 7}) == bytes(e)
+    view = memoryview(region)[64:64 + n]
+    out, meta = decode(view)
+    assert meta == {"step": "7"} and set(out) == set(tensors)
+    for k, v in tensors.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v)
+    region[64:64 + n] = b"\0" * n  # the buffer is reused by the next request: what was read is its own
+    assert torch.equal(out["hidden"], tensors["hidden"])
+    del out, view
+    region.close()  # nothing still points into it (a view left would raise BufferError here)
+
+
+def test_a_view_whose_tensors_overlap_is_refused_before_anything_is_allocated():
+    # the attack: 100 tensors all pointing at the same 4 KiB of data would make a copying reader
+    # allocate 100x the body; safetensors refuses overlap, and so does the view reader
+    head = {f"t{i}": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]} for i in range(100)}
+    body = bytearray(_header(head) + b"\0" * 4096)
+    with pytest.raises(BadRequest, match="overlap"):
+        decode(memoryview(body))
+    with pytest.raises(BadRequest):
+        decode(bytes(body))
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}, "does not fill"),
+    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "shape"),
+    ({"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}, "outside the data"),
+    ({"dtype": "F32", "shape": [1]}, "must have dtype, shape, data_offsets"),
+])
+def test_a_view_with_a_lying_header_is_a_bad_request(entry, words):
+    with pytest.raises(BadRequest, match=words):
+        decode(memoryview(bytearray(_header({"x": entry}) + b"\0" * 4)))

@@ -28,7 +28,7 @@ import requests
 
 from .. import protocol as P
 from ..errors import ConfigError, SplitLearnError, TransportError, from_payload
-from ..wire import decode, encode
+from ..wire import Encoded, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +406,8 @@ class Transport:
     def start_call(self, path: str, tensors: dict, meta: Optional[dict] = None, lane: int = 0) -> PendingCall:
         """Encode and send ``tensors`` on ``lane`` now; :meth:`finish_call` gets the answer."""
         t0 = time.perf_counter()
-        body = encode(tensors, meta)
+        # a link into shared memory (unix://) writes the body there itself: the one copy
+        body = Encoded(tensors, meta) if getattr(self.link, "takes_encoded", False) else encode(tensors, meta)
         self.stats.serialize_s += time.perf_counter() - t0
         return self.start(path, body, lane)
 
@@ -418,9 +419,13 @@ class Transport:
         return self.finish_call_meta(self.start_call(path, tensors, meta))
 
     def finish_call_meta(self, pending: PendingCall) -> tuple[dict, dict]:
-        answer = pending.result()
+        answer = self._finish(pending, view=True)  # shared memory (unix://): read in place, once
         t0 = time.perf_counter()
-        out, meta = decode(answer)
+        try:
+            out, meta = decode(answer)
+        finally:
+            if isinstance(answer, memoryview):
+                answer.release()
         self.stats.deserialize_s += time.perf_counter() - t0
         return out, meta
 
@@ -456,7 +461,9 @@ class Transport:
             self._lane(lane).close()
             return False
 
-    def _finish(self, p: PendingCall) -> bytes:
+    def _finish(self, p: PendingCall, view: bool = False) -> bytes:
+        """The answer's bytes; ``view``: a link's shared memory may come as a ``memoryview``,
+        valid until the lane's next request (the caller decodes it at once)."""
         if p.answer is not None:
             status, headers, content = p.answer
             header = headers.get
@@ -468,6 +475,8 @@ class Transport:
             status, header, content = resp.status_code, resp.headers.get, resp.content
         else:
             status, header, content = self._lean_answer(p)
+        if isinstance(content, memoryview) and (not view or status >= 400):
+            content = content.tobytes()
         if status >= 400:
             raise self._error(status, header, content)
         s = self.stats

@@ -24,6 +24,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, TransportError
+from ..wire import Encoded
 from . import unixframe as F
 from .http import AnswerWait, register_scheme
 
@@ -105,18 +106,27 @@ class Connection(AnswerWait):
         to ``wait_s`` for it."""
         return bool(self.reader.pending) or bool(select.select([self.sock], [], [], wait_s)[0])
 
-    def send(self, method: str, path: str, headers: dict, body: Optional[bytes]) -> None:
+    def send(self, method: str, path: str, headers: dict, body) -> None:
+        """Send a request; ``body``: bytes, or a :class:`~splitlearn.wire.Encoded` (written
+        straight into the region when it goes there)."""
         meta = {"method": method, "path": path, "headers": headers}
-        body = body or b""
+        body = body if body is not None else b""
         if self.size:
             meta["answer_region"] = True
         if len(body) > F.INLINE_MAX and len(body) <= self.size:
-            self.region[0:len(body)] = body  # the one copy into the region
+            if isinstance(body, Encoded):
+                body.write_into(self.region)  # the one copy into the region, from the tensors
+            else:
+                self.region[0:len(body)] = body  # the one copy into the region
             meta["region"], body = [0, len(body)], b""
+        elif isinstance(body, Encoded):
+            body = bytes(body)
         F.send_frame(self.sock, F.pack(F.REQUEST, meta, len(body)), body)
         self.sent_at = time.perf_counter()
 
-    def _read_answer(self):
+    def _read_answer(self, view: bool = False):
+        """``(status, headers, content)``; ``view``: an answer in the region comes as a
+        ``memoryview`` of it, valid until this connection's next request (else copied out)."""
         kind, meta_len, body_len = F.unpack_header(self.reader.take(F.HEADER.size), 1 << 40)
         if kind != F.ANSWER:
             raise F.FrameError(f"the server sent a kind-{kind} frame")
@@ -125,7 +135,8 @@ class Connection(AnswerWait):
         try:
             if "region" in meta:
                 off, length = F.span(meta["region"], self.size)
-                content = self.region[off:off + length]  # the one copy out of the region
+                # read in place by the caller (its decode is the one copy out), or copied out here
+                content = memoryview(self.region)[off:off + length] if view else self.region[off:off + length]
             headers = _Headers((str(k).lower(), str(v)) for k, v in meta.get("headers", []))
             return int(meta["status"]), headers, content
         except (KeyError, TypeError, ValueError) as e:  # not an answer this client can read
@@ -136,7 +147,10 @@ class Connection(AnswerWait):
             self.sock.close()
         finally:
             if self.region is not None:
-                self.region.close()
+                try:
+                    self.region.close()
+                except BufferError:  # a view still read elsewhere: unmapped once it is gone
+                    pass
                 self.region = None
 
 
@@ -147,6 +161,7 @@ class UnixLink:
     connection of a pool (or opens one), so concurrent callers never share one."""
 
     same_host = True  # the server is another process of this host: polls for answers when pinned apart
+    takes_encoded = True  # a tensor body comes as wire.Encoded: written into the region (Connection.send)
 
     def __init__(self, url: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0):
         self.url, self.path = url, socket_of(url)
@@ -186,7 +201,7 @@ class UnixLink:
         try:
             if spin:
                 conn.await_answer()
-            answer = conn._read_answer()
+            answer = conn._read_answer(view=True)  # a lane's answer is read before its next request
             conn.answered()
             return answer
         except socket.timeout:

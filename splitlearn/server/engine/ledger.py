@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from ...errors import Conflict, SplitLearnError
-from ...wire import decode, encode
+from ...wire import Encoded, decode, encode
 from .tenants import client_of, tenant_of
 
 
@@ -58,6 +58,11 @@ class Answer:
         if self._bytes is None:
             self._bytes = encode(self.tensors, self.meta)
         return self._bytes
+
+    def encoded(self):
+        """Its bytes if made already, else an :class:`~splitlearn.wire.Encoded` of the same
+        bytes, to be written where it goes (the unix door's shared memory)."""
+        return self._bytes if self._bytes is not None else Encoded(self.tensors, self.meta)
 
     @classmethod
     def decode(cls, body: bytes) -> "Answer":

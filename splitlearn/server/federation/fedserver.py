@@ -307,8 +307,7 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = T
     metrics = ServerMetrics(None, state=FedCollector(rounds))  # this app's own registry
     app.extensions["splitlearn.metrics"] = metrics
     if request_log:  # first of the hooks: the clock and the request id (..http.accesslog)
-        app.before_request(lambda: accesslog.begin(request, g))
-        app.after_request(lambda resp: accesslog.finish(request._get_current_object(), g, resp, metrics))
+        accesslog.install(app, metrics)
 
     @app.errorhandler(SplitLearnError)
     def _error(err: SplitLearnError):

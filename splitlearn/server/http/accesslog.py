@@ -1,7 +1,8 @@
 """One access line per request, and the server's log format (``--log-format text|json``).
 
 :func:`begin` (the app's first ``before_request`` hook) starts the clock and names the request;
-:func:`finish` (``after_request``) counts it in :mod:`.metrics` and logs one line on
+:func:`finish` (``after_request``) names it in the answer; once the answer is sent (the
+response's close) :func:`record` counts it in :mod:`.metrics` and logs one line on
 ``splitlearn.server.http.accesslog`` (INFO) with ``request_id``, ``tenant``, ``method``,
 ``route``, ``status``, ``bytes_in``, ``bytes_out``, ``ms`` and, on a 500, ``incident``. The
 JSON formatter is written by hand (``python-json-logger`` is not a dependency). Fields and
@@ -9,12 +10,17 @@ formats: docs/OPERATIONS.md, 'Logs'.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import re
 import secrets
 import time
 from typing import Optional
+
+from flask import g, request
+from flask.testing import FlaskClient
 
 from ... import protocol as P
 from .metrics import ServerMetrics, route_of
@@ -26,38 +32,82 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _RECORD_KEYS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
+class ClosingClient(FlaskClient):
+    """The app's test client: each answer is read and closed at once, as a WSGI server closes
+    it after sending it, so that :func:`record` runs under tests too."""
+
+    def open(self, *args, buffered: bool = True, **kwargs):
+        return super().open(*args, buffered=buffered, **kwargs)
+
+
+def install(app, metrics: Optional[ServerMetrics]) -> None:
+    """The hooks on ``app``: :func:`begin` first, :func:`finish` last."""
+    app.before_request(lambda: begin(request, g))
+    app.after_request(lambda resp: finish(request._get_current_object(), g, resp, metrics))
+    app.test_client_class = ClosingClient
+
+
 def begin(request, g) -> None:
     """At the request's first hook: its clock and its id."""
     g.started = time.perf_counter()
-    given = request.headers.get(P.REQUEST_ID_HEADER)
-    g.request_id = given if given and _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+    g.request_id = request_id(request.headers.get(P.REQUEST_ID_HEADER))
+
+
+def request_id(given: Optional[str]) -> str:
+    """The caller's ``X-Request-Id`` if it is a sane one, else a new one."""
+    return given if given and _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
 
 
 def finish(request, g, resp, metrics: Optional[ServerMetrics]):
-    """At the request's last hook: count it, log its line, name it in the answer."""
+    """At the request's last hook: name it in the answer, and count and log it once the answer
+    is sent (:func:`record`, on the response's close)."""
     started = g.get("started")
     if started is None:  # a hook before ours failed
         return resp
-    seconds = time.perf_counter() - started
-    route, status = route_of(request), resp.status_code
     tenant = g.get("tenant")
-    name = tenant.name if tenant is not None else "-"
-    bytes_in, bytes_out = request.content_length or 0, resp.content_length or 0
-    if metrics is not None:
-        metrics.observe(route, request.method, status, name, seconds, bytes_in, bytes_out)
+    access = Access(g.request_id, tenant.name if tenant is not None else "-", request.method, route_of(request),
+                    resp.status_code, request.content_length or 0, resp.content_length or 0,
+                    time.perf_counter() - started, g.get("incident"))
     resp.headers[P.REQUEST_ID_HEADER] = g.request_id
-    if log.isEnabledFor(logging.INFO):
-        fields = {"request_id": g.request_id, "tenant": name, "method": request.method, "route": route,
-                  "status": status, "bytes_in": bytes_in, "bytes_out": bytes_out, "ms": round(seconds * 1e3, 3)}
-        incident = g.get("incident")
-        if incident is not None:
-            fields["incident"] = incident
-        # made here, not by log.info: its findCaller walks the whole Flask stack (~40 us a line)
-        log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "%s %s %d %dB>%dB %.2fms tenant=%s id=%s%s",
-                                  (request.method, route, status, bytes_in, bytes_out, seconds * 1e3, name,
-                                   g.request_id, f" incident={incident}" if incident else ""), None,
-                                  extra={"access": fields}))
+    resp.call_on_close(functools.partial(record, access, metrics))
     return resp
+
+
+@dataclasses.dataclass
+class Access:
+    """One answered request, as its access line and its metrics see it."""
+
+    request_id: str
+    tenant: str  # the tenant's name ("-": none)
+    method: str
+    route: str  # the URL rule, never the path (it holds session ids)
+    status: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float  # in the app: from the first hook to the answer built
+    incident: Optional[str] = None  # a 500's incident id
+
+
+def record(a: Access, metrics: Optional[ServerMetrics]) -> None:
+    """Count ``a`` in ``metrics`` and log its line. Called once the answer has been handed to
+    the connection (the WSGI server closes the response after writing it; the unix door
+    likewise), so neither costs the caller's round trip (benchmarks/observability.py)."""
+    try:
+        if metrics is not None:
+            metrics.observe(a.route, a.method, a.status, a.tenant, a.seconds, a.bytes_in, a.bytes_out)
+        if log.isEnabledFor(logging.INFO):
+            fields = {"request_id": a.request_id, "tenant": a.tenant, "method": a.method, "route": a.route,
+                      "status": a.status, "bytes_in": a.bytes_in, "bytes_out": a.bytes_out,
+                      "ms": round(a.seconds * 1e3, 3)}
+            if a.incident is not None:
+                fields["incident"] = a.incident
+            # made here, not by log.info: its findCaller walks the whole server stack (~40 us a line)
+            log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "%s %s %d %dB>%dB %.2fms tenant=%s id=%s%s",
+                                      (a.method, a.route, a.status, a.bytes_in, a.bytes_out, a.seconds * 1e3,
+                                       a.tenant, a.request_id, f" incident={a.incident}" if a.incident else ""),
+                                      None, extra={"access": fields}))
+    except Exception:  # noqa: BLE001 - after the answer: nobody to tell but the log
+        log.exception("access record of %s %s failed", a.method, a.route)
 
 
 class JsonFormatter(logging.Formatter):

@@ -24,7 +24,7 @@ from . import accesslog, api_federation, api_lora, api_offload, api_ops, api_ses
 from .frontdoor import TENANT_KEY
 from .unixdoor import BODY_KEY
 from .metrics import ServerMetrics
-from .routing import SERVED, Served, error_response
+from .routing import SERVED, Served, error_response, internal_error
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ def create_app(config: Optional[ServerConfig] = None, runtime=None) -> Flask:
     app.extensions[SERVED] = Served(rt, memory, metrics)
     _errors(app)
     if cfg.request_log:  # first of the hooks: the clock and the request id (accesslog.py)
-        app.before_request(lambda: accesslog.begin(request, g))
-        app.after_request(lambda resp: accesslog.finish(request._get_current_object(), g, resp, metrics))
+        accesslog.install(app, metrics)
     tenants = cfg.tenants
 
     @app.before_request
@@ -97,5 +96,4 @@ def _errors(app: Flask) -> None:
     def _internal(err: Exception):
         incident = g.incident = secrets.token_hex(6)  # the answer names it; the log has the details
         log.exception("internal error %s on %s %s", incident, request.method, request.path)
-        return error_response(SplitLearnError(f"internal server error (incident {incident}: the "
-                                              f"operator's log has the details)"))
+        return error_response(internal_error(incident))

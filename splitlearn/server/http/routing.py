@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
@@ -66,6 +67,11 @@ def error_response(err: SplitLearnError) -> Response:
     return resp
 
 
+def internal_error(incident: str) -> SplitLearnError:
+    """A 500's answer: it names the incident; the operator's log has the details."""
+    return SplitLearnError(f"internal server error (incident {incident}: the operator's log has the details)")
+
+
 def tensor_body() -> bytes:
     """The request's safetensors bytes; 415 for another content type."""
     if request.mimetype != P.CONTENT_TYPE:
@@ -97,6 +103,23 @@ def hidden_and_mask(s: Served, t: dict, name: str = P.HIDDEN):
     return h, validate.attention_mask(t, P.MASK, B, T, npos)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorRoute:
+    """One route taking and answering safetensors (:func:`tensor_route`), as the unix door's
+    direct dispatch (:mod:`.direct`) finds it without Flask."""
+
+    rule: str  # Flask's form, the ``route`` label of metrics and access lines
+    handler: Callable
+    owner: bool
+    inline: bool
+    cls: str
+    pattern: re.Pattern  # the rule with its ``<args>`` as named groups (Flask's default converter: [^/]+)
+
+
+#: a blueprint's name -> its tensor routes
+TENSOR_ROUTES: dict[str, list[TensorRoute]] = {}
+
+
 def tensor_route(bp: Blueprint, rule: str, *, owner: bool = False, inline: bool = False,
                  cls: str = "other") -> Callable:
     """Register ``handler(served, tensors, meta, **url_args) -> Answer | Future[Answer]`` on
@@ -108,35 +131,53 @@ def tensor_route(bp: Blueprint, rule: str, *, owner: bool = False, inline: bool 
     for the compute thread is counted."""
 
     def register(handler: Callable) -> Callable:
+        pattern = re.compile(re.sub(r"<(\w+)>", r"(?P<\1>[^/]+)", re.escape(rule)))
+        route = TensorRoute(rule, handler, owner, inline, cls, pattern)
+        TENSOR_ROUTES.setdefault(bp.name, []).append(route)
+
         @functools.wraps(handler)
         def view(**url_args) -> Response:
             s = served()
             with memory_scope(s.memory, g.tenant.name) as held:  # released once the answer is built
-                return serve(s, held, **url_args)
-
-        def serve(s: Served, held, **url_args) -> Response:
-            started = time.perf_counter()
-            held.hold(2 * (request.content_length or 0), "a request body")  # server's copy + ours
-            body = tensor_body()
-            if owner:
-                url_args["owner"] = g.tenant
-
-            def work():  # on the compute thread; the route's price is reserved for `held` (budget.py)
-                with held.on_this_thread():
-                    tensors, meta = decode(body)
-                    return handler(s, tensors, meta, **url_args)
-
-            if inline and len(body) <= INLINE_BODY_BYTES:
-                answer = work()
-            else:
-                answer = s.rt.compute.run(timed(s.rt.waits, cls, work))
-            if isinstance(answer, Future):  # a decode step waits for its batch
-                answer = answer.result()
-            resp = Response(answer.encode(), status=200, mimetype=P.CONTENT_TYPE)
-            resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
-            return resp
+                content, server_ms = serve(s, held, route, g.tenant, request.content_length or 0,
+                                           request.mimetype, lambda: request.get_data(cache=False), url_args)
+                resp = Response(content, status=200, mimetype=P.CONTENT_TYPE)
+                resp.headers[P.SERVER_TIME_HEADER] = server_ms
+                return resp
 
         bp.add_url_rule(rule, endpoint=handler.__name__, view_func=view, methods=["POST"])
         return handler
 
     return register
+
+
+def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: int, mimetype: str,
+          read_body: Callable[[], bytes], url_args: dict, lazy_above: Optional[int] = None) -> tuple[bytes, str]:
+    """Run ``route`` for ``tenant`` (Flask's view, or the unix door's direct dispatch): the
+    answer's bytes and its ``X-Server-Time-Ms``. SplitLearnError for a bad request.
+    ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`,
+    written by the caller where it goes (shared memory)."""
+    started = time.perf_counter()
+    held.hold(2 * content_length, "a request body")  # server's copy + ours
+    if mimetype != P.CONTENT_TYPE:
+        raise UnsupportedMediaType(f"send tensors as {P.CONTENT_TYPE} (safetensors), "
+                                   f"not {mimetype or 'no content type'}")
+    body = read_body()
+    if route.owner:
+        url_args = {**url_args, "owner": tenant}
+
+    def work():  # on the compute thread; the route's price is reserved for `held` (budget.py)
+        with held.on_this_thread():
+            tensors, meta = decode(body)
+            return route.handler(s, tensors, meta, **url_args)
+
+    if route.inline and len(body) <= INLINE_BODY_BYTES:
+        answer = work()
+    else:
+        answer = s.rt.compute.run(timed(s.rt.waits, route.cls, work))
+    if isinstance(answer, Future):  # a decode step waits for its batch
+        answer = answer.result()
+    content = answer.encoded() if lazy_above is not None else answer.encode()
+    if not isinstance(content, bytes) and len(content) <= lazy_above:
+        content = bytes(content)
+    return content, f"{(time.perf_counter() - started) * 1e3:.3f}"

@@ -2,7 +2,8 @@
 
 ``--listen unix:///run/splitlearn.sock`` (``--no-tcp``: only there) serves the app with the
 frames of :mod:`splitlearn.transport.unixframe`; each request goes to the same Flask app
-through a WSGI environ built here (no HTTP parsing), the token checked at the frame too. As the
+through a WSGI environ built here (no HTTP parsing), the token checked at the frame too; a
+tensor route's request to the same route code without Flask (:mod:`.direct`). As the
 TCP front door, it enforces the socket file's mode (0600, ``--unix-mode``), ``--max-connections``,
 the idle and request deadlines, 400/413 on malformed frames (connection closed) or bad fields
 (connection goes on), and only sealed memfd regions of bounded size. One thread per connection
@@ -16,18 +17,22 @@ import io
 import logging
 import mmap
 import os
+import re
 import socket
 import stat
 import sys
 import threading
 import time
 from typing import Optional
-from urllib.parse import unquote_to_bytes, urlsplit
+from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 from ... import protocol as P
 from ...errors import BadRequest, ConfigError, PayloadTooLarge, RequestTimeout, SplitLearnError, Unauthorized
 from ...transport import unixframe as F
+from ...wire import Encoded
+from .direct import Direct
 from .frontdoor import TENANT_KEY, DoorLimits
+from .routing import SERVED
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ class UnixDoor:
         self.max_body_bytes, self.limits, self.mode = max_body_bytes, limits, mode
         self.max_region = max(2 * max_body_bytes, 4 * F.REGION_BYTES)  # address space only: pages are the client's
         self.slots = threading.BoundedSemaphore(limits.max_connections)
+        # the tensor routes, served without Flask (direct.py); the fed server has none
+        self.direct = Direct(app) if SERVED in getattr(app, "extensions", {}) else None
         self.sock = self._listen()
         self.closed = False
         self._conns: set[socket.socket] = set()
@@ -158,7 +165,10 @@ class _Conn:
 
     def release(self) -> None:
         if self.region is not None:
-            self.region.close()
+            try:
+                self.region.close()
+            except BufferError:  # a view of it still alive somewhere: unmapped when it goes
+                pass
             self.region = None
 
     def _recv(self, n: int, deadline: float, fds: Optional[list] = None):
@@ -268,7 +278,7 @@ class _Conn:
                     raise BadRequest(f"bad region descriptor: {e}") from None
                 if length > self.door.max_body_bytes:
                     raise PayloadTooLarge(f"request body of {length} bytes (at most {self.door.max_body_bytes})")
-                body = self.region[off:off + length]  # the one copy out of the region
+                body = memoryview(self.region)[off:off + length]  # read in place (direct.py) or copied out below
             else:
                 body = self._recv(body_len, deadline) if body_len else b""
                 body_len = 0
@@ -277,13 +287,32 @@ class _Conn:
         except SplitLearnError as e:
             self._answer_error(e)
             return not body_len
-        status, out_headers, content = self._call_app(method, path, query, headers, body, tenant)
-        use_region = bool(meta.get("answer_region")) and self.region is not None and \
-            F.INLINE_MAX < len(content) <= self.size
-        self._send_answer(status, out_headers, content, use_region)
+        direct = self.door.direct
+        hit = direct.match(method, unquote(path, errors="replace")) if direct is not None and tenant else None
+        answer_region = bool(meta.get("answer_region")) and self.region is not None
+        try:
+            if hit is not None:  # a tensor route: without Flask (direct.py); decoded from the region in place
+                status, out_headers, content, after = direct(*hit, headers, body, tenant,
+                                                             F.INLINE_MAX if answer_region else None)
+            else:
+                if isinstance(body, memoryview):
+                    body = body.tobytes()  # the app's copy
+                status, out_headers, content, after = self._call_app(method, path, query, headers, body, tenant)
+        finally:
+            if isinstance(body, memoryview):
+                try:
+                    body.release()
+                except BufferError:  # still read somewhere: let go when that is gone
+                    pass
+        try:
+            use_region = answer_region and F.INLINE_MAX < len(content) <= self.size
+            self._send_answer(status, out_headers, content, use_region)
+        finally:
+            after()  # the response's close (its access line, its metrics): after the answer, as waitress
         return True
 
     def _call_app(self, method, path, query, headers, body: bytes, tenant):
+        """``(status, headers, content, close)``: call ``close`` once the answer is sent (WSGI)."""
         environ = {
             "REQUEST_METHOD": method, "SCRIPT_NAME": "",
             "PATH_INFO": unquote_to_bytes(path).decode("latin-1"), "QUERY_STRING": query,
@@ -307,24 +336,30 @@ class _Conn:
 
         chunks: list[bytes] = []
         result = self.door.app(environ, start_response)
+        close = getattr(result, "close", None) or (lambda: None)
         try:
             for chunk in result:
                 if chunk:
                     chunks.append(chunk)
-        finally:
-            if hasattr(result, "close"):
-                result.close()
+        except BaseException:
+            close()
+            raise
         content = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return answer["status"], [[k, v] for k, v in answer["headers"]], content
+        return answer["status"], [[k, v] for k, v in answer["headers"]], content, close
 
     def _send_answer(self, status: int, headers: list, content: Optional[bytes], use_region: bool = False,
                      extra: Optional[dict] = None) -> None:
         meta = {"status": status, "headers": headers, **(extra or {})}
-        content = content or b""
+        content = content if content is not None else b""
         inline = content
         if use_region:
-            self.region[0:len(content)] = content
+            if isinstance(content, Encoded):
+                content.write_into(self.region)  # the answer's one copy, from its tensors
+            else:
+                self.region[0:len(content)] = content
             meta["region"], inline = [0, len(content)], b""
+        elif isinstance(content, Encoded):
+            inline = bytes(content)
         self.sock.settimeout(self.door.limits.allowance_s(len(inline)))
         F.send_frame(self.sock, F.pack(F.ANSWER, meta, len(inline)), inline)
 
@@ -339,20 +374,27 @@ class _Conn:
             pass
 
 
+_METHOD = re.compile(r"[A-Z]{1,16}")
+_PATH = re.compile(r"/[^\x00-\x1f\x7f]*")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_HEADER_VALUE = re.compile(r"[^\r\n\x00]*")
+
+
 def _fields(meta: dict) -> tuple[str, str, str, dict]:
     """``(method, path, query, headers)`` of a REQUEST's meta, headers with lower-case names;
     BadRequest naming the field that is wrong."""
     method, target, headers = meta.get("method"), meta.get("path"), meta.get("headers", {})
-    if not isinstance(method, str) or not method.isalpha() or not method.isupper() or len(method) > 16:
+    if not isinstance(method, str) or not _METHOD.fullmatch(method):
         raise BadRequest(f"malformed request: method {method!r}")
-    if not isinstance(target, str) or not target.startswith("/") or len(target) > _MAX_PATH \
-            or any(ch < " " or ch == "\x7f" for ch in target):
+    if not isinstance(target, str) or len(target) > _MAX_PATH or not _PATH.fullmatch(target):
         raise BadRequest("malformed request: path must be a string starting with '/', without control characters")
-    if not isinstance(headers, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+    if not isinstance(headers, dict):
         raise BadRequest("malformed request: headers must be an object of strings")
     out = {}
     for k, v in headers.items():
-        if not k or any(not (ch.isalnum() or ch in "-_") for ch in k) or any(ch in v for ch in "\r\n\0"):
+        if not (isinstance(k, str) and isinstance(v, str)):
+            raise BadRequest("malformed request: headers must be an object of strings")
+        if not _HEADER_NAME.fullmatch(k) or not _HEADER_VALUE.fullmatch(v):
             raise BadRequest(f"malformed request: header {k[:40]!r}")
         out[k.lower()] = v
     path, _, query = target.partition("?")
