@@ -141,12 +141,64 @@ def generation(tcp_url: str, unix_url: str, token: str, model_name: str, seed: i
              "same_tokens": same[k], "runs": len(ts)} for k, ts in times.items()]
 
 
+# seed 001: a client and the process owning the accelerator, over an RPC bridge: 1,024 tokens in
+# 44.25 s, 98 calls at 332 ms each, 3,328 MB sent and 3,657 MB received (docs/TRANSPORT.md)
+SEED_001 = {"seconds": 44.25, "calls": 98, "ms_per_call": 332, "mb_sent": 3328, "mb_received": 3657}
+
+
+def seed_workload(tcp_url: str, unix_url: str, token: str, model_name: str, seed: int, tokens: int = 1024,
+                  prompt_len: int = 24) -> list[dict]:
+    """Seed 001's workload on this transport: ``tokens`` positions in all, a ``prompt_len``
+    prompt then greedy generation to ``tokens`` (U-shape, batch 1), once per system (unsplit,
+    TCP, unix), with the calls and bytes each split run moved (its Transport's statistics); and
+    the ``tokens``-long prompt alone as one forward (the seed's prefill)."""
+    import splitlearn
+    from splitlearn import load_model
+
+    from .generation import hf_generate
+
+    unsplit = load_model(model_name, dtype="float32", device="cpu", seed=seed).eval()
+    systems = {"unsplit": unsplit}
+    for kind, url in (("tcp", tcp_url), ("unix", unix_url)):
+        systems[kind] = splitlearn.SplitGPT2LMHeadModel.from_pretrained(model_name, server=url, token=token,
+                                                                        seed=seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, unsplit.config.vocab_size, (1, prompt_len), generator=g)
+    long_ids = torch.randint(0, unsplit.config.vocab_size, (1, tokens), generator=g)
+    rows, ref = [], None
+    with torch.no_grad():
+        for kind, m in systems.items():
+            hf_generate(m, ids, 2)  # warm-up: connections, regions, allocator
+            stats = getattr(getattr(m, "remote", None), "transport", None)
+            stats = stats.stats if stats is not None else None
+            before = (stats.calls, stats.bytes_sent, stats.bytes_received) if stats else (0, 0, 0)
+            t0 = time.perf_counter()
+            out = hf_generate(m, ids, tokens - prompt_len)
+            gen_s = time.perf_counter() - t0
+            ref = out if ref is None else ref
+            t0 = time.perf_counter()
+            m(long_ids)
+            prefill_s = time.perf_counter() - t0
+            after = (stats.calls, stats.bytes_sent, stats.bytes_received) if stats else (0, 0, 0)
+            calls, sent, received = (a - b for a, b in zip(after, before))
+            rows.append({"case": f"seed 001: {tokens} tokens ({prompt_len} prompt + {tokens - prompt_len} generated, "
+                                 f"then a {tokens}-token prefill; {model_name})", "transport": kind,
+                         "generate_s": round(gen_s, 2), "prefill_s": round(prefill_s, 3),
+                         "calls": calls, "mb_sent": round(sent / 2**20, 1), "mb_received": round(received / 2**20, 1),
+                         "ms_per_call": round(1e3 * gen_s / max(calls, 1), 2) if calls else None,
+                         "same_tokens": bool(torch.equal(out, ref)), "seed_001": SEED_001})
+    for kind, m in systems.items():
+        if kind != "unsplit":
+            m.remote.close()
+    return rows
+
+
 def main(argv=None) -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--model", default="tiny")
     a.add_argument("--cuts", default="1,3")
     a.add_argument("--calls", type=int, default=300)
-    a.add_argument("--only-generate", action="store_true", help="skip the transport cases")
+    a.add_argument("--only-generate", action="store_true", help="skip the transport cases (with --generate or --seed-workload)")
     a.add_argument("--pinned", action="store_true", help="two devices emulated: the server on core 1, "
                                                          "the client on core 0 (transport cases)")
     a.add_argument("--rounds", type=int, default=5)
@@ -156,6 +208,9 @@ def main(argv=None) -> int:
                         "second server of MODEL (e.g. gpt2) cut at --generate-cuts")
     a.add_argument("--generate-cuts", default="2,10")
     a.add_argument("--new-tokens", type=int, default=32)
+    a.add_argument("--seed-workload", default=None, metavar="MODEL",
+                   help="seed 001's 1,024 tokens on MODEL (e.g. random:gpt2), U-shape --generate-cuts, each system once")
+    a.add_argument("--seed-tokens", type=int, default=1024, help="positions of the seed workload (its 1,024)")
     args = a.parse_args(argv)
     env = {"OMP_NUM_THREADS": "1"}
     if args.cores:
@@ -178,6 +233,15 @@ def main(argv=None) -> int:
         for r in rows:
             print(json.dumps(r))
         print(json.dumps({"unix/tcp": ratios(rows)}), flush=True)
+    if args.seed_workload:
+        spath = os.path.join(os.path.dirname(path), "seed.sock")
+        sflags = ["--model", args.seed_workload, "--threads", "4", "--seed", "0", "--torch-threads", "1",
+                  "--listen", "unix://" + spath]
+        for c in args.generate_cuts.split(","):
+            sflags += ["--cut", c]
+        with LocalServer(sflags, env=env) as srv:
+            for r in seed_workload(srv.url, "unix://" + spath, srv.token, args.seed_workload, 0, args.seed_tokens):
+                print(json.dumps(r), flush=True)
     if args.generate:
         gpath = os.path.join(os.path.dirname(path), "gen.sock")
         gflags = ["--model", args.generate, "--threads", "4", "--seed", "0", "--torch-threads", "1",

@@ -53,6 +53,7 @@ from ...wire import pack
 from . import guard
 from ..federation.modes import Replica
 from .budget import graph_bytes, padded
+from .priority import step_in_parts
 from .ledger import APPLIED, Answer, Pending, answer_bytes
 from .tenants import SEP, client_of, tenant_of
 
@@ -337,7 +338,12 @@ class Training:
             for g in opt.param_groups:
                 g["lr"] = lr
             try:
-                opt.step()
+                # decode-first with generation sessions open: the step yields to decode between
+                # parts of the parameters; decode reads the weights before the step (priority.py)
+                if rt.preemptor is not None and st.rep.segment is rt.segment and rt.sessions.count():
+                    step_in_parts(opt, rt.preemptor.point)
+                else:
+                    opt.step()
             finally:
                 for g, own in zip(opt.param_groups, saved):
                     g["lr"] = own
