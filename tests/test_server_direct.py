@@ -186,3 +186,17 @@ def test_only_tensor_routes_go_direct(served):
     with pytest.raises(NotFound):
         t.call(P.FORWARD + "/", _step_tensors(0))  # a trailing slash: not the rule, the app's 404
     assert app.flask_calls == calls + 4
+
+
+def test_echo_goes_direct_with_the_apps_limit(served):
+    app, t = served
+    calls = app.flask_calls
+    x = torch.randn(64 << 10, generator=torch.Generator().manual_seed(5))  # 256 KiB: through the region both ways
+    back = t.call(P.ECHO, {"x": x})
+    assert torch.equal(back["x"], x) and app.flask_calls == calls
+    cap = app.extensions[SERVED].cfg.max_echo_bytes
+    too_big = b"\0" * (cap + 1)
+    want = app.test_client().post(P.ECHO, data=too_big, headers=auth(OTHER))
+    with pytest.raises(SplitLearnError) as e:
+        t.post_bytes(P.ECHO, too_big)
+    assert e.value.status == want.status_code == 413 and str(e.value).endswith(want.get_json()["message"])

@@ -2,8 +2,8 @@
 
 A decode step over ``unix://`` spent more time in Flask (its request context, URL map, hooks
 and ``Response``) than in the frame and the socket (docs/TRANSPORT.md, 'Where the time goes').
-For a ``POST`` to a :func:`~.routing.tensor_route` path, the unix door calls :class:`Direct`
-instead of the app: the same route code (:func:`.routing.serve`: memory scope, 415, decode,
+For a ``POST`` to a :func:`~.routing.tensor_route` path (and ``/v1/echo``, the link's own
+measure), the unix door calls :class:`Direct` instead of the app: the same route code (:func:`.routing.serve`: memory scope, 415, decode,
 validation, the handler, the compute thread), the tenant the door authenticated, the same
 JSON errors (a 500 names an incident), the same ``X-Server-Time-Ms`` and ``X-Request-Id``, the
 same access line and metrics (:func:`.accesslog.record`, after the answer is sent). Every other
@@ -19,7 +19,7 @@ import time
 from typing import Callable, Optional
 
 from ... import protocol as P
-from ...errors import SplitLearnError
+from ...errors import PayloadTooLarge, SplitLearnError
 from ..engine.memory import scope as memory_scope
 from ..engine.tenants import Tenant
 from . import accesslog
@@ -42,11 +42,14 @@ class Direct:
         self.metrics = app.extensions.get("splitlearn.metrics")
         self.request_log = bool(getattr(self.served.cfg, "request_log", True))
         self.routes = [r for name in app.blueprints for r in TENSOR_ROUTES.get(name, ())]
+        self.echo = "operations" in app.blueprints and hasattr(self.served.cfg, "max_echo_bytes")
 
     def match(self, method: str, path: str) -> Optional[tuple[TensorRoute, dict]]:
         """The route of ``POST path`` and its URL arguments; None: the app's business."""
         if method != "POST":
             return None
+        if path == P.ECHO and self.echo:
+            return ECHO, {}
         for r in self.routes:
             m = r.pattern.fullmatch(path)
             if m is not None:
@@ -62,9 +65,12 @@ class Direct:
         incident = None
         mimetype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         try:
-            with memory_scope(self.served.memory, tenant.name) as held:  # released once the answer is built
-                content, server_ms = serve(self.served, held, route, tenant, len(body), mimetype,
-                                           lambda: body, url_args, lazy_above)
+            if route is ECHO:
+                content, server_ms = self._echo(body)
+            else:
+                with memory_scope(self.served.memory, tenant.name) as held:  # released once the answer is built
+                    content, server_ms = serve(self.served, held, route, tenant, len(body), mimetype,
+                                               lambda: body, url_args, lazy_above)
             status = 200
             out = [["Content-Type", P.CONTENT_TYPE], ["Content-Length", str(len(content))],
                    [P.SERVER_TIME_HEADER, server_ms]]
@@ -81,6 +87,21 @@ class Direct:
         access = accesslog.Access(rid, tenant.name, "POST", route.rule, status, len(body), len(content),
                                   time.perf_counter() - started, incident)
         return status, out, content, functools.partial(accesslog.record, access, self.metrics)
+
+
+    def _echo(self, body) -> tuple[bytes, str]:
+        """``POST /v1/echo`` as the app answers it (api_ops.echo): the body back, read out of
+        the region once; at most ``max_echo_bytes``."""
+        cap = self.served.cfg.max_echo_bytes
+        if len(body) > cap:
+            raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {len(body)}")
+        started = time.perf_counter()
+        content = body.tobytes() if isinstance(body, memoryview) else bytes(body)
+        return content, f"{(time.perf_counter() - started) * 1e3:.3f}"
+
+
+#: ``POST /v1/echo``: no tensors, served by :meth:`Direct._echo`
+ECHO = TensorRoute(P.ECHO, None, False, True, "other", None)
 
 
 def _error(e: SplitLearnError) -> tuple[int, list, bytes]:
