@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -146,8 +147,23 @@ class Stamps:
         return [b - a for a, b in zip(self.at[2:], self.at[3:])]  # after the prompt and the first token
 
 
-def realistic(model: str, cuts, shape, tokens: int, runs: int, seed: int) -> dict:
-    """Unpinned: hf ``generate()`` streaming while a ``SplitClient`` trains; ``runs`` runs."""
+def _trainer_process(url: str, token: str, model: str, shape, seed: int, stop, steps) -> None:
+    """A data owner of its own (another process, as another tenant's client would be): train
+    ``shape`` batches back to back until ``stop``; ``steps`` counts them."""
+    torch.set_num_threads(1)
+    trainer = SplitClient(url, model, token=token, device="cpu", client_id="trainer", lr=1e-5)
+    vocab = trainer.info["model_config"]["vocab_size"]
+    batch = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed + 1))
+    while not stop.is_set():
+        trainer.train_step(batch)
+        with steps.get_lock():
+            steps.value += 1
+
+
+def realistic(model: str, cuts, shape, tokens: int, runs: int, seed: int, same_process: bool = False) -> dict:
+    """Unpinned: hf ``generate()`` streaming while a ``SplitClient`` trains; ``runs`` runs. The
+    trainer is a process of its own (as another tenant's client is), or, ``same_process``, a
+    thread of the generator's process (sharing its interpreter lock: the earlier setting)."""
     import splitlearn
 
     srv = LocalServer(["--model", model, "--cut", str(cuts[0]), "--cut", str(cuts[1]), "--torch-threads", "1",
@@ -171,18 +187,28 @@ def realistic(model: str, cuts, shape, tokens: int, runs: int, seed: int) -> dic
         out = []
         for r in range(runs):
             alone = generate()
-            stop, steps = threading.Event(), []
+            if same_process:
+                stop, count = threading.Event(), []
 
-            def train():
-                while not stop.is_set():
-                    trainer.train_step(batch)
-                    steps.append(time.perf_counter())
+                def train():
+                    while not stop.is_set():
+                        trainer.train_step(batch)
+                        count.append(time.perf_counter())
 
-            t = threading.Thread(target=train, daemon=True)
+                t = threading.Thread(target=train, daemon=True)
+                n_steps = lambda: len(count)  # noqa: E731
+            else:
+                ctx = multiprocessing.get_context("spawn")
+                stop, shared = ctx.Event(), ctx.Value("i", 0)
+                t = ctx.Process(target=_trainer_process, args=(srv.url, srv.token, model, shape, seed, stop, shared),
+                                daemon=True)
+                n_steps = lambda: shared.value  # noqa: E731
             t.start()
-            while not steps:  # training under way (its first step done)
+            while not n_steps():  # training under way (its first step done)
                 time.sleep(0.05)
+            first = n_steps()
             both = generate()
+            steps = range(n_steps() - first + 1)
             stop.set()
             t.join(600)
             p99 = sorted(alone)[min(len(alone) - 1, int(0.99 * len(alone)))]
@@ -194,7 +220,8 @@ def realistic(model: str, cuts, shape, tokens: int, runs: int, seed: int) -> dic
         info = requests.get(srv.url + P.INFO, headers={"Authorization": f"Bearer {srv.token}"}, timeout=30).json()
     finally:
         srv.stop()
-    return {"setting": "unpinned, hf generate() streaming + SplitClient training", "runs": out,
+    setting = "trainer a thread of the generator's process" if same_process else "trainer a process of its own"
+    return {"setting": f"unpinned, hf generate() streaming + SplitClient training ({setting})", "runs": out,
             "worst_over_p99_max": max(r["worst_over_p99"] for r in out), "server_priority": info.get("priority")}
 
 
@@ -209,6 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--realistic", action="store_true",
                    help="the unpinned real-client setting (hf generate() streaming while a SplitClient trains)")
     p.add_argument("--runs", type=int, default=5, help="--realistic: runs (default 5)")
+    p.add_argument("--same-process", action="store_true",
+                   help="--realistic: the trainer as a thread of the generator's process (default: its own process)")
     a = p.parse_args(argv)
     if (os.cpu_count() or 1) < 2:
         print("needs two cores", file=sys.stderr)
@@ -219,7 +248,7 @@ def main(argv=None) -> int:
     train_s = a.train_s or (3.0 if a.quick else 20.0)
     if a.realistic:
         out = {"model": model, "cuts": list(cuts), "trainer_batch": list(shape), "tokens": tokens,
-               **realistic(model, cuts, shape, tokens, a.runs, 0)}
+               **realistic(model, cuts, shape, tokens, a.runs, 0, a.same_process)}
         print(f"worst gap over p99 alone, over {a.runs} runs: {out['worst_over_p99_max']:.1f}x (target <= 4x)")
         if a.json:
             Path(a.json).write_text(json.dumps(out, indent=2))
