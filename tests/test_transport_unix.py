@@ -428,17 +428,28 @@ def test_a_unix_only_server_serves_and_removes_its_socket_on_sigterm(tmp_path):
 
 
 def test_cores_and_spinning(server, monkeypatch):
-    """A unix:// server shares this process's cores as a loopback one does: unless this process
-    is pinned to fewer cores than the machine has, where a lane polls for its answer."""
+    """A unix:// server shares this process's cores when its own process (the socket's peer,
+    ``SO_PEERCRED``) may run on one of them; then a lane sleeps for its answer (polling would
+    take the core from the server), else it polls. Unknown server cores: as loopback (shared
+    unless this process is pinned to fewer cores than the machine has)."""
     import splitlearn.transport.inproc  # noqa: F401 - registers inproc://
     from splitlearn.transport import shares_cores_with_server
+    from splitlearn.transport.unix import server_cores
 
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(os.cpu_count() or 1)))
-    assert shares_cores_with_server(server.unix_url) and shares_cores_with_server("inproc://x")
+    server_pid = server.proc.pid
+    assert server_cores(server.unix_url) == os.sched_getaffinity(server_pid)
+    assert server_cores("unix:///nowhere/at/all.sock") is None
+    cores = {"me": {0}, server_pid: {0}}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores.get(pid, cores["me"]) if pid else cores["me"])
+    assert shares_cores_with_server(server.unix_url)  # both pinned to core 0: pinned, and still shared
+    assert shares_cores_with_server("inproc://x")  # in this very process
     if (os.cpu_count() or 1) > 1:
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-        assert not shares_cores_with_server(server.unix_url)
-        assert shares_cores_with_server("inproc://x")  # in this very process
+        cores[server_pid] = {1}
+        assert not shares_cores_with_server(server.unix_url)  # two devices emulated: poll
+        monkeypatch.setattr("splitlearn.transport.unix.server_cores", lambda url: None)
+        monkeypatch.setattr("splitlearn.transport.unix.UnixLink.server_cores", staticmethod(lambda url: None))
+        cores["me"] = set(range(os.cpu_count()))
+        assert shares_cores_with_server(server.unix_url)  # unknown: all my cores, shared
     t = Transport(TransportConfig(server.unix_url, TOKEN, spin=True))
     try:
         for i in range(3):  # the first learns the expected wait, the others poll near it

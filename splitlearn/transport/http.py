@@ -87,17 +87,22 @@ def is_loopback(host: str) -> bool:
 
 def shares_cores_with_server(url: str) -> bool:
     """Whether the server at ``url`` may run on this process's cores: a loopback server,
-    unless this process is pinned to a subset of the machine's cores."""
+    unless this process is pinned to a subset of the machine's cores; a ``unix://`` server
+    whose process is pinned to cores this one may run on (its link's ``server_cores``)."""
     scheme = urlsplit(url).scheme
     if scheme in LINKS and not getattr(LINKS[scheme], "same_host", False):
         return True  # a server in this process (inproc://)
     if scheme not in LINKS and not is_loopback(urlsplit(url).hostname or ""):
         return False  # another host; a same_host link (unix://) is as loopback
     try:
-        mine = len(os.sched_getaffinity(0))
+        mine = os.sched_getaffinity(0)
     except AttributeError:  # no affinity API (macOS, Windows): assume shared
         return True
-    return mine >= (os.cpu_count() or 1)
+    server_cores = getattr(LINKS.get(scheme), "server_cores", None)
+    theirs = server_cores(url) if server_cores is not None else None  # unix://: the peer's own
+    if theirs is not None:
+        return bool(mine & theirs)
+    return len(mine) >= (os.cpu_count() or 1)
 
 
 @dataclass

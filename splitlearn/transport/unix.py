@@ -18,6 +18,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Optional
@@ -154,6 +155,23 @@ class Connection(AnswerWait):
                 self.region = None
 
 
+def server_cores(url: str) -> Optional[set]:
+    """The cores the process serving ``url`` may run on (its credentials on the socket,
+    ``SO_PEERCRED``, then its affinity); None if this process cannot tell (no server there,
+    another PID namespace, not permitted)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(2.0)
+        sock.connect(socket_of(url))
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               struct.calcsize("3i")))
+        return set(os.sched_getaffinity(pid)) if pid > 0 else None
+    except (OSError, AttributeError, ConfigError):
+        return None
+    finally:
+        sock.close()
+
+
 class UnixLink:
     """The link of a ``unix://`` URL (:data:`splitlearn.transport.http.LINKS`). A tensor call
     goes on its lane's connection (``send`` now, ``receive`` later: a pipelined caller computes
@@ -162,6 +180,7 @@ class UnixLink:
 
     same_host = True  # the server is another process of this host: polls for answers when pinned apart
     takes_encoded = True  # a tensor body comes as wire.Encoded: written into the region (Connection.send)
+    server_cores = staticmethod(server_cores)  # whether to poll for answers: shares_cores_with_server
 
     def __init__(self, url: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0):
         self.url, self.path = url, socket_of(url)
