@@ -1,8 +1,9 @@
 """``PackedLinears``: few-row inference on oneDNN prepacked weights (CPU, float32).
 
 Inside ``with packed.active():`` the no-grad forwards of every ``Conv1D`` and ``nn.Linear`` of
-a module run on a prepacked copy of their weight (repacked after the weight changes); with
-gradients on they run as before. Off (``PackedLinears.usable`` False) without oneDNN, off the
+a module run on a prepacked copy of their weight (repacked after the weight changes) when
+they multiply at least :func:`min_rows` rows (measured on this host); with gradients on they
+run as before. Off (``PackedLinears.usable`` False) without oneDNN, off the
 CPU and for dtypes other than float32. Why, the measured speed-up and the memory cost:
 docs/INTERNALS.md, 'Small-batch matrix products on CPU'."""
 from __future__ import annotations
@@ -118,12 +119,53 @@ class PackedLinears:
                         del layer.forward
 
 
+#: the fewest rows a product runs on the packed weight with; None: measured on first use
+#: (:func:`min_rows`); set it to fix the choice
+MIN_ROWS: Optional[int] = None
+
+
+def min_rows() -> int:
+    """The fewest rows for which a prepacked product beats ``torch.addmm`` on this host,
+    measured once per process on a 768 x 3072 product at 1, 2 and 4 rows (8 if neither wins).
+    Hosts differ: on the AMD EPYC VM of docs/INTERNALS.md prepacked won from one row, on an
+    Intel Xeon VM only from four (one row: 0.42 against 0.34 ms, the LM head 12 against 9 ms)."""
+    global MIN_ROWS
+    if MIN_ROWS is None:
+        import time
+
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(3072, 768, generator=g)
+        wt, b = w.t().contiguous(), torch.zeros(3072)
+        pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+        def median_s(f) -> float:
+            f()
+            times = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[4]
+
+        MIN_ROWS = 8
+        with torch.no_grad():
+            for rows in (1, 2, 4):
+                x = torch.randn(rows, 768, generator=g)
+                if median_s(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, b, "none", [], "")) \
+                        < 0.95 * median_s(lambda: torch.addmm(b, x, wt)):
+                    MIN_ROWS = rows
+                    break
+    return MIN_ROWS
+
+
 def _packed_forward(layer: nn.Module, packed: _Packed):
     original = type(layer).forward.__get__(layer)
     bias = layer.bias
+    fewest = min_rows()
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" \
+                or x.numel() < fewest * x.shape[-1]:
             return original(x)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed.current(), bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])

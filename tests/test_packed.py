@@ -115,3 +115,21 @@ def test_a_weight_collected_while_the_lock_is_held_does_not_deadlock():
     t.join(10)
     assert not t.is_alive(), "the finalizer waited for a lock its own thread holds"
     assert key not in pk._STORE or pk._STORE[key].weight is not None
+
+
+def test_products_of_fewer_rows_than_the_host_favours_run_on_the_layers_own(parts, monkeypatch):
+    import splitlearn.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "MIN_ROWS", None)
+    assert packed_mod.min_rows() in (1, 2, 4, 8) and packed_mod.MIN_ROWS == packed_mod.min_rows()  # measured once
+    monkeypatch.setattr(packed_mod, "MIN_ROWS", 4)
+    layer = torch.nn.Linear(16, 8).eval()
+    packed = PackedLinears(torch.nn.Sequential(layer))
+    weight = packed._weights[0]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad(), packed.active():
+        one = layer(torch.randn(1, 3, 16, generator=g))  # 3 rows: the layer's own product
+        assert weight.packed is None
+        layer(torch.randn(2, 2, 16, generator=g))  # 4 rows: the packed weight
+        assert weight.packed is not None
+    assert one.shape == (1, 3, 8)
