@@ -1,9 +1,9 @@
 """``PackedLinears``: few-row inference on oneDNN prepacked weights (CPU, float32).
 
 Inside ``with packed.active():`` the no-grad forwards of every ``Conv1D`` and ``nn.Linear`` of
-a module run on a prepacked copy of their weight (repacked after the weight changes) when
-they multiply at least :func:`min_rows` rows (measured on this host); with gradients on they
-run as before. Off (``PackedLinears.usable`` False) without oneDNN, off the
+a module run on a prepacked copy of their weight (repacked after the weight changes) where
+that measured faster on this host for the product's shape and rows (:data:`CHOICE`, measured
+on first use); with gradients on they run as before. Off (``PackedLinears.usable`` False) without oneDNN, off the
 CPU and for dtypes other than float32. Why, the measured speed-up and the memory cost:
 docs/INTERNALS.md, 'Small-batch matrix products on CPU'."""
 from __future__ import annotations
@@ -119,53 +119,59 @@ class PackedLinears:
                         del layer.forward
 
 
-#: the fewest rows a product runs on the packed weight with; None: measured on first use
-#: (:func:`min_rows`); set it to fix the choice
-MIN_ROWS: Optional[int] = None
+#: ``(in, out, rows bucket) -> True`` where the packed weight is the faster, measured on first use
+#: (:func:`_faster_packed`); tests may fill it to fix the choice
+CHOICE: dict[tuple[int, int, int], bool] = {}
+_TRIES = 3  # products timed of each kind, on first use of a (shape, rows bucket)
 
 
-def min_rows() -> int:
-    """The fewest rows for which a prepacked product beats ``torch.addmm`` on this host,
-    measured once per process on a 768 x 3072 product at 1, 2 and 4 rows (8 if neither wins).
-    Hosts differ: on the AMD EPYC VM of docs/INTERNALS.md prepacked won from one row, on an
-    Intel Xeon VM only from four (one row: 0.42 against 0.34 ms, the LM head 12 against 9 ms)."""
-    global MIN_ROWS
-    if MIN_ROWS is None:
-        import time
+def _bucket(rows: int) -> int:
+    """Rows rounded up to a power of two, at most 64: products of one bucket choose alike."""
+    b = 1
+    while b < rows and b < 64:
+        b *= 2
+    return b
 
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(3072, 768, generator=g)
-        wt, b = w.t().contiguous(), torch.zeros(3072)
-        pw = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
-        def median_s(f) -> float:
-            f()
-            times = []
-            for _ in range(9):
-                t0 = time.perf_counter()
-                f()
-                times.append(time.perf_counter() - t0)
-            return sorted(times)[4]
+def _faster_packed(x2: torch.Tensor, original, packed: "_Packed", bias) -> tuple[bool, torch.Tensor]:
+    """Time ``_TRIES`` products each way on ``x2`` (the call's own rows): whether the packed
+    weight was the faster, and one output. Hosts differ: on the AMD EPYC VM of
+    docs/INTERNALS.md the packed weight won from one row; on an Intel Xeon VM ``addmm`` won the
+    768 x 3072 products at 1-8 rows and the 768 x 50257 LM head at one row (8.0 against 11.9 ms),
+    the packed weight the head from 2 rows (13.8 against 20.2 ms at 4)."""
+    import time
 
-        MIN_ROWS = 8
-        with torch.no_grad():
-            for rows in (1, 2, 4):
-                x = torch.randn(rows, 768, generator=g)
-                if median_s(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, b, "none", [], "")) \
-                        < 0.95 * median_s(lambda: torch.addmm(b, x, wt)):
-                    MIN_ROWS = rows
-                    break
-    return MIN_ROWS
+    w = packed.current()
+
+    def best(f) -> tuple[float, torch.Tensor]:
+        times, out = [], None
+        for _ in range(_TRIES):
+            t0 = time.perf_counter()
+            out = f()
+            times.append(time.perf_counter() - t0)
+        return min(times), out
+
+    t_packed, out = best(lambda: torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], ""))
+    t_own, _ = best(lambda: original(x2))
+    return t_packed < t_own, out
 
 
 def _packed_forward(layer: nn.Module, packed: _Packed):
     original = type(layer).forward.__get__(layer)
     bias = layer.bias
-    fewest = min_rows()
+    n_in, n_out = (layer.weight.shape if packed.transposed else layer.weight.shape[::-1])
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" \
-                or x.numel() < fewest * x.shape[-1]:
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return original(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        key = (n_in, n_out, _bucket(x2.shape[0]))
+        choice = CHOICE.get(key)
+        if choice is None:  # first product of this shape and size: measure both, keep the faster
+            choice, y = _faster_packed(x2, original, packed, bias)
+            CHOICE[key] = choice
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if not choice:
             return original(x)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed.current(), bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -24,7 +24,15 @@ def _decode(seg, x, steps=3):
     return torch.cat(outs, dim=1)
 
 
-def test_packed_outputs_equal_the_layers_own_within_float32_rounding(parts):
+class _AlwaysPacked(dict):
+    def get(self, key, default=None):
+        return True
+
+
+def test_packed_outputs_equal_the_layers_own_within_float32_rounding(parts, monkeypatch):
+    import splitlearn.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "CHOICE", _AlwaysPacked())  # this host's choice aside
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, parts.config.vocab_size, (3, 9), generator=g)
     h = torch.randn(3, 9, parts.config.n_embd, generator=g)
@@ -117,19 +125,21 @@ def test_a_weight_collected_while_the_lock_is_held_does_not_deadlock():
     assert key not in pk._STORE or pk._STORE[key].weight is not None
 
 
-def test_products_of_fewer_rows_than_the_host_favours_run_on_the_layers_own(parts, monkeypatch):
+def test_each_shape_and_size_runs_where_it_measured_faster(monkeypatch):
     import splitlearn.packed as packed_mod
 
-    monkeypatch.setattr(packed_mod, "MIN_ROWS", None)
-    assert packed_mod.min_rows() in (1, 2, 4, 8) and packed_mod.MIN_ROWS == packed_mod.min_rows()  # measured once
-    monkeypatch.setattr(packed_mod, "MIN_ROWS", 4)
+    monkeypatch.setattr(packed_mod, "CHOICE", {(16, 8, 1): False, (16, 8, 4): True})
     layer = torch.nn.Linear(16, 8).eval()
     packed = PackedLinears(torch.nn.Sequential(layer))
     weight = packed._weights[0]
     g = torch.Generator().manual_seed(3)
     with torch.no_grad(), packed.active():
-        one = layer(torch.randn(1, 3, 16, generator=g))  # 3 rows: the layer's own product
+        x1 = torch.randn(1, 1, 16, generator=g)
+        assert torch.equal(layer(x1), torch.nn.functional.linear(x1, layer.weight, layer.bias))  # its own product
         assert weight.packed is None
-        layer(torch.randn(2, 2, 16, generator=g))  # 4 rows: the packed weight
+        x4 = torch.randn(2, 2, 16, generator=g)  # 4 rows: the packed weight
+        torch.testing.assert_close(layer(x4), torch.nn.functional.linear(x4, layer.weight, layer.bias))
         assert weight.packed is not None
-    assert one.shape == (1, 3, 8)
+        layer(torch.randn(1, 2, 16, generator=g))  # 2 rows: never measured, so measured now
+    assert set(packed_mod.CHOICE) == {(16, 8, 1), (16, 8, 2), (16, 8, 4)}
+    assert isinstance(packed_mod.CHOICE[(16, 8, 2)], bool)
