@@ -147,11 +147,11 @@ class Stamps:
         return [b - a for a, b in zip(self.at[2:], self.at[3:])]  # after the prompt and the first token
 
 
-def _trainer_process(url: str, token: str, model: str, shape, seed: int, stop, steps) -> None:
+def _trainer_process(url: str, token: str, model: str, shape, seed: int, stop, steps, client_id: str) -> None:
     """A data owner of its own (another process, as another tenant's client would be): train
     ``shape`` batches back to back until ``stop``; ``steps`` counts them."""
     torch.set_num_threads(1)
-    trainer = SplitClient(url, model, token=token, device="cpu", client_id="trainer", lr=1e-5)
+    trainer = SplitClient(url, model, token=token, device="cpu", client_id=client_id, lr=1e-5)
     vocab = trainer.info["model_config"]["vocab_size"]
     batch = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed + 1))
     while not stop.is_set():
@@ -200,11 +200,13 @@ def realistic(model: str, cuts, shape, tokens: int, runs: int, seed: int, same_p
             else:
                 ctx = multiprocessing.get_context("spawn")
                 stop, shared = ctx.Event(), ctx.Value("i", 0)
-                t = ctx.Process(target=_trainer_process, args=(srv.url, srv.token, model, shape, seed, stop, shared),
-                                daemon=True)
+                t = ctx.Process(target=_trainer_process, daemon=True,  # a new client each run: steps from 1
+                                args=(srv.url, srv.token, model, shape, seed, stop, shared, f"trainer-{r}"))
                 n_steps = lambda: shared.value  # noqa: E731
             t.start()
             while not n_steps():  # training under way (its first step done)
+                if not t.is_alive():
+                    raise RuntimeError("the trainer stopped before its first step (its error is above)")
                 time.sleep(0.05)
             first = n_steps()
             both = generate()
