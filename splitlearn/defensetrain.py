@@ -168,8 +168,96 @@ def _assemble(base, cut, client: dict, server: dict):
     return base.eval()
 
 
+def speculative_releases(source: Union[str, Path], cut: Union[int, Sequence[int]], defense: Optional[Defense],
+                         prompts: Sequence[Sequence[int]], *, new_tokens: int = 16, draft: str = "free",
+                         draft_tokens: int = 4, seed: int = 0):
+    """Generate greedily from each prompt (token ids) over ``source`` split at ``cut`` with
+    ``defense`` on what the client sends, with assisted decoding (``draft``: ``free`` — the
+    U-shape client's own blocks, :func:`splitlearn.hf.draft.free_draft` —, or ``lookup``, prompt
+    lookup; ``draft_tokens`` drafted per verify round, fixed), against a segment server of this
+    process, and record what the server receives: a :class:`splitlearn.privacy.speculative.Releases`
+    (every step's hidden states as sent, accepted or later rejected, with the tokens they encode),
+    for :func:`~splitlearn.privacy.speculative.attack_releases` (docs/PRIVACY.md, 'Speculative
+    decoding'). ``positions_sent`` is :class:`~splitlearn.hf.draft.CountingRemoteCache`'s count."""
+    from .hf.draft import CountingRemoteCache, LinkAwarePolicy, free_draft, link_aware
+    from .hf.modeling import SplitGPT2LMHeadModel
+    from .privacy.speculative import Releases
+    from .server.config import ServerConfig
+    from .server.http.app import create_app
+    from .transport.inproc import serve_inproc, unserve
+
+    if draft not in ("free", "lookup"):
+        raise ConfigError(f"draft is free or lookup, got {draft!r}")
+    for name, v in (("new_tokens", new_tokens), ("draft_tokens", draft_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"speculative releases: {name} must be a positive integer, got {v!r}")
+    cut = tuple(cut) if not isinstance(cut, int) else (cut,)
+    if draft == "free" and len(cut) != 2:
+        raise ConfigError("the free draft is the U-shape client's own blocks: a 2-way cut drafts by "
+                          "prompt lookup (draft='lookup')")
+
+    class Capture(CountingRemoteCache):  # what the server receives, step by step
+        def start(self, hidden, attention_mask=None, logits_to_keep: int = 1):
+            steps.append((self._length, hidden.detach()[0].float().clone()))
+            return super().start(hidden, attention_mask, logits_to_keep)
+
+    class Fixed(LinkAwarePolicy):  # every round drafts k: the releases do not depend on timing
+        def next_length(self) -> int:
+            self.lengths.append(self.k_max)
+            return self.k_max
+
+    token = secrets.token_hex(16)
+    cfg = ServerConfig(model=str(source), cuts=cut, seed=seed, tokens=(token,),
+                       torch_threads=torch.get_num_threads())
+    app = create_app(cfg)
+    rt = app.extensions["splitlearn"]
+    url = serve_inproc(app)
+    rel = Releases(draft=draft, draft_tokens=draft_tokens)
+    model = None
+    try:
+        model = SplitGPT2LMHeadModel.from_pretrained(str(source), server=url, token=token, seed=seed,
+                                                     defense=defense, client_id="speculative-meter")
+        model.eval()
+        sent_ids = []
+        hook = model.transformer.register_forward_pre_hook(
+            lambda mod, args, kwargs: sent_ids.append((kwargs.get("input_ids") if kwargs.get("input_ids")
+                                                       is not None else args[0]).detach()[0].clone()),
+            with_kwargs=True)
+        kw = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=model.config.eos_token_id or 0)
+        kw.update(assistant_model=free_draft(model)) if draft == "free" else kw.update(
+            prompt_lookup_num_tokens=draft_tokens)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(seed + 1000)  # the defense's noise draws
+                for i, prompt in enumerate(prompts):
+                    steps, sent_ids[:] = [], []
+                    ids = torch.tensor([list(prompt)], dtype=torch.long)
+                    remote = model.transformer.remote
+                    with Capture.from_info(model.config, remote.transport, remote.info) as cache, \
+                            link_aware(model, Fixed(k_max=draft_tokens)):
+                        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                             **kw)
+                    if len(sent_ids) != len(steps):
+                        raise RuntimeError(f"{len(sent_ids)} forwards but {len(steps)} steps sent")
+                    for (past, h), x in zip(steps, sent_ids):
+                        if len(x) != len(h):
+                            raise RuntimeError(f"a step sent {len(h)} positions for {len(x)} tokens")
+                        rel.steps.append((i, past, h, x))
+                    rel.outputs.append(out[0].clone())
+                    rel.prompt_lengths.append(ids.shape[1])
+                    rel.positions_sent += cache.positions_sent
+        finally:
+            hook.remove()
+    finally:
+        if model is not None:
+            model.remote.close()
+        unserve(url)
+        rt.compute.close()
+    return rel
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m splitlearn.privacy``: :func:`splitlearn.privacy.cli.main` with the fine-tuning."""
     from .privacy.cli import main as meter_main
 
-    return meter_main(argv, finetune=finetune_defense)
+    return meter_main(argv, finetune=finetune_defense, speculate=speculative_releases)

@@ -6,7 +6,10 @@ each ``--defense NAME[:FIELD=V,...]`` (``recommended``: :func:`~.presets.recomme
 defaults to the median per-token norm at the cut. With ``--defense-train-steps N`` every defended
 row is measured on the model fine-tuned N steps *with* its defense, over the split
 (:func:`splitlearn.defensetrain.finetune_defense`, cached), the attackers trained on that model's
-activations. Bad input: one line on stderr, exit 2.
+activations. With ``--speculative-attack`` every row also attacks the positions an assisted
+(speculative) generation over the split releases, rejected drafts included (:mod:`.speculative`;
+the generation runs in :func:`splitlearn.defensetrain.speculative_releases`). Bad input: one line
+on stderr, exit 2.
 
 ``python -m splitlearn.privacy`` runs :func:`main` with the fine-tuning (``splitlearn.defensetrain``,
 which sits above this package); this module alone measures defenses at test time only."""
@@ -73,6 +76,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-attacks", default="", metavar="KIND[,KIND]",
                    help="U-shape: learned inverters (linear, mlp, gru) on the gradient the client sends at "
                    "the second cut in training; the row's token_recovery_gradient (default: none)")
+    p.add_argument("--speculative-attack", action="store_true",
+                   help="also attack the speculative-decoding releases: greedy generation with assisted "
+                   "decoding over the split from private prompts, every position the server receives "
+                   "(drafts later rejected included) attacked; the row's speculative field")
+    p.add_argument("--speculative-prompts", type=int, default=8, help="private prompts generated from (default 8)")
+    p.add_argument("--speculative-new-tokens", type=int, default=16, help="tokens generated per prompt (default 16)")
+    p.add_argument("--speculative-draft", choices=("free", "lookup"), help="the draft: free (the U-shape "
+                   "client's own blocks, the U-shape default) or lookup (prompt lookup, the 2-way default)")
+    p.add_argument("--speculative-draft-tokens", type=int, default=4, help="tokens drafted per round (default 4)")
     p.add_argument("--clip", type=float, help="per-token L2 clip (default: median norm at the cut)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma list of {', '.join(ATTACKS)}")
@@ -111,9 +123,10 @@ def _needs_clip(args) -> bool:
                                    for s in args.defenses)
 
 
-def run(args: argparse.Namespace, finetune=None) -> dict:
+def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
     """Measure every (cut, defense) of ``args``; returns {"model", "rows", "seconds", ...}.
-    ``finetune``: :func:`splitlearn.defensetrain.finetune_defense` (needed for fine-tuned rows)."""
+    ``finetune``: :func:`splitlearn.defensetrain.finetune_defense` (needed for fine-tuned rows);
+    ``speculate``: :func:`splitlearn.defensetrain.speculative_releases` (``--speculative-attack``)."""
     t0 = time.perf_counter()
     steps = args.defense_train_steps
     if steps is not None and (isinstance(steps, bool) or steps < 0):
@@ -134,6 +147,17 @@ def run(args: argparse.Namespace, finetune=None) -> dict:
         torch.set_num_threads(args.threads)
     if not args.cuts:
         raise SplitLearnError("give at least one --cut")
+    spec_attack = getattr(args, "speculative_attack", False)
+    if spec_attack:
+        if speculate is None:
+            raise SplitLearnError("the speculative attack generates over the split through the model "
+                                  "classes: use python -m splitlearn.privacy (splitlearn.defensetrain)")
+        for name in ("speculative_prompts", "speculative_new_tokens", "speculative_draft_tokens"):
+            if getattr(args, name) < 1:
+                raise SplitLearnError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if getattr(args, "speculative_draft", None) == "free" and any(len(c) != 2 for c in args.cuts):
+            raise SplitLearnError("--speculative-draft free is the U-shape client's own blocks; a 2-way "
+                                  "cut drafts by prompt lookup")
     source, trained = args.model, None
     if args.train_steps:
         if not is_spec_source(args.model):
@@ -192,7 +216,11 @@ def run(args: argparse.Namespace, finetune=None) -> dict:
                     r.perplexity_test_time = perplexities(model, cut, ids, defense, args.seed)[0]
                 if info is not None:
                     _add_finetune(r, defense, info, args.delta)
-                rows.append(dict(r.as_dict(), preset=preset))
+                spec = None
+                if spec_attack:
+                    spec = _speculative(args, speculate, str(path) if n else source, model, measured, cut,
+                                        defense, tokenizer, config, k)
+                rows.append(dict(r.as_dict(), preset=preset, speculative=spec))
                 grad = r.token_recovery_gradient
                 print(f"  cut {','.join(map(str, cut))} {_defense(rows[-1])}"
                       f"{f' trained {n} steps' if n else ''}, attacker knows {r.attacker_knows}: recovery "
@@ -202,6 +230,27 @@ def run(args: argparse.Namespace, finetune=None) -> dict:
     return {"model": args.model, "trained": trained, "device": args.device,
             "threads": torch.get_num_threads(), "rows": rows,
             "seconds": time.perf_counter() - t0}
+
+
+def _speculative(args, speculate, source, reference, measured, cut, defense, tokenizer, config, knows) -> dict:
+    """The row's ``speculative`` field: the releases of assisted generations over the split from the
+    first ``--speculative-prompts`` private windows' first half (``seq_len // 2`` tokens, so that
+    every position sent lies within the inverters' windows when prompt + new <= seq_len), attacked
+    (:func:`~.speculative.attack_releases`)."""
+    from .speculative import attack_releases
+
+    tok = tokenizer or default_tokenizer(measured, source)
+    prompts = private_windows(tok, seq_len=args.seq_len)[:args.speculative_prompts, :args.seq_len // 2]
+    draft = args.speculative_draft or ("free" if len(cut) == 2 else "lookup")
+    rel = speculate(source, cut, defense, prompts.tolist(), new_tokens=args.speculative_new_tokens,
+                    draft=draft, draft_tokens=args.speculative_draft_tokens, seed=args.seed)
+    out = attack_releases(measured, cut, defense, rel, tokenizer=tok, config=config, seq_len=args.seq_len,
+                          delta=args.delta, attacker_model=reference if knows == "public" else None)
+    print(f"  speculative ({draft} draft, {out['draft_tokens']} per round): {out['released']} positions "
+          f"released for {out['prompt_tokens']} prompt + {out['new_tokens']} new tokens "
+          f"({out['released_beyond_plain']} beyond plain decoding), recovery {out['token_recovery']:.3f} ({out['best_attack']}), of the "
+          f"rejected drafts {out['token_recovery_rejected'] or 0:.3f}", file=sys.stderr)
+    return out
 
 
 def _add_finetune(r, defense, info: dict, delta: float) -> None:
@@ -243,9 +292,11 @@ def to_markdown(data: dict) -> str:
     attacks = [a for a in ATTACKS if any(a in r["attacks"] for r in data["rows"])]
     knows = any(r.get("attacker_knows", "finetuned") != "finetuned" for r in data["rows"])
     grads = any(r.get("token_recovery_gradient") is not None for r in data["rows"])
+    specs = any(r.get("speculative") for r in data["rows"])
     head = (["cut", "defense", "fine-tuned"] + (["attacker knows"] if knows else [])
             + [f"ε (δ={data['rows'][0]['delta'] or 1e-5:g}, per window)"]
             + attacks + ["best"] + (["gradient at cut 2"] if grads else [])
+            + (["speculative: released (beyond plain)", "speculative: recovered (rejected drafts)"] if specs else [])
             + ["perplexity", "× undefended", "at test time", "without server", "labels to server",
                "s (fine-tune + meter)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -257,6 +308,11 @@ def to_markdown(data: dict) -> str:
         g = r.get("token_recovery_gradient")
         kinds = r.get("gradient_attacks") or {}
         gcell = [] if not grads else ["" if g is None else f"{g:.3f} ({max(kinds, key=kinds.get)})"]
+        sp = r.get("speculative")
+        if specs:
+            gcell += ["", ""] if not sp else [
+                f"{sp['released']} (+{sp['released_beyond_plain']})",
+                f"{sp['token_recovery']:.3f} ({sp['best_attack']}; {sp['token_recovery_rejected'] or 0:.3f})"]
         cells = ([cut if len(r["cut"]) == 1 else f"U {cut}", _defense(r), f"{ft} steps" if ft else "no"]
                  + ([r.get("attacker_knows", "finetuned")] if knows else []) + [_eps(r)]
                  + [f"{r['attacks'][a]:.3f}" if a in r["attacks"] else "" for a in attacks]
@@ -269,13 +325,14 @@ def to_markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None, finetune=None) -> int:
-    """The command; ``finetune``: see :func:`run` (``python -m splitlearn.privacy`` passes it)."""
+def main(argv: Optional[Sequence[str]] = None, finetune=None, speculate=None) -> int:
+    """The command; ``finetune``, ``speculate``: see :func:`run` (``python -m splitlearn.privacy``
+    passes them)."""
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        data = run(args, finetune=finetune)
+        data = run(args, finetune=finetune, speculate=speculate)
     except (SplitLearnError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
