@@ -77,7 +77,11 @@ def _forget(key: int, packed: _Packed) -> None:
 class PackedLinears:
     """Prepacked copies of ``module``'s ``Conv1D`` / ``nn.Linear`` weights; see the module docstring."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, adaptive: bool = True):
+        """``adaptive``: each product on the path measured faster (:data:`CHOICE`); False: every
+        product on the packed weight, whose result for a row does not depend on the rows beside
+        it (``addmm``'s does): a server batching several owners' decode steps keeps each
+        owner's answer the same whoever else is in the batch."""
         self.module = module
         self.usable = usable(module)
         self._layers: list[tuple[nn.Module, Optional[_Packed]]] = []
@@ -90,7 +94,7 @@ class PackedLinears:
                 continue
             self._layers.append((layer, _packed_for(layer.weight, transposed) if self.usable else None))
         self._weights = list({id(p): p for _, p in self._layers if p is not None}.values())
-        self._forwards = [_packed_forward(layer, p) for layer, p in self._layers] if self.usable else []
+        self._forwards = [_packed_forward(layer, p, adaptive) for layer, p in self._layers] if self.usable else []
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -156,7 +160,7 @@ def _faster_packed(x2: torch.Tensor, original, packed: "_Packed", bias) -> tuple
     return t_packed < t_own, out
 
 
-def _packed_forward(layer: nn.Module, packed: _Packed):
+def _packed_forward(layer: nn.Module, packed: _Packed, adaptive: bool = True):
     original = type(layer).forward.__get__(layer)
     bias = layer.bias
     n_in, n_out = (layer.weight.shape if packed.transposed else layer.weight.shape[::-1])
@@ -166,7 +170,7 @@ def _packed_forward(layer: nn.Module, packed: _Packed):
             return original(x)
         x2 = x.reshape(-1, x.shape[-1])
         key = (n_in, n_out, _bucket(x2.shape[0]))
-        choice = CHOICE.get(key)
+        choice = CHOICE.get(key) if adaptive else True
         if choice is None:  # first product of this shape and size: measure both, keep the faster
             choice, y = _faster_packed(x2, original, packed, bias)
             CHOICE[key] = choice

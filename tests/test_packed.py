@@ -143,3 +143,20 @@ def test_each_shape_and_size_runs_where_it_measured_faster(monkeypatch):
         layer(torch.randn(1, 2, 16, generator=g))  # 2 rows: never measured, so measured now
     assert set(packed_mod.CHOICE) == {(16, 8, 1), (16, 8, 2), (16, 8, 4)}
     assert isinstance(packed_mod.CHOICE[(16, 8, 2)], bool)
+
+
+def test_a_servers_packing_keeps_a_rows_answer_whoever_is_batched_beside_it(parts, monkeypatch):
+    # the property a server batching several owners' decode steps needs: owner A's answer is the
+    # same alone or beside owner B's rows; addmm's is not (another kernel for another row count)
+    import splitlearn.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "CHOICE", {})  # an adaptive packer would measure and may pick addmm
+    trunk = parts.trunk.eval()
+    layer = trunk.h[0].mlp.c_fc
+    x = torch.randn(4, 1, layer.weight.shape[0], generator=torch.Generator().manual_seed(7))
+    packed = PackedLinears(trunk, adaptive=False)
+    with torch.no_grad(), packed.active():
+        together = layer(x)
+        alone = [layer(x[i:i + 1]) for i in range(4)]
+    assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(4))
+    assert packed_mod.CHOICE == {}  # nothing was measured: every product went packed

@@ -134,7 +134,9 @@ class SegmentRuntime:
             self.preemptor = Preemptor(self.batcher.pending, self.batcher.run_now, self.compute.on_thread,
                                        self.batcher.budget)
         # generation's linear layers on prepacked weights (packed on their first product)
-        self._packed = PackedLinears(self.segment) if cfg.packed_weights else None
+        # every decode product on the packed weight: a row's answer does not depend on the other
+        # owners' rows batched with it (addmm's would), whatever is faster for one row (packed.py)
+        self._packed = PackedLinears(self.segment, adaptive=False) if cfg.packed_weights else None
         # what one request may cost (413 beyond), priced on the segment as trained (LoRA: frozen base)
         self.budget = make_budget(self.segment, self.dtype, self.device, cfg.max_request_memory_bytes,
                                   cfg.optimizer, self._packed is not None)
