@@ -78,12 +78,10 @@ class PackedLinears:
     """Prepacked copies of ``module``'s ``Conv1D`` / ``nn.Linear`` weights; see the module docstring."""
 
     def __init__(self, module: nn.Module, adaptive: bool = True):
-        """``adaptive``: each product on the path measured faster (:data:`CHOICE`). False (a
-        server): a row's result must not depend on the rows batched beside it, since a server
-        batches several owners' decode steps: ``addmm`` computes one row with another kernel
-        than two or more (other bits), so one row is computed as two (a zero row added), and
-        products keep the layer's own weight, which needs no repacking after an optimizer step
-        (repacking GPT-2 small's trunk held the first decode step after each training step ~0.3 s)."""
+        """``adaptive``: each product on the path measured faster (:data:`CHOICE`); False (a
+        server): every product on the packed weight, whose result for a row does not depend on
+        the rows batched beside it (``addmm``'s does: one row runs another kernel than two), so
+        an owner's decode answer is the same whoever else is in the server's batch."""
         self.module = module
         self.usable = usable(module)
         self._layers: list[tuple[nn.Module, Optional[_Packed]]] = []
@@ -171,13 +169,8 @@ def _packed_forward(layer: nn.Module, packed: _Packed, adaptive: bool = True):
         if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
             return original(x)
         x2 = x.reshape(-1, x.shape[-1])
-        if not adaptive:  # the layer's own product, one row computed as two (see PackedLinears)
-            if x2.shape[0] != 1:
-                return original(x)
-            y = original(torch.cat([x2, torch.zeros_like(x2)]))[:1]
-            return y.view(*x.shape[:-1], y.shape[-1])
         key = (n_in, n_out, _bucket(x2.shape[0]))
-        choice = CHOICE.get(key)
+        choice = CHOICE.get(key) if adaptive else True
         if choice is None:  # first product of this shape and size: measure both, keep the faster
             choice, y = _faster_packed(x2, original, packed, bias)
             CHOICE[key] = choice
