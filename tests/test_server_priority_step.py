@@ -56,7 +56,7 @@ def test_a_point_reads_the_weights_before_the_step_and_after_it_they_are_all_ste
             seen.append(torch.equal(m(x).logits, logits_before))
 
     n = step_in_parts(opt, point, part_bytes=4096)
-    assert len(seen) == 2 * (n - 1) and all(seen)
+    assert len(seen) == 2 * n and all(seen)
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), want.parameters()))
     assert not all(torch.equal(v, before[k]) for k, v in m.state_dict().items())  # it did step
 
@@ -69,3 +69,37 @@ def test_an_optimizer_that_is_not_per_parameter_steps_at_once():
     calls = []
     assert step_in_parts(Global(m.parameters(), lr=0.1), lambda: calls.append(1), part_bytes=4096) == 1
     assert not calls
+
+
+def test_a_servers_prepacked_copies_are_not_repacked_by_decode_around_the_step():
+    # the prepacked copies (a server's decode products, splitlearn/packed.py) must neither be
+    # packed again by the decode steps at the points (the old values are back) nor after the step
+    # (the new values' copies are made ahead, at points): repacking GPT-2 small's trunk held a
+    # decode step ~0.3 s
+    from splitlearn.packed import PackedLinears
+
+    m = _model_and_grads(3).eval()
+    x = torch.randint(0, m.config.vocab_size, (1, 5))
+    packer = PackedLinears(m, adaptive=False)
+    with torch.no_grad(), packer.active():
+        before = m(x).logits
+    copies = {id(p): p.packed for p in packer._weights}
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    seen = []
+
+    def point():
+        with torch.no_grad(), packer.active():
+            seen.append(torch.equal(m(x).logits, before))
+        seen.append(all(p.packed is copies[id(p)] for p in packer._weights))  # nothing repacked
+
+    n = step_in_parts(opt, point, part_bytes=4096)
+    assert n > 5 and all(seen)
+    assert all(p.key == (p.weight._version, p.weight.data_ptr()) for p in packer._weights)  # valid now
+    assert all(p.packed is not copies[id(p)] for p in packer._weights)  # the new values' copies
+    with torch.no_grad(), packer.active():
+        after = m(x).logits
+    want = _model_and_grads(3).eval()
+    torch.optim.AdamW(want.parameters(), lr=1e-2).step()
+    with torch.no_grad():
+        torch.testing.assert_close(after, want(x).logits, atol=1e-4, rtol=1e-4)  # packed products of the new weights
+    assert all(p.key == (p.weight._version, p.weight.data_ptr()) for p in packer._weights)

@@ -240,25 +240,33 @@ def step_in_parts(opt: torch.optim.Optimizer, point: Callable[[], None], part_by
     if len(parts) <= 1:
         opt.step()
         return len(parts)
+    from ...packed import Restep
+
     grads = [p.grad for p in params]
-    stepped = []
+    stepped, packs = [], Restep()
     try:
         for i, part in enumerate(parts):
             mine = {id(p) for p in part}
             for p, g in zip(params, grads):
                 p.grad = g if id(p) in mine else None
-            old = [p.detach().clone() for p in part]
+            old = [(p.data, (p._version, p.data_ptr())) for p in part]
+            for p in part:
+                p.data = p.detach().clone()  # stepped in a copy: the old values stay where they are
             opt.step()
-            for p, o in zip(part, old):
+            for p, (o, key) in zip(part, old):
                 stepped.append((p, p.data))
                 p.data = o  # decode at the point below reads the parameters before the step
-            if i + 1 < len(parts):
+                Restep.kept(p, key)  # and their prepacked copies (a server's) still hold
+            point()
+        for p, new in stepped:  # the new values' prepacked copies, made ahead, a point after every 8
+            if packs.pack_new(p, new) and packs.made % 8 == 0:
                 point()
     finally:  # a part that failed leaves the parameters as before (the caller aborts the step)
         for p, g in zip(params, grads):
             p.grad = g
     for p, new in stepped:
         p.data = new
+    packs.install()
     return len(parts)
 
 
