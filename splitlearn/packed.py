@@ -223,7 +223,7 @@ def _packed_forward(layer: nn.Module, packed: _Packed, adaptive: bool = True):
             return y.view(*x.shape[:-1], y.shape[-1])
         if not choice:
             return original(x)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed.current(), bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed.current(), bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
     return forward
