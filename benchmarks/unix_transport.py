@@ -17,6 +17,9 @@ the client on core 0 (two devices emulated: a lane then polls for its answer). R
 
     .venv/bin/python -m benchmarks.unix_transport [--calls 300] [--rounds 5] [--model tiny] [--cores 0,1]
 
+``--device cuda``: the server on the GPU and the client's tensors there; unix:// then carries
+them through its device region (CUDA memory both processes map), TCP through host memory.
+
 Prints one JSON row per (case, transport) and the unix/tcp ratio of the medians. ``--generate
 gpt2`` adds greedy batch-1 generation by the unsplit model and the U-shape split model over each
 transport (tokens/s, and split/unsplit per round: the issue's ">= 0.95x").
@@ -38,7 +41,7 @@ from splitlearn.transport import Transport, TransportConfig
 from splitlearn.wire import pack
 
 
-def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0) -> list[float]:
+def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0, device: str = "cpu") -> list[float]:
     """Seconds beyond the server's compute of ``calls`` batch-1 decode steps (one session; the
     prefill step is not counted)."""
     sid = t.post_json(P.SESSIONS, {"rows": 1})["session_id"]
@@ -47,8 +50,8 @@ def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0) -> list[fl
     out = []
     try:
         for pos in range(calls + 1):
-            tensors = {**pack(P.HIDDEN, torch.randn(1, 1, d, generator=g), "float32"),
-                       P.MASK: torch.ones(1, 1, dtype=torch.long)}
+            tensors = {**pack(P.HIDDEN, torch.randn(1, 1, d, generator=g).to(device), "float32"),
+                       P.MASK: torch.ones(1, 1, dtype=torch.long, device=device)}
             before = t.stats.server_compute_s
             t0 = time.perf_counter()  # as the model classes call it: encode, send, answer, decode
             t.call(path, tensors, P.SessionStepMeta(pos, "float32").to_meta())
@@ -58,11 +61,11 @@ def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0) -> list[fl
     return out[1:]
 
 
-def echo_round_trips(t: Transport, nbytes: int, calls: int) -> list[float]:
+def echo_round_trips(t: Transport, nbytes: int, calls: int, device: str = "cpu") -> list[float]:
     """Seconds of ``calls`` round trips of one float32 tensor of ``nbytes`` through ``/v1/echo``
     as a client's tensor call makes them (``Transport.call``): encode, send, the server reads
     the body and writes it back, the answer decoded into a tensor of the client's own."""
-    x = torch.randn(nbytes // 4)
+    x = torch.randn(nbytes // 4, device=device)
     out = []
     for _ in range(calls):
         t0 = time.perf_counter()
@@ -72,18 +75,19 @@ def echo_round_trips(t: Transport, nbytes: int, calls: int) -> list[float]:
     return out
 
 
-def cases(d: int, calls: int) -> dict:
-    return {"decode step overhead": lambda t: decode_overheads(t, d, calls),
-            "round trip 1 MB": lambda t: echo_round_trips(t, 1 << 20, max(3, calls // 10)),
-            "round trip 10 MB": lambda t: echo_round_trips(t, 10 << 20, max(3, calls // 30))}
+def cases(d: int, calls: int, device: str = "cpu") -> dict:
+    return {"decode step overhead": lambda t: decode_overheads(t, d, calls, device=device),
+            "round trip 1 MB": lambda t: echo_round_trips(t, 1 << 20, max(3, calls // 10), device),
+            "round trip 10 MB": lambda t: echo_round_trips(t, 10 << 20, max(3, calls // 30), device)}
 
 
-def measure(tcp_url: str, unix_url: str, token: str, d: int, calls: int, rounds: int) -> list[dict]:
+def measure(tcp_url: str, unix_url: str, token: str, d: int, calls: int, rounds: int,
+            device: str = "cpu") -> list[dict]:
     """Rows of medians (ms), both transports, interleaved ``rounds`` times."""
     ts = {"tcp": Transport(TransportConfig(tcp_url, token)), "unix": Transport(TransportConfig(unix_url, token))}
     samples: dict = {}
     try:
-        for name, fn in cases(d, calls).items():
+        for name, fn in cases(d, calls, device).items():
             for t in ts.values():
                 fn(t)  # warm-up: connections, regions, allocator
             for _ in range(rounds):
@@ -107,7 +111,7 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def generation(tcp_url: str, unix_url: str, token: str, model_name: str, seed: int, new_tokens: int,
-               prompt_len: int, rounds: int) -> list[dict]:
+               prompt_len: int, rounds: int, device: str = "cpu") -> list[dict]:
     """Greedy batch-1 generation (transformers' ``generate``) by the unsplit model and by the split
     model over each transport, interleaved ``rounds`` times: tokens/s medians and the ratio of
     each split run to the unsplit run of its round (the issue's ">= 0.95x the unsplit model")."""
@@ -116,12 +120,13 @@ def generation(tcp_url: str, unix_url: str, token: str, model_name: str, seed: i
 
     from .generation import hf_generate
 
-    unsplit = load_model(model_name, dtype="float32", device="cpu", seed=seed).eval()
+    unsplit = load_model(model_name, dtype="float32", device=device, seed=seed).eval()
     systems = {"unsplit": unsplit}
     for kind, url in (("tcp", tcp_url), ("unix", unix_url)):
         systems[kind] = splitlearn.SplitGPT2LMHeadModel.from_pretrained(model_name, server=url, token=token,
-                                                                        seed=seed).eval()
+                                                                        seed=seed).to(device).eval()
     ids = torch.randint(0, unsplit.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
     times: dict = {k: [] for k in systems}
     with torch.no_grad():
         ref = hf_generate(unsplit, ids, new_tokens)
@@ -147,7 +152,7 @@ SEED_001 = {"seconds": 44.25, "calls": 98, "ms_per_call": 332, "mb_sent": 3328, 
 
 
 def seed_workload(tcp_url: str, unix_url: str, token: str, model_name: str, seed: int, tokens: int = 1024,
-                  prompt_len: int = 24) -> list[dict]:
+                  prompt_len: int = 24, device: str = "cpu") -> list[dict]:
     """Seed 001's workload on this transport: ``tokens`` positions in all, a ``prompt_len``
     prompt then greedy generation to ``tokens`` (U-shape, batch 1), once per system (unsplit,
     TCP, unix), with the calls and bytes each split run moved (its Transport's statistics); and
@@ -157,14 +162,14 @@ def seed_workload(tcp_url: str, unix_url: str, token: str, model_name: str, seed
 
     from .generation import hf_generate
 
-    unsplit = load_model(model_name, dtype="float32", device="cpu", seed=seed).eval()
+    unsplit = load_model(model_name, dtype="float32", device=device, seed=seed).eval()
     systems = {"unsplit": unsplit}
     for kind, url in (("tcp", tcp_url), ("unix", unix_url)):
         systems[kind] = splitlearn.SplitGPT2LMHeadModel.from_pretrained(model_name, server=url, token=token,
-                                                                        seed=seed).eval()
+                                                                        seed=seed).to(device).eval()
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, unsplit.config.vocab_size, (1, prompt_len), generator=g)
-    long_ids = torch.randint(0, unsplit.config.vocab_size, (1, tokens), generator=g)
+    ids = torch.randint(0, unsplit.config.vocab_size, (1, prompt_len), generator=g).to(device)
+    long_ids = torch.randint(0, unsplit.config.vocab_size, (1, tokens), generator=g).to(device)
     rows, ref = [], None
     with torch.no_grad():
         for kind, m in systems.items():
@@ -178,6 +183,8 @@ def seed_workload(tcp_url: str, unix_url: str, token: str, model_name: str, seed
             ref = out if ref is None else ref
             t0 = time.perf_counter()
             m(long_ids)
+            if device == "cuda":
+                torch.cuda.synchronize()
             prefill_s = time.perf_counter() - t0
             after = (stats.calls, stats.bytes_sent, stats.bytes_received) if stats else (0, 0, 0)
             calls, sent, received = (a - b for a, b in zip(after, before))
@@ -211,13 +218,17 @@ def main(argv=None) -> int:
     a.add_argument("--seed-workload", default=None, metavar="MODEL",
                    help="seed 001's 1,024 tokens on MODEL (e.g. random:gpt2), U-shape --generate-cuts, each system once")
     a.add_argument("--seed-tokens", type=int, default=1024, help="positions of the seed workload (its 1,024)")
+    a.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the server computes on the GPU and the client's tensors live there "
+                        "(unix:// then crosses through its device region)")
     args = a.parse_args(argv)
     env = {"OMP_NUM_THREADS": "1"}
     if args.cores:
         cores = {int(c) for c in args.cores.split(",")}
         os.sched_setaffinity(0, cores)  # the server inherits it
     path = os.path.join(tempfile.mkdtemp(prefix="sl-bench-"), "server.sock")
-    flags = ["--model", args.model, "--threads", "4", "--max-echo-mb", "16", "--listen", "unix://" + path]
+    flags = ["--model", args.model, "--threads", "4", "--max-echo-mb", "16", "--listen", "unix://" + path,
+             "--device", args.device]
     for c in args.cuts.split(","):
         flags += ["--cut", c]
     torch.set_num_threads(1)
@@ -229,28 +240,29 @@ def main(argv=None) -> int:
                 os.sched_setaffinity(0, {0})
             d = Transport(TransportConfig(srv.url, srv.token)).get_json(P.INFO)["model_config"]["n_embd"]
             calls = min(args.calls, 60) if args.model == "tiny" else args.calls  # tiny: n_positions 64
-            rows = measure(srv.url, "unix://" + path, srv.token, d, calls, args.rounds)
+            rows = measure(srv.url, "unix://" + path, srv.token, d, calls, args.rounds, args.device)
         for r in rows:
             print(json.dumps(r))
         print(json.dumps({"unix/tcp": ratios(rows)}), flush=True)
     if args.seed_workload:
         spath = os.path.join(os.path.dirname(path), "seed.sock")
         sflags = ["--model", args.seed_workload, "--threads", "4", "--seed", "0", "--torch-threads", "1",
-                  "--listen", "unix://" + spath]
+                  "--listen", "unix://" + spath, "--device", args.device]
         for c in args.generate_cuts.split(","):
             sflags += ["--cut", c]
         with LocalServer(sflags, env=env) as srv:
-            for r in seed_workload(srv.url, "unix://" + spath, srv.token, args.seed_workload, 0, args.seed_tokens):
+            for r in seed_workload(srv.url, "unix://" + spath, srv.token, args.seed_workload, 0, args.seed_tokens,
+                                   device=args.device):
                 print(json.dumps(r), flush=True)
     if args.generate:
         gpath = os.path.join(os.path.dirname(path), "gen.sock")
         gflags = ["--model", args.generate, "--threads", "4", "--seed", "0", "--torch-threads", "1",
-                  "--listen", "unix://" + gpath]  # one torch thread each side: two cores, shared
+                  "--listen", "unix://" + gpath, "--device", args.device]  # one torch thread each side: two cores, shared
         for c in args.generate_cuts.split(","):
             gflags += ["--cut", c]
         with LocalServer(gflags, env=env) as srv:
             for r in generation(srv.url, "unix://" + gpath, srv.token, args.generate, 0, args.new_tokens, 8,
-                                args.rounds):
+                                args.rounds, args.device):
                 print(json.dumps(r))
     return 0
 

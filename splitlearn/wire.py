@@ -66,11 +66,11 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack(name: str, x: torch.Tensor, wire_dtype: str) -> dict[str, torch.Tensor]:
     """The entries that carry activation/gradient ``x`` in ``wire_dtype``."""
-    x = x.detach()
+    x = x.detach()  # left on its device: the encoder moves it (to host memory, or a device region)
     if wire_dtype == "int8":
         q, scale = quantize_int8(x)
-        return {name: q.cpu(), name + SCALE: scale.cpu()}
-    return {name: x.to(dtype=WIRE_DTYPES[wire_dtype]).cpu().contiguous()}
+        return {name: q, name + SCALE: scale}
+    return {name: x.to(dtype=WIRE_DTYPES[wire_dtype]).contiguous()}
 
 
 def unpack(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -93,15 +93,21 @@ def unpack(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 class Encoded:
     """Tensors + string metadata laid out as a safetensors body, written where it goes:
     ``bytes(e)`` (one copy of each tensor), or :meth:`write_into` a buffer (the unix
-    transport's shared memory: the one copy there). ``len(e)`` is the body's size."""
+    transport's shared memory: the one copy there). ``len(e)`` is the body's size.
+    ``keep_device``: tensors on a CUDA device stay there (:attr:`device`), for a link that
+    writes them into a device region (:meth:`write_data`); anything else copies them out."""
 
-    __slots__ = ("head", "tensors", "nbytes")
+    __slots__ = ("head", "tensors", "nbytes", "device")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None):
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None,
+                 keep_device: bool = False):
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-        cpu = {str(k): v.detach().cpu().contiguous() for k, v in tensors.items()}
+        self.device = next((v.device for v in tensors.values() if v.is_cuda), None) if keep_device else None
+        where = self.device or "cpu"
+        cpu = {str(k): v.detach().to(where).contiguous() for k, v in tensors.items()}
         if sys.byteorder != "little" or any(v.dtype not in _ST_DTYPES for v in cpu.values()):
-            self.head, self.tensors = st_save(cpu, metadata=meta), []  # the library handles the rest
+            cpu = {k: v.cpu() for k, v in cpu.items()}
+            self.head, self.tensors, self.device = st_save(cpu, metadata=meta), [], None  # the library handles the rest
             self.nbytes = len(self.head)
             return
         header: dict = {"__metadata__": meta} if meta else {}
@@ -121,7 +127,7 @@ class Encoded:
         return self.nbytes
 
     def __bytes__(self) -> bytes:
-        return b"".join([self.head, *(memoryview(v.reshape(-1).view(torch.uint8).numpy()) for v in self.tensors)])
+        return b"".join([self.head, *(memoryview(v.cpu().reshape(-1).view(torch.uint8).numpy()) for v in self.tensors)])
 
     def write_into(self, buf, offset: int = 0) -> int:
         """Write the body into the writable buffer ``buf`` at ``offset``; its size."""
@@ -132,6 +138,30 @@ class Encoded:
             torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=end).copy_(v.reshape(-1).view(torch.uint8))
             end += n
         return end - offset
+
+    def write_data(self, dst: torch.Tensor) -> int:
+        """Copy the tensors' bytes (the body after :attr:`head`) into the uint8 tensor ``dst``
+        (a device region: one device-to-device copy each); their size."""
+        end = 0
+        for v in self.tensors:
+            n = v.numel() * v.element_size()
+            dst[end:end + n].copy_(v.reshape(-1).view(torch.uint8), non_blocking=True)
+            end += n
+        return end
+
+
+class DeviceBody:
+    """A body whose header is in host memory and whose data is a uint8 device tensor (the
+    unix transport's device region): :func:`decode` copies each tensor out of ``data`` once,
+    on the device. ``release``: called once it is decoded."""
+
+    __slots__ = ("head", "data", "release")
+
+    def __init__(self, head: bytes, data: torch.Tensor, release=None):
+        self.head, self.data, self.release = head, data, release or (lambda: None)
+
+    def __len__(self) -> int:
+        return len(self.head) + self.data.numel()
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> bytes:
@@ -166,6 +196,8 @@ def read_metadata(body: bytes) -> dict[str, str]:
 def decode(body) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """safetensors bytes -> (tensors on cpu, metadata); BadRequest on anything malformed. A
     ``memoryview`` (shared memory) is read in place: each tensor copied out once (:func:`decode_view`)."""
+    if isinstance(body, DeviceBody):
+        return decode_device(body)
     if isinstance(body, memoryview) and sys.byteorder == "little":
         return decode_view(body)
     meta = read_metadata(body)
@@ -179,15 +211,12 @@ def decode(body) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 _DTYPE_OF = {v: k for k, v in _ST_DTYPES.items()}
 
 
-def decode_view(body: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """:func:`decode` of a buffer without copying it first: the header checked as safetensors
-    checks it (known dtypes, shapes of non-negative integers, each tensor's bytes inside the
-    data, in order and not overlapping: nothing allocated beyond the body's size), then each
-    tensor copied out of ``body`` into memory of its own. Written by hand: the safetensors
-    library reads only ``bytes`` (a copy of the whole body first)."""
-    meta = read_metadata(body)
-    header, start = _header(body)
-    size, spans, out = len(body) - start, [], {}
+def _spans(header: dict, size: int) -> list:
+    """The tensors of a safetensors header over ``size`` bytes of data, checked as safetensors
+    checks them (known dtypes, shapes of non-negative integers, each tensor's bytes inside the
+    data, not overlapping: nothing allocated beyond the data's size):
+    ``[(begin, end, name, dtype, shape, count)]`` in data order."""
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -213,9 +242,34 @@ def decode_view(body: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, st
     for (_, end, *_), (begin, *_) in zip(spans, spans[1:]):
         if begin < end:
             raise BadRequest("body is not valid safetensors: tensors overlap")
-    for begin, _, name, dtype, shape, count in spans:
+    return spans
+
+
+def decode_view(body: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`decode` of a buffer without copying it first: the header checked (:func:`_spans`),
+    then each tensor copied out of ``body`` into memory of its own. Written by hand: the
+    safetensors library reads only ``bytes`` (a copy of the whole body first)."""
+    meta = read_metadata(body)
+    header, start = _header(body)
+    out = {}
+    for begin, _, name, dtype, shape, count in _spans(header, len(body) - start):
         if count == 0:
             out[name] = torch.empty(shape, dtype=dtype)
         else:
             out[name] = torch.frombuffer(body, dtype=dtype, count=count, offset=start + begin).reshape(shape).clone()
+    return out, meta
+
+
+def decode_device(body: DeviceBody) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`decode` of a :class:`DeviceBody`: the header checked as :func:`decode_view` checks
+    it, each tensor copied out of the device region once (a new allocation: aligned for its
+    dtype, and the region may be rewritten once this returns)."""
+    meta = read_metadata(body.head)
+    header, start = _header(body.head)
+    if start != len(body.head):
+        raise BadRequest(f"a device body's inline part is its safetensors header only "
+                         f"({start} bytes), got {len(body.head)}")
+    out, data = {}, body.data
+    for begin, end, name, dtype, shape, count in _spans(header, data.numel()):
+        out[name] = data[begin:end].clone().view(dtype).reshape(shape)
     return out, meta

@@ -58,7 +58,7 @@ def run(cuts, tmp, *, every=5, kill_after=None, kill_in_backward=False, reconnec
             if i == kill_after and not kill_in_backward:
                 crash()
             losses.append(client.train_step(ids, mask))
-        time.sleep(0.1)
+        client.flush()  # the last step's deferred apply, now (not raced by a sleep against apply_wait_s)
         weights = {k: v.clone() for s in client.segments for k, v in s.hf_state_dict().items()}
         server = srv.weights()
         client.close()

@@ -20,6 +20,7 @@ from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.transport import unixframe as F
 from splitlearn.transport.unix import Connection, UnixLink
+from splitlearn import wire
 from splitlearn.wire import decode, encode, pack
 
 from serverproc import TOKEN, ServerProcess, sgd_steps
@@ -193,10 +194,12 @@ def test_a_malformed_frame_gets_a_clean_error_and_the_connection_closes(server, 
     ({"method": "get"}, "method"), ({"path": "v1/info"}, "path"), ({"path": "/v1/\ninfo"}, "path"),
     ({"headers": {"Authorization": 5}}, "headers"), ({"headers": {"X\r\nY": "1"}}, "header"),
     ({"region": [0, 10]}, "registered none"), ({"region": "0:10"}, "offset, length"),
+    ({"device": [0, 10]}, "no device region"),  # a GPU region's descriptor, its header inline
 ])
 def test_a_bad_field_gets_a_400_and_the_connection_goes_on(server, fields, words):
     s = _raw(server)
-    s.sendall(F.pack(F.REQUEST, {**_request(), **fields}))
+    head = wire.Encoded(_hidden(0)).head if "device" in fields else b""
+    s.sendall(F.pack(F.REQUEST, {**_request(), **fields}, len(head)) + head)
     meta, body = _answer(s)
     assert meta["status"] == 400 and words in json.loads(body)["message"].lower()
     s.sendall(F.pack(F.REQUEST, _request()))  # the same connection answers the next request
@@ -239,6 +242,29 @@ def test_a_hostile_region_is_refused(server, case, words):
         meta, body = _hello(s, fds, claimed)
         assert meta["status"] == 400 and words in json.loads(body)["message"], body
         assert _closed(s)
+    finally:
+        s.close()
+        for fd in fds:
+            os.close(fd)
+    _still_serves(server)
+
+
+@pytest.mark.parametrize("device, status", [({"bytes": 2 << 20, "uuid": "GPU-elsewhere"}, 200),
+                                            ({"bytes": 2 << 20}, 400), ("all of it", 400)])
+def test_a_device_region_offered_to_a_server_without_a_gpu(server, device, status):
+    """This server computes on the CPU: a well-formed offer is declined (``device_bytes`` 0, the
+    client sends from host memory; the second descriptor is never touched), a malformed one is a 400."""
+    fds = [_memfd(1 << 16), _memfd(1 << 16)]
+    s = _raw(server)
+    try:
+        s.sendmsg([F.pack(F.HELLO, {"version": F.VERSION, "region_bytes": 1 << 16, "device": device})],
+                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        meta, body = _answer(s)
+        assert meta["status"] == status, body
+        if status == 200:
+            assert meta["device_bytes"] == 0 and meta["region_bytes"] == 1 << 16
+        else:
+            assert "device must be" in json.loads(body)["message"] and _closed(s)
     finally:
         s.close()
         for fd in fds:

@@ -187,3 +187,34 @@ def test_a_view_whose_tensors_overlap_is_refused_before_anything_is_allocated():
 def test_a_view_with_a_lying_header_is_a_bad_request(entry, words):
     with pytest.raises(BadRequest, match=words):
         decode(memoryview(bytearray(_header({"x": entry}) + b"\0" * 4)))
+
+
+# -- a device body: the header inline, the data in a (device) region --------------------------
+# On the CPU here (a uint8 tensor stands for the CUDA region); tests/test_transport_cuda.py
+# runs the same on a GPU, across two processes.
+
+def test_a_device_body_is_the_same_tensors_and_its_region_can_be_reused():
+    tensors = {"hidden": _activations(2, 3, 16), "half": _activations(3, seed=1).to(torch.float16),
+               "mask": torch.tensor([[0, 1, 1], [1, 1, 1]]), "empty": torch.zeros(0, 3)}
+    e = wire.Encoded(tensors, {"step": 7}, keep_device=True)  # CPU tensors: no device to keep
+    assert e.device is None
+    region = torch.zeros(1 << 12, dtype=torch.uint8)
+    n = e.write_data(region)
+    assert len(e.head) + n == len(e) and bytes(e.head) + bytes(region[:n].numpy()) == bytes(e)
+    out, meta = decode(wire.DeviceBody(e.head, region[:n]))
+    assert meta == {"step": "7"} and set(out) == set(tensors)
+    for k, v in tensors.items():  # float16 after 96 bytes of float32, int64 after 6 of float16: aligned anyway
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v)
+    region.zero_()
+    assert torch.equal(out["hidden"], tensors["hidden"])
+
+
+@pytest.mark.parametrize("head, data, words", [
+    (_header({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}), 4, "outside the data"),
+    (_header({f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]} for i in range(3)}), 4, "overlap"),
+    (_header({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}) + b"\0\0\0\0", 4, "header only"),
+    (b"\x05\0\0", 4, "not safetensors"),
+])
+def test_a_device_body_with_a_lying_header_is_a_bad_request(head, data, words):
+    with pytest.raises(BadRequest, match=words):
+        decode(wire.DeviceBody(head, torch.zeros(data, dtype=torch.uint8)))

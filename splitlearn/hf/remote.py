@@ -803,7 +803,7 @@ class RemoteSegment(nn.Module):
             del self._redo[step]  # ledger answers the retry of its last step
             return self._train_call(step, sent)
         same = rec is not None and set(rec.sent.tensors) == set(sent.tensors) and all(
-            torch.equal(rec.sent.tensors[k], sent.tensors[k].detach().cpu()) for k in sent.tensors)
+            torch.equal(rec.sent.tensors[k].cpu(), sent.tensors[k].detach().cpu()) for k in sent.tensors)
         if not same:
             raise Conflict(f"step {step} run again after a resume differs from the one the journal holds "
                            f"({sent.path}, piece {micro}): run the same data in the same order")

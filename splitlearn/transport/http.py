@@ -28,7 +28,7 @@ import requests
 
 from .. import protocol as P
 from ..errors import ConfigError, SplitLearnError, TransportError, from_payload
-from ..wire import Encoded, decode, encode
+from ..wire import DeviceBody, Encoded, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,8 @@ class Transport:
         """Encode and send ``tensors`` on ``lane`` now; :meth:`finish_call` gets the answer."""
         t0 = time.perf_counter()
         # a link into shared memory (unix://) writes the body there itself: the one copy
-        body = Encoded(tensors, meta) if getattr(self.link, "takes_encoded", False) else encode(tensors, meta)
+        body = (Encoded(tensors, meta, keep_device=getattr(self.link, "takes_device", False))
+                if getattr(self.link, "takes_encoded", False) else encode(tensors, meta))
         self.stats.serialize_s += time.perf_counter() - t0
         return self.start(path, body, lane)
 
@@ -429,7 +430,7 @@ class Transport:
         try:
             out, meta = decode(answer)
         finally:
-            if isinstance(answer, memoryview):
+            if isinstance(answer, (memoryview, DeviceBody)):
                 answer.release()
         self.stats.deserialize_s += time.perf_counter() - t0
         return out, meta
@@ -482,6 +483,9 @@ class Transport:
             status, header, content = self._lean_answer(p)
         if isinstance(content, memoryview) and (not view or status >= 400):
             content = content.tobytes()
+        elif isinstance(content, DeviceBody) and (not view or status >= 400):
+            body, content = content, content.head + content.data.cpu().numpy().tobytes()
+            body.release()
         if status >= 400:
             raise self._error(status, header, content)
         s = self.stats

@@ -6,6 +6,8 @@
 Taken wherever ``http://`` is (the scheme hook of :mod:`.http`); the whole URL path is the
 socket file. Frames: :mod:`.unixframe`. Each connection (one per request in flight) registers a
 memfd region of ``REGION_BYTES``; bodies over ``INLINE_MAX`` go through it, smaller ones inline.
+A connection whose first tensors are on a CUDA device also registers a device region of the
+same size (:mod:`.cudaregion`): tensors cross it device to device, never through host memory.
 Refused or lost connections are retried by the Transport; no answer within the read timeout is
 a :class:`~splitlearn.errors.TransportError`. Design: docs/TRANSPORT.md.
 """
@@ -24,8 +26,11 @@ import time
 from typing import Optional
 from urllib.parse import urlsplit
 
+import torch
+
 from ..errors import ConfigError, TransportError
-from ..wire import Encoded
+from ..wire import DeviceBody, Encoded
+from . import cudaregion
 from . import unixframe as F
 from .http import AnswerWait, register_scheme
 
@@ -57,11 +62,13 @@ class Connection(AnswerWait):
     """One connected socket with its registered region; one request at a time."""
 
     def __init__(self, path: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0,
-                 region_bytes: int = F.REGION_BYTES):
+                 region_bytes: int = F.REGION_BYTES, device=None):
         self.read_timeout_s = read_timeout_s
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(connect_timeout_s)
         self.region: Optional[mmap.mmap] = None
+        self.device_region = None  # a cudaregion.DeviceRegion the server mapped too
+        self.device_tried = device is not None
         self.size = 0
         self.sent_at, self.expected_s = 0.0, None  # the request in flight; recent waits (spin)
         try:
@@ -76,27 +83,50 @@ class Connection(AnswerWait):
         self.reader = F.Reader(self.sock)
         if region_bytes:
             try:
-                self._register(region_bytes)
+                self._register(region_bytes, device)
             except _Refused as e:  # the server closed this connection: a new one, bodies inline
                 log.warning("%s; this connection sends its bodies inline", e)
                 self.close()
                 self.__init__(path, connect_timeout_s, read_timeout_s, region_bytes=0)
 
-    def _register(self, size: int) -> None:
+    def _register(self, size: int, device=None) -> None:
         fd = os.memfd_create("splitlearn-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fds, meta, dev = [fd], {"version": F.VERSION, "region_bytes": size}, None
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
             self.region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            head = F.pack(F.HELLO, {"version": F.VERSION, "region_bytes": size})
-            self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            if device is not None:
+                dev = self._device_region(device, size)
+                if dev is not None:
+                    fds.append(dev[1])
+                    meta["device"] = {"bytes": dev[0].size, "uuid": cudaregion.uuid(device)}
+            head = F.pack(F.HELLO, meta)
+            self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         finally:
-            os.close(fd)
+            for f in fds:
+                os.close(f)
         status, headers, content = self._read_answer()
         if status != 200:
+            if dev is not None:
+                dev[0].close()
             raise _Refused(f"the server refused this connection's shared region: "
                            f"{content[:300].decode('utf-8', 'replace')}")
         self.size = size
+        if dev is not None:
+            if self.last_meta.get("device_bytes") == dev[0].size:
+                self.device_region = dev[0]
+            else:  # a server without a GPU, or on another one: tensors cross through host memory
+                dev[0].close()
+
+    @staticmethod
+    def _device_region(device, size: int):
+        """``(DeviceRegion, fd)`` on ``device``, or None (logged) if the driver offers none."""
+        try:
+            return cudaregion.DeviceRegion.create(device, size)
+        except (OSError, RuntimeError, AttributeError) as e:  # no driver, no virtual memory API
+            log.warning("no CUDA region for unix:// (%s): tensors cross through host memory", e)
+            return None
 
     def request(self, method: str, path: str, headers: dict, body: Optional[bytes]):
         self.send(method, path, headers, body)
@@ -109,12 +139,21 @@ class Connection(AnswerWait):
 
     def send(self, method: str, path: str, headers: dict, body) -> None:
         """Send a request; ``body``: bytes, or a :class:`~splitlearn.wire.Encoded` (written
-        straight into the region when it goes there)."""
+        straight into the region when it goes there: its device region if its tensors are on
+        that device)."""
         meta = {"method": method, "path": path, "headers": headers}
         body = body if body is not None else b""
         if self.size:
             meta["answer_region"] = True
-        if len(body) > F.INLINE_MAX and len(body) <= self.size:
+        dev = self.device_region
+        if dev is not None:
+            meta["answer_device"] = True
+        if (dev is not None and isinstance(body, Encoded) and body.device == dev.device and body.tensors
+                and len(body) - len(body.head) <= dev.size):
+            n = body.write_data(dev.tensor)  # the one copy, device to device
+            torch.cuda.current_stream(dev.device).synchronize()  # the bytes are there before the server reads
+            meta["device"], body = [0, n], body.head
+        elif len(body) > F.INLINE_MAX and len(body) <= self.size:
             if isinstance(body, Encoded):
                 body.write_into(self.region)  # the one copy into the region, from the tensors
             else:
@@ -127,17 +166,27 @@ class Connection(AnswerWait):
 
     def _read_answer(self, view: bool = False):
         """``(status, headers, content)``; ``view``: an answer in the region comes as a
-        ``memoryview`` of it, valid until this connection's next request (else copied out)."""
+        ``memoryview`` of it (a :class:`~splitlearn.wire.DeviceBody` from the device region),
+        valid until this connection's next request (else copied out)."""
         kind, meta_len, body_len = F.unpack_header(self.reader.take(F.HEADER.size), 1 << 40)
         if kind != F.ANSWER:
             raise F.FrameError(f"the server sent a kind-{kind} frame")
         meta = F.parse_meta(self.reader.take(meta_len))
         content = bytes(self.reader.take(body_len)) if body_len else b""
+        self.last_meta = meta  # (HELLO's answer: what the server mapped)
         try:
             if "region" in meta:
                 off, length = F.span(meta["region"], self.size)
                 # read in place by the caller (its decode is the one copy out), or copied out here
                 content = memoryview(self.region)[off:off + length] if view else self.region[off:off + length]
+            elif "device" in meta:
+                dev = self.device_region
+                off, length = F.span(meta["device"], dev.size if dev is not None else 0)
+                data = dev.tensor[off:off + length]
+                if view:  # decoded on the device; the region is free again once the copies are done
+                    content = DeviceBody(content, data, torch.cuda.current_stream(dev.device).synchronize)
+                else:
+                    content = content + data.cpu().numpy().tobytes()
             headers = _Headers((str(k).lower(), str(v)) for k, v in meta.get("headers", []))
             return int(meta["status"]), headers, content
         except (KeyError, TypeError, ValueError) as e:  # not an answer this client can read
@@ -147,6 +196,9 @@ class Connection(AnswerWait):
         try:
             self.sock.close()
         finally:
+            if self.device_region is not None:
+                self.device_region.close()
+                self.device_region = None
             if self.region is not None:
                 try:
                     self.region.close()
@@ -180,6 +232,7 @@ class UnixLink:
 
     same_host = True  # the server is another process of this host: polls for answers when pinned apart
     takes_encoded = True  # a tensor body comes as wire.Encoded: written into the region (Connection.send)
+    takes_device = True  # ... with its CUDA tensors left on their device (the device region)
     server_cores = staticmethod(server_cores)  # whether to poll for answers: shares_cores_with_server
 
     def __init__(self, url: str, connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0):
@@ -199,8 +252,12 @@ class UnixLink:
 
     def send(self, lane: int, method: str, path: str, headers: dict, body: Optional[bytes]) -> None:
         conn = self._lanes.get(lane)
-        if conn is None:
-            conn = self._lanes[lane] = Connection(self.path, self.connect_timeout_s, self.read_timeout_s)
+        device = body.device if isinstance(body, Encoded) else None
+        if conn is None or (device is not None and conn.device_region is None and not conn.device_tried):
+            if conn is not None:  # the lane's first tensors were on the host: now a device region too
+                self.drop(lane)
+            conn = self._lanes[lane] = Connection(self.path, self.connect_timeout_s, self.read_timeout_s,
+                                                  device=device)
         self._sent[lane] = f"{method} {self.url}{self._path(path)}"
         try:
             conn.send(method, self._path(path), headers, body)

@@ -11,14 +11,20 @@ Every message, either way, is one frame on a Unix stream socket::
 
 Kinds and their JSON ``meta``:
 
-- ``HELLO`` (1), client -> server, at most once, first: ``{"version": 1, "region_bytes": N}``,
-  with the connection's region passed as ``SCM_RIGHTS``: a memfd of exactly N bytes sealed
-  with ``F_SEAL_SHRINK`` (anything else is refused). Answered ``ANSWER`` ``{"status": 200,
-  "headers": [], "region_bytes": N}``.
+- ``HELLO`` (1), client -> server, at most once, first: ``{"version": 1, "region_bytes": N,
+  "device": {"bytes": M, "uuid": "GPU-..."}?}``, with the connection's region passed as
+  ``SCM_RIGHTS``: a memfd of exactly N bytes sealed with ``F_SEAL_SHRINK`` (anything else is
+  refused), then, with ``device``, a CUDA region's descriptor (:mod:`.cudaregion`). Answered
+  ``ANSWER`` ``{"status": 200, "headers": [], "region_bytes": N, "device_bytes": M or 0}``
+  (0: the server does not map device regions; the client sends from host memory).
 - ``REQUEST`` (2), client -> server: ``{"method", "path", "headers": {...}, "region": [offset,
-  length]?, "answer_region": true?}`` (``region``: the body lies in the region; absent: inline).
-- ``ANSWER`` (3), server -> client: ``{"status", "headers": [[name, value], ...], "region"?}``
-  (the server uses the region only when the request allowed it).
+  length]?, "device": [offset, length]?, "answer_region": true?, "answer_device": true?}``
+  (``region``: the body lies in the region; ``device``: the inline body is the safetensors
+  header only and the tensors' bytes lie in the device region, ready: the client synchronised
+  its stream before sending; absent: inline).
+- ``ANSWER`` (3), server -> client: ``{"status", "headers": [[name, value], ...], "region"?,
+  "device"?}`` (the server uses a region only when the request allowed it; it synchronises
+  before answering from the device region).
 
 One request at a time per connection; JSON and raw bytes only (nothing unpickled); every offset
 and length is checked against the region's size (out of range: 400). Design and safety:

@@ -45,7 +45,7 @@ CHECKPOINT_ANSWER_BYTES = 1 << 20  # encoded answer bytes of one client in a che
 
 @dataclass
 class Answer:
-    """What a request is answered with: tensors (on the CPU) and string metadata.
+    """What a request is answered with: tensors (on the server's device) and string metadata.
 
     Encoded once: a replayed answer is byte for byte the first one.
     """
@@ -59,10 +59,11 @@ class Answer:
             self._bytes = encode(self.tensors, self.meta)
         return self._bytes
 
-    def encoded(self):
+    def encoded(self, keep_device: bool = False):
         """Its bytes if made already, else an :class:`~splitlearn.wire.Encoded` of the same
-        bytes, to be written where it goes (the unix door's shared memory)."""
-        return self._bytes if self._bytes is not None else Encoded(self.tensors, self.meta)
+        bytes, to be written where it goes (the unix door's shared memory; ``keep_device``: its
+        CUDA tensors left on the device, for a device region)."""
+        return self._bytes if self._bytes is not None else Encoded(self.tensors, self.meta, keep_device)
 
     @classmethod
     def decode(cls, body: bytes) -> "Answer":

@@ -34,16 +34,19 @@ def metrics_text():
     return Response(body, status=200, headers={"Content-Type": content_type})
 
 
+def check_echo(cfg, size: int) -> None:
+    """413 for an echo body over ``max_echo_bytes`` (the app's and the unix door's echo)."""
+    if size > cfg.max_echo_bytes:
+        raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cfg.max_echo_bytes} bytes (max_echo_bytes), got {size}")
+
+
 @bp.post(P.ECHO)
 def echo():
     """The body back, untouched, with no tensor work (``client diagnose`` times the link);
     at most ``max_echo_bytes`` (what an echo nobody reads can hold, :mod:`.frontdoor`)."""
-    cap = served().cfg.max_echo_bytes
-    if (request.content_length or 0) > cap:
-        raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {request.content_length}")
+    check_echo(served().cfg, request.content_length or 0)
     started, body = time.perf_counter(), request.get_data(cache=False)
-    if len(body) > cap:
-        raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {len(body)}")
+    check_echo(served().cfg, len(body))
     resp = Response(body, status=200, mimetype=P.CONTENT_TYPE)
     resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
     return resp

@@ -19,10 +19,12 @@ import time
 from typing import Callable, Optional
 
 from ... import protocol as P
-from ...errors import PayloadTooLarge, SplitLearnError
+from ...errors import SplitLearnError
+from ...wire import DeviceBody, Encoded, decode
 from ..engine.memory import scope as memory_scope
 from ..engine.tenants import Tenant
 from . import accesslog
+from .api_ops import check_echo
 from .routing import SERVED, TENSOR_ROUTES, TensorRoute, internal_error, serve
 
 log = logging.getLogger("splitlearn.server.http.app")  # where the app logs its incidents
@@ -57,10 +59,11 @@ class Direct:
         return None
 
     def __call__(self, route: TensorRoute, url_args: dict, headers: dict, body, tenant: Tenant,
-                 lazy_above: Optional[int] = None) -> Answer:
+                 lazy_above: Optional[int] = None, keep_device: bool = False) -> Answer:
         """Serve one request (``headers`` with lower-case names) for ``tenant``, as the app
-        would. ``body``: bytes, or a memoryview of shared memory (decoded in place, once);
-        ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`."""
+        would. ``body``: bytes, a memoryview of shared memory or a DeviceBody (decoded in place,
+        once); ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`
+        (``keep_device``: its tensors left on the server's GPU)."""
         started = time.perf_counter()
         incident = None
         mimetype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -70,7 +73,7 @@ class Direct:
             else:
                 with memory_scope(self.served.memory, tenant.name) as held:  # released once the answer is built
                     content, server_ms = serve(self.served, held, route, tenant, len(body), mimetype,
-                                               lambda: body, url_args, lazy_above)
+                                               lambda: body, url_args, lazy_above, keep_device)
             status = 200
             out = [["Content-Type", P.CONTENT_TYPE], ["Content-Length", str(len(content))],
                    [P.SERVER_TIME_HEADER, server_ms]]
@@ -91,12 +94,14 @@ class Direct:
 
     def _echo(self, body) -> tuple[bytes, str]:
         """``POST /v1/echo`` as the app answers it (api_ops.echo): the body back, read out of
-        the region once; at most ``max_echo_bytes``."""
-        cap = self.served.cfg.max_echo_bytes
-        if len(body) > cap:
-            raise PayloadTooLarge(f"{P.ECHO} takes bodies up to {cap} bytes (max_echo_bytes), got {len(body)}")
+        the region once; at most ``max_echo_bytes``. A device body comes back as its tensors,
+        through the device region."""
+        check_echo(self.served.cfg, len(body))
         started = time.perf_counter()
-        content = body.tobytes() if isinstance(body, memoryview) else bytes(body)
+        if isinstance(body, DeviceBody):
+            content = Encoded(*decode(body), keep_device=True)
+        else:
+            content = body.tobytes() if isinstance(body, memoryview) else bytes(body)
         return content, f"{(time.perf_counter() - started) * 1e3:.3f}"
 
 

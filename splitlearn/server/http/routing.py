@@ -152,11 +152,12 @@ def tensor_route(bp: Blueprint, rule: str, *, owner: bool = False, inline: bool 
 
 
 def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: int, mimetype: str,
-          read_body: Callable[[], bytes], url_args: dict, lazy_above: Optional[int] = None) -> tuple[bytes, str]:
+          read_body: Callable[[], bytes], url_args: dict, lazy_above: Optional[int] = None,
+          keep_device: bool = False) -> tuple[bytes, str]:
     """Run ``route`` for ``tenant`` (Flask's view, or the unix door's direct dispatch): the
     answer's bytes and its ``X-Server-Time-Ms``. SplitLearnError for a bad request.
     ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`,
-    written by the caller where it goes (shared memory)."""
+    written by the caller where it goes (shared memory; ``keep_device``: a device region)."""
     started = time.perf_counter()
     held.hold(2 * content_length, "a request body")  # server's copy + ours
     if mimetype != P.CONTENT_TYPE:
@@ -177,7 +178,7 @@ def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: i
         answer = s.rt.compute.run(timed(s.rt.waits, route.cls, work))
     if isinstance(answer, Future):  # a decode step waits for its batch
         answer = answer.result()
-    content = answer.encoded() if lazy_above is not None else answer.encode()
+    content = answer.encoded(keep_device) if lazy_above is not None else answer.encode()
     if not isinstance(content, bytes) and len(content) <= lazy_above:
         content = bytes(content)
     return content, f"{(time.perf_counter() - started) * 1e3:.3f}"

@@ -26,10 +26,12 @@ import time
 from typing import Optional
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
+import torch
+
 from ... import protocol as P
 from ...errors import BadRequest, ConfigError, PayloadTooLarge, RequestTimeout, SplitLearnError, Unauthorized
 from ...transport import unixframe as F
-from ...wire import Encoded
+from ...wire import MAX_HEADER, DeviceBody, Encoded
 from .direct import Direct
 from .frontdoor import TENANT_KEY, DoorLimits
 from .routing import SERVED
@@ -60,6 +62,9 @@ class UnixDoor:
         self.slots = threading.BoundedSemaphore(limits.max_connections)
         # the tensor routes, served without Flask (direct.py); the fed server has none
         self.direct = Direct(app) if SERVED in getattr(app, "extensions", {}) else None
+        # a client's CUDA region is mapped when this server computes on the same GPU (cudaregion.py)
+        device = getattr(self.direct.served.rt, "device", None) if self.direct is not None else None
+        self.device = device if device is not None and torch.device(device).type == "cuda" else None
         self.sock = self._listen()
         self.closed = False
         self._conns: set[socket.socket] = set()
@@ -158,12 +163,16 @@ class _Conn:
     def __init__(self, door: UnixDoor, sock: socket.socket):
         self.door, self.sock = door, sock
         self.region: Optional[mmap.mmap] = None
+        self.device_region = None  # the client's CUDA region, mapped here (cudaregion.DeviceRegion)
         self.size = 0
         self.trusted = False  # presented a valid token once: may idle --idle-timeout
         self.frames = 0
         self.reader = F.Reader(sock)
 
     def release(self) -> None:
+        if self.device_region is not None:
+            self.device_region.close()
+            self.device_region = None
         if self.region is not None:
             try:
                 self.region.close()
@@ -230,13 +239,15 @@ class _Conn:
                         pass
 
     def _hello(self, meta: dict, fds: list) -> bool:
-        """Map the client's region (True), or answer why not (False: the connection closes)."""
+        """Map the client's region(s) (True), or answer why not (False: the connection closes)."""
         try:
             if meta.get("version") != F.VERSION:
                 raise BadRequest(f"unix transport version {meta.get('version')!r} (this server: {F.VERSION})")
-            size = meta.get("region_bytes")
-            if len(fds) != 1:
-                raise BadRequest(f"HELLO must carry exactly one file descriptor (SCM_RIGHTS), got {len(fds)}")
+            size, device = meta.get("region_bytes"), meta.get("device")
+            want = 1 if device is None else 2
+            if len(fds) != want:
+                raise BadRequest(f"HELLO must carry exactly {'one file descriptor' if want == 1 else 'two file descriptors'} "
+                                 f"(SCM_RIGHTS), got {len(fds)}")
             if type(size) is not int or not 0 < size <= self.door.max_region:
                 raise BadRequest(f"region_bytes must be 1..{self.door.max_region}, got {size!r}")
             fd = fds[0]
@@ -250,6 +261,8 @@ class _Conn:
                 seals = 0
             if not seals & fcntl.F_SEAL_SHRINK:
                 raise BadRequest("the region must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+            if device is not None:
+                self._map_device(device, fds[1])
             try:
                 self.region = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError) as e:
@@ -258,8 +271,26 @@ class _Conn:
         except SplitLearnError as e:
             self._answer_error(e)
             return False
-        self._send_answer(200, [], None, extra={"region_bytes": self.size})
+        dev = self.device_region.size if self.device_region is not None else 0
+        self._send_answer(200, [], None, extra={"region_bytes": self.size, "device_bytes": dev})
         return True
+
+    def _map_device(self, device, fd: int) -> None:
+        """Map the client's CUDA region if this server computes on that GPU (else ignored:
+        ``device_bytes`` 0 tells the client to send from host memory); BadRequest if it is not
+        a region the driver maps."""
+        if not isinstance(device, dict) or set(device) != {"bytes", "uuid"} or not isinstance(device["uuid"], str):
+            raise BadRequest('HELLO\'s device must be {"bytes": N, "uuid": "..."}')
+        if self.door.device is None:
+            return
+        from ...transport import cudaregion  # only where a GPU serves
+        if device["uuid"] != cudaregion.uuid(self.door.device):
+            return  # another GPU: its memory is not this server's to map
+        try:
+            self.device_region = cudaregion.DeviceRegion.open(fd, device["bytes"], self.door.device,
+                                                              self.door.max_region)
+        except (ValueError, RuntimeError) as e:  # cudaregion.CudaError: not a region the driver maps
+            raise BadRequest(f"the device region cannot be mapped: {e}") from None
 
     def _request(self, meta: dict, body_len: int, deadline: float) -> bool:
         """Run one request; False when the connection must close after it (an error answered
@@ -269,7 +300,13 @@ class _Conn:
             tenant = self.door.tenants.authenticate(headers.get("authorization"))
             if tenant is None and path not in _TOKENLESS:  # refused before its body is read
                 raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
-            if "region" in meta:
+            if "device" in meta:  # the inline part is the header: read first, so a bad descriptor keeps the connection
+                if not 8 <= body_len <= MAX_HEADER + 8:
+                    raise BadRequest(f"a device body's inline part is its safetensors header: "
+                                     f"8..{MAX_HEADER + 8} bytes, got {body_len}")
+                head, body_len = self._recv(body_len, deadline), 0
+                body = self._device_body(meta, head)
+            elif "region" in meta:
                 if body_len:
                     raise BadRequest("a request's body is inline or in the region, not both")
                 try:
@@ -290,10 +327,14 @@ class _Conn:
         direct = self.door.direct
         hit = direct.match(method, unquote(path, errors="replace")) if direct is not None and tenant else None
         answer_region = bool(meta.get("answer_region")) and self.region is not None
+        answer_device = bool(meta.get("answer_device")) and self.device_region is not None
         try:
+            if isinstance(body, DeviceBody) and hit is None:
+                self._answer_error(BadRequest(f"a body in the device region goes to a tensor route, not {method} {path[:80]}"))
+                return True
             if hit is not None:  # a tensor route: without Flask (direct.py); decoded from the region in place
-                status, out_headers, content, after = direct(*hit, headers, body, tenant,
-                                                             F.INLINE_MAX if answer_region else None)
+                lazy = 0 if answer_device else F.INLINE_MAX if answer_region else None
+                status, out_headers, content, after = direct(*hit, headers, body, tenant, lazy, answer_device)
             else:
                 if isinstance(body, memoryview):
                     body = body.tobytes()  # the app's copy
@@ -305,11 +346,40 @@ class _Conn:
                 except BufferError:  # still read somewhere: let go when that is gone
                     pass
         try:
-            use_region = answer_region and F.INLINE_MAX < len(content) <= self.size
-            self._send_answer(status, out_headers, content, use_region)
+            if answer_device and isinstance(content, Encoded) and content.device == self.device_region.device:
+                self._send_device_answer(status, out_headers, content)
+            else:
+                use_region = answer_region and F.INLINE_MAX < len(content) <= self.size
+                self._send_answer(status, out_headers, content, use_region)
         finally:
             after()  # the response's close (its access line, its metrics): after the answer, as waitress
         return True
+
+    def _device_body(self, meta: dict, head: bytes) -> DeviceBody:
+        """A request whose tensors' bytes lie in the device region (``head``: its header)."""
+        if self.device_region is None:
+            raise BadRequest("device given, but this connection registered no device region (HELLO)")
+        if "region" in meta:
+            raise BadRequest("a request's body is in the region or the device region, not both")
+        try:
+            off, length = F.span(meta["device"], self.device_region.size)
+        except ValueError as e:
+            raise BadRequest(f"bad device descriptor: {e}") from None
+        if length > self.door.max_body_bytes:
+            raise PayloadTooLarge(f"request body of {length} bytes (at most {self.door.max_body_bytes})")
+        return DeviceBody(head, self.device_region.tensor[off:off + length])
+
+    def _send_device_answer(self, status: int, headers: list, content: Encoded) -> None:
+        """An answer whose tensors go into the device region (one copy, device to device), its
+        header inline; the copies are done before the client hears of them."""
+        dev = self.device_region
+        if len(content) - len(content.head) > dev.size:
+            return self._send_answer(status, headers, content, F.INLINE_MAX < len(content) <= self.size)
+        n = content.write_data(dev.tensor)
+        torch.cuda.current_stream(dev.device).synchronize()
+        self.sock.settimeout(self.door.limits.allowance_s(len(content.head)))
+        F.send_frame(self.sock, F.pack(F.ANSWER, {"status": status, "headers": headers, "device": [0, n]},
+                                       len(content.head)), content.head)
 
     def _call_app(self, method, path, query, headers, body: bytes, tenant):
         """``(status, headers, content, close)``: call ``close`` once the answer is sent (WSGI)."""

@@ -69,7 +69,7 @@ def attention_mask(tensors: dict, name: str, rows: int, length: int,
     if left_padded and not bool(m[:, -1].bool().all()):
         raise BadRequest(f"tensor {name!r}: the last position of every row must be a real token "
                          f"(pad on the left)")
-    return m.long()
+    return m.long().cpu()  # the sessions' masks live in host memory, whatever device the request came on
 
 
 def scalar(tensors: dict, name: str) -> torch.Tensor:
