@@ -460,17 +460,26 @@ def test_cores_and_spinning(server, monkeypatch):
     unless this process is pinned to fewer cores than the machine has)."""
     import splitlearn.transport.inproc  # noqa: F401 - registers inproc://
     from splitlearn.transport import shares_cores_with_server
+    from splitlearn.transport import unix as unix_mod
     from splitlearn.transport.unix import server_cores
 
     server_pid = server.proc.pid
     assert server_cores(server.unix_url) == os.sched_getaffinity(server_pid)
     assert server_cores("unix:///nowhere/at/all.sock") is None
+    asked = []  # generate() asks before every call: the answer is kept a while, not asked per call
+    real = unix_mod._ask_cores
+    monkeypatch.setattr(unix_mod, "_ask_cores", lambda url: asked.append(url) or real(url))
+    unix_mod._cores_seen.clear()
+    assert [server_cores(server.unix_url) for _ in range(3)] == [os.sched_getaffinity(server_pid)] * 3
+    assert asked == [server.unix_url]
     cores = {"me": {0}, server_pid: {0}}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores.get(pid, cores["me"]) if pid else cores["me"])
+    unix_mod._cores_seen.clear()  # a server's cores are kept 10 s: the mocked ones from now on
     assert shares_cores_with_server(server.unix_url)  # both pinned to core 0: pinned, and still shared
     assert shares_cores_with_server("inproc://x")  # in this very process
     if (os.cpu_count() or 1) > 1:
         cores[server_pid] = {1}
+        unix_mod._cores_seen.clear()  # (a server re-pinned while it runs is seen within 10 s)
         assert not shares_cores_with_server(server.unix_url)  # two devices emulated: poll
         monkeypatch.setattr("splitlearn.transport.unix.server_cores", lambda url: None)
         monkeypatch.setattr("splitlearn.transport.unix.UnixLink.server_cores", staticmethod(lambda url: None))

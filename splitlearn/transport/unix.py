@@ -207,10 +207,24 @@ class Connection(AnswerWait):
                 self.region = None
 
 
+_CORES_TTL_S = 10.0  # a generate() asks before each call: one connection per URL per 10 s, not per call
+_cores_seen: dict[str, tuple[float, Optional[set]]] = {}
+
+
 def server_cores(url: str) -> Optional[set]:
     """The cores the process serving ``url`` may run on (its credentials on the socket,
-    ``SO_PEERCRED``, then its affinity); None if this process cannot tell (no server there,
-    another PID namespace, not permitted)."""
+    ``SO_PEERCRED``, then its affinity), read at most once per ``_CORES_TTL_S``; None if this
+    process cannot tell (no server there, another PID namespace, not permitted)."""
+    seen = _cores_seen.get(url)
+    if seen is not None and time.monotonic() - seen[0] < _CORES_TTL_S:
+        return seen[1]
+    cores = _ask_cores(url)
+    if cores is not None:  # nobody there yet: ask again next time (a refused connect is cheap)
+        _cores_seen[url] = (time.monotonic(), cores)
+    return cores
+
+
+def _ask_cores(url: str) -> Optional[set]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(2.0)
