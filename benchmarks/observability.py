@@ -138,8 +138,9 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
     auth = {"Authorization": f"Bearer {token}"}
     times = {"on": [], "off": []}
     hooks = []  # seconds in the two hooks, per request of the "on" app
-    after = []  # seconds in what runs once the answer is sent (accesslog.record: metrics, the line)
-    begin, finish, record = accesslog.begin, accesslog.finish, accesslog.record
+    after = []  # seconds in what runs once the answer is sent (accesslog.record: queues it)
+    drained = []  # seconds per record in the drainer (accesslog._write: its metrics and its line)
+    begin, finish, record, write = accesslog.begin, accesslog.finish, accesslog.record, accesslog._write
 
     def timed_begin(*args):
         t0 = time.perf_counter()
@@ -157,7 +158,13 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
         record(*args)
         after.append(time.perf_counter() - t0)
 
-    accesslog.begin, accesslog.finish, accesslog.record = timed_begin, timed_finish, timed_record
+    def timed_write(*args):
+        t0 = time.perf_counter()
+        write(*args)
+        drained.append(time.perf_counter() - t0)
+
+    accesslog.begin, accesslog.finish, accesslog.record, accesslog._write = (timed_begin, timed_finish,
+                                                                            timed_record, timed_write)
     try:
         sids = {k: c.post(P.SESSIONS, json={"rows": 1}, headers=auth).get_json()["session_id"] for k, c in apps.items()}
         d = apps["on"].get(P.INFO, headers=auth).get_json()["model_config"]["n_embd"]
@@ -178,7 +185,8 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
                 times[k].append(time.perf_counter() - t0)
                 assert r.status_code == 200, r.get_data(as_text=True)
     finally:
-        accesslog.begin, accesslog.finish, accesslog.record = begin, finish, record
+        accesslog.drain()
+        accesslog.begin, accesslog.finish, accesslog.record, accesslog._write = begin, finish, record, write
         logger.removeHandler(handler)
         handler.close()
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
@@ -189,7 +197,9 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
             "hooks_us": round(statistics.median(hooks) * 1e6, 2),
             "hooks_pct_of_step": round(100 * statistics.median(hooks) / off, 3),
             "after_send_us": round(statistics.median(after) * 1e6, 2),
-            "after_send_pct_of_step": round(100 * statistics.median(after) / off, 3)}
+            "after_send_pct_of_step": round(100 * statistics.median(after) / off, 3),
+            "drained_us": round(statistics.median(drained) * 1e6, 2),
+            "drained_pct_of_step": round(100 * statistics.median(drained) / off, 3)}
 
 
 def main(argv=None) -> int:
@@ -214,7 +224,8 @@ def main(argv=None) -> int:
               f"{r['paired_diff_ms']:>9.3f} ms ({r['paired_diff_pct']:+.2f}%)   "
               + (f"[{r['access_lines']} access lines, {r['scrapes']} scrapes]" if "scrapes" in r else
                  f"[hooks: {r['hooks_us']:.1f} us a request ({r['hooks_pct_of_step']:.2f}% of a step) before "
-                 f"the answer, {r['after_send_us']:.1f} us ({r['after_send_pct_of_step']:.2f}%) after it]"))
+                 f"the answer, {r['after_send_us']:.1f} us ({r['after_send_pct_of_step']:.2f}%) after it, "
+                 f"{r['drained_us']:.1f} us ({r['drained_pct_of_step']:.2f}%) in the drainer]"))
     if a.json:
         Path(a.json).write_text(json.dumps({"results": results}, indent=2) + "\n")
     return 0

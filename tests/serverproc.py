@@ -257,6 +257,7 @@ def access_lines():
     function that returns the lines so far."""
     from splitlearn.server.http import accesslog
 
+    accesslog.drain()  # earlier requests' lines are not these
     buf, handler = io.StringIO(), logging.StreamHandler()
     handler.stream = buf
     handler.setFormatter(accesslog.JsonFormatter())
@@ -265,7 +266,11 @@ def access_lines():
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        yield lambda: [json.loads(line) for line in buf.getvalue().splitlines()]
+        def lines():
+            accesslog.drain()  # what was queued is logged now (the drainer would within DRAIN_S)
+            return [json.loads(line) for line in buf.getvalue().splitlines()]
+
+        yield lines
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -2,7 +2,8 @@
 
 :func:`begin` (the app's first ``before_request`` hook) starts the clock and names the request;
 :func:`finish` (``after_request``) names it in the answer; once the answer is sent (the
-response's close) :func:`record` counts it in :mod:`.metrics` and logs one line on
+response's close) :func:`record` queues it, to be counted in :mod:`.metrics` and logged (within
+``DRAIN_S``, or at a scrape) as one line on
 ``splitlearn.server.http.accesslog`` (INFO) with ``request_id``, ``tenant``, ``method``,
 ``route``, ``status``, ``bytes_in``, ``bytes_out``, ``ms`` and, on a 500, ``incident``. The
 JSON formatter is written by hand (``python-json-logger`` is not a dependency). Fields and
@@ -10,12 +11,15 @@ formats: docs/OPERATIONS.md, 'Logs'.
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import dataclasses
 import functools
 import json
 import logging
 import re
 import secrets
+import threading
 import time
 from typing import Optional
 
@@ -41,7 +45,10 @@ class ClosingClient(FlaskClient):
 
 
 def install(app, metrics: Optional[ServerMetrics]) -> None:
-    """The hooks on ``app``: :func:`begin` first, :func:`finish` last."""
+    """The hooks on ``app``: :func:`begin` first, :func:`finish` last; a scrape of ``metrics``
+    drains the queued records first."""
+    if metrics is not None:
+        metrics.before_scrape = drain
     app.before_request(lambda: begin(request, g))
     app.after_request(lambda resp: finish(request._get_current_object(), g, resp, metrics))
     app.test_client_class = ClosingClient
@@ -88,10 +95,52 @@ class Access:
     incident: Optional[str] = None  # a 500's incident id
 
 
+#: answered requests not yet counted and logged: :func:`drain` empties it (a deque: appends and
+#: pops from several threads lose nothing)
+_pending: collections.deque = collections.deque()
+_drainer: Optional[threading.Thread] = None
+_drainer_lock = threading.Lock()
+DRAIN_S = 0.05  # the drainer's period: lines reach the log at most this late; a scrape drains first
+
+
 def record(a: Access, metrics: Optional[ServerMetrics]) -> None:
-    """Count ``a`` in ``metrics`` and log its line. Called once the answer has been handed to
-    the connection (the WSGI server closes the response after writing it; the unix door
-    likewise), so neither costs the caller's round trip (benchmarks/observability.py)."""
+    """Count ``a`` in ``metrics`` and log its line, soon: called once the answer has been
+    handed to the connection (the WSGI server closes the response after writing it; the unix
+    door likewise), it only queues ``a``; the drainer thread (every ``DRAIN_S``), a scrape of
+    the metrics (:meth:`~.metrics.ServerMetrics.exposition` and ``--metrics-port``) and the
+    process's exit do the work, many records at a time, so the next request on the
+    connection does not wait for it (benchmarks/observability.py)."""
+    _pending.append((a, metrics))
+    if _drainer is None:
+        _start_drainer()
+
+
+def _start_drainer() -> None:
+    global _drainer
+    with _drainer_lock:
+        if _drainer is None:
+            _drainer = threading.Thread(target=_drain_forever, name="accesslog-drain", daemon=True)
+            _drainer.start()
+            atexit.register(drain)
+
+
+def _drain_forever() -> None:
+    while True:
+        time.sleep(DRAIN_S)
+        drain()
+
+
+def drain() -> None:
+    """Count and log every queued record now, in the order they were answered."""
+    while True:
+        try:
+            a, metrics = _pending.popleft()
+        except IndexError:
+            return
+        _write(a, metrics)
+
+
+def _write(a: Access, metrics: Optional[ServerMetrics]) -> None:
     try:
         if metrics is not None:
             metrics.observe(a.route, a.method, a.status, a.tenant, a.seconds, a.bytes_in, a.bytes_out)

@@ -10,7 +10,7 @@ docs/OPERATIONS.md, 'Metrics'.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -34,6 +34,8 @@ class ServerMetrics:
     def __init__(self, rt, memory=None, state=None):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        self.before_scrape: Optional[Callable[[], None]] = None  # accesslog.drain: requests answered, counted first
+        r.register(_BeforeScrape(self))  # the first collector: any scrape (GET /metrics, --metrics-port) runs it
         self.requests = Counter("splitlearn_requests", "Requests answered by the app",
                                 ("route", "method", "status", "tenant"), registry=r)
         self.duration = Histogram("splitlearn_request_duration_seconds", "Time in the app per request",
@@ -92,6 +94,21 @@ class ServerMetrics:
             raise ConfigError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: {e}") from None
         log.info("metrics on http://127.0.0.1:%d/metrics", port)
         return server
+
+
+class _BeforeScrape:
+    """Registered first: runs the metrics' ``before_scrape`` as a scrape begins; no families."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        if self.metrics.before_scrape is not None:
+            self.metrics.before_scrape()
+        return []
 
 
 class _StateCollector:
