@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     a.add_argument("--calls", type=int, default=300)
     a.add_argument("--only-generate", action="store_true", help="skip the transport cases (with --generate or --seed-workload)")
     a.add_argument("--pinned", action="store_true", help="two devices emulated: the server on core 1, "
-                                                         "the client on core 0 (transport cases)")
+                                                         "the client on core 0 (transport cases and --generate)")
     a.add_argument("--rounds", type=int, default=5)
     a.add_argument("--cores", default=None, help="pin client and server to these cores, e.g. 0,1")
     a.add_argument("--generate", default=None, metavar="MODEL",
@@ -260,7 +260,11 @@ def main(argv=None) -> int:
                   "--listen", "unix://" + gpath, "--device", args.device]  # one torch thread each side: two cores, shared
         for c in args.generate_cuts.split(","):
             gflags += ["--cut", c]
+        if args.pinned:  # two devices emulated: the server on core 1, the client (and the unsplit model) on core 0
+            os.sched_setaffinity(0, {1})
         with LocalServer(gflags, env=env) as srv:
+            if args.pinned:
+                os.sched_setaffinity(0, {0})
             for r in generation(srv.url, "unix://" + gpath, srv.token, args.generate, 0, args.new_tokens, 8,
                                 args.rounds, args.device):
                 print(json.dumps(r))

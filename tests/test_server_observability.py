@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import shutil
+import time
 
 import pytest
 import requests
@@ -161,6 +162,27 @@ def test_one_json_access_line_per_request_with_its_fields(app, access):
     assert re.fullmatch(r"[0-9a-f]{16}", lines[2]["request_id"]) and bad_id.headers[P.REQUEST_ID_HEADER] == lines[2]["request_id"]
     assert lines[1]["bytes_out"] == len(mine.get_data())
     assert not any(TOKEN in json.dumps(x) or OTHER in json.dumps(x) for x in lines)
+
+
+def test_lines_and_counts_come_after_the_answer_and_a_scrape_counts_every_answered_request(app, monkeypatch):
+    """The answer does not wait for its line or its count (both queued); nothing queued is lost:
+    a scrape drains the queue first, and the drainer writes the lines by itself."""
+    accesslog.drain()
+    monkeypatch.setattr(accesslog, "_drainer", "stopped")  # no background drains in this test
+    c = app.test_client()
+    with access_lines() as lines:
+        for _ in range(3):
+            assert c.get(P.INFO, headers=auth(OTHER)).status_code == 200
+        assert len(accesslog._pending) == 3  # answered, not yet counted or logged
+        count = value(scrape(c)[0], "splitlearn_requests_total", route=P.INFO, method="GET", status="200", tenant="mallory")
+        assert count == 3 and len(accesslog._pending) == 1  # the scrape's own request, answered after it
+        assert [x["route"] for x in lines()] == [P.INFO] * 3 + [P.METRICS]
+    monkeypatch.undo()
+    c.get(P.INFO, headers=auth(OTHER))  # the drainer (started by a record if need be) writes it by itself
+    deadline = time.monotonic() + 5
+    while accesslog._pending:
+        assert time.monotonic() < deadline, "the drainer did not drain"
+        time.sleep(0.01)
 
 
 def test_a_500_logs_its_incident(app, access):

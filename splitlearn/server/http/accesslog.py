@@ -100,6 +100,7 @@ class Access:
 _pending: collections.deque = collections.deque()
 _drainer: Optional[threading.Thread] = None
 _drainer_lock = threading.Lock()
+_drain_lock = threading.Lock()
 DRAIN_S = 0.05  # the drainer's period: lines reach the log at most this late; a scrape drains first
 
 
@@ -131,13 +132,15 @@ def _drain_forever() -> None:
 
 
 def drain() -> None:
-    """Count and log every queued record now, in the order they were answered."""
-    while True:
-        try:
-            a, metrics = _pending.popleft()
-        except IndexError:
-            return
-        _write(a, metrics)
+    """Count and log every queued record now, in the order they were answered (one drain at a
+    time: the drainer's and a scrape's do not interleave their lines)."""
+    with _drain_lock:
+        while True:
+            try:
+                a, metrics = _pending.popleft()
+            except IndexError:
+                return
+            _write(a, metrics)
 
 
 def _write(a: Access, metrics: Optional[ServerMetrics]) -> None:
