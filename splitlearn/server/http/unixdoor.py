@@ -30,6 +30,7 @@ import torch
 
 from ... import protocol as P
 from ...errors import BadRequest, ConfigError, PayloadTooLarge, RequestTimeout, SplitLearnError, Unauthorized
+from ...transport import cudaregion
 from ...transport import unixframe as F
 from ...wire import MAX_HEADER, DeviceBody, Encoded
 from .direct import Direct
@@ -283,7 +284,6 @@ class _Conn:
             raise BadRequest('HELLO\'s device must be {"bytes": N, "uuid": "..."}')
         if self.door.device is None:
             return
-        from ...transport import cudaregion  # only where a GPU serves
         if device["uuid"] != cudaregion.uuid(self.door.device):
             return  # another GPU: its memory is not this server's to map
         try:
