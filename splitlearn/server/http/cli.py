@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ...errors import ConfigError, SplitLearnError
@@ -113,9 +114,11 @@ def serve(cfg: ServerConfig) -> None:
     print(f"splitlearn server: {what} at {' and '.join(where)} (ready)", file=sys.stderr, flush=True)
     if server is not None:
         server.run()
-    else:  # --no-tcp: the doors' threads serve; this one waits for SIGTERM/SIGINT
+    else:  # --no-tcp: the doors' threads serve; this one waits for SIGTERM/SIGINT. Not
+        # signal.pause(): a signal the kernel hands to another thread never wakes it, while a
+        # sleep returns and runs the handler Python has pending (within the half second)
         while True:
-            signal.pause()
+            time.sleep(0.5)
 
 
 def main(argv=None) -> int:
