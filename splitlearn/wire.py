@@ -186,7 +186,10 @@ def _header(body) -> tuple[object, int]:
 
 def read_metadata(body: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors buffer, checking the header's framing."""
-    header = _header(body)[0]
+    return _metadata(_header(body)[0])
+
+
+def _metadata(header) -> dict[str, str]:
     meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise BadRequest("safetensors __metadata__ must map strings to strings")
@@ -249,9 +252,8 @@ def decode_view(body: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, st
     """:func:`decode` of a buffer without copying it first: the header checked (:func:`_spans`),
     then each tensor copied out of ``body`` into memory of its own. Written by hand: the
     safetensors library reads only ``bytes`` (a copy of the whole body first)."""
-    meta = read_metadata(body)
     header, start = _header(body)
-    out = {}
+    meta, out = _metadata(header), {}
     for begin, _, name, dtype, shape, count in _spans(header, len(body) - start):
         if count == 0:
             out[name] = torch.empty(shape, dtype=dtype)
@@ -264,8 +266,8 @@ def decode_device(body: DeviceBody) -> tuple[dict[str, torch.Tensor], dict[str, 
     """:func:`decode` of a :class:`DeviceBody`: the header checked as :func:`decode_view` checks
     it, each tensor copied out of the device region once (a new allocation: aligned for its
     dtype, and the region may be rewritten once this returns)."""
-    meta = read_metadata(body.head)
     header, start = _header(body.head)
+    meta = _metadata(header)
     if start != len(body.head):
         raise BadRequest(f"a device body's inline part is its safetensors header only "
                          f"({start} bytes), got {len(body.head)}")
