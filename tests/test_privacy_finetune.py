@@ -240,3 +240,30 @@ def test_perplexity_without_the_server(tiny_model):
                            max_private_tokens=32).perplexity_without_server is None
     with pytest.raises(ConfigError, match="U-shape"):
         perplexity_without_server(tiny_model, (2,), ids)
+
+
+def test_perplexity_with_the_server_update_averaged(tiny_model):
+    """U-shape rows say what the server's update is worth about the text: each window's update
+    replaced by the mean of the other windows'; identical windows give the split perplexity,
+    different ones a different value; the residual design; 2-way and one window refused."""
+    from splitlearn.privacy import GaussianNoise, measure_leakage
+    from splitlearn.privacy.cli import to_markdown
+    from splitlearn.privacy.meter import perplexities, perplexity_mean_update
+
+    ids = public_windows(4)
+    same = ids[:1].repeat(3, 1)  # (3, T): one window thrice
+    split = perplexities(tiny_model, (1, 3), same, None)[0]
+    assert perplexity_mean_update(tiny_model, (1, 3), same) == pytest.approx(split, rel=1e-4)
+    assert perplexity_mean_update(tiny_model, (1, 3), ids) != pytest.approx(
+        perplexities(tiny_model, (1, 3), ids, None)[0], rel=1e-4)
+    d = GaussianNoise(sigma=0.0, clip=1e6, residual=True)  # nothing clipped nor noised: the plain U-shape
+    assert perplexity_mean_update(tiny_model, (1, 3), same, d) == pytest.approx(split, rel=1e-4)
+    r = measure_leakage(tiny_model, (1, 3), attacks=("linear",), seq_len=16, max_private_tokens=64)
+    assert r.perplexity_mean_update is not None
+    assert "server's update averaged" in to_markdown({"rows": [r.as_dict()]})
+    assert measure_leakage(tiny_model, 1, attacks=("linear",), seq_len=16,
+                           max_private_tokens=32).perplexity_mean_update is None
+    with pytest.raises(ConfigError, match="U-shape"):
+        perplexity_mean_update(tiny_model, (2,), ids)
+    with pytest.raises(ConfigError, match=">= 2 windows"):
+        perplexity_mean_update(tiny_model, (1, 3), ids[:1])

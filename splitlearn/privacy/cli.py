@@ -293,12 +293,13 @@ def to_markdown(data: dict) -> str:
     knows = any(r.get("attacker_knows", "finetuned") != "finetuned" for r in data["rows"])
     grads = any(r.get("token_recovery_gradient") is not None for r in data["rows"])
     specs = any(r.get("speculative") for r in data["rows"])
+    mean_update = any(r.get("perplexity_mean_update") is not None for r in data["rows"])
     head = (["cut", "defense", "fine-tuned"] + (["attacker knows"] if knows else [])
             + [f"ε (δ={data['rows'][0]['delta'] or 1e-5:g}, per window)"]
             + attacks + ["best"] + (["gradient at cut 2"] if grads else [])
             + (["speculative: released (beyond plain)", "speculative: recovered (rejected drafts)"] if specs else [])
-            + ["perplexity", "× undefended", "at test time", "without server", "labels to server",
-               "s (fine-tune + meter)"])
+            + ["perplexity", "× undefended", "at test time", "without server"]
+            + (["server's update averaged"] if mean_update else []) + ["labels to server", "s (fine-tune + meter)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
         cut = ",".join(map(str, r["cut"]))
@@ -318,8 +319,10 @@ def to_markdown(data: dict) -> str:
                  + [f"{r['attacks'][a]:.3f}" if a in r["attacks"] else "" for a in attacks]
                  + [f"**{r['token_recovery']:.3f}** ({r['best_attack']})"] + gcell + [f"{r['perplexity']:.2f}",
                     f"{r['perplexity'] / undef:.2f}", "" if test_time is None else f"{test_time:.2f}",
-                    "" if r.get("perplexity_without_server") is None else f"{r['perplexity_without_server']:.2f}",
-                    "yes" if r["labels_reach_server"] else "no",
+                    "" if r.get("perplexity_without_server") is None else f"{r['perplexity_without_server']:.2f}"]
+                 + ([] if not mean_update else ["" if r.get("perplexity_mean_update") is None
+                                              else f"{r['perplexity_mean_update']:.2f}"])
+                 + ["yes" if r["labels_reach_server"] else "no",
                     f"{r.get('finetune_seconds') or 0:.0f} + {r['seconds']:.0f}"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -52,6 +52,7 @@ class LeakageReport:
     releases_finetune: Optional[int] = None   # released vectors that can depend on it (mean)
     finetune: Optional[dict] = None      # the fine-tuning's finetune.json
     perplexity_without_server: Optional[float] = None  # U-shape: the server's blocks skipped
+    perplexity_mean_update: Optional[float] = None  # U-shape: the server's update averaged over other windows
     attacker_knows: str = "finetuned"    # weights the attacker uses: the client's own ("finetuned",
                                          # fine-tuned where the row was) or the public reference's
     token_recovery_gradient: Optional[float] = None  # U-shape training: best attack on the gradient
@@ -120,6 +121,43 @@ def perplexity_without_server(model, cut: tuple[int, ...], ids: torch.Tensor, ba
     for i in range(0, len(ids), batch):
         x = ids[i:i + batch].to(dev)  # (b, T)
         loss += loss_from_logits(part.segments[2](part.bottom(x)), x).item() * len(x)
+    return math.exp(loss / len(ids))
+
+
+@torch.no_grad()
+def perplexity_mean_update(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Optional[Defense] = None,
+                           seed: int = 0, batch: int = 32) -> float:
+    """U-shape: the perplexity of ``ids`` (N, T), N >= 2, when the server's *update* (its output minus
+    its input) for window i is replaced by the mean, per position, of its updates for the *other*
+    windows (defended as sent), added to what the client's last blocks otherwise take (the clean
+    activations with the residual design, what was sent without it). That keeps the part of the
+    server's contribution that does not depend on the text (its mean, the positions) and drops the
+    part that does: ``perplexity_mean_update - perplexity`` is what the server contributes *about the
+    text*, where ``perplexity_without_server - perplexity`` also counts a fixed offset the client's
+    last blocks learned to expect."""
+    if len(cut) != 2:
+        raise ConfigError(f"the server's update is averaged only in a U-shape, got cut {tuple(cut)}")
+    if len(ids) < 2:
+        raise ConfigError(f"averaging the server's update over the other windows needs >= 2 windows, "
+                          f"got {len(ids)}")
+    part = partition(model, cut)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    residual = uses_residual(defense, cut)
+    bases, updates = [], []
+    for i in range(0, len(ids), batch):
+        x = ids[i:i + batch].to(dev)  # (b, T)
+        clean = part.bottom(x)  # (b, T, d)
+        y = clean if defense is None else defense.apply(clean, generator=gen)  # (b, T, d)
+        bases.append(clean if residual else y)
+        updates.append(part.segments[1](y) - y)  # (b, T, d)
+    base, update = torch.cat(bases), torch.cat(updates)  # (N, T, d) each
+    others = (update.sum(0, keepdim=True) - update) / (len(ids) - 1)  # (N, T, d): leave-one-out means
+    loss = 0.0
+    for i in range(0, len(ids), batch):
+        x = ids[i:i + batch].to(dev)
+        logits = part.segments[2](base[i:i + batch] + others[i:i + batch])  # (b, T, V)
+        loss += loss_from_logits(logits, x).item() * len(x)
     return math.exp(loss / len(ids))
 
 
@@ -295,6 +333,8 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
     ppl, ppl_whole = perplexities(model, cut, priv_ids, defense, seed)
     two_way = len(cut) == 1
     ppl_alone = None if two_way else perplexity_without_server(model, cut, priv_ids)
+    ppl_mean = (None if two_way or len(priv_ids) < 2 else
+                perplexity_mean_update(model, cut, priv_ids, defense, seed))
     if two_way:
         notes.append("2-way split: during training the labels, which are the input text itself, "
                      "are sent to the server; no defense of the activations protects them")
@@ -310,7 +350,7 @@ def _measure(model, cut, defense, texts, public_texts, tokenizer, attacks, seq_l
         cut=tuple(cut), defense=defense.describe() if defense is not None else {"name": "none"},
         token_recovery=results[best], best_attack=best, attacks=results, perplexity=ppl,
         perplexity_unsplit=ppl_whole, perplexity_undefended=ppl_whole, labels_reach_server=two_way,
-        perplexity_without_server=ppl_alone,
+        perplexity_without_server=ppl_alone, perplexity_mean_update=ppl_mean,
         training_token_recovery=1.0 if two_way else max(results[best], grad_best or 0.0),
         token_recovery_gradient=grad_best,
         gradient_attacks=grad_results, epsilon=eps, epsilon_gradient=eps_g, epsilon_training=eps_t,
