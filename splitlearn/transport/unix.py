@@ -103,10 +103,19 @@ class Connection(AnswerWait):
                     meta["device"] = {"bytes": dev[0].size, "uuid": cudaregion.uuid(device)}
             head = F.pack(F.HELLO, meta)
             self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        except BaseException:
+            if dev is not None:
+                dev[0].close()
+            raise
         finally:
             for f in fds:
                 os.close(f)
-        status, headers, content = self._read_answer()
+        try:
+            status, headers, content = self._read_answer()
+        except BaseException:
+            if dev is not None:
+                dev[0].close()
+            raise
         if status != 200:
             if dev is not None:
                 dev[0].close()
