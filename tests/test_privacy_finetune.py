@@ -132,7 +132,7 @@ def test_rows_of_fine_tuned_defenses(tmp_path, monkeypatch):
     assert noise["releases_finetune"] == per_token * 16 and noise["epsilon_finetune"] >= noise["epsilon"]
     assert noise["perplexity_test_time"] is not None
     preset = recommended("u", (1, 3))
-    assert rec["defense"] == preset.defense(noise["defense"]["clip"]).describe()
+    assert rec["defense"] == preset.defense(noise["defense"]["clip"], rec["defense"]["grad_clip"]).describe()
     assert rec["finetune_steps"] == 4 and [r["preset"] for r in rows] == [None, None, "recommended"]
     # a second run reads the fine-tuned models from the cache: the same rows
     stamp = sorted(p.stat().st_mtime_ns for p in tmp_path.rglob("finetune.json"))
@@ -190,11 +190,14 @@ def test_residual_design_needs_a_u_shape(tiny_model):
 def test_recommended_preset():
     p = recommended("u", (1, 5))
     assert isinstance(p, Preset) and p.cut == (1, 5) and p.train_steps > 0
-    d = p.defense(clip=2.0)
-    assert d.clip == 2.0 and d.describe()["name"].startswith("gaussian")
+    d = p.defense(clip=2.0, grad_clip=0.5)
+    assert d.clip == 2.0 and d.grad_clip == 0.5 and d.describe()["name"].startswith("gaussian")
     assert recommended("2-way", 3).cut == (3,)
+    assert recommended("2-way", 3).defense(clip=2.0, grad_clip=0.5).grad_clip is None  # no gradient defense
     with pytest.raises(ConfigError, match="clip"):
         p.defense()
+    with pytest.raises(ConfigError, match="grad_clip"):
+        p.defense(clip=2.0)
     with pytest.raises(ConfigError, match="unknown split shape"):
         recommended("v", 1)
     with pytest.raises(ConfigError, match="2 cut"):

@@ -189,3 +189,38 @@ def test_training_still_learns_with_moderate_gradient_noise(tmp_path, tiny_model
     info = finetune_info(path)
     assert info["defense"] == d.describe() and info["defense"]["grad_sigma"] == 1.0
     assert info["loss_last"] < info["loss_first"]
+
+
+# -- the recommended preset's gradient clip follows the model ---------------------------------------
+
+
+def test_recommended_grad_clip_is_the_median_gradient_norm_and_an_explicit_one_wins(tmp_path, tiny_model):
+    """``--defense recommended`` clips the gradient at the second cut to its median per-token norm
+    on public text (as its activation clip is the median activation norm); a spec's own grad_clip
+    is kept as given."""
+    import json
+
+    from splitlearn.privacy import Preset, recommended
+    from splitlearn.privacy.cli import main as meter_main
+    from splitlearn.privacy.meter import (cut_gradients, default_tokenizer, median_token_grad_norm, split_corpus,
+                                          windows)
+
+    med = median_token_grad_norm(tiny_model, CUT, seq_len=16)
+    assert med > 0
+    # the median of the per-token norms of the (undefended) gradient, the last position excluded
+    ids = windows(default_tokenizer(tiny_model), split_corpus()[0], 16)
+    g = cut_gradients(tiny_model, CUT, ids, None)
+    assert med == pytest.approx(g[:, :-1].norm(dim=-1).median().item())
+    out = tmp_path / "out.json"
+    assert meter_main(["--model", "tiny", "--cut", "1,3", "--defense", "recommended",
+                       "--defense", "gaussian:sigma=4,residual=1,grad_sigma=2,grad_clip=0.123",
+                       "--defense-train-steps", "0", "--attacks", "linear", "--epochs", "1", "--seq-len", "16",
+                       "--max-private-tokens", "32", "--no-progress", "--json", str(out)]) == 0
+    none, rec, mine = json.loads(out.read_text())["rows"]
+    assert rec["preset"] == "recommended" and rec["defense"]["grad_clip"] == pytest.approx(med)
+    assert rec["defense"]["grad_sigma"] == 2.0
+    assert mine["defense"]["grad_clip"] == pytest.approx(0.123)  # the user's spec wins
+    # the library: the preset takes the measured clip, and a preset that fixes grad_clip keeps it
+    assert recommended("u", CUT).defense(clip=1.0, grad_clip=med).grad_clip == med
+    fixed = Preset("u", CUT, "gaussian:sigma=4,residual=1,grad_sigma=2,grad_clip=1", 0, "")
+    assert fixed.defense(clip=1.0, grad_clip=med).grad_clip == 1.0

@@ -3,7 +3,9 @@ strength (commands there, 'Reproduce, or measure your own checkpoint').
 
 Every cut is measured without a defense, with ``GaussianNoise(sigma, clip)`` per ``--sigma`` and with
 each ``--defense NAME[:FIELD=V,...]`` (``recommended``: :func:`~.presets.recommended`); ``--clip``
-defaults to the median per-token norm at the cut. With ``--defense-train-steps N`` every defended
+defaults to the median per-token norm at the cut (and the U-shape ``recommended`` preset's gradient
+clip to the median per-token norm of the gradient sent back at the second cut:
+:func:`~.meter.median_token_grad_norm`). With ``--defense-train-steps N`` every defended
 row is measured on the model fine-tuned N steps *with* its defense, over the split
 (:func:`splitlearn.defensetrain.finetune_defense`, cached), the attackers trained on that model's
 activations. With ``--speculative-attack`` every row also attacks the positions an assisted
@@ -30,7 +32,8 @@ from ..errors import SplitLearnError
 from ..loading import is_spec_source, load_model
 from .attacks import ATTACKS, LEARNED, AttackConfig
 from .defenses import GaussianNoise, parse_defense
-from .meter import default_tokenizer, measure_leakage, median_token_norm, perplexities, private_windows
+from .meter import (default_tokenizer, measure_leakage, median_token_grad_norm, median_token_norm, perplexities,
+                    private_windows)
 from .presets import recommended
 from .reference import finetune_info, reference_info, train_reference
 
@@ -102,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defense_rows(args, cut, clip):
+def _defense_rows(args, cut, clip, grad_clip=None):
     """[(defense or None, fine-tuning steps, preset name or None)] of ``cut``: none, each --sigma,
     each --defense."""
     rows = [(None, 0, None)]
@@ -112,7 +115,7 @@ def _defense_rows(args, cut, clip):
     for spec in args.defenses:
         if spec == "recommended":
             preset = recommended("u" if len(cut) == 2 else "2-way", cut)
-            rows.append((preset.defense(clip), preset.train_steps if steps is None else steps, spec))
+            rows.append((preset.defense(clip, grad_clip), preset.train_steps if steps is None else steps, spec))
         else:
             rows.append((parse_defense(spec, clip=clip), steps or 0, None))
     return rows
@@ -177,7 +180,10 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
         clip = args.clip
         if clip is None and _needs_clip(args):
             clip = median_token_norm(model, cut, tokenizer=tokenizer, seq_len=args.seq_len)
-        plan = _defense_rows(args, cut, clip)
+        grad_clip = None  # the recommended U-shape preset's gradient clip follows the model too
+        if len(cut) == 2 and "recommended" in args.defenses:
+            grad_clip = median_token_grad_norm(model, cut, tokenizer=tokenizer, seq_len=args.seq_len)
+        plan = _defense_rows(args, cut, clip, grad_clip)
         if any(n for _, n, _ in plan):
             if finetune is None:
                 raise SplitLearnError("defense-aware fine-tuning runs through the model classes: use "

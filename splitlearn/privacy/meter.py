@@ -435,3 +435,22 @@ def median_token_norm(model, cut: Union[int, Sequence[int]], *, texts: Optional[
     h = bottom_activations(partition(model, cut).bottom, ids)  # (N, T, d)
     model.train(was)
     return h.norm(dim=-1).median().item()
+
+
+def median_token_grad_norm(model, cut: Union[int, Sequence[int]], *, texts: Optional[Sequence[str]] = None,
+                           tokenizer=None, seq_len: int = 32) -> float:
+    """Median L2 norm of the per-token gradient the client sends back at the second cut of a
+    U-shape (:func:`cut_gradients`: the language-model loss summed over the tokens, no defense) on
+    public text, over the positions that predict a token: a natural ``grad_clip`` for
+    :class:`~.defenses.GaussianNoise` (half the tokens are clipped), as :func:`median_token_norm`
+    is for ``clip``. Raises :class:`ConfigError` for a cut that is not a U-shape."""
+    cut = validate_cuts(cut, model.config.n_layer)
+    if len(cut) != 2:
+        raise ConfigError(f"the gradient sent back at the second cut needs a U-shape, got cut {tuple(cut)}")
+    tokenizer = tokenizer or default_tokenizer(model)
+    ids = windows(tokenizer, texts if texts is not None else split_corpus()[0], seq_len)
+    was = model.training
+    model.eval()
+    g = cut_gradients(model, cut, ids, None)  # (N, T, d); the last position predicts nothing
+    model.train(was)
+    return g[:, :-1].norm(dim=-1).median().item()
