@@ -8,6 +8,7 @@ Flask's test client for the rules and the metrics' values; the last test a real
 loopback port, ``--log-format json`` on its stderr, the front door letting the probe through.
 """
 import json
+import socket
 import sys
 import time
 
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitlearn import protocol as P
 from splitlearn.loading import load_config
-from splitlearn.localserver import ChildServer, free_port
+from splitlearn.localserver import ChildServer
 from splitlearn.errors import ConfigError
 from splitlearn.server.engine.tenants import Tenants
 from splitlearn.server.federation import tickets
@@ -162,7 +163,10 @@ def test_a_real_fed_server_serves_ready_metrics_on_loopback_and_json_access_line
     token = "fed-op-7c1e9a3b5d2f4e60"
     secret = tmp_path / "fed.secret"
     secret.write_bytes(SECRET)
-    port, mport = free_port(), free_port()
+    with socket.socket() as a, socket.socket() as b:  # two distinct ports (free_port twice may give one twice)
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        port, mport = a.getsockname()[1], b.getsockname()[1]
     cmd = [sys.executable, "-m", "splitlearn.server.federation.fedserver", "--model", "tiny", "--cut", "1", "--cut",
            "3", "--fed-secret-file", str(secret), "--port", str(port), "--metrics-port", str(mport),
            "--log-format", "json"]
