@@ -224,8 +224,10 @@ def speculative_releases(source: Union[str, Path], cut: Union[int, Sequence[int]
                                                        is not None else args[0]).detach()[0].clone()),
             with_kwargs=True)
         kw = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=model.config.eos_token_id or 0)
-        kw.update(assistant_model=free_draft(model)) if draft == "free" else kw.update(
-            prompt_lookup_num_tokens=draft_tokens)
+        if draft == "free":
+            kw["assistant_model"] = free_draft(model)
+        else:
+            kw["prompt_lookup_num_tokens"] = draft_tokens
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(seed + 1000)  # the defense's noise draws

@@ -63,6 +63,8 @@ class Restep:
     after each (:meth:`pack_new`), and go in with them (:meth:`install`). Without it the first
     decode step after each training step packed the whole trunk again (~0.3 s, GPT-2 small)."""
 
+    key = staticmethod(_key)  # what a copy was made from: (version, storage)
+
     def __init__(self):
         self._ahead: list[tuple[torch.Tensor, _Packed, torch.Tensor]] = []
 

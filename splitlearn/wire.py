@@ -104,15 +104,15 @@ class Encoded:
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         self.device = next((v.device for v in tensors.values() if v.is_cuda), None) if keep_device else None
         where = self.device or "cpu"
-        cpu = {str(k): v.detach().to(where).contiguous() for k, v in tensors.items()}
-        if sys.byteorder != "little" or any(v.dtype not in _ST_DTYPES for v in cpu.values()):
-            cpu = {k: v.cpu() for k, v in cpu.items()}
-            self.head, self.tensors, self.device = st_save(cpu, metadata=meta), [], None  # the library handles the rest
+        moved = {str(k): v.detach().to(where).contiguous() for k, v in tensors.items()}
+        if sys.byteorder != "little" or any(v.dtype not in _ST_DTYPES for v in moved.values()):
+            moved = {k: v.cpu() for k, v in moved.items()}
+            self.head, self.tensors, self.device = st_save(moved, metadata=meta), [], None  # the library handles the rest
             self.nbytes = len(self.head)
             return
         header: dict = {"__metadata__": meta} if meta else {}
         offset = 0
-        for name, v in cpu.items():
+        for name, v in moved.items():
             n = v.numel() * v.element_size()
             header[name] = {"dtype": _ST_DTYPES[v.dtype], "shape": list(v.shape),
                             "data_offsets": [offset, offset + n]}
@@ -120,7 +120,7 @@ class Encoded:
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.head = struct.pack("<Q", len(head)) + head
-        self.tensors = [v for v in cpu.values() if v.numel()]
+        self.tensors = [v for v in moved.values() if v.numel()]
         self.nbytes = len(self.head) + offset
 
     def __len__(self) -> int:
@@ -162,6 +162,10 @@ class DeviceBody:
 
     def __len__(self) -> int:
         return len(self.head) + self.data.numel()
+
+    def tobytes(self) -> bytes:
+        """The whole body in host memory (as ``memoryview.tobytes``)."""
+        return self.head + self.data.cpu().numpy().tobytes()
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> bytes:

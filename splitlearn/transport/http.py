@@ -481,11 +481,10 @@ class Transport:
             status, header, content = resp.status_code, resp.headers.get, resp.content
         else:
             status, header, content = self._lean_answer(p)
-        if isinstance(content, memoryview) and (not view or status >= 400):
-            content = content.tobytes()
-        elif isinstance(content, DeviceBody) and (not view or status >= 400):
-            body, content = content, content.head + content.data.cpu().numpy().tobytes()
-            body.release()
+        if isinstance(content, (memoryview, DeviceBody)) and (not view or status >= 400):
+            body, content = content, content.tobytes()
+            if isinstance(body, DeviceBody):
+                body.release()
         if status >= 400:
             raise self._error(status, header, content)
         s = self.stats

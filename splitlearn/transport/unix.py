@@ -111,19 +111,19 @@ class Connection(AnswerWait):
             for f in fds:
                 os.close(f)
         try:
-            status, headers, content = self._read_answer()
+            meta, content = self._read_frame()
         except BaseException:
             if dev is not None:
                 dev[0].close()
             raise
-        if status != 200:
+        if meta.get("status") != 200:
             if dev is not None:
                 dev[0].close()
             raise _Refused(f"the server refused this connection's shared region: "
                            f"{content[:300].decode('utf-8', 'replace')}")
         self.size = size
         if dev is not None:
-            if self.last_meta.get("device_bytes") == dev[0].size:
+            if meta.get("device_bytes") == dev[0].size:
                 self.device_region = dev[0]
             else:  # a server without a GPU, or on another one: tensors cross through host memory
                 dev[0].close()
@@ -177,12 +177,7 @@ class Connection(AnswerWait):
         """``(status, headers, content)``; ``view``: an answer in the region comes as a
         ``memoryview`` of it (a :class:`~splitlearn.wire.DeviceBody` from the device region),
         valid until this connection's next request (else copied out)."""
-        kind, meta_len, body_len = F.unpack_header(self.reader.take(F.HEADER.size), 1 << 40)
-        if kind != F.ANSWER:
-            raise F.FrameError(f"the server sent a kind-{kind} frame")
-        meta = F.parse_meta(self.reader.take(meta_len))
-        content = bytes(self.reader.take(body_len)) if body_len else b""
-        self.last_meta = meta  # (HELLO's answer: what the server mapped)
+        meta, content = self._read_frame()
         try:
             if "region" in meta:
                 off, length = F.span(meta["region"], self.size)
@@ -192,14 +187,21 @@ class Connection(AnswerWait):
                 dev = self.device_region
                 off, length = F.span(meta["device"], dev.size if dev is not None else 0)
                 data = dev.tensor[off:off + length]
-                if view:  # decoded on the device; the region is free again once the copies are done
-                    content = DeviceBody(content, data, torch.cuda.current_stream(dev.device).synchronize)
-                else:
-                    content = content + data.cpu().numpy().tobytes()
+                # decoded on the device (the region is free again once the copies are done), or copied out
+                content = DeviceBody(content, data, torch.cuda.current_stream(dev.device).synchronize)
+                content = content if view else content.tobytes()
             headers = _Headers((str(k).lower(), str(v)) for k, v in meta.get("headers", []))
             return int(meta["status"]), headers, content
         except (KeyError, TypeError, ValueError) as e:  # not an answer this client can read
             raise F.FrameError(f"malformed answer from the server: {e}") from None
+
+    def _read_frame(self) -> tuple[dict, bytes]:
+        """An ANSWER frame's meta and inline body."""
+        kind, meta_len, body_len = F.unpack_header(self.reader.take(F.HEADER.size), 1 << 40)
+        if kind != F.ANSWER:
+            raise F.FrameError(f"the server sent a kind-{kind} frame")
+        meta = F.parse_meta(self.reader.take(meta_len))
+        return meta, (bytes(self.reader.take(body_len)) if body_len else b"")
 
     def close(self) -> None:
         try:

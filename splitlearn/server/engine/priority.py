@@ -55,6 +55,8 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from ...packed import Restep
+
 POLICIES = ("decode-first", "fifo")
 CLASSES = ("decode", "prefill", "training", "other")
 BURST_S = 0.25  # seconds of decode the points may run ahead of their share (the bucket's size)
@@ -240,8 +242,6 @@ def step_in_parts(opt: torch.optim.Optimizer, point: Callable[[], None], part_by
     if len(parts) <= 1:
         opt.step()
         return len(parts)
-    from ...packed import Restep
-
     grads = [p.grad for p in params]
     stepped, packs = [], Restep()
     try:
@@ -249,7 +249,7 @@ def step_in_parts(opt: torch.optim.Optimizer, point: Callable[[], None], part_by
             mine = {id(p) for p in part}
             for p, g in zip(params, grads):
                 p.grad = g if id(p) in mine else None
-            old = [(p.data, (p._version, p.data_ptr())) for p in part]
+            old = [(p.data, Restep.key(p)) for p in part]
             for p in part:
                 p.data = p.detach().clone()  # stepped in a copy: the old values stay where they are
             opt.step()

@@ -377,9 +377,7 @@ class _Conn:
             return self._send_answer(status, headers, content, F.INLINE_MAX < len(content) <= self.size)
         n = content.write_data(dev.tensor)
         torch.cuda.current_stream(dev.device).synchronize()
-        self.sock.settimeout(self.door.limits.allowance_s(len(content.head)))
-        F.send_frame(self.sock, F.pack(F.ANSWER, {"status": status, "headers": headers, "device": [0, n]},
-                                       len(content.head)), content.head)
+        self._send_answer(status, headers, content.head, extra={"device": [0, n]})
 
     def _call_app(self, method, path, query, headers, body: bytes, tenant):
         """``(status, headers, content, close)``: call ``close`` once the answer is sent (WSGI)."""
