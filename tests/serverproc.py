@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -257,7 +258,11 @@ def access_lines():
     function that returns the lines so far."""
     from splitlearn.server.http import accesslog
 
-    accesslog.drain()  # earlier requests' lines are not these
+    # earlier requests' lines are not these: a server thread queues its line just after sending
+    # the answer, so the last answer a test read may queue its line a moment later
+    accesslog.drain()
+    time.sleep(2 * accesslog.DRAIN_S)
+    accesslog.drain()
     buf, handler = io.StringIO(), logging.StreamHandler()
     handler.stream = buf
     handler.setFormatter(accesslog.JsonFormatter())
