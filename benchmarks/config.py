@@ -13,6 +13,7 @@ from splitlearn.wire import WIRE_DTYPE_NAMES as WIRE_DTYPES
 
 WORKLOADS = ("codec", "overhead", "generation", "pinned", "training", "int8_drift", "concurrency",
              "server_batching")
+BASELINES = ("naive", "rpc")  # naive JSON over Werkzeug; torch.distributed.rpc
 
 
 @dataclass
@@ -27,6 +28,9 @@ class BenchConfig:
     warmup: int = 1  # untimed runs before them
     workloads: tuple[str, ...] = WORKLOADS
     wire_dtypes: tuple[str, ...] = WIRE_DTYPES
+    # the baselines compared where a workload has one (each of generation, training and
+    # overhead); the RPC one starts a child process per measurement (~14 s each on 2 cores)
+    baselines: tuple[str, ...] = BASELINES
     # stop every server and baseline between workloads, so one workload's memory does not weigh
     # on the next; the quick smoke test keeps them (process start-up is most of its time)
     restart_between_workloads: bool = True
@@ -70,6 +74,9 @@ class BenchConfig:
         unknown = set(self.workloads) - set(WORKLOADS)
         if unknown:
             raise ValueError(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+        odd = set(self.baselines) - set(BASELINES)
+        if odd:
+            raise ValueError(f"unknown baselines {sorted(odd)}; choose from {', '.join(BASELINES)}")
         bad = set(self.wire_dtypes) - set(WIRE_DTYPES)
         if bad:
             raise ValueError(f"unknown wire dtypes {sorted(bad)}; choose from {', '.join(WIRE_DTYPES)}")

@@ -83,6 +83,8 @@ class BenchContext:
 
     def naive(self):
         """The naive JSON split (U-shape), started on first use; None on CUDA runs."""
+        if "naive" not in self.cfg.baselines:
+            return None
         if "naive" not in self._baselines and self.cfg.device != "cpu":
             self.log("  naive JSON baseline: CPU only, skipped on a GPU run")
             self._baselines["naive"] = None
@@ -101,7 +103,10 @@ class BenchContext:
 
     def rpc(self):
         """The torch.distributed.rpc split (U-shape), run in a child process per measurement
-        (see :mod:`benchmarks.isolated_rpc`); None on GPU runs or where RPC is unavailable."""
+        (see :mod:`benchmarks.isolated_rpc`); None on GPU runs, where RPC is unavailable or
+        when ``--baselines`` leaves it out."""
+        if "rpc" not in self.cfg.baselines:
+            return None
         if "rpc" not in self._baselines:
             import torch.distributed.rpc as rpc
 

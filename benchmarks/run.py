@@ -3,6 +3,7 @@
     python benchmarks/run.py                       # everything, on a GPU if there is one
     python benchmarks/run.py --workloads codec,overhead --repeats 5
     python benchmarks/run.py --quick               # the tiny model, seconds (smoke test)
+    python benchmarks/run.py --baselines naive     # without the torch.distributed.rpc baseline
 
 Writes ``results.json``, ``results.md`` and ``summary.png`` to ``benchmarks/results/<device>/``
 (or ``--out``). See ``benchmarks/README.md`` for what each workload measures.
@@ -22,7 +23,7 @@ import torch  # noqa: E402
 
 from benchmarks import (codec, concurrency, generation, int8_drift, overhead, pinned, report,  # noqa: E402
                         server_batching, training)
-from benchmarks.config import WIRE_DTYPES, WORKLOADS, BenchConfig  # noqa: E402
+from benchmarks.config import BASELINES, WIRE_DTYPES, WORKLOADS, BenchConfig  # noqa: E402
 from benchmarks.context import BenchContext  # noqa: E402
 from benchmarks.timing import command_line, machine_info  # noqa: E402
 
@@ -38,6 +39,8 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path]:
     p.add_argument("--model", help="model source for every system (default: random:gpt2, GPT-2 small)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {','.join(WORKLOADS)}")
     p.add_argument("--wire-dtypes", default=",".join(WIRE_DTYPES))
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help=f"comma-separated, or empty for none: {','.join(BASELINES)}")
     p.add_argument("--repeats", type=int, help="timed runs per measurement (median reported)")
     p.add_argument("--warmup", type=int, help="untimed runs first")
     p.add_argument("--threads", type=int, help="torch threads per process (default: all cores)")
@@ -51,7 +54,8 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path]:
     over = {k: v for k, v in dict(model=a.model, repeats=a.repeats, warmup=a.warmup, threads=a.threads).items()
             if v is not None}
     over.update(workloads=tuple(w for w in a.workloads.split(",") if w),
-                wire_dtypes=tuple(w for w in a.wire_dtypes.split(",") if w), device=device)
+                wire_dtypes=tuple(w for w in a.wire_dtypes.split(",") if w),
+                baselines=tuple(b for b in a.baselines.split(",") if b), device=device)
     if device == "cuda":  # the GPU workload of the issue: bf16 training, batch 8 x seq 1024
         over.setdefault("threads", 1)
         over.update(dtype="bfloat16", train_batch=8, train_seq=1024)

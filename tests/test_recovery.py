@@ -128,40 +128,53 @@ def test_a_corrupt_checkpoint_stops_the_server_naming_the_file(tmp_path):
     assert r.returncode == 2 and str(weights) in r.stderr and "corrupt" in r.stderr
 
 
-def cli_train(srv, save, steps, *extra):
+def cli_args(srv, steps, *extra) -> list[str]:
+    return ["train", "--server", srv.url, "--model", "tiny", "--steps", str(steps), "--batch-size", "2",
+            "--seq-len", "12", "--lr", "0.01", "--device", "cpu", "--client-id", "owner", "--quiet", "--json",
+            *extra]
+
+
+def cli_train(srv, steps, *extra):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "splitlearn.client", "train", "--server", srv.url, "--model", "tiny",
-           "--steps", str(steps), "--batch-size", "2", "--seq-len", "12", "--lr", "0.01", "--device", "cpu",
-           "--client-id", "owner", "--quiet", "--json", *extra]
     env = {"SPLITLEARN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), save
+    return subprocess.Popen([sys.executable, "-m", "splitlearn.client", *cli_args(srv, steps, *extra)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
-def test_a_client_killed_mid_training_resumes_exactly(tmp_path, cuts):
-    """kill -9 of the client CLI after a few steps; `train --resume` ends where an undisturbed run ends."""
+def test_a_client_killed_mid_training_resumes_exactly(tmp_path, monkeypatch):
+    """kill -9 of the client CLI after a few steps; `train --resume` ends where an undisturbed run
+    ends. The killed client and its server are real processes; the undisturbed run is the same
+    command in this process against the same app (InprocServerProcess). U-shape: the 2-way
+    client's journal is the same code (tests/test_hf_journal.py kills model classes of both shapes)."""
     import signal
 
-    results = {}
+    from splitlearn.client.cli import main
+
+    cuts, results = (1, 3), {}
     for name in ("undisturbed", "killed"):
         d = tmp_path / name
-        with ServerProcess(cuts, checkpoint_dir=d / "server", extra=["--checkpoint-every", "4"]) as srv:
-            proc, save = cli_train(srv, d / "client", 14, "--save", str(d / "client"))
-            if name == "killed":
+        server = ServerProcess if name == "killed" else InprocServerProcess
+        with server(cuts, checkpoint_dir=d / "server", extra=["--checkpoint-every", "4"]) as srv:
+            save = d / "client"
+            if name == "undisturbed":
+                monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)
+                assert main(cli_args(srv, 14, "--save", str(save))) == 0
+            else:
+                proc = cli_train(srv, 14, "--save", str(save))
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:  # wait until it is mid-way (its log has steps)
-                    wal = list((d / "client" / "wal").glob("*.safetensors")) if (d / "client" / "wal").exists() else []
+                    wal = list((save / "wal").glob("*.safetensors")) if (save / "wal").exists() else []
                     if len(wal) >= 2 and requests_step(srv) >= 6:
                         break
                     time.sleep(0.02)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 assert proc.returncode == -signal.SIGKILL
-                proc, _ = cli_train(srv, save, 14, "--resume", str(save))
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err
+                proc = cli_train(srv, 14, "--resume", str(save))
+                out, err = proc.communicate(timeout=300)
+                assert proc.returncode == 0, err
             assert requests_step(srv) == 14
             results[name] = (srv.weights(), read_client(save))
     (sa, ca), (sb, cb) = results["undisturbed"], results["killed"]
@@ -169,11 +182,12 @@ def test_a_client_killed_mid_training_resumes_exactly(tmp_path, cuts):
 
 
 def requests_step(srv) -> int:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    if isinstance(srv, InprocServerProcess):
+        return srv.app.test_client().get(P.CLIENT_STATE.format(client_id="owner"), headers=headers).get_json()["step"]
     import requests
 
-    r = requests.get(srv.url + P.CLIENT_STATE.format(client_id="owner"), headers={"Authorization": f"Bearer {TOKEN}"},
-                     timeout=10)
-    return r.json()["step"]
+    return requests.get(srv.url + P.CLIENT_STATE.format(client_id="owner"), headers=headers, timeout=10).json()["step"]
 
 
 def read_client(save):

@@ -142,11 +142,11 @@ class DelayRelay:
                     pause = bucket.wait(len(data))
                     if pause > 0:
                         await asyncio.sleep(pause)
-                writer.write(data)
-                if up:
+                if up:  # counted before it is written: whoever has the bytes sees them counted
                     self.stats.bytes_up += len(data)
                 else:
                     self.stats.bytes_down += len(data)
+                writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
             pass
