@@ -5,7 +5,7 @@ asks again at once whenever its forward was dropped, so that it holds the shared
 ``--lease-timeout`` each time (another owner made 56 steps in 20 s against ~3,600 alone). The
 bound (splitlearn/server/engine/lease.py): a lapsing owner is demoted for timeout x 2^k after its k-th
 lapse, so in D seconds it holds the segment against a busy owner at most 1 + log2(D / timeout)
-times; here (D = 8 s, timeout 0.5 s: at most 5 holds, 2.5 s) the honest owner keeps ~2/3 of its
+times; here (D = 4 s, timeout 0.25 s: at most 5 holds, 1.25 s) the honest owner keeps ~2/3 of its
 steps alone in the worst case, and the test asks for half (a margin for a loaded machine).
 """
 import threading
@@ -23,8 +23,8 @@ from serverproc import OTHER, TOKEN, ServerProcess, auth
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # measures throughput: run alone (pytest.ini)
 
-LEASE_S = 0.5
-RUN_S = 8.0
+LEASE_S = 0.25
+RUN_S = 4.0
 KEPT = 0.5  # the honest owner's steps with the hog / alone, at least
 
 

@@ -86,8 +86,8 @@ def hog(srv, stop: threading.Event, counts: list) -> None:
 
 def slowdown(srv) -> tuple[float, int]:
     steps = []
-    train_steps(srv, 1.0, steps)  # warm-up
-    alone = statistics.median(train_steps(srv, 4.0, steps))
+    train_steps(srv, 0.5, steps)  # warm-up
+    alone = statistics.median(train_steps(srv, 2.0, steps))
     stop, counts = threading.Event(), []
     hogs = [threading.Thread(target=hog, args=(srv, stop, counts), daemon=True) for _ in range(SESSIONS)]
     for t in hogs:
@@ -95,7 +95,7 @@ def slowdown(srv) -> tuple[float, int]:
     try:
         while len(counts) < 2 * SESSIONS:
             time.sleep(0.01)
-        with_hog = statistics.median(train_steps(srv, 6.0, steps))
+        with_hog = statistics.median(train_steps(srv, 3.0, steps))
     finally:
         stop.set()
         for t in hogs:

@@ -3,7 +3,7 @@
     python tools/lockdiff.py constraints.txt .venv-latest           # print what differs
     python tools/lockdiff.py constraints.txt .venv-latest --write   # the lock becomes the venv's
 
-The lock keeps its comment header and its build tools (pip, setuptools) at the venv's versions;
+The lock keeps its comment header and its build tools (pip, setuptools, uv) at the venv's versions;
 torch stays at the version the Makefile installs first (2.13.0: the CPU build on disk).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BUILD = ("pip", "setuptools")  # the build tools the lock pins first
+BUILD = ("pip", "setuptools", "uv")  # the build tools the lock pins first
 RUNTIME = "# Runtime and test dependencies:"
 TORCH = "2.13.0"  # installed first by the Makefile, never upgraded by the lock
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;#]+)")
