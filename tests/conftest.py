@@ -75,3 +75,12 @@ def hf_forward(model, input_ids, attention_mask=None, **kw):
     """The unsplit model, with positions derived from the mask as ``generate()`` does."""
     pos = positions_from_mask(attention_mask, input_ids.shape[1]) if attention_mask is not None else None
     return model(input_ids, attention_mask=attention_mask, position_ids=pos, **kw)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test`'s serial phase collects only the files that contain ``pytest.mark.serial``
+    (Makefile, SERIAL_FILES): a test marked serial another way would run in neither phase."""
+    for item in items:
+        if item.get_closest_marker("serial") is not None and "pytest.mark.serial" not in item.path.read_text():
+            raise pytest.UsageError(f"{item.nodeid} is marked serial without the words pytest.mark.serial "
+                                    "in its file: make test's serial phase would not collect it")
