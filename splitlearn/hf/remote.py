@@ -93,7 +93,9 @@ class _IdleFlusher:
     idles between steps (a notebook, a slow data loader) would lose its step that way, so a
     deferred apply is sent on its own after ``RemoteConfig.apply_wait_s`` (0.1 s; at most a third
     of the lease timeout), so another owner waiting for the segment is not held up by an idle
-    one. One daemon thread for the process; it holds the segments weakly.
+    one. One daemon thread for the process keeps the times; it holds the segments weakly, and
+    sends each apply from a thread of its own: a flush that waits out a dead server's
+    reconnect window must not hold up another segment's (whose lease would lapse meanwhile).
     """
 
     def __init__(self):
@@ -119,7 +121,8 @@ class _IdleFlusher:
                 _, _, ref, req = heapq.heappop(self._due)
             segment = ref()
             if segment is not None:
-                segment._idle_flush(req)
+                threading.Thread(target=segment._idle_flush, args=(req,), name="splitlearn-idle-apply-send",
+                                 daemon=True).start()
 
 
 _IDLE = _IdleFlusher()
