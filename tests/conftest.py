@@ -80,7 +80,12 @@ def hf_forward(model, input_ids, attention_mask=None, **kw):
 def pytest_collection_modifyitems(config, items):
     """`make test`'s serial phase collects only the files that contain ``pytest.mark.serial``
     (Makefile, SERIAL_FILES): a test marked serial another way would run in neither phase."""
+    marks = {}  # file -> whether it says so
     for item in items:
-        if item.get_closest_marker("serial") is not None and "pytest.mark.serial" not in item.path.read_text():
+        if item.get_closest_marker("serial") is None:
+            continue
+        if item.path not in marks:
+            marks[item.path] = "pytest.mark.serial" in item.path.read_text()
+        if not marks[item.path]:
             raise pytest.UsageError(f"{item.nodeid} is marked serial without the words pytest.mark.serial "
                                     "in its file: make test's serial phase would not collect it")

@@ -15,7 +15,7 @@ from splitlearn import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.errors import TransportError
 
-from serverproc import TOKEN, InprocServerProcess, ServerProcess
+from serverproc import TOKEN, InprocServerProcess, ServerProcess, web
 from test_client import LR
 
 pytestmark = pytest.mark.slow
@@ -182,12 +182,9 @@ def test_a_client_killed_mid_training_resumes_exactly(tmp_path, monkeypatch):
 
 
 def requests_step(srv) -> int:
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    if isinstance(srv, InprocServerProcess):
-        return srv.app.test_client().get(P.CLIENT_STATE.format(client_id="owner"), headers=headers).get_json()["step"]
-    import requests
-
-    return requests.get(srv.url + P.CLIENT_STATE.format(client_id="owner"), headers=headers, timeout=10).json()["step"]
+    r = web.get(srv.url + P.CLIENT_STATE.format(client_id="owner"), headers={"Authorization": f"Bearer {TOKEN}"},
+                timeout=10)
+    return r.json()["step"]
 
 
 def read_client(save):

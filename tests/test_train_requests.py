@@ -204,16 +204,16 @@ def test_a_deferred_apply_stuck_on_a_dead_server_does_not_hold_up_another_segmen
 
     release, sent = threading.Event(), {}
 
-    class Segment:  # what the flusher calls: _idle_flush(req)
-        def __init__(self, blocks: bool):
-            self.blocks = blocks
+    class Segment:  # what the flusher reads and calls: deferred, _idle_flush(req)
+        def __init__(self, blocks: bool, deferred: str):
+            self.blocks, self.deferred = blocks, deferred
 
         def _idle_flush(self, req):
             if self.blocks:
                 release.wait(30)  # the dead server's reconnect window
             sent[req] = time.monotonic()
 
-    flusher, stuck, other = _IdleFlusher(), Segment(True), Segment(False)
+    flusher, stuck, other = _IdleFlusher(), Segment(True, "stuck's apply"), Segment(False, "other's apply")
     try:
         t0 = time.monotonic()
         flusher.schedule(stuck, "stuck's apply", 0.0)

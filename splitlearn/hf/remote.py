@@ -120,7 +120,7 @@ class _IdleFlusher:
                     self._cond.wait(None if not self._due else self._due[0][0] - time.monotonic())
                 _, _, ref, req = heapq.heappop(self._due)
             segment = ref()
-            if segment is not None:
+            if segment is not None and segment.deferred is req:  # (not carried meanwhile: no thread)
                 threading.Thread(target=segment._idle_flush, args=(req,), name="splitlearn-idle-apply-send",
                                  daemon=True).start()
 
