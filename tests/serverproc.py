@@ -281,6 +281,18 @@ def access_lines():
         logger.setLevel(level)
 
 
+def logged_json(srv, ready=lambda lines: True, timeout_s: float = 5.0) -> list[dict]:
+    """The JSON lines a server process (``capture_stderr``) has logged, once ``ready(lines)`` holds
+    or ``timeout_s`` passed: a request's access line comes up to ``accesslog.DRAIN_S`` after its
+    answer, so the last answer's may not be written yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [json.loads(x) for x in srv.stderr_tail(200000).splitlines() if x.startswith("{")]
+        if ready(lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.02)
+
+
 def sgd_steps(url: str, ids: torch.Tensor, client_id: str, steps: int = 2):
     """``steps`` SGD steps (lr 0.1) of a tiny split model against ``url``: (losses, the model)."""
     from splitlearn.hf import SplitGPT2LMHeadModel

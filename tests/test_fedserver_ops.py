@@ -28,7 +28,7 @@ from splitlearn.server.federation.fedserver import FedConfig, FedRounds, FedServ
 from splitlearn.server.federation.strategy import make_strategy
 from splitlearn.wire import encode
 
-from serverproc import OTHER, TENANTS, TOKEN, access_lines, assert_error, auth
+from serverproc import OTHER, TENANTS, TOKEN, access_lines, assert_error, auth, logged_json
 
 SECRET = b"k" * 20 + b"9a1c3e5f7b2d4f6a8c0e1b3d"  # 44 bytes
 CUTS = (1, 3)
@@ -187,7 +187,7 @@ def test_a_real_fed_server_serves_ready_metrics_on_loopback_and_json_access_line
         assert value(s, "splitlearn_server_info", shape="fed", federation="splitfed",
                      protocol_version=str(P.PROTOCOL_VERSION)) == 1
         assert token not in r.text
-        lines = [json.loads(x) for x in srv.stderr_tail(200000).splitlines() if x.startswith("{")]
+        lines = logged_json(srv, lambda lines: any(x.get("route") == P.METRICS for x in lines))
         assert lines and all({"ts", "level", "logger", "message"} <= set(x) for x in lines)
         assert [x["status"] for x in lines if x.get("route") == P.FEDERATION] == [200, 200]
         # (the tokenless /metrics was refused by the front door at its headers: no app, no line)
