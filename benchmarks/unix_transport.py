@@ -20,6 +20,12 @@ the client on core 0 (two devices emulated: a lane then polls for its answer). R
 ``--device cuda``: the server on the GPU and the client's tensors there; unix:// then carries
 them through its device region (CUDA memory both processes map), TCP through host memory.
 
+``--floor`` adds, interleaved with unix://'s decode steps, what bounds that overhead from below:
+``frames`` (the same decode step sent by a bare client: one frame built ahead, one ``sendall``,
+one ``recv``, no Transport, no encoding or decoding; what is left is the server's door and the
+two wake-ups) and ``sockets`` (a bare Python Unix-socket ping-pong of the same size with a child
+process: the wake-ups alone).
+
 Prints one JSON row per (case, transport) and the unix/tcp ratio of the medians. ``--generate
 gpt2`` adds greedy batch-1 generation by the unsplit model and the U-shape split model over each
 transport (tokens/s, and split/unsplit per round: the issue's ">= 0.95x").
@@ -38,7 +44,7 @@ import torch
 from splitlearn import protocol as P
 from splitlearn.localserver import LocalServer
 from splitlearn.transport import Transport, TransportConfig
-from splitlearn.wire import pack
+from splitlearn.wire import Encoded, pack
 
 
 def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0, device: str = "cpu") -> list[float]:
@@ -75,6 +81,86 @@ def echo_round_trips(t: Transport, nbytes: int, calls: int, device: str = "cpu")
     return out
 
 
+def bare_frame_overheads(socket_path: str, token: str, t: Transport, d: int, calls: int, seed: int = 0) -> list[float]:
+    """:func:`decode_overheads` by a bare client: each request's frame is built before the
+    clock starts, then one ``sendall`` and ``recv`` until the answer is whole (not decoded),
+    minus the server's ``X-Server-Time-Ms`` (``--floor``)."""
+    import socket as socketlib
+
+    from splitlearn.transport import unixframe as F
+    from splitlearn.wire import encode
+
+    sid = t.post_json(P.SESSIONS, {"rows": 1})["session_id"]
+    path = P.SESSION_STEP.format(session_id=sid)
+    g = torch.Generator().manual_seed(seed)
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": P.CONTENT_TYPE}
+    sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    sock.connect(socket_path)
+    out = []
+    try:
+        for pos in range(calls + 1):
+            body = encode({P.HIDDEN: torch.randn(1, 1, d, generator=g), P.MASK: torch.ones(1, 1, dtype=torch.long)},
+                          P.SessionStepMeta(pos, "float32").to_meta())
+            frame = F.pack(F.REQUEST, {"method": "POST", "path": path, "headers": headers}, len(body)) + body
+            t0 = time.perf_counter()
+            sock.sendall(frame)
+            buf = sock.recv(1 << 16)
+            while len(buf) < F.HEADER.size or len(buf) < F.HEADER.size + sum(F.HEADER.unpack_from(buf)[4:]):
+                buf += sock.recv(1 << 16)
+            elapsed = time.perf_counter() - t0
+            _, _, _, _, meta_len, _ = F.HEADER.unpack_from(buf)
+            meta = json.loads(buf[F.HEADER.size:F.HEADER.size + meta_len])
+            if meta["status"] != 200:
+                raise RuntimeError(f"bare frame answered {meta['status']}")
+            out.append(elapsed - float(dict(meta["headers"])[P.SERVER_TIME_HEADER]) / 1e3)
+    finally:
+        sock.close()
+        t.delete(P.SESSION.format(session_id=sid))
+    return out[1:]
+
+
+_ECHO_CHILD = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+while True:
+    data = s.recv(1 << 16)
+    if not data:
+        break
+    s.sendall(data)
+"""
+
+
+def socket_ping_pongs(nbytes: int, calls: int) -> list[float]:
+    """Round trips of ``nbytes`` between this process and a child that sends them back, plain
+    Python sockets on a Unix socket (``--floor``: the wake-ups a call cannot avoid)."""
+    import socket as socketlib
+    import subprocess
+    import sys
+
+    where = os.path.join(tempfile.mkdtemp(prefix="sl-pingpong-"), "p.sock")
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(where)
+    listener.listen(1)
+    child = subprocess.Popen([sys.executable, "-c", _ECHO_CHILD, where])
+    conn, _ = listener.accept()
+    msg, out = b"x" * nbytes, []
+    try:
+        for _ in range(calls + 1):
+            t0 = time.perf_counter()
+            conn.sendall(msg)
+            got = 0
+            while got < nbytes:
+                got += len(conn.recv(1 << 16))
+            out.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+        listener.close()
+        child.wait(timeout=10)
+        os.unlink(where)
+    return out[1:]
+
+
 def cases(d: int, calls: int, device: str = "cpu") -> dict:
     return {"decode step overhead": lambda t: decode_overheads(t, d, calls, device=device),
             "round trip 1 MB": lambda t: echo_round_trips(t, 1 << 20, max(6, calls // 10), device),
@@ -82,8 +168,9 @@ def cases(d: int, calls: int, device: str = "cpu") -> dict:
 
 
 def measure(tcp_url: str, unix_url: str, token: str, d: int, calls: int, rounds: int,
-            device: str = "cpu") -> list[dict]:
-    """Rows of medians (ms), both transports, interleaved ``rounds`` times."""
+            device: str = "cpu", floor: bool = False) -> list[dict]:
+    """Rows of medians (ms), both transports, interleaved ``rounds`` times (``floor``: the
+    decode step's bare frames and bare sockets too, see the module docstring)."""
     ts = {"tcp": Transport(TransportConfig(tcp_url, token)), "unix": Transport(TransportConfig(unix_url, token))}
     samples: dict = {}
     try:
@@ -95,6 +182,15 @@ def measure(tcp_url: str, unix_url: str, token: str, d: int, calls: int, rounds:
                     # the first call of a round is not counted: it pays for the other transport's
                     # round before it (10 MB: the heap the TCP round gave back to the kernel)
                     samples.setdefault((name, kind), []).extend(fn(t)[1:])
+        if floor:
+            path, t = unix_url[len("unix://"):], ts["unix"]
+            size = len(bytes(Encoded({P.HIDDEN: torch.zeros(1, 1, d), P.MASK: torch.ones(1, 1, dtype=torch.long)})))
+            kinds = {"unix": lambda: decode_overheads(t, d, calls),
+                     "frames": lambda: bare_frame_overheads(path, token, t, d, calls),
+                     "sockets": lambda: socket_ping_pongs(size, calls)}
+            for _ in range(rounds):
+                for kind, fn in kinds.items():
+                    samples.setdefault(("decode step floor", kind), []).extend(fn()[1:])
     finally:
         for t in ts.values():
             t.close()
@@ -109,7 +205,8 @@ def measure(tcp_url: str, unix_url: str, token: str, d: int, calls: int, rounds:
 
 def ratios(rows: list[dict]) -> dict:
     by = {(r["case"], r["transport"]): r["median_ms"] for r in rows}
-    return {case: round(by[(case, "unix")] / by[(case, "tcp")], 3) for case, kind in by if kind == "unix"}
+    return {case: round(by[(case, "unix")] / by[(case, "tcp")], 3) for case, kind in by
+            if kind == "unix" and (case, "tcp") in by}
 
 
 def generation(tcp_url: str, unix_url: str, token: str, model_name: str, seed: int, new_tokens: int,
@@ -212,6 +309,8 @@ def main(argv=None) -> int:
                                                          "the client on core 0 (transport cases and --generate)")
     a.add_argument("--rounds", type=int, default=5)
     a.add_argument("--cores", default=None, help="pin client and server to these cores, e.g. 0,1")
+    a.add_argument("--floor", action="store_true", help="also the decode step by a bare frame client and a bare "
+                                                        "socket ping-pong, interleaved with unix:// (see above)")
     a.add_argument("--generate", default=None, metavar="MODEL",
                    help="also greedy batch-1 generation, unsplit and split over each transport, on a "
                         "second server of MODEL (e.g. gpt2) cut at --generate-cuts")
@@ -242,7 +341,7 @@ def main(argv=None) -> int:
                 os.sched_setaffinity(0, {0})
             d = Transport(TransportConfig(srv.url, srv.token)).get_json(P.INFO)["model_config"]["n_embd"]
             calls = min(args.calls, 60) if args.model == "tiny" else args.calls  # tiny: n_positions 64
-            rows = measure(srv.url, "unix://" + path, srv.token, d, calls, args.rounds, args.device)
+            rows = measure(srv.url, "unix://" + path, srv.token, d, calls, args.rounds, args.device, args.floor)
         for r in rows:
             print(json.dumps(r))
         print(json.dumps({"unix/tcp": ratios(rows)}), flush=True)

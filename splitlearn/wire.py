@@ -25,6 +25,7 @@ import struct
 import sys
 from typing import Optional
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
@@ -42,6 +43,7 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 SCALE_BYTES = 4  # int8: one float32 absmax scale per row
 MAX_HEADER = 1 << 20  # bytes; a header this large is not ours
 SCALE = ".scale"
+_COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode  # built once, not per body
 
 
 def check_wire_dtype(name: str) -> str:
@@ -66,11 +68,13 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack(name: str, x: torch.Tensor, wire_dtype: str) -> dict[str, torch.Tensor]:
     """The entries that carry activation/gradient ``x`` in ``wire_dtype``."""
-    x = x.detach()  # left on its device: the encoder moves it (to host memory, or a device region)
+    x = x.detach() if x.requires_grad else x  # left on its device: the encoder moves it (to host memory, or a device region)
     if wire_dtype == "int8":
         q, scale = quantize_int8(x)
         return {name: q, name + SCALE: scale}
-    return {name: x.to(dtype=WIRE_DTYPES[wire_dtype]).contiguous()}
+    dtype = WIRE_DTYPES[wire_dtype]
+    x = x if x.dtype == dtype else x.to(dtype=dtype)
+    return {name: x if x.is_contiguous() else x.contiguous()}
 
 
 def unpack(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -90,6 +94,28 @@ def unpack(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return x
 
 
+def _ready(v: torch.Tensor, device) -> torch.Tensor:
+    """``v`` as it is written: without autograd, contiguous, on ``device`` (None: host memory).
+    Each torch call is skipped where it would change nothing: a decode step's body is a few small
+    tensors, whose cost is the calls themselves (docs/TRANSPORT.md, 'Measured')."""
+    if v.requires_grad:
+        v = v.detach()
+    if device is None:
+        if not v.is_cpu:
+            v = v.cpu()
+    elif v.device != device:
+        v = v.to(device)
+    return v if v.is_contiguous() else v.contiguous()
+
+
+def _host_array(v: torch.Tensor):
+    """A numpy array over the bytes of the contiguous tensor ``v`` (copied to host memory first
+    if needed); bfloat16, which numpy lacks, as int16."""
+    if not v.is_cpu:
+        v = v.cpu()
+    return (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy()
+
+
 class Encoded:
     """Tensors + string metadata laid out as a safetensors body, written where it goes:
     ``bytes(e)`` (one copy of each tensor), or :meth:`write_into` a buffer (the unix
@@ -103,8 +129,7 @@ class Encoded:
                  keep_device: bool = False):
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         self.device = next((v.device for v in tensors.values() if v.is_cuda), None) if keep_device else None
-        where = self.device or "cpu"
-        moved = {str(k): v.detach().to(where).contiguous() for k, v in tensors.items()}
+        moved = {str(k): _ready(v, self.device) for k, v in tensors.items()}
         if sys.byteorder != "little" or any(v.dtype not in _ST_DTYPES for v in moved.values()):
             moved = {k: v.cpu() for k, v in moved.items()}
             self.head, self.tensors, self.device = st_save(moved, metadata=meta), [], None  # the library handles the rest
@@ -117,17 +142,18 @@ class Encoded:
             header[name] = {"dtype": _ST_DTYPES[v.dtype], "shape": list(v.shape),
                             "data_offsets": [offset, offset + n]}
             offset += n
-        head = json.dumps(header, separators=(",", ":")).encode()
+        head = _COMPACT(header).encode()
         head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.head = struct.pack("<Q", len(head)) + head
-        self.tensors = [v for v in moved.values() if v.numel()]
+        self.tensors = [v for v in moved.values() if v.numel()]  # contiguous, in data order
         self.nbytes = len(self.head) + offset
 
     def __len__(self) -> int:
         return self.nbytes
 
     def __bytes__(self) -> bytes:
-        return b"".join([self.head, *(memoryview(v.cpu().reshape(-1).view(torch.uint8).numpy()) for v in self.tensors)])
+        # numpy arrays are joined as their bytes (C-contiguous): one copy, one torch call a tensor
+        return b"".join([self.head, *(_host_array(v) for v in self.tensors)])
 
     def write_into(self, buf, offset: int = 0) -> int:
         """Write the body into the writable buffer ``buf`` at ``offset``; its size."""
@@ -200,13 +226,16 @@ def _metadata(header) -> dict[str, str]:
     return meta
 
 
-def decode(body) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors bytes -> (tensors on cpu, metadata); BadRequest on anything malformed. A
-    ``memoryview`` (shared memory) is read in place: each tensor copied out once (:func:`decode_view`)."""
+def decode(body, repeats: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors bytes (``bytes``, ``bytearray`` or a ``memoryview`` of shared memory) ->
+    (tensors on cpu, metadata); BadRequest on anything malformed. See :func:`decode_view`.
+    ``repeats``: the caller's bodies often repeat a header (a client's answers to its decode
+    steps), so the checked form of the last few is kept per process and reused. A client's
+    option only: a server shared by tenants would let one time another's headers."""
     if isinstance(body, DeviceBody):
         return decode_device(body)
-    if isinstance(body, memoryview) and sys.byteorder == "little":
-        return decode_view(body)
+    if sys.byteorder == "little":
+        return decode_view(body, repeats)
     meta = read_metadata(body)
     try:
         tensors = st_load(body if isinstance(body, bytes) else bytes(body))
@@ -216,6 +245,9 @@ def decode(body) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 
 _DTYPE_OF = {v: k for k, v in _ST_DTYPES.items()}
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.int8, torch.uint8: np.uint8,
+          torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.float64: np.float64,
+          torch.bool: np.bool_}  # little-endian host: numpy's native dtypes are the wire's
 
 
 def _spans(header: dict, size: int) -> list:
@@ -240,8 +272,7 @@ def _spans(header: dict, size: int) -> list:
         count = 1
         for x in shape:
             count *= x
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if offsets[1] - offsets[0] != count * itemsize:
+        if offsets[1] - offsets[0] != count * dtype.itemsize:
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} of shape {shape} "
                              f"does not fill its {offsets[1] - offsets[0]} bytes")
         spans.append((offsets[0], offsets[1], name, dtype, shape, count))
@@ -252,18 +283,49 @@ def _spans(header: dict, size: int) -> list:
     return spans
 
 
-def decode_view(body: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """:func:`decode` of a buffer without copying it first: the header checked (:func:`_spans`),
-    then each tensor copied out of ``body`` into memory of its own. Written by hand: the
-    safetensors library reads only ``bytes`` (a copy of the whole body first)."""
-    header, start = _header(body)
-    meta, out = _metadata(header), {}
-    for begin, _, name, dtype, shape, count in _spans(header, len(body) - start):
-        if count == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
+def decode_view(body, repeats: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`decode` of a buffer read where it lies (bytes, or shared memory: not copied first):
+    the header checked (:func:`_spans`), then each tensor copied out of ``body`` once into memory
+    of its own, by numpy (one torch call a tensor). Written by hand: the safetensors library
+    reads only ``bytes`` (a copy of the whole body first) and costs several torch calls a
+    tensor, the most of a decode step's small body (docs/TRANSPORT.md, 'Measured').
+    ``repeats``: see :func:`decode`."""
+    meta, spans, start = _checked(body, repeats)
+    out = {}
+    for begin, _, name, dtype, shape, count in spans:
+        np_dtype = _NUMPY.get(dtype)
+        if np_dtype is None:  # bfloat16: numpy has none; its bits as int16
+            t = torch.from_numpy(np.frombuffer(body, np.int16, count, start + begin).reshape(shape).copy())
+            out[name] = t.view(dtype)
         else:
-            out[name] = torch.frombuffer(body, dtype=dtype, count=count, offset=start + begin).reshape(shape).clone()
+            out[name] = torch.from_numpy(np.frombuffer(body, np_dtype, count, start + begin).reshape(shape).copy())
     return out, meta
+
+
+_REPEATED: dict[bytes, tuple] = {}  # a header's bytes -> its checked form (decode(..., repeats=True))
+_REPEATED_MAX = 64
+
+
+def _checked(body, repeats: bool) -> tuple[dict, list, int]:
+    """``(metadata, spans, data start)`` of a safetensors buffer, checked (:func:`_header`,
+    :func:`_spans`); with ``repeats``, a header met before over a body of the same size is not
+    parsed again."""
+    if len(body) < 8:
+        raise BadRequest(f"body of {len(body)} bytes is not safetensors (no 8-byte header length)")
+    (n,) = struct.unpack_from("<Q", body)
+    raw = bytes(body[8:8 + n]) if n <= MAX_HEADER else b""
+    if repeats:
+        seen = _REPEATED.get(raw)
+        if seen is not None and seen[0] == len(body):
+            return dict(seen[1]), seen[2], 8 + n
+    header, start = _header(body)
+    meta = _metadata(header)
+    spans = _spans(header, len(body) - start)
+    if repeats:
+        if len(_REPEATED) >= _REPEATED_MAX:
+            _REPEATED.clear()
+        _REPEATED[raw] = (len(body), dict(meta), spans)
+    return meta, spans, start
 
 
 def decode_device(body: DeviceBody) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

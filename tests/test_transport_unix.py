@@ -344,6 +344,47 @@ def test_the_door_cuts_silent_peers_and_limits_connections(door):
     third.close()
 
 
+def test_each_request_on_a_connection_is_served_as_the_token_it_carries():
+    """The door remembers the header a connection last authenticated with (no hash per request).
+    The attack: a connection that authenticated as alice sends a later request with mallory's
+    token, a wrong one or none, hoping to be served as alice. Each request is its own token's."""
+    from flask import Flask, request as flask_request
+
+    from splitlearn.server.engine.tenants import Tenants
+    from splitlearn.server.http.frontdoor import TENANT_KEY
+    from splitlearn.server.http.unixdoor import UnixDoor
+
+    from serverproc import OTHER, TENANTS
+
+    app = Flask("t")
+
+    @app.route("/whoami")
+    def whoami():
+        return {"tenant": flask_request.environ[TENANT_KEY].name}
+
+    path = os.path.join(tempfile.mkdtemp(prefix="sl-door-"), "d.sock")
+    d = UnixDoor(app, Tenants(TENANTS), path, max_body_bytes=1 << 20).start()
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(path)
+    try:
+        def ask(headers):
+            s.sendall(F.pack(F.REQUEST, {"method": "GET", "path": "/whoami", "headers": headers}))
+            meta, body = _answer(s)
+            return meta["status"], json.loads(body)
+
+        for token, expect in [(TOKEN, "alice"), (TOKEN, "alice"), (OTHER, "mallory"), (TOKEN, "alice"),
+                              ("tok-5c1f0e8b2a9d4e78", 401), (TOKEN + " x", 401), (None, 401), (TOKEN, "alice")]:
+            status, body = ask({"Authorization": f"Bearer {token}"} if token else {})
+            if expect == 401:
+                assert status == 401 and body["error"] == "unauthorized", token
+            else:
+                assert (status, body) == (200, {"tenant": expect}), token
+    finally:
+        s.close()
+        d.close()
+
+
 def test_a_live_socket_is_not_taken_over_and_a_stale_one_is(door):
     from splitlearn.server.http.unixdoor import UnixDoor, socket_path
 
@@ -385,15 +426,19 @@ def test_diagnose_measures_the_unix_link(server):
 
 def test_the_benchmark_functions_run(server):
     """benchmarks/unix_transport.py's measurements, a few calls each (not timed here)."""
-    from benchmarks.unix_transport import decode_overheads, echo_round_trips, measure, ratios
+    from benchmarks.unix_transport import (bare_frame_overheads, decode_overheads, echo_round_trips, measure,
+                                           ratios, socket_ping_pongs)
 
     t = Transport(TransportConfig(server.unix_url, TOKEN))
     try:
         assert len(decode_overheads(t, D, 3)) == 3
         assert len(echo_round_trips(t, 64 << 10, 2)) == 2
+        assert len(bare_frame_overheads(server.unix_path, TOKEN, t, D, 3)) == 3  # --floor
+        assert len(socket_ping_pongs(300, 3)) == 3
     finally:
         t.close()
-    rows = [{"case": "c", "transport": "tcp", "median_ms": 2.0}, {"case": "c", "transport": "unix", "median_ms": 1.0}]
+    rows = [{"case": "c", "transport": "tcp", "median_ms": 2.0}, {"case": "c", "transport": "unix", "median_ms": 1.0},
+            {"case": "f", "transport": "unix", "median_ms": 1.0}, {"case": "f", "transport": "frames", "median_ms": 0.5}]
     assert ratios(rows) == {"c": 0.5} and callable(measure)
 
 

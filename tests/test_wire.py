@@ -146,6 +146,41 @@ def test_encode_writes_safetensors_the_library_reads():
     assert len(body) - payload < 1024  # raw bytes plus a small header
 
 
+def test_the_library_s_bodies_decode_the_same_from_bytes_and_views():
+    from safetensors.torch import save as st_save
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"f32": torch.randn(2, 3, generator=g), "bf16": torch.randn(4, generator=g).bfloat16(),
+               "f16": torch.randn(3, 1, generator=g).half(), "f64": torch.randn(2, generator=g).double(),
+               "i8": torch.tensor([-127, 3], dtype=torch.int8), "u8": torch.tensor([0, 255], dtype=torch.uint8),
+               "i16": torch.arange(3, dtype=torch.int16), "i32": torch.arange(4, dtype=torch.int32),
+               "i64": torch.tensor([-(10 ** 12), 10 ** 12]), "flag": torch.tensor([True, False]),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    body = st_save(tensors, metadata={"step": "4"})
+    for form in (body, bytearray(body), memoryview(body), memoryview(bytearray(body))):
+        out, meta = decode(form)
+        assert meta == {"step": "4"} and out.keys() == tensors.keys()
+        for k, v in tensors.items():
+            assert out[k].dtype == v.dtype and out[k].shape == v.shape and torch.equal(out[k], v), k
+        out["f32"].add_(1)  # memory of its own, writable
+        assert torch.equal(decode(body)[0]["f32"], tensors["f32"])
+
+
+def test_a_repeated_header_is_checked_once_and_still_refuses_a_short_body():
+    """decode(..., repeats=True) reuses the checked form of a header it met over a body of the
+    same size. The attack it must not open: the same header over a truncated body (its tensors'
+    bytes no longer there) read past the end."""
+    body = encode({"hidden": _activations(1, 1, 8)}, {"step": "1"})
+    out, meta = decode(body, repeats=True)
+    meta["step"] = "changed by the caller"
+    again, meta2 = decode(memoryview(bytearray(body)), repeats=True)
+    assert meta2 == {"step": "1"} and torch.equal(again["hidden"], out["hidden"])
+    with pytest.raises(BadRequest, match="outside the data"):
+        decode(body[:-4], repeats=True)
+    with pytest.raises(BadRequest, match="not safetensors"):
+        decode(body[:6], repeats=True)
+
+
 # -- shared memory: Encoded.write_into and decode of a memoryview (the unix transport's region) --
 
 def test_a_body_written_into_a_buffer_and_read_in_place_is_the_same_tensors_and_bytes():

@@ -428,7 +428,7 @@ class Transport:
         answer = self._finish(pending, view=True)  # shared memory (unix://): read in place, once
         t0 = time.perf_counter()
         try:
-            out, meta = decode(answer)
+            out, meta = decode(answer, repeats=True)  # a decode step's answers share one header
         finally:
             if isinstance(answer, (memoryview, DeviceBody)):
                 answer.release()

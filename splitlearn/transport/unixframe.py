@@ -52,9 +52,12 @@ class FrameError(ValueError):
     """A frame that is not ours (bad magic, sizes, JSON): the connection cannot go on."""
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode  # built once, not per frame
+
+
 def pack(kind: int, meta: dict, body_len: int = 0) -> bytes:
     """The header and JSON part of a frame (its inline body, ``body_len`` bytes, follows)."""
-    m = json.dumps(meta, separators=(",", ":")).encode()
+    m = _COMPACT(meta).encode()
     return HEADER.pack(MAGIC, kind, 0, 0, len(m), body_len) + m
 
 
@@ -99,12 +102,15 @@ def span(value, size: int) -> tuple[int, int]:
 class Reader:
     """Buffered reads from a socket: a small frame (header, JSON, inline body) usually comes in
     one ``recv``. ``deadline`` (``time.monotonic()``; None: the socket's own timeout) bounds
-    each :meth:`take`; ``fds`` collects descriptors passed with the bytes (``SCM_RIGHTS``)."""
+    each :meth:`take`; ``fds`` collects descriptors passed with the bytes (``SCM_RIGHTS``).
+    Reads land in a buffer of the reader's own (``recv_into``): ``recv(n)`` allocates n bytes
+    first, and at 256 KiB that cost ~9 us a call against ~1 us (docs/TRANSPORT.md)."""
 
-    CHUNK = 256 << 10
+    CHUNK = 64 << 10
 
     def __init__(self, sock: socket.socket):
         self.sock, self.pending = sock, bytearray()
+        self._into = memoryview(bytearray(self.CHUNK))
 
     def take(self, n: int, deadline: Optional[float] = None, fds: Optional[list] = None) -> bytes:
         if len(self.pending) >= n:
@@ -133,7 +139,8 @@ class Reader:
                         fds.extend(int.from_bytes(raw[i:i + 4], sys.byteorder, signed=True)
                                    for i in range(0, len(raw) - len(raw) % 4, 4))
             else:
-                data = self.sock.recv(self.CHUNK)
+                k = self.sock.recv_into(self._into)
+                data = self._into[:k]
             if not data:
                 raise ConnectionResetError(f"connection closed after {len(self.pending)} of {n} bytes")
             self.pending += data

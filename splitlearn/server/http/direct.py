@@ -1,7 +1,7 @@
 """The tensor routes without Flask: the unix door's direct dispatch (issue 32).
 
 A decode step over ``unix://`` spent more time in Flask (its request context, URL map, hooks
-and ``Response``) than in the frame and the socket (docs/TRANSPORT.md, 'Where the time goes').
+and ``Response``) than in the frame and the socket (docs/TRANSPORT.md, 'Measured').
 For a ``POST`` to a :func:`~.routing.tensor_route` path (and ``/v1/echo``, the link's own
 measure), the unix door calls :class:`Direct` instead of the app: the same route code (:func:`.routing.serve`: memory scope, 415, decode,
 validation, the handler, the compute thread), the tenant the door authenticated, the same
