@@ -303,18 +303,20 @@ def decode_view(body, repeats: bool = False) -> tuple[dict[str, torch.Tensor], d
 
 
 _REPEATED: dict[bytes, tuple] = {}  # a header's bytes -> its checked form (decode(..., repeats=True))
-_REPEATED_MAX = 64
+_REPEATED_MAX = 64  # headers kept, each at most _REPEATED_HEADER_MAX bytes (a decode step's: ~150)
+_REPEATED_HEADER_MAX = 4096
 
 
 def _checked(body, repeats: bool) -> tuple[dict, list, int]:
     """``(metadata, spans, data start)`` of a safetensors buffer, checked (:func:`_header`,
     :func:`_spans`); with ``repeats``, a header met before over a body of the same size is not
-    parsed again."""
+    parsed again (headers up to ``_REPEATED_HEADER_MAX`` bytes are kept: 256 KiB at most)."""
     if len(body) < 8:
         raise BadRequest(f"body of {len(body)} bytes is not safetensors (no 8-byte header length)")
     (n,) = struct.unpack_from("<Q", body)
-    raw = bytes(body[8:8 + n]) if n <= MAX_HEADER else b""
+    repeats = repeats and n <= _REPEATED_HEADER_MAX and 8 + n <= len(body)  # (else _header refuses it)
     if repeats:
+        raw = bytes(body[8:8 + n])
         seen = _REPEATED.get(raw)
         if seen is not None and seen[0] == len(body):
             return dict(seen[1]), seen[2], 8 + n

@@ -179,6 +179,11 @@ def test_a_repeated_header_is_checked_once_and_still_refuses_a_short_body():
         decode(body[:-4], repeats=True)
     with pytest.raises(BadRequest, match="not safetensors"):
         decode(body[:6], repeats=True)
+    empty = encode({"none": torch.zeros(0, 3)})  # a header over no data, then one whose length prefix lies
+    decode(empty, repeats=True)
+    lying = struct.pack("<Q", len(empty) - 8 + 40) + empty[8:]
+    with pytest.raises(BadRequest, match="truncated"):
+        decode(lying, repeats=True)
 
 
 # -- shared memory: Encoded.write_into and decode of a memoryview (the unix transport's region) --
