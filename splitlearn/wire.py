@@ -42,6 +42,7 @@ WIRE_DTYPE_NAMES = tuple(WIRE_DTYPES)  # the names every command line and config
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 SCALE_BYTES = 4  # int8: one float32 absmax scale per row
 MAX_HEADER = 1 << 20  # bytes; a header this large is not ours
+MAX_DIMS = 64  # a tensor's dimensions at most (numpy's limit; no body of ours has more than 3)
 SCALE = ".scale"
 _COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode  # built once, not per body
 
@@ -266,6 +267,8 @@ def _spans(header: dict, size: int) -> list:
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} has dtype {str(info['dtype'])[:20]!r}")
         if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} has shape {str(shape)[:60]}")
+        if len(shape) > MAX_DIMS:
+            raise BadRequest(f"tensor {name[:40]!r} has {len(shape)} dimensions (at most {MAX_DIMS})")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
                 and 0 <= offsets[0] <= offsets[1] <= size):
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} lies outside the data")

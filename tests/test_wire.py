@@ -223,10 +223,13 @@ def test_a_view_whose_tensors_overlap_is_refused_before_anything_is_allocated():
     ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "shape"),
     ({"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}, "outside the data"),
     ({"dtype": "F32", "shape": [1]}, "must have dtype, shape, data_offsets"),
+    ({"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}, "65 dimensions"),
 ])
 def test_a_view_with_a_lying_header_is_a_bad_request(entry, words):
-    with pytest.raises(BadRequest, match=words):
-        decode(memoryview(bytearray(_header({"x": entry}) + b"\0" * 4)))
+    body = _header({"x": entry}) + b"\0" * 4
+    for form in (memoryview(bytearray(body)), body):
+        with pytest.raises(BadRequest, match=words):
+            decode(form)
 
 
 # -- a device body: the header inline, the data in a (device) region --------------------------
