@@ -403,6 +403,39 @@ def test_a_live_socket_is_not_taken_over_and_a_stale_one_is(door):
         again.close()
 
 
+def test_a_lane_whose_server_goes_silent_names_its_request(tmp_path):
+    """A server that takes the request and never answers: the lane's read times out with the
+    request's method and URL in the error, and the lane's connection is dropped."""
+    import threading
+
+    path = str(tmp_path / "silent.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    held = []
+
+    def serve():
+        c, _ = listener.accept()
+        held.append(c)
+        kind, ml, _ = F.unpack_header(bytes(F.recv_exact(c, F.HEADER.size)), 0)
+        F.recv_exact(c, ml)  # the HELLO (its region comes and goes with it)
+        c.sendall(F.pack(F.ANSWER, {"status": 200, "headers": [], "region_bytes": 1 << 20, "device_bytes": 0}))
+        c.recv(1 << 16)  # the request: never answered
+
+    threading.Thread(target=serve, daemon=True).start()
+    link = UnixLink("unix://" + path, read_timeout_s=0.3)
+    try:
+        link.send(0, "POST", "/v1/sessions/abc/step", {}, b"x" * 16)
+        with pytest.raises(TransportError, match=f"POST unix://{path}/v1/sessions/abc/step: no answer within 0.3s"):
+            link.receive(0)
+        assert 0 not in link._lanes
+    finally:
+        link.close()
+        for c in held:
+            c.close()
+        listener.close()
+
+
 def test_an_unserved_socket_is_a_refused_connection():
     t = Transport(TransportConfig("unix:///nonexistent/dir/s.sock", TOKEN, retries=1, backoff_s=0.0))
     with pytest.raises(TransportError, match="after 2 attempts"):

@@ -190,7 +190,7 @@ class Connection(AnswerWait):
                 # decoded on the device (the region is free again once the copies are done), or copied out
                 content = DeviceBody(content, data, torch.cuda.current_stream(dev.device).synchronize)
                 content = content if view else content.tobytes()
-            headers = _Headers((str(k).lower(), str(v)) for k, v in meta.get("headers", []))
+            headers = _Headers({str(k).lower(): str(v) for k, v in meta.get("headers", [])})
             return int(meta["status"]), headers, content
         except (KeyError, TypeError, ValueError) as e:  # not an answer this client can read
             raise F.FrameError(f"malformed answer from the server: {e}") from None
@@ -266,7 +266,7 @@ class UnixLink:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._lanes: dict[int, Connection] = {}  # a Transport's lanes (one thread uses a Transport's lanes)
-        self._sent: dict[int, str] = {}
+        self._sent: dict[int, tuple[str, str]] = {}  # a lane's request in flight: (method, path), for errors
 
     def _path(self, path: str) -> str:
         if path.startswith(self.path):  # the Transport puts the URL's path (the socket's) in front
@@ -275,7 +275,12 @@ class UnixLink:
 
     # -- lanes: a tensor call's connection, sent now and answered later (Transport.start) ------
 
+    def _what(self, lane: int) -> str:
+        method, path = self._sent.get(lane, ("", ""))
+        return f"{method} {self.url}{path}"
+
     def send(self, lane: int, method: str, path: str, headers: dict, body: Optional[bytes]) -> None:
+        path = self._path(path)
         conn = self._lanes.get(lane)
         device = body.device if isinstance(body, Encoded) else None
         if conn is None or (device is not None and conn.device_region is None and not conn.device_tried):
@@ -283,12 +288,12 @@ class UnixLink:
                 self.drop(lane)
             conn = self._lanes[lane] = Connection(self.path, self.connect_timeout_s, self.read_timeout_s,
                                                   device=device)
-        self._sent[lane] = f"{method} {self.url}{self._path(path)}"
+        self._sent[lane] = (method, path)
         try:
-            conn.send(method, self._path(path), headers, body)
+            conn.send(method, path, headers, body)
         except socket.timeout:
             self.drop(lane)
-            raise TransportError(f"{self._sent[lane]}: the server did not take the request in time") from None
+            raise TransportError(f"{self._what(lane)}: the server did not take the request in time") from None
         except BaseException:
             self.drop(lane)
             raise
@@ -307,10 +312,10 @@ class UnixLink:
             return answer
         except socket.timeout:
             self.drop(lane)
-            raise TransportError(f"{self._sent.get(lane)}: no answer within {self.read_timeout_s:g}s") from None
+            raise TransportError(f"{self._what(lane)}: no answer within {self.read_timeout_s:g}s") from None
         except F.FrameError as e:
             self.drop(lane)
-            raise TransportError(f"{self._sent.get(lane)}: {e}") from None
+            raise TransportError(f"{self._what(lane)}: {e}") from None
         except BaseException:
             self.drop(lane)
             raise
