@@ -44,7 +44,8 @@ SCALE_BYTES = 4  # int8: one float32 absmax scale per row
 MAX_HEADER = 1 << 20  # bytes; a header this large is not ours
 MAX_DIMS = 64  # a tensor's dimensions at most (numpy's limit; no body of ours has more than 3)
 SCALE = ".scale"
-_COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode  # built once, not per body
+#: JSON without spaces, its encoder built once (``json.dumps(..., separators=...)`` builds one a call)
+compact_json = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
 def check_wire_dtype(name: str) -> str:
@@ -143,7 +144,7 @@ class Encoded:
             header[name] = {"dtype": _ST_DTYPES[v.dtype], "shape": list(v.shape),
                             "data_offsets": [offset, offset + n]}
             offset += n
-        head = _COMPACT(header).encode()
+        head = compact_json(header).encode()
         head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.head = struct.pack("<Q", len(head)) + head
         self.tensors = [v for v in moved.values() if v.numel()]  # contiguous, in data order
@@ -296,12 +297,9 @@ def decode_view(body, repeats: bool = False) -> tuple[dict[str, torch.Tensor], d
     meta, spans, start = _checked(body, repeats)
     out = {}
     for begin, _, name, dtype, shape, count in spans:
-        np_dtype = _NUMPY.get(dtype)
-        if np_dtype is None:  # bfloat16: numpy has none; its bits as int16
-            t = torch.from_numpy(np.frombuffer(body, np.int16, count, start + begin).reshape(shape).copy())
-            out[name] = t.view(dtype)
-        else:
-            out[name] = torch.from_numpy(np.frombuffer(body, np_dtype, count, start + begin).reshape(shape).copy())
+        np_dtype = _NUMPY.get(dtype, np.int16)  # bfloat16: numpy has none; its bits as int16
+        t = torch.from_numpy(np.frombuffer(body, np_dtype, count, start + begin).reshape(shape).copy())
+        out[name] = t if t.dtype == dtype else t.view(dtype)
     return out, meta
 
 
@@ -314,19 +312,18 @@ def _checked(body, repeats: bool) -> tuple[dict, list, int]:
     """``(metadata, spans, data start)`` of a safetensors buffer, checked (:func:`_header`,
     :func:`_spans`); with ``repeats``, a header met before over a body of the same size is not
     parsed again (headers up to ``_REPEATED_HEADER_MAX`` bytes are kept: 256 KiB at most)."""
-    if len(body) < 8:
-        raise BadRequest(f"body of {len(body)} bytes is not safetensors (no 8-byte header length)")
-    (n,) = struct.unpack_from("<Q", body)
-    repeats = repeats and n <= _REPEATED_HEADER_MAX and 8 + n <= len(body)  # (else _header refuses it)
-    if repeats:
-        raw = bytes(body[8:8 + n])
-        seen = _REPEATED.get(raw)
-        if seen is not None and seen[0] == len(body):
-            return dict(seen[1]), seen[2], 8 + n
+    raw = None
+    if repeats and len(body) >= 8:
+        (n,) = struct.unpack_from("<Q", body)
+        if n <= _REPEATED_HEADER_MAX and 8 + n <= len(body):  # (else _header refuses it below)
+            raw = bytes(body[8:8 + n])
+            seen = _REPEATED.get(raw)
+            if seen is not None and seen[0] == len(body):
+                return dict(seen[1]), seen[2], 8 + n
     header, start = _header(body)
     meta = _metadata(header)
     spans = _spans(header, len(body) - start)
-    if repeats:
+    if raw is not None:
         if len(_REPEATED) >= _REPEATED_MAX:
             _REPEATED.clear()
         _REPEATED[raw] = (len(body), dict(meta), spans)

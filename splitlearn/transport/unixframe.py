@@ -39,6 +39,8 @@ import sys
 import time
 from typing import Optional
 
+from ..wire import compact_json
+
 MAGIC = b"SLU1"
 HELLO, REQUEST, ANSWER = 1, 2, 3
 HEADER = struct.Struct("<4sBBHIQ")
@@ -52,12 +54,9 @@ class FrameError(ValueError):
     """A frame that is not ours (bad magic, sizes, JSON): the connection cannot go on."""
 
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode  # built once, not per frame
-
-
 def pack(kind: int, meta: dict, body_len: int = 0) -> bytes:
     """The header and JSON part of a frame (its inline body, ``body_len`` bytes, follows)."""
-    m = _COMPACT(meta).encode()
+    m = compact_json(meta).encode()
     return HEADER.pack(MAGIC, kind, 0, 0, len(m), body_len) + m
 
 
