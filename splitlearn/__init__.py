@@ -3,12 +3,24 @@
 Cut a GPT-2 at block boundaries (2-way or U-shape), prove the split equals the whole, run the
 pieces as separate processes over HTTP, and measure what each piece costs.
 """
-from .data import ByteTokenizer, get_tokenizer, load_corpus
-from .errors import ConfigError, SegmentFileError, SplitLearnError
-from .export import export_segments, load_segment, load_segments
-from .loading import load_config, load_model
-from .partition import Partition, partition, validate_cuts
-from .segments import Segment, SegmentCache
+import importlib
+import sys
+import types
+
+# Every name is imported on first use (PEP 562), so `import splitlearn` (and so every
+# `python -m splitlearn.X --help`) costs no torch or transformers import: name -> its module.
+_LAZY = {
+    "ByteTokenizer": "data", "get_tokenizer": "data", "load_corpus": "data",
+    "ConfigError": "errors", "SegmentFileError": "errors", "SplitLearnError": "errors",
+    "export_segments": "export", "load_segment": "export", "load_segments": "export",
+    "load_config": "loading", "load_model": "loading",
+    "Partition": "partition", "validate_cuts": "partition",
+    "Segment": "segments", "SegmentCache": "segments",
+    "SplitClient": "client",  # requests, imported on first use
+    "OffloadGPT2LMHeadModel": "offload",  # masked offload (docs/OFFLOAD.md)
+    "RemoteCache": "hf", "SplitGPT2LMHeadModel": "hf", "SplitGPT2ForSequenceClassification": "hf",
+    "SplitGPT2Model": "hf", "split_model": "hf",  # split models as transformers models (issue 20)
+}
 
 __version__ = "0.1.0"
 
@@ -23,18 +35,36 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # SplitClient is imported on first use, so `import splitlearn` does not import requests.
-    if name == "SplitClient":
-        from .client import SplitClient
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    else:
+        try:  # a submodule used as an attribute (`splitlearn.checkpoint` after `import splitlearn`)
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'splitlearn' has no attribute {name!r}") from None
+    globals()[name] = value  # once: later reads do not come here
+    return value
 
-        return SplitClient
-    if name == "OffloadGPT2LMHeadModel":  # masked offload (docs/OFFLOAD.md), imported on first use too
-        from .offload import OffloadGPT2LMHeadModel
 
-        return OffloadGPT2LMHeadModel
-    if name in ("RemoteCache", "SplitGPT2LMHeadModel", "SplitGPT2ForSequenceClassification", "SplitGPT2Model",
-                "split_model"):
-        from . import hf  # split models as transformers models (issue 20), imported on first use
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | {"partition"})
 
-        return getattr(hf, name)
-    raise AttributeError(f"module 'splitlearn' has no attribute {name!r}")
+
+class _Facade(types.ModuleType):
+    """This package, with ``splitlearn.partition`` the function (as when it was imported eagerly),
+    never the submodule of the same name that the import system names on it."""
+
+    @property
+    def partition(self):
+        from .partition import partition
+
+        return partition
+
+    @partition.setter
+    def partition(self, _submodule) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Facade

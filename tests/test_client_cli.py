@@ -34,6 +34,28 @@ def test_train_reports_a_summary_and_saves(tmp_path, capsys, monkeypatch):
     with LocalServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--device", "cpu"]) as srv:
         monkeypatch.setenv("SPLITLEARN_TOKEN", srv.token)
         _train_and_resume(srv, tmp_path, capsys)
+        _generate_with_the_trained_client(srv, tmp_path / "ck", capsys)
+
+
+def _generate_with_the_trained_client(srv, saved, capsys):
+    """``generate --load DIR`` samples from the client ``train --save DIR`` trained (the
+    library's own ``SplitClient.load`` of the same directory), not from the spec's random blocks."""
+    from splitlearn.client import SplitClient
+
+    prompt = [72, 101, 108, 108, 111]
+    argv = ["generate", "--server", srv.url, "--model", "tiny", "--device", "cpu", "--greedy", "--json",
+            "--prompt-ids", " ".join(map(str, prompt)), "--max-new-tokens", "12"]
+    assert main([*argv, "--load", str(saved)]) == 0
+    out = capsys.readouterr()
+    loaded = json.loads(out.out)["ids"]
+    assert "saved at step 3" in out.err
+    with SplitClient(srv.url, "tiny", token=srv.token, device="cpu") as client:
+        untrained = client.generate(torch.tensor([prompt]), max_new_tokens=12).tolist()
+        client.load(saved)
+        trained = client.generate(torch.tensor([prompt]), max_new_tokens=12).tolist()
+    assert loaded == trained and trained != untrained
+    assert main([*argv, "--load", str(saved.parent)]) == 2  # no client saved there
+    assert "no trained client" in capsys.readouterr().err
 
 
 def _train_and_resume(env, tmp_path, capsys):
@@ -157,3 +179,49 @@ def test_the_client_pins_the_split_it_accepts(env, pin, capsys):
                "--max-new-tokens", "2", "--json", *pin])
     assert rc != 0
     assert "cut" in capsys.readouterr().err
+
+
+def test_an_error_after_streamed_text_starts_its_own_line(env, capsys, monkeypatch):
+    from splitlearn.client.core import SplitClient
+    from splitlearn.errors import SplitLearnError
+
+    def fails_midway(self, *a, **kw):
+        yield torch.tensor([104])
+        yield torch.tensor([105])
+        raise SplitLearnError("the server went away")
+
+    monkeypatch.setattr(SplitClient, "generate_stream", fails_midway)
+    rc = main(["generate", "--server", env.url, "--model", "tiny", "--device", "cpu", "--prompt", "Hi",
+               "--max-new-tokens", "5"])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == "Hihi\n" and out.err.startswith("error: the server went away")
+
+
+def test_a_refused_request_prints_no_half_line(env, capsys):
+    rc = main(["generate", "--server", env.url, "--model", "tiny", "--device", "cpu", "--prompt", "Hi",
+               "--max-new-tokens", "500"])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == "" and "n_positions" in out.err
+
+
+def test_help_imports_no_torch_and_shows_defaults():
+    """``--help`` answers without importing torch, transformers or requests (6 s before, issue 41)."""
+    code = ("import sys, contextlib, io\n"
+            "from splitlearn.client.cli import build_parser\n"
+            "buf = io.StringIO()\n"
+            "with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"
+            "    build_parser().parse_args(['train', '--help'])\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'requests') if m in sys.modules))\n"
+            "print(buf.getvalue())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    first, _, helptext = proc.stdout.partition("\n")
+    assert first == "[]"
+    assert "(default: float32)" in helptext and "(default: 0.001)" in helptext and "(default: adamw)" in helptext
+
+
+def test_the_cli_offers_the_wire_dtypes():
+    from splitlearn.client.cli import WIRE_DTYPES
+    from splitlearn.wire import WIRE_DTYPE_NAMES
+
+    assert tuple(WIRE_DTYPES) == tuple(WIRE_DTYPE_NAMES)

@@ -8,15 +8,12 @@ import sys
 import time
 from typing import Optional
 
-import torch
+from ..clihelp import DefaultsHelpFormatter
+from ..errors import ConfigError, SplitLearnError
 
-from ..data import get_tokenizer, lm_batches, load_corpus
-from .. import protocol as P
-from ..errors import SplitLearnError
-from ..protocol import parse_token_line, read_token_file
-from ..wire import WIRE_DTYPE_NAMES
-from .core import SplitClient
-from ..transport import Transport, TransportConfig
+# torch, transformers and requests are imported by the commands that use them, so that `--help`
+# and a mistyped option answer at once (issue 41: 6 s on a quiet 2-core machine before).
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # splitlearn.wire.WIRE_DTYPE_NAMES (a test keeps them equal)
 
 
 def _pins(args) -> dict:
@@ -27,6 +24,8 @@ def _pins(args) -> dict:
 
 
 def _token(args) -> Optional[str]:
+    from ..protocol import parse_token_line, read_token_file
+
     if getattr(args, "token_file", None):
         return parse_token_line(read_token_file(args.token_file)[0])[1]  # the first line's token
     return os.environ.get("SPLITLEARN_TOKEN")
@@ -34,6 +33,8 @@ def _token(args) -> Optional[str]:
 
 def _fed_token(args) -> Optional[str]:
     """The fed server's own token: --fed-token-file's first line, else $SPLITLEARN_FED_TOKEN."""
+    from ..protocol import parse_token_line, read_token_file
+
     if getattr(args, "fed_token_file", None):
         return parse_token_line(read_token_file(args.fed_token_file)[0])[1]
     return os.environ.get("SPLITLEARN_FED_TOKEN")
@@ -56,6 +57,9 @@ def _mb(n: int) -> str:
 
 
 def cmd_info(args) -> int:
+    from .. import protocol as P
+    from ..transport import Transport, TransportConfig
+
     t = Transport(TransportConfig(args.server, _token(args), retries=1))
     print(json.dumps(t.get_json(P.INFO), indent=2))
     return 0
@@ -63,6 +67,7 @@ def cmd_info(args) -> int:
 
 def cmd_diagnose(args) -> int:
     from ..analysis.diagnose import DiagnoseConfig, diagnose, render
+    from ..transport import Transport, TransportConfig
 
     sizes = [int(float(x) * 1024) for x in args.sizes_kib.split(",") if x.strip()]
     cfg = DiagnoseConfig(sizes=tuple(sizes), repeats=args.repeats, train_batch=args.batch_size,
@@ -78,6 +83,9 @@ def cmd_diagnose(args) -> int:
 
 def cmd_train(args) -> int:
     from tqdm import tqdm
+
+    from ..data import get_tokenizer, lm_batches, load_corpus
+    from .core import SplitClient
 
     tok = get_tokenizer(args.model)
     ids = tok.encode(load_corpus(args.data))
@@ -141,7 +149,36 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _trained_client(directory: str) -> tuple[dict, dict]:
+    """(counters, weights) of the client that ``train --save DIR`` left in ``directory``: its
+    id, step and cuts, and the state dict of its model (LoRA: with its adapters)."""
+    from ..checkpoint import has_state, latest, read_extra, read_meta
+
+    if not has_state(directory, "client"):
+        raise ConfigError(f"--load {directory}: no trained client there (`train --save DIR` writes one)")
+    counters = read_meta(latest(directory, "client"))["counters"]
+    return counters, read_extra(directory, "client", "model") or {}
+
+
+def _load_into(client, directory: str, counters: dict, weights: dict) -> None:
+    """Put the trained client's weights into ``client``'s model; ConfigError if they are not
+    this server's split (other cuts, other blocks)."""
+    if tuple(counters["cuts"]) != tuple(client.cuts):
+        raise ConfigError(f"--load {directory}: trained at cuts {counters['cuts']}, the server has "
+                          f"{list(client.cuts)}")
+    missing = client.model.state_dict().keys() ^ weights.keys()
+    if missing:
+        raise ConfigError(f"--load {directory}: the saved client does not fit this model "
+                          f"({len(missing)} weights differ, e.g. {sorted(missing)[0]!r})")
+    client.model.load_state_dict(weights)
+
+
 def cmd_generate(args) -> int:
+    import torch
+
+    from ..data import get_tokenizer
+    from .core import SplitClient
+
     tok = get_tokenizer(args.model)
     if args.prompt_ids is not None:
         prompt = [int(x) for x in args.prompt_ids.split()]
@@ -151,38 +188,60 @@ def cmd_generate(args) -> int:
         raise SplitLearnError("the prompt is empty")
     ids = torch.tensor([prompt])
     sampling = not args.greedy and (args.temperature != 1.0 or args.top_k or args.top_p or args.seed is not None)
+    trained = _trained_client(args.load) if args.load else None
+    options = {}
+    if trained is not None:  # the trained client's id (its server-side weights where a mode keeps them apart)
+        options["client_id"] = trained[0]["client_id"]
+        options["lora"] = "server" if any("lora_" in k for k in trained[1]) else None
     with SplitClient(args.server, args.model, token=_token(args), device=args.device,
                      wire_dtype=args.wire_dtype, seed=args.model_seed, defense=_defense(args),
-                     poll_idle=args.poll_idle, **_pins(args)) as client:
+                     poll_idle=args.poll_idle, **options, **_pins(args)) as client:
+        if trained is not None:
+            _load_into(client, args.load, *trained)
+            print(f"loaded the client saved at step {trained[0]['step']} in {args.load}", file=sys.stderr)
         t0 = time.perf_counter()
         new: list[int] = []
         printed = ""
-        if not args.json:
-            sys.stdout.write(tok.decode(prompt))
-        for t in client.generate_stream(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
-                                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                        seed=args.seed, eos_token_id=args.eos_token_id):
-            new.append(int(t[0]))
-            if not args.json:
-                text = tok.decode(new)
-                if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                    sys.stdout.write(text[len(printed):])
-                    sys.stdout.flush()
-                    printed = text
+        try:
+            for t in client.generate_stream(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
+                                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                            seed=args.seed, eos_token_id=args.eos_token_id):
+                if not args.json and not new:  # the prompt once the first token came: a refused
+                    sys.stdout.write(tok.decode(prompt))  # request prints no half line
+                new.append(int(t[0]))
+                if not args.json:
+                    text = tok.decode(new)
+                    if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                        sys.stdout.write(text[len(printed):])
+                        sys.stdout.flush()
+                        printed = text
+        except BaseException:
+            if new and not args.json:  # the error (main prints it) on a line of its own
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            raise
         seconds = time.perf_counter() - t0
         stats = {**client.stats.as_dict(), "seconds": seconds, "tokens_per_s": len(new) / max(seconds, 1e-9)}
     if args.json:
         print(json.dumps({"ids": [prompt + new], "text": [tok.decode(prompt + new)], "stats": stats}))
     else:
+        if not new:
+            sys.stdout.write(tok.decode(prompt))
         sys.stdout.write(tok.decode(new)[len(printed):] + "\n")
         print(f"{len(new)} tokens in {seconds:.2f}s ({stats['tokens_per_s']:.1f} tokens/s)", file=sys.stderr)
     return 0
+
+
+def _with_formatter(add_parser):
+    """``add_parser`` whose parsers show each option's default (the subcommands' --help)."""
+    return lambda *a, **kw: add_parser(*a, formatter_class=DefaultsHelpFormatter, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m splitlearn.client", allow_abbrev=False,
                                 description="splitlearn client: train or generate with a split GPT-2")
     sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser = _with_formatter(sub.add_parser)
 
     def defense(sp, nopeek: bool):
         sp.add_argument("--noise-sigma", type=float, help="defense: clip each activation token to "
@@ -198,8 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(default: $SPLITLEARN_TOKEN)")
         if model:
             sp.add_argument("--model", required=True, help="the model source the server was started with")
-            sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-            sp.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES)
+            sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                            help="where the client's blocks run (auto: cuda if there is one)")
+            sp.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPES,
+                            help="dtype of the activations and gradients on the wire (docs/PROTOCOL.md)")
             sp.add_argument("--poll-idle", action="store_true",
                             help="keep this process's cores polling instead of sleeping between messages "
                                  "(Linux; lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
@@ -232,10 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", help="UTF-8 text file, e.g. this owner's shard (default: the corpus shipped "
                     "with splitlearn)")
     tr.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
-    tr.add_argument("--batch-size", type=int, default=8)
-    tr.add_argument("--seq-len", type=int, default=64)
-    tr.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--batch-size", type=int, default=8, help="rows per step")
+    tr.add_argument("--seq-len", type=int, default=64, help="tokens per row")
+    tr.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                    help="the client's optimizer (the server steps its own: match its --optimizer)")
+    tr.add_argument("--lr", type=float, default=1e-3, help="the client's learning rate")
     tr.add_argument("--seed", type=int, default=0, help="seed of the model init and of the batches")
     tr.add_argument("--save", help="keep the client's state here: a snapshot at the server's checkpoints plus "
                     "a log of every step since, so a killed client resumes exactly; saved at the end too")
@@ -268,14 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = ge.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help='prompt token ids, e.g. "1 2 3"')
-    ge.add_argument("--max-new-tokens", type=int, default=64)
+    ge.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     ge.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless sampling flags are given)")
-    ge.add_argument("--temperature", type=float, default=1.0)
-    ge.add_argument("--top-k", type=int)
-    ge.add_argument("--top-p", type=float)
+    ge.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ge.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (default: all)")
+    ge.add_argument("--top-p", type=float, help="nucleus sampling: the likeliest tokens of this mass (default: 1)")
     ge.add_argument("--seed", type=int, help="seed of the sampler (sampling is reproducible with it)")
     ge.add_argument("--eos-token-id", type=int, help="stop at this token")
     ge.add_argument("--model-seed", type=int, default=0, help="seed of random model inits (match the server's)")
+    ge.add_argument("--load", metavar="DIR", help="generate with the client that `train --save DIR` trained "
+                    "(without it the client's blocks are the model source's, untrained)")
     ge.add_argument("--json", action="store_true", help='print {"ids", "text", "stats"} and nothing else on stdout')
     defense(ge, nopeek=False)
     ge.set_defaults(func=cmd_generate)
@@ -287,5 +351,6 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (SplitLearnError, ValueError, OSError) as e:
+        sys.stdout.flush()  # what was printed comes before the error
         print(f"error: {e}", file=sys.stderr)
         return 2
