@@ -3,8 +3,17 @@
 ``python -m splitlearn.client diagnose --server URL [--json]``: round trips of 1 KiB to 16 MiB
 through ``POST /v1/echo`` fitted to ``round trip = overhead + 2 x bytes / bandwidth``
 (:func:`fit_link`), each wire dtype's (de)serialisation cost, the bytes per cut of the server's
-model priced on this link, a latency- or bandwidth-bound verdict, and on a slow link
-:func:`wan_advice`. The report's ``link`` entry (``rtt_ms``, ``link_mbps``) is what
+model priced on this link, a latency- or bandwidth-bound verdict with the wire dtype that the measured table makes
+fastest (:func:`dtype_advice`), and on a slow link :func:`wan_advice`.
+
+A smaller wire dtype is not always faster: float32 is written as it lies, while bfloat16,
+float16 and int8 each cost torch operations (a cast; int8: abs, max, divide, round, clamp,
+cast) over every activation, each an OpenMP parallel region across ``torch.get_num_threads()``
+threads. Where the machine's other cores are busy (a server or another job on the same
+2-core machine) each region waits for a descheduled thread: measured here, 8 x 128 x 768,
+2 threads, a loaded 2-core machine: encode float32 0.6 ms, bfloat16 15.6 ms, int8 89.9 ms;
+with 1 thread 0.3 / 0.7 / 8.8 ms. The table measures this machine as it is, and the advice
+follows the table. The report's ``link`` entry (``rtt_ms``, ``link_mbps``) is what
 ``analyze_model_performance --link-from`` reads. Design: docs/WAN.md, 'Measure your own link'.
 """
 from __future__ import annotations
@@ -27,7 +36,7 @@ log = logging.getLogger(__name__)
 
 KIB, MIB = 1 << 10, 1 << 20
 LATENCY_ADVICE = "latency-bound: fewer round trips or larger batches"
-BANDWIDTH_ADVICE = "bandwidth-bound: bfloat16 halves the bytes, int8 quarters them"
+BANDWIDTH_ADVICE = "bandwidth-bound: fewer bytes per step pay"
 
 
 @dataclass
@@ -153,8 +162,28 @@ def estimate(step: dict, overhead_ms: float, mbps: float, codec: dict, kind: str
                      "codec_ms": codec_ms, "estimated_ms": step["calls"] * overhead_ms + transfer + codec_ms}
     f32 = per["float32"]
     bound = "bandwidth" if f32["transfer_ms"] > f32["calls_ms"] else "latency"
-    return {**step, "per_wire_dtype": per, "bound": bound,
-            "advice": BANDWIDTH_ADVICE if bound == "bandwidth" else LATENCY_ADVICE}
+    best = fastest(per)
+    return {**step, "per_wire_dtype": per, "bound": bound, "fastest_wire_dtype": best,
+            "advice": f"{BANDWIDTH_ADVICE if bound == 'bandwidth' else LATENCY_ADVICE}; {dtype_advice(per, best)}"}
+
+
+def fastest(per: dict) -> str:
+    """The wire dtype whose estimated link time is the least (float32 where they tie)."""
+    return min(per, key=lambda name: (round(per[name]["estimated_ms"], 3), name != "float32"))
+
+
+def dtype_advice(per: dict, best: str) -> str:
+    """Which ``--wire-dtype`` the measured table favours, and why: the bytes a smaller dtype
+    saves against what its cast (int8: its quantisation) costs on this machine."""
+    f32 = per["float32"]
+    if best == "float32":
+        others = ", ".join(f"{n} {e['estimated_ms']:.1f} ms" for n, e in per.items() if n != "float32")
+        return (f"keep --wire-dtype float32 ({f32['estimated_ms']:.1f} ms; {others}): on this machine the cast "
+                f"to a smaller dtype costs more than the bytes it saves")
+    b = per[best]
+    return (f"--wire-dtype {best} is the fastest here ({b['estimated_ms']:.1f} ms against float32's "
+            f"{f32['estimated_ms']:.1f} ms: {f32['transfer_ms'] - b['transfer_ms']:.1f} ms fewer on the link "
+            f"for {b['codec_ms'] - f32['codec_ms']:.1f} ms more of (de)serialising)")
 
 
 WAN_CALL_MS = 5.0  # calls dearer than this: a link worth drafting and pipelining over
