@@ -103,3 +103,17 @@ def test_the_command_line_is_the_config_fields():
                       "--max-update-norm", "none", "--no-batching", "--round-timeout", "7"])
     assert (cfg.max_body_bytes, cfg.max_memory_bytes, cfg.max_update_norm) == (1 << 19, 2 << 30, None)
     assert cfg.batching is False and cfg.round_timeout_s == 7.0
+
+
+def test_help_shows_each_default_in_the_options_unit():
+    """Issue 41: ``--help`` shows defaults, in the unit the option is given in (MiB, not bytes)."""
+    from splitlearn.server.config import ServerConfig
+    from splitlearn.server.http.cli import parser
+
+    text = " ".join(parser().format_help().split())  # one line: argparse wraps where it likes
+    assert text.startswith("usage: python -m splitlearn.server (--model MODEL | --segment SEGMENT)")
+    assert "the server's optimizer (AdamW: decoupled weight decay; SGD: L2) (default: adamw)" in text
+    assert "(default: 0.001)" in text and "(default: 0.0)" in text  # --lr, --weight-decay
+    body_mb = ServerConfig.__dataclass_fields__["max_body_bytes"].default / (1 << 20)
+    assert f"(default: {body_mb:g})" in text.split("--max-body-mb")[1].split("--")[0]
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -9,7 +9,8 @@ on a True default sets False; ``tuple[X, ...]`` is repeated: ``--cut 1 --cut 3``
 scales what the command line says to the field's unit (``--max-body-mb 256`` is
 ``256 << 20`` bytes); an option not given is the field's default; ``parse`` turns the
 option's text into the field's value after parsing (reading a file: its errors are the
-config's, not argparse's). ``cli=False`` keeps a field off the command line.
+config's, not argparse's). ``cli=False`` keeps a field off the command line. The help
+shows each default (in the option's unit).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import argparse
 import dataclasses
 import typing
 from typing import Any, Callable, Optional
+
+from ..clihelp import with_default
 
 HELP, FLAG, UNIT, PARSE, TYPE, CHOICES, METAVAR, GROUP, CLI = (
     "help", "flag", "unit", "parse", "type", "choices", "metavar", "group", "cli")
@@ -72,7 +75,11 @@ def add_options(parser: argparse.ArgumentParser, cls, title: Optional[str] = Non
                 exclusive[m[GROUP]] = group.add_mutually_exclusive_group(required=True)
             where = exclusive[m[GROUP]]
         base, repeated = _base_type(hints[f.name])
-        kw: dict[str, Any] = {"dest": f.name, "help": m[HELP], "default": argparse.SUPPRESS}  # not given: absent
+        shown = f.default if base is not bool and f.default is not dataclasses.MISSING else None
+        if isinstance(shown, (int, float)) and not isinstance(shown, bool) and m[UNIT] != 1:
+            shown = f"{shown / m[UNIT]:g}"  # in the option's unit (--max-body-mb 256, not bytes)
+        kw: dict[str, Any] = {"dest": f.name, "help": with_default(m[HELP], shown),
+                              "default": argparse.SUPPRESS}  # not given: absent
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and not m[GROUP]:
             kw["required"] = True  # a field without a default
         if base is bool and m[PARSE] is None:

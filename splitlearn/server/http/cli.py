@@ -22,7 +22,9 @@ from ..options import add_options, options_of
 def parser() -> argparse.ArgumentParser:
     """The command line, generated from the fields of the config's groups (:mod:`..config`)."""
     p = argparse.ArgumentParser(prog="python -m splitlearn.server", allow_abbrev=False,
-                                description="serve one segment of a GPT-2 over HTTP")
+                                usage="%(prog)s (--model MODEL | --segment SEGMENT) [--cut CUT ...] [options]",
+                                description="serve one segment of a GPT-2 over HTTP; every option below "
+                                            "is optional except the model source")
     for group in GROUPS:
         add_options(p, group)
     return p
