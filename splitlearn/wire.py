@@ -43,6 +43,10 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 SCALE_BYTES = 4  # int8: one float32 absmax scale per row
 MAX_HEADER = 1 << 20  # bytes; a header this large is not ours
 MAX_DIMS = 64  # a tensor's dimensions at most (numpy's limit; no body of ours has more than 3)
+# elements of a tensor's shape, its zero dimensions left out, at most: an empty tensor's other
+# dimensions are bounded too ([0, 2**70] made numpy's reshape raise), and times any itemsize it fits
+# the int64 that numpy and torch compute sizes in
+MAX_ELEMENTS = 1 << 48
 SCALE = ".scale"
 #: JSON without spaces, its encoder built once (``json.dumps(..., separators=...)`` builds one a call)
 compact_json = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
@@ -255,7 +259,9 @@ _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.i
 def _spans(header: dict, size: int) -> list:
     """The tensors of a safetensors header over ``size`` bytes of data, checked as safetensors
     checks them (known dtypes, shapes of non-negative integers, each tensor's bytes inside the
-    data, not overlapping: nothing allocated beyond the data's size):
+    data, not overlapping: nothing allocated beyond the data's size), and more: at most
+    ``MAX_DIMS`` dimensions and ``MAX_ELEMENTS`` elements, zero dimensions left out (what numpy
+    and torch can reshape):
     ``[(begin, end, name, dtype, shape, count)]`` in data order."""
     spans = []
     for name, info in header.items():
@@ -263,19 +269,23 @@ def _spans(header: dict, size: int) -> list:
             continue
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} must have dtype, shape, data_offsets")
-        dtype, shape, offsets = _DTYPE_OF.get(info["dtype"]), info["shape"], info["data_offsets"]
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        dtype = _DTYPE_OF.get(dtype) if isinstance(dtype, str) else None
         if dtype is None:
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} has dtype {str(info['dtype'])[:20]!r}")
         if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} has shape {str(shape)[:60]}")
         if len(shape) > MAX_DIMS:
             raise BadRequest(f"tensor {name[:40]!r} has {len(shape)} dimensions (at most {MAX_DIMS})")
+        count = extent = 1
+        for x in shape:
+            count, extent = count * x, extent * max(x, 1)
+        if extent > MAX_ELEMENTS:
+            raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} has shape {str(shape)[:60]} "
+                             f"(more than 2**48 elements, its zero dimensions left out)")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
                 and 0 <= offsets[0] <= offsets[1] <= size):
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} lies outside the data")
-        count = 1
-        for x in shape:
-            count *= x
         if offsets[1] - offsets[0] != count * dtype.itemsize:
             raise BadRequest(f"body is not valid safetensors: tensor {name[:40]!r} of shape {shape} "
                              f"does not fill its {offsets[1] - offsets[0]} bytes")

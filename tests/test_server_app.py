@@ -334,3 +334,56 @@ def test_echo_returns_the_body_untouched(u):
     r = u.post(P.ECHO, data=body, headers={**auth(), "Content-Type": P.CONTENT_TYPE})
     assert r.status_code == 200 and r.get_data() == body
     assert_error(u.post(P.ECHO, data=body), 401)
+
+
+# -- degenerate shapes: every one a 400, never a 500 (issue 40, item 6) ----------------------
+
+def _body_of_shape(shape, dtype="F32", extra=None, meta=None) -> bytes:
+    """A safetensors body whose ``hidden`` says ``shape`` (anything JSON), its data as long as
+    that shape's bytes where they are few, else empty; ``extra`` tensors after it."""
+    import json
+    import struct
+    n = 0
+    if isinstance(shape, list) and all(type(x) is int and 0 <= x for x in shape) and len(shape) <= 64:
+        n = 4 * int(torch.tensor(shape, dtype=torch.float64).prod()) if shape else 4
+        n = n if n <= 1 << 20 else 0
+    header, data = {"hidden": {"dtype": dtype, "shape": shape, "data_offsets": [0, n]}}, b"\0" * n
+    for name, t in (extra or {}).items():
+        raw = t.numpy().tobytes()
+        header[name] = {"dtype": {torch.int64: "I64", torch.float32: "F32"}[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    if meta:
+        header["__metadata__"] = meta
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+DEGENERATE = [[0, 2 ** 70], [2 ** 70, 0], [0, 2 ** 62, 2 ** 62], [0, 6, D], [2, 0, D], [2, 6, 0], [0, 0, 0],
+              [], [2 ** 31, 0, D], [-1, 6, D], [2, 6.0, D], ["2", 6, D], [True, 6, D], [[2], 6, D], None,
+              [1] * 65, [0] * 65, [2 ** 64, 1, 1], [2, 6, D, 1]]
+
+
+@pytest.fixture(scope="module")
+def apps():
+    return {"2way": create_app(ServerConfig(model="tiny", cuts=(2,), tokens=TENANTS)),
+            "u": create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS))}
+
+
+@pytest.mark.parametrize("shape", DEGENERATE, ids=str)
+def test_a_degenerate_shape_is_a_400_on_every_tensor_route(apps, shape):
+    labels = torch.zeros(2, 6, dtype=torch.int64)
+    posts = [("2way", P.TRAIN_STEP, {P.LABELS: labels}, P.StepMeta("c1", 1).to_meta()),
+             ("2way", P.FORWARD, {}, {}), ("u", P.FORWARD, {}, {}),
+             ("u", P.TRAIN_FORWARD, {}, P.StepMeta("c1", 1).to_meta())]
+    for name, path, extra, meta in posts:
+        app = apps[name]
+        client, before = app.test_client(), snapshot(segment_of(app))
+        r = post_tensors(client, path, {}, data=_body_of_shape(shape, extra=extra, meta=meta))
+        assert_error(r, 400)
+        assert same_weights(before, snapshot(segment_of(app)))
+    client = apps["u"].test_client()  # a generation session's step
+    r = client.post(P.SESSIONS, json={"rows": 2}, headers=auth())
+    url = P.SESSION_STEP.format(session_id=r.get_json()["session_id"])
+    assert_error(post_tensors(client, url, {}, data=_body_of_shape(shape, meta=P.SessionStepMeta(0).to_meta())), 400)
+    assert client.delete(P.SESSION.format(session_id=url.split("/")[-2]), headers=auth()).status_code in (200, 204)

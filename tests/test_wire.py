@@ -232,6 +232,37 @@ def test_a_view_with_a_lying_header_is_a_bad_request(entry, words):
             decode(form)
 
 
+# degenerate shapes (issue 40, item 6): [0, 2**70] has zero bytes, so it fit its (empty) data,
+# and numpy's reshape raised a ValueError: a 500 with a traceback on every door
+DEGENERATE_SHAPES = [[0, 2 ** 70], [2 ** 70, 0], [0, 2 ** 62], [0, 2 ** 40, 2 ** 40], [0, 2 ** 48 + 1],
+                     [0] * 65, [-1, 0], [0, -(2 ** 70)], [0.0, 1], [0, 1.5], ["0"], [True, 0], [None], [[0]],
+                     None, "0", {"0": 0}, 0]
+
+
+@pytest.mark.parametrize("shape", DEGENERATE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", ["F32", "I64", "BF16"])
+def test_a_degenerate_shape_is_a_bad_request_on_every_reader(shape, dtype):
+    entry = {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}
+    head = _header({"x": entry})
+    for form in (head, memoryview(bytearray(head)), wire.DeviceBody(head, torch.zeros(0, dtype=torch.uint8))):
+        with pytest.raises(BadRequest, match="shape|dimensions"):
+            decode(form)
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}, 32, None])
+def test_a_dtype_that_is_not_a_name_is_a_bad_request(dtype):
+    with pytest.raises(BadRequest, match="dtype"):
+        decode(_header({"x": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}) + b"\0" * 4)
+
+
+def test_empty_tensors_of_sane_shapes_still_decode():
+    tensors = {"a": torch.zeros(0, 3), "b": torch.zeros(2, 0, 5, dtype=torch.int64), "c": torch.zeros(())}
+    out, _ = decode(encode(tensors))
+    assert {k: (v.shape, v.dtype) for k, v in out.items()} == {k: (v.shape, v.dtype) for k, v in tensors.items()}
+    head = _header({"x": {"dtype": "F32", "shape": [0, 2 ** 48], "data_offsets": [0, 0]}})  # the bound itself
+    assert decode(head)[0]["x"].shape == (0, 2 ** 48)
+
+
 # -- a device body: the header inline, the data in a (device) region --------------------------
 # On the CPU here (a uint8 tensor stands for the CUDA region); tests/test_transport_cuda.py
 # runs the same on a GPU, across two processes.
