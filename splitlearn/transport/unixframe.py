@@ -101,9 +101,14 @@ def span(value, size: int) -> tuple[int, int]:
 class Reader:
     """Buffered reads from a socket: a small frame (header, JSON, inline body) usually comes in
     one ``recv``. ``deadline`` (``time.monotonic()``; None: the socket's own timeout) bounds
-    each :meth:`take`; ``fds`` collects descriptors passed with the bytes (``SCM_RIGHTS``).
+    each :meth:`take`; with ``pace`` (bytes/s) it moves on as bytes arrive: the k-th byte is
+    due by ``deadline + k / pace``, so a peer that announces a large body and sends nothing is
+    cut off at ``deadline``, not at the end of the whole body's allowance. ``fds`` collects
+    descriptors passed with the bytes (``SCM_RIGHTS``).
     Reads land in a buffer of the reader's own (``recv_into``): ``recv(n)`` allocates n bytes
-    first, and at 256 KiB that cost ~9 us a call against ~1 us (docs/TRANSPORT.md)."""
+    first, and at 256 KiB that cost ~9 us a call against ~1 us (docs/TRANSPORT.md). A large
+    take allocates its ``n`` bytes at once (the caller reserves them first: the server's door
+    in its memory account) and reads straight into them."""
 
     CHUNK = 64 << 10
 
@@ -111,7 +116,8 @@ class Reader:
         self.sock, self.pending = sock, bytearray()
         self._into = memoryview(bytearray(self.CHUNK))
 
-    def take(self, n: int, deadline: Optional[float] = None, fds: Optional[list] = None) -> bytes:
+    def take(self, n: int, deadline: Optional[float] = None, fds: Optional[list] = None,
+             pace: Optional[float] = None) -> bytes:
         if len(self.pending) >= n:
             out = bytes(self.pending[:n])
             del self.pending[:n]
@@ -123,14 +129,14 @@ class Reader:
             self.pending = bytearray()
             view = memoryview(buf)
             while have < n:
-                self._timeout(deadline)
+                self._timeout(deadline, pace, have)
                 k = self.sock.recv_into(view[have:])
                 if not k:
                     raise ConnectionResetError(f"connection closed after {have} of {n} bytes")
                 have += k
             return buf
         while len(self.pending) < n:
-            self._timeout(deadline)
+            self._timeout(deadline, pace, len(self.pending))
             if fds is not None:
                 data, anc, _flags, _addr = self.sock.recvmsg(self.CHUNK, socket.CMSG_SPACE(16 * 4))
                 for level, kind, raw in anc:
@@ -147,9 +153,9 @@ class Reader:
         del self.pending[:n]
         return out
 
-    def _timeout(self, deadline: Optional[float]) -> None:
+    def _timeout(self, deadline: Optional[float], pace: Optional[float] = None, have: int = 0) -> None:
         if deadline is not None:
-            left = deadline - time.monotonic()
+            left = deadline + (have / pace if pace else 0.0) - time.monotonic()
             if left <= 0:
                 raise TimeoutError("deadline passed")
             self.sock.settimeout(left)

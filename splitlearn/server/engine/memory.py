@@ -5,7 +5,9 @@ outlives a request, or waits beside the one computing, is counted here, per tena
 total, against two limits::
 
     held by                         reserved                          released
-    a request                       its body, at arrival; its price   when its answer is built
+    a request                       its body, when announced (the     when its answer is built (a
+                                    door, before a byte of it is      body refused or cut off: then)
+                                    allocated); its price
                                     (:meth:`.Budget.check`), before
                                     computing
     a waiting graph (training)      its own size (:func:`.budget.      at its backward (then its
@@ -182,8 +184,17 @@ class Request:
     def __init__(self, account: Optional[MemoryAccount], tenant: str):
         self.account, self.tenant, self.holds = account, tenant, []
 
-    def hold(self, nbytes: int, what: str, shared: bool = True) -> None:
-        if self.account is not None and nbytes > 0:
+    def hold(self, nbytes: int, what: str, shared: bool = True, adopt: Optional[Hold] = None) -> None:
+        """Reserve ``nbytes`` until :meth:`close`. ``adopt``: the hold a door made for the body as
+        it arrived (frontdoor.py, unixdoor.py), grown to ``nbytes`` (only the difference is
+        reserved) and released with this request's holds."""
+        if self.account is None:
+            return
+        if adopt is not None and adopt.account is self.account and not adopt.released:
+            if nbytes > adopt.nbytes:
+                adopt.resize(nbytes)
+            self.holds.append(adopt)
+        elif nbytes > 0:
             self.holds.append(self.account.reserve(self.tenant, nbytes, what, shared))
 
     @contextmanager

@@ -59,11 +59,12 @@ class Direct:
         return None
 
     def __call__(self, route: TensorRoute, url_args: dict, headers: dict, body, tenant: Tenant,
-                 lazy_above: Optional[int] = None, keep_device: bool = False) -> Answer:
+                 lazy_above: Optional[int] = None, keep_device: bool = False, body_hold=None) -> Answer:
         """Serve one request (``headers`` with lower-case names) for ``tenant``, as the app
         would. ``body``: bytes, a memoryview of shared memory or a DeviceBody (decoded in place,
         once); ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`
-        (``keep_device``: its tensors left on the server's GPU)."""
+        (``keep_device``: its tensors left on the server's GPU); ``body_hold``: the door's
+        reservation of an inline body (taken over by the route's)."""
         started = time.perf_counter()
         incident = None
         mimetype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -73,7 +74,7 @@ class Direct:
             else:
                 with memory_scope(self.served.memory, tenant.name) as held:  # released once the answer is built
                     content, server_ms = serve(self.served, held, route, tenant, len(body), mimetype,
-                                               lambda: body, url_args, lazy_above, keep_device)
+                                               lambda: body, url_args, lazy_above, keep_device, body_hold)
             status = 200
             out = [["Content-Type", P.CONTENT_TYPE], ["Content-Length", str(len(content))],
                    [P.SERVER_TIME_HEADER, server_ms]]

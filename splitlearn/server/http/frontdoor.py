@@ -6,8 +6,15 @@ All on waitress's event loop (no WSGI thread, no body buffer):
   ``/v1/ready`` excepted) is answered 401 before its body is buffered; over-limit
   Content-Length: 413; malformed headers: 400. After the answer the write side is shut and
   what the client still sends is dropped for at most :data:`LINGER_S` or the announced length.
-- **Deadlines in**: headers by ``request_timeout_s`` after the first byte, the body by
-  ``request_timeout_s + size / min_rate``; a connection without a valid token may idle
+- **Bodies reserved before they are buffered**: a tenant's Content-Length is reserved in the
+  server's memory account (:mod:`..engine.memory`) at its headers, before waitress buffers a
+  byte of it (429 past the tenant's share, 503 past the total, JSON with Retry-After; the
+  connection lingers as after a 401); a chunked body grows its reservation as it arrives. The
+  route's own reservation of the body takes it over (:func:`.routing.serve`); it is released
+  when the request ends, answered, refused or cut off.
+- **Deadlines in**: headers by ``request_timeout_s`` after the first byte, the body's k-th byte
+  by ``request_timeout_s + k / min_rate`` (a body announced and not sent holds its reservation
+  ``request_timeout_s`` at most); a connection without a valid token may idle
   ``request_timeout_s`` only. Cut off: 408.
 - **Deadlines out**: an answer must be read by ``request_timeout_s + size / min_rate`` from
   when it was written, else the connection is closed (freeing a WSGI thread blocked on it).
@@ -28,6 +35,7 @@ import select
 import socket
 import time
 from dataclasses import asdict, dataclass
+from http import HTTPStatus
 from typing import Optional
 
 from waitress.channel import HTTPChannel
@@ -37,8 +45,10 @@ from waitress.task import ErrorTask, WSGITask
 from waitress.utilities import Error, build_http_date
 
 from ... import protocol as P
-from ...errors import ConfigError, from_status
+from ...errors import ConfigError, SplitLearnError, from_status
+from ..engine.memory import Hold, MemoryAccount
 from ..engine.tenants import Tenants
+from .routing import BODY_HOLD_KEY, SERVED
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +97,15 @@ class _RequestTimeout(_DoorError):
     code, reason = 408, "Request Timeout"
 
 
+class _Refused(_DoorError):
+    """A splitlearn error answered by the door (a body the memory account cannot hold: 429/503)."""
+
+    def __init__(self, e: SplitLearnError):
+        super().__init__(str(e))
+        self.code, self.reason = e.status, HTTPStatus(e.status).phrase
+        self.retry_after = e.retry_after
+
+
 def error_payload(e: Error) -> bytes:
     """splitlearn's JSON ``{"error", "message"}`` for waitress error ``e`` (ours or waitress's own)."""
     message = e.body if isinstance(e, _DoorError) else f"{e.reason}: {e.body}"
@@ -101,6 +120,8 @@ def error_bytes(e: Error, version: str = "1.1", ident: str = "splitlearn") -> by
             f"Date: {build_http_date(time.time())}", f"Server: {ident}"]
     if e.code == 401:
         head.append('WWW-Authenticate: Bearer realm="splitlearn"')
+    if getattr(e, "retry_after", None) is not None:
+        head.append(f"Retry-After: {int(round(e.retry_after))}")
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
@@ -114,6 +135,8 @@ class JsonErrorTask(ErrorTask):
         self.response_headers.append(("Content-Type", "application/json"))
         if e.code == 401:
             self.response_headers.append(("WWW-Authenticate", 'Bearer realm="splitlearn"'))
+        if getattr(e, "retry_after", None) is not None:
+            self.response_headers.append(("Retry-After", str(int(round(e.retry_after)))))
         self.set_close_on_finish()
         self.content_length = len(body)
         self.write(body)
@@ -121,18 +144,22 @@ class JsonErrorTask(ErrorTask):
 
 class DoorTask(WSGITask):
     """waitress's WSGI task, handing the app the tenant the door found (``environ[TENANT_KEY]``),
-    so the app does not hash the token a second time."""
+    so the app does not hash the token a second time, and the body's reservation
+    (``environ[BODY_HOLD_KEY]``), which the route takes over."""
 
     def get_environment(self):
         environ = super().get_environment()
         environ[TENANT_KEY] = self.request.tenant
+        environ[BODY_HOLD_KEY] = self.request.hold
         return environ
 
 
 class DoorParser(HTTPRequestParser):
-    """waitress's parser, plus the check at the end of the headers and this request's deadline."""
+    """waitress's parser, plus the checks at the end of the headers (token, the body's
+    reservation), this request's deadline, and a chunked body's reservation as it grows."""
 
     tenant = None  # the Tenant of a valid token
+    hold: Optional[Hold] = None  # the body's reservation in the memory account (released at close)
 
     def __init__(self, adj, channel: "DoorChannel"):
         super().__init__(adj)
@@ -143,17 +170,40 @@ class DoorParser(HTTPRequestParser):
     def received(self, data: bytes) -> int:
         in_headers = not self.headers_finished and not self.completed
         consumed = super().received(data)
-        if not in_headers or not (self.headers_finished or self.completed) or self.empty:
+        if not in_headers:  # body bytes: a chunked body's reservation grows with them
+            if self.hold is None or not self.chunked or self.error is not None:
+                return consumed
+            self.error = self.channel.reserve(self, self.body_bytes_received)
+            return consumed if self.error is None else self._refuse(data)
+        if not (self.headers_finished or self.completed) or self.empty:
             return consumed
         if self.error is None and not self.channel.admit(self):
             self.error = _Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+        if self.error is None and self.tenant is not None and (self.content_length or self.chunked):
+            self.error = self.channel.reserve(self, self.content_length)  # before a byte of it is buffered
         if self.error is None:
             size = self.adj.max_request_body_size if self.chunked else self.content_length
             self.deadline = self.started + self.channel.limits.allowance_s(size)
             return consumed
+        return self._refuse(data)
+
+    def _refuse(self, data: bytes) -> int:
         self.completed, self.expect_continue = True, False  # never "100 Continue" a refused body
         self.channel.refuse(self)
         return len(data)  # the rest of this read is body (or garbage): never parsed
+
+    def close(self) -> None:
+        super().close()
+        if self.hold is not None:
+            self.hold.release()  # a no-op once the route's reservation took it over and ended
+
+    def behind(self, now: float) -> bool:
+        """Late (``now``: ``time.time()``): past the whole request's deadline, or a body's bytes
+        behind the minimum rate (the k-th due ``request_timeout_s + k / min_rate`` after the
+        first byte of the request)."""
+        if now > self.deadline:
+            return True
+        return self.headers_finished and now > self.started + self.channel.limits.allowance_s(self.body_bytes_received)
 
 
 class DoorChannel(HTTPChannel):
@@ -188,6 +238,21 @@ class DoorChannel(HTTPChannel):
             return True
         return False
 
+    def reserve(self, req: DoorParser, nbytes: int) -> Optional[_DoorError]:
+        """Reserve (or grow to) ``nbytes`` of ``req``'s body for its tenant in the memory
+        account; the refusal to answer if they do not fit (None: reserved, or no account)."""
+        memory = self.door.memory
+        if memory is None:
+            return None
+        try:
+            if req.hold is None:
+                req.hold = memory.reserve(req.tenant.name, nbytes, "a request body")
+            else:
+                req.hold.resize(nbytes)
+        except SplitLearnError as e:
+            return _Refused(e)
+        return None
+
     def stranger(self) -> bool:
         """No valid token was shown on this connection and nothing is being computed for it:
         its slot goes to a new connection when the server is full (:func:`make_server`)."""
@@ -199,6 +264,7 @@ class DoorChannel(HTTPChannel):
         if self.requests:
             return
         req.empty = True  # waitress drops it: no task, no thread
+        req.close()  # its reservation and anything buffered go now
         answer = error_bytes(req.error, req.version, self.adj.ident)
         with self.outbuf_lock:
             self.outbufs[-1].append(answer)
@@ -278,7 +344,7 @@ class DoorChannel(HTTPChannel):
             return False
         req = self.request
         if req is not None:
-            if now > req.deadline:
+            if req.behind(now):
                 log.info("%s sent a request too slowly: cut off", self.addr)
                 self.cut_off(req)
             return False
@@ -300,11 +366,14 @@ class Door:
 
     tenants: Tenants
     limits: DoorLimits
+    memory: Optional[MemoryAccount] = None  # where tenants' bodies are reserved (None: nowhere; the fed server)
 
 
 def make_server(app, tenants: Tenants, *, host: str, port: int, threads: int, max_body_bytes: int,
                 limits: DoorLimits = DoorLimits(), ident: str = "splitlearn"):
-    """A waitress server for ``app`` behind the door; ``.run()`` serves, ``.close()`` stops."""
+    """A waitress server for ``app`` behind the door; ``.run()`` serves, ``.close()`` stops.
+    Tenants' bodies are reserved in the app's memory account (a segment server's; the fed
+    server has none) as they are announced."""
     server = create_server(
         app, host=host, port=port, threads=threads,
         inbuf_overflow=max_body_bytes, outbuf_overflow=max_body_bytes, max_request_body_size=max_body_bytes,
@@ -313,7 +382,8 @@ def make_server(app, tenants: Tenants, *, host: str, port: int, threads: int, ma
         cleanup_interval=1, ident=ident)
     # --max-connections counts clients: the listener and waitress's wake-up pipe are in its map too
     server.adj.connection_limit = limits.max_connections + len(server._map)
-    server.door = Door(tenants, limits)
+    memory = getattr(app.extensions.get(SERVED), "memory", None) if hasattr(app, "extensions") else None
+    server.door = Door(tenants, limits, memory)
     server.channel_class = DoorChannel
     idle_check = server.maintenance  # waitress's: keep-alive connections idle past channel_timeout
 

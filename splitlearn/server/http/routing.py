@@ -33,6 +33,7 @@ from . import validate
 # values, below torch's grain size (32768) for running an operator on several threads.
 INLINE_BODY_BYTES = 64 << 10
 SERVED = "splitlearn.served"  # the app.extensions key of its Served
+BODY_HOLD_KEY = "splitlearn.body_hold"  # WSGI environ: the door's reservation of the body (a memory Hold)
 
 
 @dataclasses.dataclass
@@ -140,7 +141,8 @@ def tensor_route(bp: Blueprint, rule: str, *, owner: bool = False, inline: bool 
             s = served()
             with memory_scope(s.memory, g.tenant.name) as held:  # released once the answer is built
                 content, server_ms = serve(s, held, route, g.tenant, request.content_length or 0,
-                                           request.mimetype, lambda: request.get_data(cache=False), url_args)
+                                           request.mimetype, lambda: request.get_data(cache=False), url_args,
+                                           body_hold=request.environ.get(BODY_HOLD_KEY))
                 resp = Response(content, status=200, mimetype=P.CONTENT_TYPE)
                 resp.headers[P.SERVER_TIME_HEADER] = server_ms
                 return resp
@@ -153,13 +155,15 @@ def tensor_route(bp: Blueprint, rule: str, *, owner: bool = False, inline: bool 
 
 def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: int, mimetype: str,
           read_body: Callable[[], bytes], url_args: dict, lazy_above: Optional[int] = None,
-          keep_device: bool = False) -> tuple[bytes, str]:
+          keep_device: bool = False, body_hold=None) -> tuple[bytes, str]:
     """Run ``route`` for ``tenant`` (Flask's view, or the unix door's direct dispatch): the
     answer's bytes and its ``X-Server-Time-Ms``. SplitLearnError for a bad request.
     ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`,
-    written by the caller where it goes (shared memory; ``keep_device``: a device region)."""
+    written by the caller where it goes (shared memory; ``keep_device``: a device region).
+    ``body_hold``: the door's reservation of the body (:mod:`.frontdoor`, :mod:`.unixdoor`),
+    taken over by ``held``."""
     started = time.perf_counter()
-    held.hold(2 * content_length, "a request body")  # server's copy + ours
+    held.hold(2 * content_length, "a request body", adopt=body_hold)  # server's copy (the door's) + ours
     if mimetype != P.CONTENT_TYPE:
         raise UnsupportedMediaType(f"send tensors as {P.CONTENT_TYPE} (safetensors), "
                                    f"not {mimetype or 'no content type'}")

@@ -4,10 +4,18 @@
 frames of :mod:`splitlearn.transport.unixframe`; each request goes to the same Flask app
 through a WSGI environ built here (no HTTP parsing), the token checked at the frame too; a
 tensor route's request to the same route code without Flask (:mod:`.direct`). As the
-TCP front door, it enforces the socket file's mode (0600, ``--unix-mode``), ``--max-connections``,
-the idle and request deadlines, 400/413 on malformed frames (connection closed) or bad fields
-(connection goes on), and only sealed memfd regions of bounded size. One thread per connection
-runs its requests one at a time, so concurrent clients' decode steps still batch.
+TCP front door, it enforces the socket file's mode (0600, ``--unix-mode``), ``--max-connections``
+(full, with a newcomer waiting: the oldest stranger gives its slot up), the idle and request
+deadlines (a body's k-th byte due ``request_timeout_s + k / min_rate`` after its frame's
+first), 400/413 on malformed frames (connection closed) or bad fields (connection goes on),
+and only sealed memfd regions of bounded size. Without a token only a bodiless ``GET``/``HEAD``
+of ``/v1/health`` or ``/v1/ready`` is answered. A tenant's inline body is reserved in the
+server's memory account (:mod:`..engine.memory`) when its frame announces it, before a byte of
+it is allocated (429/503 past the share or the total; the connection closes, the body unread),
+and read into one buffer of that size: one reservation, no per-chunk bookkeeping, the refusal
+before the client sends a byte; the pace above bounds how long an announced body that never
+comes holds it. One thread per connection runs its requests one at a time, so concurrent
+clients' decode steps still batch.
 Design: docs/TRANSPORT.md; guarantees: docs/SECURITY.md, 'The Unix socket'.
 """
 from __future__ import annotations
@@ -19,6 +27,7 @@ import logging
 import mmap
 import os
 import re
+import select
 import socket
 import stat
 import sys
@@ -36,13 +45,14 @@ from ...transport import unixframe as F
 from ...wire import MAX_HEADER, DeviceBody, Encoded
 from .direct import Direct
 from .frontdoor import TENANT_KEY, DoorLimits
-from .routing import SERVED
+from .routing import BODY_HOLD_KEY, SERVED
 
 log = logging.getLogger(__name__)
 
 BODY_KEY = "splitlearn.body"  # WSGI environ: the request's whole body (no client can set it; app.py)
-_TOKENLESS = (P.HEALTH, P.READY)  # answered without a token (as over HTTP)
+_TOKENLESS = (P.HEALTH, P.READY)  # answered without a token, bodiless GET/HEAD only (as over HTTP)
 _MAX_PATH = 8 << 10
+_FULL_CHECK_S = 0.25  # full: how often the door looks for a newcomer waiting (a stranger then gives its slot up)
 
 
 def socket_path(url: str) -> str:
@@ -67,9 +77,11 @@ class UnixDoor:
         # a client's CUDA region is mapped when this server computes on the same GPU (cudaregion.py)
         device = getattr(self.direct.served.rt, "device", None) if self.direct is not None else None
         self.device = device if device is not None and torch.device(device).type == "cuda" else None
+        # where tenants' inline bodies are reserved before they are read (None: nowhere)
+        self.memory = self.direct.served.memory if self.direct is not None else None
         self.sock = self._listen()
         self.closed = False
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, _Conn] = {}
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
@@ -112,7 +124,9 @@ class UnixDoor:
 
     def run(self) -> None:
         while not self.closed:
-            self.slots.acquire()  # --max-connections: the next one waits in the backlog
+            if not self.slots.acquire(timeout=_FULL_CHECK_S):  # --max-connections: the next one waits in the backlog
+                self._make_room()
+                continue
             try:
                 conn, _ = self.sock.accept()
             except OSError:
@@ -120,9 +134,33 @@ class UnixDoor:
                 if self.closed:
                     return
                 continue
+            c = _Conn(self, conn)
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="unixdoor-conn", daemon=True).start()
+                self._conns[conn] = c
+            threading.Thread(target=self._serve, args=(c,), name="unixdoor-conn", daemon=True).start()
+
+    def _make_room(self) -> None:
+        """Full, with a connection waiting to be accepted: the oldest stranger (no valid token
+        shown, no request being served) is disconnected and the newcomer takes its slot, so
+        tokenless connections never keep a tenant out (the TCP door's rule, frontdoor.py)."""
+        try:
+            if self.closed or not select.select([self.sock], [], [], 0)[0]:
+                return  # nobody waiting: keep everyone
+        except (OSError, ValueError):
+            return
+        with self._lock:
+            if any(c.evicted for c in self._conns.values()):
+                return  # one is already going
+            strangers = [c for c in self._conns.values() if c.stranger()]
+            if not strangers:
+                return  # full of tenants' connections: the newcomer waits in the backlog
+            oldest = min(strangers, key=lambda c: c.created)
+            oldest.evicted = True
+        log.info("connection limit reached: a unix connection without a token makes room for a new one")
+        try:
+            oldest.sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends; its slot is released there
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.closed = True
@@ -145,8 +183,8 @@ class UnixDoor:
 
     # -- one connection ------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
-        c = _Conn(self, conn)
+    def _serve(self, c: "_Conn") -> None:
+        conn = c.sock
         try:
             c.loop()
         except (ConnectionError, OSError, TimeoutError):
@@ -156,7 +194,7 @@ class UnixDoor:
         finally:
             c.release()
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
             self.slots.release()
 
@@ -171,6 +209,14 @@ class _Conn:
         self.accepted: Optional[tuple[bytes, object]] = None  # the last header that authenticated, its tenant
         self.frames = 0
         self.reader = F.Reader(sock)
+        self.created = time.monotonic()
+        self.serving = False  # a request is being served (not a stranger while it is)
+        self.evicted = False  # shut down to make room for a newcomer
+
+    def stranger(self) -> bool:
+        """No valid token shown on this connection and nothing being served for it: its slot
+        goes to a newcomer when the door is full."""
+        return not self.trusted and not self.serving and not self.evicted
 
     def release(self) -> None:
         if self.device_region is not None:
@@ -183,10 +229,11 @@ class _Conn:
                 pass
             self.region = None
 
-    def _recv(self, n: int, deadline: float, fds: Optional[list] = None):
-        """``n`` bytes by ``deadline`` (TimeoutError after it)."""
+    def _recv(self, n: int, deadline: float, fds: Optional[list] = None, pace: Optional[float] = None):
+        """``n`` bytes by ``deadline`` (with ``pace``, bytes/s: the k-th by ``deadline + k / pace``;
+        TimeoutError after it)."""
         try:
-            return self.reader.take(n, deadline, fds)
+            return self.reader.take(n, deadline, fds, pace)
         except socket.timeout:
             raise TimeoutError from None
 
@@ -211,7 +258,7 @@ class _Conn:
                     cls = PayloadTooLarge if "inline body" in str(e) else BadRequest
                     self._answer_error(cls(f"malformed frame: {e}"))
                     return
-                deadline = start + lim.allowance_s(meta_len + body_len)
+                deadline = start + lim.allowance_s(meta_len)  # the body's first byte; then at the minimum rate
                 try:
                     meta = F.parse_meta(self._recv(meta_len, deadline))
                 except F.FrameError as e:
@@ -227,8 +274,12 @@ class _Conn:
                 if kind != F.REQUEST:
                     self._answer_error(BadRequest(f"malformed frame: a client sends no kind-{kind} frames"))
                     return
-                if not self._request(meta, body_len, deadline):
-                    return
+                self.serving = True
+                try:
+                    if not self._request(meta, body_len, deadline):
+                        return
+                finally:
+                    self.serving = False
             except TimeoutError:
                 self._answer_error(RequestTimeout(f"a frame was not complete within its deadline "
                                                   f"({lim.request_timeout_s:g} s + size at "
@@ -254,16 +305,16 @@ class _Conn:
             if type(size) is not int or not 0 < size <= self.door.max_region:
                 raise BadRequest(f"region_bytes must be 1..{self.door.max_region}, got {size!r}")
             fd = fds[0]
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                raise BadRequest(f"the region must be a memfd of exactly region_bytes={size} bytes "
-                                 f"(got a {'file' if stat.S_ISREG(st.st_mode) else 'non-file'} of {st.st_size})")
-            try:
+            try:  # the seals first: once it cannot shrink, the size read next stays true
                 seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             except OSError:
                 seals = 0
             if not seals & fcntl.F_SEAL_SHRINK:
                 raise BadRequest("the region must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                raise BadRequest(f"the region must be a memfd of exactly region_bytes={size} bytes "
+                                 f"(got a {'file' if stat.S_ISREG(st.st_mode) else 'non-file'} of {st.st_size})")
             if device is not None:
                 self._map_device(device, fds[1])
             try:
@@ -296,55 +347,92 @@ class _Conn:
 
     def _request(self, meta: dict, body_len: int, deadline: float) -> bool:
         """Run one request; False when the connection must close after it (an error answered
-        before an inline body was read: what follows on the socket is that body)."""
+        before an inline body was read: what follows on the socket is that body). ``deadline``:
+        the inline body's first byte; the rest at the minimum rate."""
+        hold = body = None  # hold: the body's reservation in the memory account, released once answered
         try:
-            method, path, query, headers = _fields(meta)
-            tenant = self._authenticate(headers.get("authorization"))
-            if tenant is None and path not in _TOKENLESS:  # refused before its body is read
-                raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
-            if "device" in meta:  # the inline part is the header: read first, so a bad descriptor keeps the connection
-                if not 8 <= body_len <= MAX_HEADER + 8:
-                    raise BadRequest(f"a device body's inline part is its safetensors header: "
-                                     f"8..{MAX_HEADER + 8} bytes, got {body_len}")
-                head, body_len = self._recv(body_len, deadline), 0
-                body = self._device_body(meta, head)
-            elif "region" in meta:
-                if body_len:
-                    raise BadRequest("a request's body is inline or in the region, not both")
-                try:
-                    off, length = F.span(meta["region"], self.size)
-                except ValueError as e:
-                    raise BadRequest(f"bad region descriptor: {e}") from None
-                if length > self.door.max_body_bytes:
-                    raise PayloadTooLarge(f"request body of {length} bytes (at most {self.door.max_body_bytes})")
-                body = memoryview(self.region)[off:off + length]  # read in place (direct.py) or copied out below
-            else:
-                body = self._recv(body_len, deadline) if body_len else b""
-                body_len = 0
-            if tenant is not None:
-                self.trusted = True
-        except SplitLearnError as e:
-            self._answer_error(e)
-            return not body_len
-        direct = self.door.direct
-        hit = direct.match(method, unquote(path, errors="replace")) if direct is not None and tenant else None
+            try:
+                method, path, query, headers = _fields(meta)
+                tenant = self._authenticate(headers.get("authorization"))
+                if tenant is None and (path not in _TOKENLESS or method not in ("GET", "HEAD") or body_len
+                                       or "region" in meta or "device" in meta):  # refused before its body is read
+                    raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>); without "
+                                       "one, only a bodiless GET or HEAD of /v1/health or /v1/ready is answered")
+                if tenant is not None:
+                    self.trusted = True
+                if "device" in meta:  # the inline part is the header: read first, so a bad descriptor keeps the connection
+                    if not 8 <= body_len <= MAX_HEADER + 8:
+                        raise BadRequest(f"a device body's inline part is its safetensors header: "
+                                         f"8..{MAX_HEADER + 8} bytes, got {body_len}")
+                    hold = self._reserve(tenant, body_len)  # before a byte of it is allocated
+                    head, body_len = self._recv_body(body_len, deadline), 0
+                    body = self._device_body(meta, head)
+                elif "region" in meta:
+                    if body_len:
+                        raise BadRequest("a request's body is inline or in the region, not both")
+                    body = self._region_body(meta["region"])
+                else:
+                    hold = self._reserve(tenant, body_len)  # before a byte of it is allocated
+                    body = self._recv_body(body_len, deadline) if body_len else b""
+                    body_len = 0
+                direct = self.door.direct
+                hit = direct.match(method, unquote(path, errors="replace")) if direct is not None and tenant else None
+                if isinstance(body, memoryview) and hit is None:  # the app's copy out of the region: reserved first
+                    hold = self._reserve(tenant, len(body))
+            except SplitLearnError as e:
+                if isinstance(body, memoryview):
+                    body.release()
+                self._answer_error(e)
+                return not body_len
+            self._dispatch(meta, method, path, query, headers, body, tenant, hit, hold)
+            return True
+        finally:
+            if hold is not None:
+                hold.release()  # a no-op once the route's reservation took it over and ended
+
+    def _reserve(self, tenant, nbytes: int):
+        """``nbytes`` of a body reserved for ``tenant`` (None: nothing to reserve, or no account);
+        429/503 if they do not fit."""
+        if self.door.memory is None or tenant is None or not nbytes:
+            return None
+        return self.door.memory.reserve(tenant.name, nbytes, "a request body")
+
+    def _recv_body(self, n: int, deadline: float):
+        """An inline body of ``n`` bytes (reserved), its k-th byte due by ``deadline + k / min rate``."""
+        return self._recv(n, deadline, pace=self.door.limits.min_rate_kib_s * 1024)
+
+    def _region_body(self, descriptor) -> memoryview:
+        """The body a ``region`` descriptor names, read in place (direct.py) or copied out for the app."""
+        try:
+            off, length = F.span(descriptor, self.size)
+        except ValueError as e:
+            raise BadRequest(f"bad region descriptor: {e}") from None
+        if length > self.door.max_body_bytes:
+            raise PayloadTooLarge(f"request body of {length} bytes (at most {self.door.max_body_bytes})")
+        return memoryview(self.region)[off:off + length]
+
+    def _dispatch(self, meta: dict, method: str, path: str, query: str, headers: dict, body, tenant, hit,
+                  hold) -> None:
+        """Serve the request (a tensor route without Flask, else the app) and send its answer."""
         answer_region = bool(meta.get("answer_region")) and self.region is not None
         answer_device = bool(meta.get("answer_device")) and self.device_region is not None
+        view = body if isinstance(body, memoryview) else None
         try:
             if isinstance(body, DeviceBody) and hit is None:
                 self._answer_error(BadRequest(f"a body in the device region goes to a tensor route, not {method} {path[:80]}"))
-                return True
+                return
             if hit is not None:  # a tensor route: without Flask (direct.py); decoded from the region in place
                 lazy = 0 if answer_device else F.INLINE_MAX if answer_region else None
-                status, out_headers, content, after = direct(*hit, headers, body, tenant, lazy, answer_device)
+                status, out_headers, content, after = self.door.direct(*hit, headers, body, tenant, lazy,
+                                                                       answer_device, hold)
             else:
-                if isinstance(body, memoryview):
-                    body = body.tobytes()  # the app's copy
-                status, out_headers, content, after = self._call_app(method, path, query, headers, body, tenant)
+                if view is not None:
+                    body = view.tobytes()  # the app's copy (reserved: _request)
+                status, out_headers, content, after = self._call_app(method, path, query, headers, body, tenant, hold)
         finally:
-            if isinstance(body, memoryview):
+            if view is not None:
                 try:
-                    body.release()
+                    view.release()
                 except BufferError:  # still read somewhere: let go when that is gone
                     pass
         try:
@@ -355,7 +443,6 @@ class _Conn:
                 self._send_answer(status, out_headers, content, use_region)
         finally:
             after()  # the response's close (its access line, its metrics): after the answer, as waitress
-        return True
 
     def _authenticate(self, header: Optional[str]):
         """The tenant of ``header`` (None: no valid token). A connection that repeats the header
@@ -394,8 +481,9 @@ class _Conn:
         torch.cuda.current_stream(dev.device).synchronize()
         self._send_answer(status, headers, content.head, extra={"device": [0, n]})
 
-    def _call_app(self, method, path, query, headers, body: bytes, tenant):
-        """``(status, headers, content, close)``: call ``close`` once the answer is sent (WSGI)."""
+    def _call_app(self, method, path, query, headers, body: bytes, tenant, hold=None):
+        """``(status, headers, content, close)``: call ``close`` once the answer is sent (WSGI).
+        ``hold``: the body's reservation, which a tensor route takes over."""
         environ = {
             "REQUEST_METHOD": method, "SCRIPT_NAME": "",
             "PATH_INFO": unquote_to_bytes(path).decode("latin-1"), "QUERY_STRING": query,
@@ -404,7 +492,7 @@ class _Conn:
             "wsgi.version": (1, 0), "wsgi.url_scheme": "http", "wsgi.input": io.BytesIO(body),
             "wsgi.errors": sys.stderr, "wsgi.multithread": True, "wsgi.multiprocess": False,
             "wsgi.run_once": False, "CONTENT_LENGTH": str(len(body)),
-            TENANT_KEY: tenant, BODY_KEY: body,
+            TENANT_KEY: tenant, BODY_KEY: body, BODY_HOLD_KEY: hold,
         }
         for k, v in headers.items():
             if k == "content-type":
@@ -463,22 +551,36 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _HEADER_VALUE = re.compile(r"[^\r\n\x00]*")
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is Unicode text (JSON's ``\\ud800`` escapes make lone surrogates, which
+    no encoder takes)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _fields(meta: dict) -> tuple[str, str, str, dict]:
     """``(method, path, query, headers)`` of a REQUEST's meta, headers with lower-case names;
     BadRequest naming the field that is wrong."""
     method, target, headers = meta.get("method"), meta.get("path"), meta.get("headers", {})
     if not isinstance(method, str) or not _METHOD.fullmatch(method):
         raise BadRequest(f"malformed request: method {method!r}")
-    if not isinstance(target, str) or len(target) > _MAX_PATH or not _PATH.fullmatch(target):
-        raise BadRequest("malformed request: path must be a string starting with '/', without control characters")
+    if (not isinstance(target, str) or len(target) > _MAX_PATH or not _PATH.fullmatch(target)
+            or not _utf8(target)):
+        raise BadRequest("malformed request: path must be a string starting with '/', without control "
+                         "characters or lone surrogates")
     if not isinstance(headers, dict):
         raise BadRequest("malformed request: headers must be an object of strings")
     out = {}
     for k, v in headers.items():
         if not (isinstance(k, str) and isinstance(v, str)):
             raise BadRequest("malformed request: headers must be an object of strings")
-        if not _HEADER_NAME.fullmatch(k) or not _HEADER_VALUE.fullmatch(v):
-            raise BadRequest(f"malformed request: header {k[:40]!r}")
+        if not _HEADER_NAME.fullmatch(k) or not _HEADER_VALUE.fullmatch(v) or not _utf8(v):
+            raise BadRequest(f"malformed request: header {k[:40]!r} (control characters or lone surrogates)")
         out[k.lower()] = v
     path, _, query = target.partition("?")
     return method, path, query, out
