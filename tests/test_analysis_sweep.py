@@ -21,8 +21,12 @@ def test_sweep_points(tiny_model):
         # 8 Mbit/s = 1 byte per microsecond: 1024 bytes = 1.024 ms, plus the 5 ms round trip
         assert p["transfer_ms"] == pytest.approx(5 + 1.024)
         assert p["step_ms"] == pytest.approx(p["client_ms"] + p["server_ms"] + p["transfer_ms"])
-    assert out["recommendation"]["cut"] >= 1  # min_client_blocks=1
-    assert "cut" in out["recommendation"]["reason"]
+    # client + server is the whole model at any cut and the bytes are the same: with a server as
+    # fast as this machine, every cut ties (issue 41: 1231.54 ms each, "recommends" cut 1 as if timed)
+    rec = out["recommendation"]
+    assert rec["tie"] and rec["cut"] == 1  # the fewest client blocks min_client_blocks=1 allows
+    assert "the allowed cuts tie" in rec["reason"] and "privacy and memory" in rec["reason"]
+    assert rec["decided_by"].startswith("client memory")
 
 
 def test_train_sends_gradients_and_labels(tiny_model):
@@ -40,7 +44,7 @@ def _pts(client, server, transfer=1.0):
 
 def test_recommend_fast_server_keeps_the_client_small():
     link = LinkConfig(link_mbps=100, server_speedup=10.0, min_client_blocks=1)
-    pts = _pts([1, 2, 3, 4], [30, 20, 10, 0])
+    pts = _pts([1, 5, 9, 13], [30, 20, 10, 0])  # a block costs 4 ms here, 1 ms on the server
     for p in pts:
         p["step_ms"] = p["client_ms"] + p["server_ms"] / 10 + 1
     rec = recommend(pts, link, 3)
@@ -48,8 +52,26 @@ def test_recommend_fast_server_keeps_the_client_small():
 
 
 def test_recommend_says_when_link_dominates():
-    rec = recommend(_pts([1, 1, 1], [1, 1, 1], transfer=100.0), LinkConfig(link_mbps=1), 2)
-    assert "link dominates" in rec["reason"]
+    pts = _pts([1, 5, 9], [30, 20, 10], transfer=20.0)
+    for p in pts:
+        p["step_ms"] = p["client_ms"] + p["server_ms"] / 10 + 20.0  # 24, 27, 30 ms
+    rec = recommend(pts, LinkConfig(link_mbps=1, server_speedup=10.0, min_client_blocks=0), 2)
+    assert rec["cut"] == 0 and not rec["tie"] and rec["decided_by"] == "step time"
+    assert "link dominates" in rec["reason"] and "span 25.0%" in rec["reason"]
+
+
+def test_cuts_that_tie_say_so_and_what_decides():
+    """Issue 41: a sweep whose cuts all take the same time says they tie and why, and recommends
+    by memory (the fewest client blocks allowed), not as if one cut were faster."""
+    link = LinkConfig(link_mbps=100, rtt_ms=20, server_speedup=4.0, min_client_blocks=2)
+    pts = _pts([1, 2, 3, 4, 5], [8, 6, 4, 2, 0], transfer=1200.0)  # within 0.5%: the link dominates
+    for p in pts:
+        p["step_ms"] = p["client_ms"] + p["server_ms"] / 4 + 1200.0
+    rec = recommend(pts, link, 4)
+    assert rec["tie"] and rec["cut"] == 2 and rec["decided_by"].startswith("client memory")
+    assert "tie" in rec["reason"] and "link dominates" in rec["reason"] and "--min-client-blocks 2" in rec["reason"]
+    same = recommend(_pts([1, 2, 3], [3, 2, 1], transfer=10.0), LinkConfig(link_mbps=100), 2)
+    assert same["tie"] and same["cut"] == 1 and "same speed" in same["reason"]
 
 
 def test_link_validation():

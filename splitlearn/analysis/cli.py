@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..clihelp import DefaultsHelpFormatter
 from ..errors import SplitLearnError
 from ..wire import WIRE_DTYPE_NAMES
 from . import plots, report
@@ -71,17 +72,17 @@ def measured_link(source: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description="What each segment of a split GPT-2 costs "
+    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, formatter_class=DefaultsHelpFormatter, description="What each segment of a split GPT-2 costs "
                                 "(params, MACs/FLOPs, latency, memory, bytes per cut), and where to cut.")
     p.add_argument("--model", default="tiny", help="hub id, directory, JSON config or spec name "
                    "(tiny, random:gpt2, ...); default tiny")
     p.add_argument("--cut", type=int, action="append", dest="cuts", metavar="C",
                    help="cut after block C; give twice for a U-shape (bottom, trunk, top)")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="rows")
     p.add_argument("--seq-len", type=int, default=6, help="tokens (the KV length in decode)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--mode", default="prefill", choices=("prefill", "decode", "train"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype")
+    p.add_argument("--mode", default="prefill", choices=("prefill", "decode", "train"), help="what is timed")
     p.add_argument("--repeats", type=int, default=20, help="timed runs (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     p.add_argument("--max-seconds", type=float, default=10.0,
@@ -89,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s (default: measured)")
     p.add_argument("--mem-bw-gbs", type=float, help="device memory bandwidth GB/s (default: measured)")
     p.add_argument("--no-roofline", action="store_true", help="skip the per-operator breakdown")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and inputs")
     p.add_argument("--threads", type=int, help="torch CPU threads (torch.set_num_threads); on a "
                    "CPU shared with other work, 1 avoids stalls where a thread waits for a core")
     p.add_argument("--sweep", action="store_true", help="analyse every 2-way cut and plot compute "
@@ -102,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
                         "replaces --link-mbps and --rtt-ms")
     p.add_argument("--server-speedup", type=float, default=1.0,
                    help="how many times faster the server computes than this machine")
-    p.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES)
+    p.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES, help="dtype of the bytes per cut")
     p.add_argument("--min-client-blocks", type=int, default=1,
                    help="blocks the client keeps at least, for privacy (default 1)")
     p.add_argument("--privacy", action="store_true", help="measure token recovery by the best "
@@ -113,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
                    help="also measure GaussianNoise(S, clip); repeatable")
     p.add_argument("--noise-clip", type=float, help="per-token L2 clip (default: median norm)")
     p.add_argument("--privacy-seq-len", type=int, default=32, help="tokens per meter window")
-    p.add_argument("--privacy-attacks", default="linear,mlp,gru,whitebox")
+    p.add_argument("--privacy-attacks", default="linear,mlp,gru,whitebox", help="the meter's attacks, comma-separated")
     p.add_argument("--privacy-epochs", type=int, default=30, help="inverter training epochs")
     p.add_argument("--privacy-max-tokens", type=int, help="private tokens to recover at most")
     p.add_argument("--privacy-rows", metavar="FILE.json", action="append", default=[],

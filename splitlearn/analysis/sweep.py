@@ -140,28 +140,54 @@ class _Single:
         return [self.segments[0].new_cache()]
 
 
+TIE = 0.01  # cuts whose step times span less than this fraction tie: timing noise is larger
+
+
 def recommend(points: list[dict], link: LinkConfig, n_layer: int) -> dict:
-    """The allowed cut with the least step time, and a sentence saying why."""
+    """The allowed cut with the least step time, and a sentence saying why. Where the allowed
+    cuts tie (their steps span less than :data:`TIE`), time cannot choose: the sentence says so
+    and why, and the fewest client blocks allowed are recommended (the least memory and compute
+    on the client; the privacy floor is ``min_client_blocks``, or the sweep's ``--privacy``)."""
     allowed = [p for p in points if link.min_client_blocks <= p["cut"] <= n_layer] or points
     best = min(allowed, key=lambda p: (round(p["step_ms"], 6), p["cut"]))
     worst = max(allowed, key=lambda p: (round(p["step_ms"], 6), p["cut"]))
     spread = (worst["step_ms"] - best["step_ms"]) / best["step_ms"] if best["step_ms"] else 0.0
     share = best["transfer_ms"] / best["step_ms"] if best["step_ms"] else 0.0
-    if share > 0.5:
-        driver = (f"the link dominates ({100 * share:.0f}% of the step) and every cut sends the "
-                  f"same bytes, so the cut only moves compute; consider a smaller wire dtype")
-    elif link.server_speedup > 1:
-        driver = (f"the server is {link.server_speedup:g}x faster, so the fewest blocks the "
-                  f"client may keep ({link.min_client_blocks}) minimise the step")
+    tie = len(allowed) > 1 and spread < TIE
+    if tie:
+        best = min(allowed, key=lambda p: p["cut"])
+        if link.server_speedup == 1:
+            why = ("client and server run at the same speed (--server-speedup 1) and every cut sends "
+                   "the same bytes, so a cut only moves work from one side to the other")
+        elif share > 0.5:
+            why = (f"the link dominates ({100 * share:.0f}% of the step) and every cut sends the same "
+                   f"bytes")
+        else:
+            why = ("every cut sends the same bytes and the blocks a cut moves cost about the same on "
+                   "either side")
+        reason = (f"cut {best['cut']}, by memory: the allowed cuts tie, each {best['step_ms']:.2f} ms per step "
+                  f"(they span {100 * spread:.1f}%), because {why}. Time does not choose the cut; privacy and "
+                  f"memory do: cut {best['cut']}, the fewest client blocks allowed (--min-client-blocks "
+                  f"{link.min_client_blocks}), keeps the least memory and compute on the client; a deeper "
+                  f"cut keeps the activations further from the tokens. To choose by measured leakage: "
+                  f"--privacy --max-leakage L (the cheapest cut under L); else raise --min-client-blocks")
+        decided_by = "client memory: the fewest client blocks the privacy floor allows"
     else:
-        driver = ("client and server run at the same speed, so the cut only moves work between "
-                  "them; take the smallest cut the privacy floor allows, which keeps the least "
-                  "compute on the (usually weaker) client")
-    reason = (f"cut {best['cut']}: {best['step_ms']:.2f} ms per step (client "
-              f"{best['client_ms']:.2f} ms, server {best['server_ms'] / link.server_speedup:.2f} ms, "
-              f"transfer {best['transfer_ms']:.2f} ms of {best['bytes'][link.wire_dtype]} bytes "
-              f"in {link.wire_dtype}); the allowed cuts span {100 * spread:.1f}% "
-              f"(worst: cut {worst['cut']}, {worst['step_ms']:.2f} ms); {driver}")
+        if share > 0.5:
+            driver = (f"the link dominates ({100 * share:.0f}% of the step) and every cut sends the "
+                      f"same bytes, so the cut only moves compute; consider a smaller wire dtype")
+        elif link.server_speedup > 1:
+            driver = (f"the server is {link.server_speedup:g}x faster, so the fewest blocks the "
+                      f"client may keep ({link.min_client_blocks}) minimise the step")
+        else:
+            driver = ("the client is faster than the server, so the cut that keeps the most work on "
+                      "the client minimises the step")
+        reason = (f"cut {best['cut']}: {best['step_ms']:.2f} ms per step (client "
+                  f"{best['client_ms']:.2f} ms, server {best['server_ms'] / link.server_speedup:.2f} ms, "
+                  f"transfer {best['transfer_ms']:.2f} ms of {best['bytes'][link.wire_dtype]} bytes "
+                  f"in {link.wire_dtype}); the allowed cuts span {100 * spread:.1f}% "
+                  f"(worst: cut {worst['cut']}, {worst['step_ms']:.2f} ms); {driver}")
+        decided_by = "step time"
     # every cut sends the same bytes, so the wire dtype is chosen apart from the cut: the best
     # cut's step in each dtype (bfloat16, float16 and int8 trade exactness for bytes)
     fixed = best["step_ms"] - 8 * best["bytes"][link.wire_dtype] / (link.link_mbps * 1e3)
@@ -170,5 +196,5 @@ def recommend(points: list[dict], link: LinkConfig, n_layer: int) -> dict:
     if by_dtype[fastest] < 0.95 * best["step_ms"]:
         reason += (f"; in {fastest} the same cut would take {by_dtype[fastest]:.2f} ms "
                    f"({best['step_ms'] / by_dtype[fastest]:.2f}x faster, lossy: check the drift)")
-    return {"cut": best["cut"], "step_ms": best["step_ms"], "reason": reason,
-            "wire_dtype_step_ms": by_dtype, "fastest_wire_dtype": fastest}
+    return {"cut": best["cut"], "step_ms": best["step_ms"], "reason": reason, "tie": tie,
+            "decided_by": decided_by, "wire_dtype_step_ms": by_dtype, "fastest_wire_dtype": fastest}
