@@ -21,6 +21,7 @@ from typing import Optional
 from ..errors import ConfigError
 from ..lora import LoraSpec
 from ..protocol import read_token_file
+from .federation.fairness import DEFAULT_MAX_TURN_S, DEFAULT_MAX_TURN_STEPS, DEFAULT_WAIT_S, Fairness
 from .federation.strategy import AGGREGATIONS, DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, make_strategy
 from .federation.tickets import check_secret, read_secret_file
 from .engine.tenants import Tenants
@@ -198,6 +199,21 @@ class FederationOptions:
     fed_world_size: int = opt(1, "--fed-store: the number of replicas R")
     fed_timeout_s: float = opt(60.0, "--fed-store: seconds a round's collective close (or the group's forming) "
                                      "waits for a replica")
+    max_tenant_seats: Optional[int] = opt(
+        None, "splitfed: seats of a round one tenant's client ids may take while another tenant waits for one "
+              "(default: half of --clients-per-round, rounded up; docs/FEDERATION.md, 'Fair federation')")
+    max_turn_steps: int = opt(DEFAULT_MAX_TURN_STEPS, "sequential: training steps a turn may take while another "
+                                                      "tenant waits; then the turn passes to it")
+    max_turn_s: float = opt(DEFAULT_MAX_TURN_S, "sequential: seconds a turn may last while another tenant waits; "
+                                                "then the turn passes to it", flag="--max-turn-seconds")
+    fair_wait_s: float = opt(DEFAULT_WAIT_S, "seconds a tenant refused a seat or the turn still counts as waiting "
+                                             "after its last try (its client retries every second at most): "
+                                             "seats and the next turn are held for it meanwhile",
+                             flag="--fair-wait-seconds")
+
+    def fairness(self) -> Fairness:
+        """The seats and turns policy between tenants of these options (:mod:`.federation.fairness`)."""
+        return Fairness(self.max_tenant_seats, self.max_turn_steps, self.max_turn_s, self.fair_wait_s)
 
 
 @dataclass(kw_only=True)
@@ -289,6 +305,11 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
             raise ConfigError(f"--client-weights must be server or external, got {self.client_weights!r}")
         if self.clients_per_round < 1:
             raise ConfigError(f"--clients-per-round must be >= 1, got {self.clients_per_round}")
+        if self.max_tenant_seats is not None and self.max_tenant_seats < 1:
+            raise ConfigError(f"--max-tenant-seats must be >= 1, got {self.max_tenant_seats}")
+        if self.max_turn_steps < 1 or not (self.max_turn_s > 0 and self.fair_wait_s > 0):
+            raise ConfigError(f"--max-turn-steps must be >= 1, --max-turn-seconds and --fair-wait-seconds > 0, "
+                              f"got {self.max_turn_steps}, {self.max_turn_s} and {self.fair_wait_s}")
         if self.max_echo_bytes < 1 or self.max_connections < 1:
             raise ConfigError("--max-echo-mb and --max-connections must be > 0")
         if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):

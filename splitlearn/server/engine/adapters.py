@@ -174,10 +174,11 @@ def attach(runtime) -> AdapterBank:
     cfg = runtime.cfg
     bank = AdapterBank(runtime.segment, cfg.lora, cfg.seed, runtime.make_optimizer)
     old = runtime.federation
-    # the same options as the federation it replaces (strategy, schema, --client-weights, secret)
+    # the same options as the federation it replaces (strategy, schema, --client-weights, secret, fairness)
     runtime.federation = LoraFederation(bank, cfg.federation, cfg.clients_per_round, cfg.round_timeout_s,
                                         strategy=old.strategy, clientside=old.clientside,
-                                        client_weights_at=old.client_weights_at, secret=old.secret)
+                                        client_weights_at=old.client_weights_at, secret=old.secret,
+                                        fairness=old.fair)
     runtime.federation.on_change = getattr(old, "on_change", runtime.federation.on_change)
     if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
         meta = read_meta(latest(cfg.checkpoint_dir, "server"))["counters"].get("adapters")

@@ -7,7 +7,8 @@ Keys are opaque: the app passes ``"<tenant>:<client_id>"``; :meth:`Federation.st
 viewer its own tenant's ids only. Versions count the uploads (sequential) or closed rounds
 (splitfed); a training request of an older version gets 409 ``stale_weights``. Across replicas
 the round is global (:mod:`.collective`); ``--client-weights external`` answers syncs with
-signed tickets (:mod:`.tickets`, :mod:`.fedserver`).
+signed tickets (:mod:`.tickets`, :mod:`.fedserver`). Between tenants, seats and turns are
+shared by :mod:`.fairness`.
 
 Design, the modes, robustness against one member, memory per client: docs/FEDERATION.md;
 across replicas: docs/CLUSTER.md, 'SplitFed across replicas'.
@@ -28,6 +29,7 @@ from ...segments import Segment
 from . import tickets
 from .clientside import ClientSide
 from .collective import GroupSpec, ReplicaGroup, weights_sha256
+from .fairness import Fairness
 from .rounds import Combined, Contribution, aggregate, close_round, contribution, flatten, floating_keys, size_of, unflatten
 from .strategy import Aggregate, Strategy, coordinate_median, make_strategy
 from ..engine.tenants import client_of, tenant_of
@@ -54,7 +56,7 @@ class Round:
     failed: dict[str, str] = field(default_factory=dict)  # key -> why its sync was refused (out of the round)
     weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # key -> client-side
     tickets: dict[str, str] = field(default_factory=dict)  # key -> its signed ticket (external)
-    started: Optional[float] = None  # time.monotonic() of the first member
+    started: Optional[float] = None  # Federation.clock() of the first member
 
 
 def federation_options(cfg, config, cuts) -> dict:
@@ -63,7 +65,7 @@ def federation_options(cfg, config, cuts) -> dict:
     side = None
     if cfg.federation != "shared":
         side = ClientSide(config, cuts, model=cfg.model, segment=cfg.segment, seed=cfg.seed, lora=cfg.lora)
-    return {"strategy": cfg.strategy(),
+    return {"strategy": cfg.strategy(), "fairness": cfg.fairness(),
             "clientside": side, "client_weights_at": cfg.client_weights, "secret": cfg.fed_secret}
 
 
@@ -73,7 +75,7 @@ class Federation:
     def __init__(self, mode: str, base: Replica, make_optimizer: Callable, clients_per_round: int,
                  round_timeout_s: float, *, strategy: Optional[Strategy] = None,
                  clientside: Optional[ClientSide] = None, client_weights_at: str = "server",
-                 secret: Optional[bytes] = None):
+                 secret: Optional[bytes] = None, fairness: Optional[Fairness] = None):
         if mode not in MODES:
             raise BadRequest(f"unknown federation mode {mode!r}; choose one of {', '.join(MODES)}")
         if client_weights_at == "external" and mode != "shared" and secret is None:
@@ -90,9 +92,8 @@ class Federation:
         self.secret = secret  # shared with the fed server: signs tickets and close records
         self.version = 0  # of the shared client-side weights
         self.client_weights: Optional[dict[str, torch.Tensor]] = None
-        self.turn: Optional[str] = None
-        self.turn_seen = 0.0  # time.monotonic() of the holder's last training step or take
-        self.turn_tokens = 0  # target tokens trained in the current turn
+        self.fair = fairness or Fairness()  # seats and the sequential turn between tenants (:mod:`.fairness`)
+        self.clock: Callable[[], float] = time.monotonic  # every time here (tests: a fake clock)
         self.round = Round()
         self.last_close: Optional[str] = None  # external: the signed record of the last close
         self.last_round: dict = {}  # what the last close did (members, clipped updates, norms)
@@ -128,10 +129,7 @@ class Federation:
                 self.group.check_ready()  # (a replica joining has not agreed on the version yet)
             self._check_version(key, version)
             if self.mode == "sequential":
-                if self.turn != key:
-                    raise NotYourTurn(f"client {client_of(key)!r} does not hold the turn: take it with "
-                                      f"POST /v1/federation/turn first")
-                self.turn_seen = time.monotonic()
+                self.fair.step(key, self.clock())  # 409 unless key holds the turn, within its bounds
                 return self.base
             return self._member(key)
 
@@ -142,8 +140,8 @@ class Federation:
         with self.lock:
             if self.mode == "splitfed" and key in self.round.members:
                 self.round.tokens[key] = self.round.tokens.get(key, 0) + tokens
-            elif self.mode == "sequential" and key == self.turn:
-                self.turn_tokens += tokens
+            elif self.mode == "sequential" and self.fair.holds(key):
+                self.fair.turn.tokens += tokens
 
     def _check_version(self, key: str, version: Optional[int]) -> None:
         if version is None:
@@ -165,10 +163,18 @@ class Federation:
                 self.group.admit(r.number, self.k)
                 self._add_member(key)
                 return r.members[key]
+            tenant, now = tenant_of(key), self.clock()
+            self.fair.wants(tenant, now)
             if len(r.members) >= self.k:
                 raise ServiceUnavailable(f"round {r.number} is full ({self.k} clients); wait for the next "
                                          f"round (at most {self._time_left():.0f}s)",
                                          retry_after=min(1.0, max(self._time_left(), 0.05)))
+            why = self.fair.seat_refusal(tenant, [tenant_of(m) for m in r.members], self.k, now)
+            if why:
+                raise ServiceUnavailable(f"no seat of round {r.number} for client {client_of(key)!r}: {why}; "
+                                         f"retry in 1s (a seat opens when they join, or at the next round)",
+                                         retry_after=1.0)
+            self.fair.got(tenant)
             self._add_member(key)
         return r.members[key]
 
@@ -176,7 +182,7 @@ class Federation:
         r = self.round
         seg = copy.deepcopy(self.base.segment)
         r.members[key] = Replica(seg, self.make_optimizer(seg.parameters()))
-        r.started = r.started or time.monotonic()
+        r.started = r.started or self.clock()
 
     def _group_open(self) -> None:
         """Across replicas: 503 while this replica joins the group or closes its round."""
@@ -188,20 +194,11 @@ class Federation:
     # -- turns (sequential) -------------------------------------------------------------
 
     def take_turn(self, key: str) -> dict:
-        """Give ``key`` the turn if it is free (or idle past the timeout); else 503. Taking
-        the turn it already holds changes nothing (only training or syncing keeps it)."""
+        """Give ``key`` the turn if it may take it now (:meth:`.Fairness.take`); else 503."""
         with self.lock:
             if self.mode != "sequential":
                 raise BadRequest(f"turns exist in sequential mode only; this server runs {self.mode!r}")
-            now = time.monotonic()
-            if self.turn != key:
-                if self.turn is not None:
-                    idle = now - self.turn_seen
-                    if idle < self.round_timeout_s:
-                        raise ServiceUnavailable("another client holds the turn; retry",
-                                                 retry_after=min(1.0, self.round_timeout_s - idle))
-                    log.warning("turn of %s expired after %.0fs idle; given to %s", self.turn, idle, key)
-                self.turn, self.turn_seen, self.turn_tokens = key, now, 0
+            self.fair.take(key, self.clock(), self.round_timeout_s)
             return self.status(tenant_of(key))
 
     # -- sync ------------------------------------------------------------------------
@@ -256,9 +253,9 @@ class Federation:
         with self.lock:
             why = f"{type(err).__name__}: {err}"[:200]
             r = self.round
-            if self.mode == "sequential" and self.turn == key:
+            if self.mode == "sequential" and self.fair.holds(key):
                 log.warning("the turn of %s ends: its sync was refused (%s)", key, why)
-                self.turn, self.turn_tokens = None, 0
+                self.fair.end()
             elif self.mode == "splitfed" and key in r.members and key not in r.synced and key not in r.failed:
                 log.warning("round %d: the sync of %s was refused, a failure of the round (%s)", r.number, key, why)
                 r.failed[key] = why
@@ -279,8 +276,9 @@ class Federation:
             self.clientside.check(weights)
 
     def _end_turn(self, key: str, weights: dict[str, torch.Tensor]) -> dict:
-        if self.turn != key:
-            raise NotYourTurn(f"client {client_of(key)!r} does not hold the turn; only the holder syncs")
+        if not self.fair.holds(key):
+            why = self.fair.passed(key)
+            raise NotYourTurn(f"client {client_of(key)!r} does not hold the turn{why}; only the holder syncs")
         try:
             self._check_upload(weights)
         except BadRequest as e:
@@ -289,13 +287,13 @@ class Federation:
         out = {}
         if self.external:
             out["ticket"] = self._sign(tickets.Ticket("sequential", 0, self.version, tenant_of(key),
-                                                      client_of(key), max(self.turn_tokens, 1)))
+                                                      client_of(key), max(self.fair.turn.tokens, 1)))
             self.last_close = self._sign(tickets.Close("sequential", 0, self.version + 1, 1))
         elif weights:
             agg = self._aggregate_client([(weights, 1)])
             self.client_weights, out["clipped"] = agg.weights, agg.clipped[0]
         self.version += 1
-        self.turn, self.turn_tokens = None, 0
+        self.fair.end()
         self.on_change()
         return {**self.status(tenant_of(key)), **out}
 
@@ -303,7 +301,7 @@ class Federation:
 
     def _time_left(self) -> float:
         started = self.round.started
-        return self.round_timeout_s if started is None else self.round_timeout_s - (time.monotonic() - started)
+        return self.round_timeout_s if started is None else self.round_timeout_s - (self.clock() - started)
 
     def _close_if_timed_out(self) -> None:
         r = self.round
@@ -376,6 +374,7 @@ class Federation:
                          [round(x, 4) for x in c.norms])
             elif self.group is not None:
                 log.warning("round %d closed over the replicas with no member synced: it starts over", r.number)
+            self.fair.closed({tenant_of(k) for k in r.synced}, self.clock())  # they come back first
             self.round, self.closing = Round(r.number + 1), False
             self.on_change()
             return self._shas() if self.group is not None else {}  # (replicas report them; one server: no cost)
@@ -477,16 +476,17 @@ class Federation:
                     return sorted(keys)
                 return sorted(client_of(k) for k in keys if tenant_of(k) == viewer)
 
-            turn = None if self.turn is None else mine([self.turn])
+            turn = None if self.fair.turn is None else mine([self.fair.turn.key])
             out = {"mode": self.mode, "version": self.version, "round": r.number,
                    "clients_per_round": self.k if fed else None,
                    "members": mine(r.members) if fed else [], "synced": mine(r.synced) if fed else [],
                    "members_count": len(r.members) if fed else 0, "synced_count": len(r.synced) if fed else 0,
                    "failed": mine(r.failed) if fed else [], "failed_count": len(r.failed) if fed else 0,
                    "round_closes_in_s": round(max(self._time_left(), 0.0), 3) if fed and r.started else None,
-                   "turn": turn[0] if turn else None, "turn_held": self.turn is not None,
+                   "turn": turn[0] if turn else None, "turn_held": self.fair.turn is not None,
                    "round_timeout_s": self.round_timeout_s, "client_weights": self.client_weights_at,
-                   **self.strategy.describe(), "last_round": self.last_round}
+                   **self.strategy.describe(), **self.fair.describe(self.k, self.clock()),
+                   "last_round": self.last_round}
             if self.external and self.last_close is not None:
                 out["last_close"] = self.last_close
             if self.group is not None:  # the round over every replica: global counts
