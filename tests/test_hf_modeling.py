@@ -347,6 +347,31 @@ def test_sequence_classification_equals_unsplit(server):
                               ref(input_ids=ids, attention_mask=mask).logits, atol=1e-5)
 
 
+def test_any_head_from_pretrained_pools_a_padded_batch(server):
+    """Issue 41: README's 'Any head' (``from_pretrained(..., num_labels=3)``) on a batch of 2 raised
+    "Cannot handle batch sizes > 1 if no padding token is defined": the pad token is now the eos,
+    as transformers advises for GPT-2, and the pooled logits equal the unsplit model's."""
+    if not server.u_shape:
+        pytest.skip("a 2-way server serves the LM head only")
+    model = SplitGPT2ForSequenceClassification.from_pretrained("tiny", server=server.url, token=TOKEN, num_labels=3)
+    try:
+        assert model.config.pad_token_id == model.config.eos_token_id == 256
+        ref_lm, _ = reference(server)
+        cfg = copy.deepcopy(ref_lm.config)
+        cfg.num_labels, cfg.pad_token_id = 3, 256
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # from_pretrained's seed: the same score head
+            ref = GPT2ForSequenceClassification(cfg).eval()
+        ref.transformer.load_state_dict(ref_lm.transformer.state_dict())
+        ids, mask, _ = batches(3, seed=30)[2]  # 2 rows, the second right-padded with 256
+        with torch.no_grad():
+            got = model(input_ids=ids, attention_mask=mask).logits
+            want = ref(input_ids=ids, attention_mask=mask).logits
+        assert got.shape == (2, 3) and torch.allclose(got, want, atol=1e-5)
+    finally:
+        model.transformer.remote.close()
+
+
 # -- (e) refused applies change nothing; tenants ------------------------------------------------
 
 def post_apply(srv, payload, token=TOKEN):

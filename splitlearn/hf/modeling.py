@@ -815,6 +815,10 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
     _check_config(model.config, remote.info)
     config = copy.deepcopy(model.config)
     setattr(config, CUTS_KEY, list(remote.cuts))
+    if config.pad_token_id is None and config.eos_token_id is not None and not isinstance(model, GPT2LMHeadModel):
+        # a head that pools the last token (sequence classification) refuses a batch of more than
+        # one row without a pad token: GPT-2 has none, and transformers advises its eos
+        config.pad_token_id = config.eos_token_id
     with torch.device("meta"):
         trunk = SplitGPT2Model(config)
     trunk.wte, trunk.wpe, trunk.drop = trunk_hf.wte, trunk_hf.wpe, trunk_hf.drop
