@@ -145,6 +145,31 @@ def test_the_sequential_turn_passes_after_its_steps_while_another_tenant_waits(t
         assert m.post(srv.url + P.FEDERATION_TURN, json={"client_id": "m2"}, timeout=10).status_code == 200
 
 
+@pytest.mark.slow
+def test_a_client_whose_turn_passed_is_told_at_its_sync_and_takes_the_turn_again(tmp_path, caplog):
+    """SplitClient's side: mallory's client trains 2 steps (--max-turn-steps 2) while alice waits;
+    alice's next ask takes the turn. Mallory's sync shares nothing and says why (it used to raise
+    NotYourTurn into the training loop); her next step waits for alice's turn to end, then takes
+    the turn again on the weights alice shared."""
+    with server(tmp_path, "--federation", "sequential", "--max-turn-steps", "2") as srv:
+        a = session(ALICE)
+        m = SplitClient(srv.url, "tiny", token=OTHER, optimizer="sgd", lr=LR["sgd"], device="cpu", client_id="m")
+        batch = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0)), None
+        m.train_step(*batch)
+        assert a.post(srv.url + P.FEDERATION_TURN, json={"client_id": "a"}, timeout=10).status_code == 503
+        m.train_step(*batch)
+        assert a.post(srv.url + P.FEDERATION_TURN, json={"client_id": "a"}, timeout=10).status_code == 200
+        st = m.sync()
+        assert "--max-turn-steps 2" in st["turn_lost"] and st["version"] == 0 and st["turn"] is None
+        assert "nothing shared" in caplog.text
+        assert step(a, srv.url, "a", 1, 0).status_code == 200
+        weights = untied_weights(SplitClient(srv.url, "tiny", token=ALICE, device="cpu", client_id="a").segments)
+        assert sync(a, srv.url, "a", weights).status_code == 200
+        assert m.train_step(*batch) < 100 and m.federation.version == 1
+        assert web.get(srv.url + P.FEDERATION, headers=auth(MALLORY), timeout=10).json()["turn"] == "m"
+        m.close()
+
+
 # -- in process: the rules, with a fake clock ----------------------------------------------
 
 class Clock:

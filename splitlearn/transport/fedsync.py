@@ -15,7 +15,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 
 from .. import protocol as P
-from ..errors import ConfigError, NotFound, ServiceUnavailable
+from ..errors import ConfigError, NotFound, NotYourTurn, ServiceUnavailable
 from ..segments import Segment
 from ..wire import decode, encode
 from .http import Transport
@@ -133,10 +133,12 @@ class FederationState:
         if self.shared:
             return self.transport.get_json(P.FEDERATION)
         meta = P.SyncMeta(self.client_id, min(max(self.samples, 1), P.MAX_SAMPLES))
-        if self.fed is None:
-            status = answer = self.transport.post_bytes_json(P.FEDERATION_SYNC, encode(weights, meta.to_meta()))
-        else:
-            status = self.transport.post_bytes_json(P.FEDERATION_SYNC, encode({}, meta.to_meta()))
+        try:
+            status = answer = self.transport.post_bytes_json(
+                P.FEDERATION_SYNC, encode(weights if self.fed is None else {}, meta.to_meta()))
+        except NotYourTurn as e:  # sequential: the turn lapsed or passed to another tenant before this sync
+            return self._turn_lost(e)
+        if self.fed is not None:
             ticket = P.SyncMeta(meta.client_id, meta.samples, status["ticket"])
             answer = self.fed.post_bytes_json(P.FEDERATION_SYNC, encode(weights, ticket.to_meta()))
         self.samples = 0
@@ -157,6 +159,15 @@ class FederationState:
         status = wait_while_busy(closed, "the other clients of the round", self.wait_timeout_s)
         self.download(status["version"])
         return status
+
+    def _turn_lost(self, e: NotYourTurn) -> dict:
+        """Sequential: our turn ended before our sync (idle past the server's timeout, or past
+        its bound while another tenant waited). What we trained since our last sync is not
+        shared; the next step takes the turn again and loads the shared weights."""
+        log.warning("client %s: nothing shared, the turn was no longer ours (%s)", self.client_id, e.message)
+        self.samples = 0
+        self.stale()
+        return {**self.transport.get_json(P.FEDERATION), "turn_lost": e.message}
 
 
 def untied_weights(segments) -> dict[str, torch.Tensor]:
