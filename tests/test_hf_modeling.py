@@ -372,6 +372,41 @@ def test_any_head_from_pretrained_pools_a_padded_batch(server):
         model.transformer.remote.close()
 
 
+def test_from_pretrained_takes_an_export_directory(server, tmp_path):
+    """Issue 41: ``from_pretrained`` refused a directory of exported segments ("has no
+    config.json") that ``SplitClient`` takes: it builds the client from the segments there, equal
+    to the same weights loaded from the spec; another split's export is refused by name."""
+    from splitlearn import export_segments
+    from splitlearn.client import SplitClient
+
+    export_segments(load_model("tiny"), server.cuts, tmp_path / "ex")
+    ids, mask, _ = batches(3, seed=31)[1]
+    logits = {}
+    with torch.no_grad():
+        for kw in ({}, {"num_labels": 3}):
+            if kw and not server.u_shape:
+                continue  # a 2-way server serves the LM head only
+            cls = SplitGPT2ForSequenceClassification if kw else SplitGPT2LMHeadModel
+            models = [cls.from_pretrained(src, server=server.url, token=TOKEN, **kw) for src in ("tiny", tmp_path / "ex")]
+            try:
+                if kw:  # a fresh head on either: the same one, to compare the rest
+                    models[1].score.weight.copy_(models[0].score.weight)
+                spec, export = (m(input_ids=ids, attention_mask=mask).logits for m in models)
+                assert torch.allclose(spec, export, atol=1e-6), cls.__name__
+                assert sum(p.numel() for p in models[1].parameters()) == sum(p.numel() for p in models[0].parameters())
+                logits[cls] = spec
+            finally:
+                for m in models:
+                    m.transformer.remote.close()
+        with SplitClient(server.url, tmp_path / "ex", token=TOKEN, device="cpu") as client:  # as before
+            got = client.model.eval()(input_ids=ids, attention_mask=mask).logits
+        assert torch.allclose(got, logits[SplitGPT2LMHeadModel], atol=1e-6)
+    other = (2,) if server.u_shape else (1, 3)
+    export_segments(load_model("tiny"), other, tmp_path / "other")
+    with pytest.raises(ConfigError, match="cut at"):
+        SplitGPT2LMHeadModel.from_pretrained(tmp_path / "other", server=server.url, token=TOKEN)
+
+
 # -- (e) refused applies change nothing; tenants ------------------------------------------------
 
 def post_apply(srv, payload, token=TOKEN):

@@ -850,24 +850,57 @@ def split_segments(source, remote: RemoteSegment, device=None, seed: int = 0) ->
     :func:`splitlearn.load_model` source, or a directory of exported segments) at ``remote``'s cuts
     (bottom; U-shape also top), and a :class:`SplitGPT2LMHeadModel` over ``remote`` whose modules
     are theirs (no copy) -> (model, segments)."""
-    if isinstance(source, (str, Path)) and (Path(source) / "bottom.json").is_file():
-        segments = [s.to(device) for s in load_segments(source, ["bottom", "top"][:1 + remote.u_shape])]
+    if _is_export(source):
+        segments = [s.to(device) for s in _client_segments(source, remote)]
     else:
         m = load_model(source, device=device, seed=seed)
         _check_config(m.config, remote.info)
         parts = partition(m, remote.cuts)  # the server's segment dies with `m` and `parts`
         segments = [parts.bottom, parts.top] if remote.u_shape else [parts.bottom]
+    return split_model(_hf_from_segments(GPT2LMHeadModel, segments), remote=remote), segments
+
+
+def _is_export(source) -> bool:
+    """Whether ``source`` is a directory that :func:`splitlearn.export_segments` wrote."""
+    return isinstance(source, (str, Path)) and (Path(source) / "bottom.json").is_file()
+
+
+def _client_segments(source, remote: RemoteSegment) -> list:
+    """The exported segments the client of ``remote`` holds (bottom; U-shape also top), checked
+    against the server's cuts."""
+    segments = load_segments(source, ["bottom", "top"][:1 + remote.u_shape])
+    held = [segments[0].end] + ([segments[1].start] if remote.u_shape else [])
+    if tuple(held) != tuple(remote.cuts):
+        raise ConfigError(f"the segments exported in {source} are cut at {held}, the server at {list(remote.cuts)}")
+    return segments
+
+
+def _hf_from_segments(hf_cls: type, segments: list, seed: int = 0, **config_kwargs):
+    """A ``hf_cls`` whose client-side modules are ``segments``' (no copy; the server's blocks are
+    left on the meta device for :func:`split_model` to drop); a head the segments do not hold
+    (a classifier's ``score``) is initialised from ``seed``, ``config_kwargs`` set on its config."""
     config = copy.deepcopy(segments[0].config)
+    for k, v in config_kwargs.items():
+        setattr(config, k, v)
     with torch.device("meta"):
-        hf = GPT2LMHeadModel(config)
-    t = hf.transformer
+        hf = hf_cls(config)
+    t = hf if isinstance(hf, GPT2Model) else hf.transformer
     t.wte, t.wpe, t.drop = segments[0].wte, segments[0].wpe, segments[0].drop
     for seg in segments:
         for j, block in enumerate(seg.h):
             t.h[seg.start + j] = block
-    if remote.u_shape:
-        t.ln_f, hf.lm_head = segments[1].ln_f, segments[1].lm_head
-    return split_model(hf, remote=remote), segments
+    if len(segments) == 2:  # U-shape: the top holds ln_f and the LM head
+        t.ln_f = segments[1].ln_f
+        if getattr(hf, "lm_head", None) is not None:
+            hf.lm_head = segments[1].lm_head
+    device = segments[0].wte.weight.device
+    for name, child in hf.named_children():
+        if child is not t and name != "lm_head" and any(p.is_meta for p in child.parameters()):
+            child.to_empty(device=device)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                child.apply(hf._init_weights)
+    return hf
 
 
 def _load_hf(hf_cls: type, source, seed: int = 0, **config_kwargs):
@@ -912,7 +945,10 @@ def _from_pretrained(hf_cls: type, source, server, token, client_id, wire_dtype,
             if k in kwargs}  # RemoteConfig's other fields
     remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries, pins=pins, **more))
     try:
-        hf = _load_hf(hf_cls, source, seed, **kwargs)
+        if _is_export(source):  # export_segments' directory: the client's segments, as SplitClient takes it
+            hf = _hf_from_segments(hf_cls, _client_segments(source, remote), seed, **kwargs)
+        else:
+            hf = _load_hf(hf_cls, source, seed, **kwargs)
         return split_model(hf, remote=remote).eval()
     except BaseException:
         remote.close()
