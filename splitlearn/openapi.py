@@ -161,8 +161,9 @@ def operations(info: dict) -> list[Op]:
         Op("INFO", "get", "model config, cuts, segment, dtypes, limits, counters", ("segment", "offload"),
            answer=_json_object({"protocol_version": {"type": "integer"}, "model_config": {"type": "object"},
                                 "limits": {"type": "object"}}, ["protocol_version", "model_config", "limits"])),
-        Op("OPENAPI", "get", "this document", ("segment", "offload", "fed"),
-           answer=_json_object({"openapi": {"type": "string"}, "paths": {"type": "object"}}, ["openapi", "paths"])),
+        Op("OPENAPI", "get", "this document (no token: the protocol's routes, the same for every server; a "
+           "tenant's token: this server's, with its cuts and limits)", ("segment", "offload", "fed"), token=False,
+           errors=(401,), answer=_json_object({"openapi": {"type": "string"}, "paths": {"type": "object"}}, ["openapi", "paths"])),
         Op("ECHO", "post", "the body back, no tensor work (transport diagnostics)", ("segment", "offload"),
            body="any", errors=(413,), answer=Tensors({}, summary="the request's bytes, unchanged")),
         Op("CLIENT_STATE", "get", "the last training step applied for a client", path_params=cid, errors=(400,),
@@ -300,7 +301,8 @@ def document(info: dict, kind: str = "segment") -> dict:
         "openapi": OPENAPI_VERSION,
         "info": {"title": "splitlearn server", "version": str(P.PROTOCOL_VERSION),
                  "description": "Split learning for GPT-2: the server's routes (docs/PROTOCOL.md has the bytes). "
-                                f"This server: {kind}, cuts {info.get('cuts')}, shape {info.get('shape')}."},
+                                + (f"This server: {kind}, cuts {info.get('cuts')}, shape {info.get('shape')}."
+                                   if info.get("cuts") is not None else f"A {kind} server.")},
         "paths": paths,
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                                       "description": "a tenant's token (--token-file or $SPLITLEARN_TOKEN)"}},

@@ -108,9 +108,28 @@ def test_links_chain_a_sessions_life():
                 assert all(v["operationId"] in ids for v in answer.get("links", {}).values())
 
 
-def test_document_needs_a_token():
-    client = app_of("u").test_client()
-    assert_error(client.get(P.OPENAPI), 401, "token")
+@pytest.mark.parametrize("kind", ["u", "offload", "fed"])
+def test_without_a_token_the_protocols_document_of_no_server_in_particular(kind):
+    """Issue 41: a newcomer reads the spec without a token. The tokenless document is the one every
+    server of this kind serves (made once, no server state: none of its cuts, widths or limits);
+    a tenant gets its server's; a wrong token is still 401; a POST is no GET."""
+    client = app_of(kind).test_client()
+    r = client.get(P.OPENAPI)
+    assert r.status_code == 200 and r.mimetype == "application/json"
+    public = r.get_json()
+    assert public["paths"].keys() == served(app_of(kind))["paths"].keys()
+    assert public["paths"][P.OPENAPI]["get"]["security"] == []  # the document says so itself
+    if kind != "fed":
+        text = r.get_data(as_text=True)
+        assert "cuts" not in public["info"]["description"] and "[1, 3]" not in text
+        assert str(ServerConfig.__dataclass_fields__["max_body_bytes"].default) not in text  # no limits
+    if kind == "u":
+        assert "cuts [1, 3]" in served(app_of("u"))["info"]["description"]  # a tenant's: this server's
+        other = create_app(ServerConfig(model="tiny", tokens=TENANTS, cuts=(2,), seed=5))
+        assert other.test_client().get(P.OPENAPI).get_data() == r.get_data()  # another server, the same bytes
+    assert_error(client.get(P.OPENAPI, headers={"Authorization": "Bearer wrong-token-0123456789"}), 401, "token")
+    assert client.post(P.OPENAPI).status_code in (401, 405)
+    assert_error(client.get(P.INFO), 401, "token")  # the server's own facts still need one
 
 
 def test_no_static_route():

@@ -96,6 +96,17 @@ def assert_json_error(answer, status: int, code: str) -> None:
     assert set(answer[1]) == {"error", "message"} and answer[1]["error"] == code, answer
 
 
+def test_the_openapi_document_needs_no_token_and_keeps_no_connection(door):
+    """Issue 41: ``GET /v1/openapi.json`` without a token is answered, as ``/v1/health`` is: the
+    protocol's document, made once, then the connection closed; with a body it is refused at its
+    headers like any other tokenless request."""
+    r = requests.get(door.url + P.OPENAPI, timeout=10)
+    assert r.status_code == 200 and r.json()["openapi"] == "3.1.0" and r.headers["Connection"] == "close"
+    with socket.create_connection(("127.0.0.1", door.port)) as s:
+        s.sendall(head(P.OPENAPI, 1 << 20, method="GET"))  # a tokenless GET that announces a body
+        assert_json_error(read_answer(s), 401, "unauthorized")
+
+
 def test_tokenless_bodies_are_refused_at_their_headers_and_never_buffered(door):
     """48 connections without a (valid) token announce 200 MB and send 8 MB each: each is answered
     401 at its headers, before its body, and the server's memory does not move (it used to grow

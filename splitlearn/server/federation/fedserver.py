@@ -317,8 +317,8 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = T
 
     @app.before_request
     def _authenticate():  # constant-time (Tenants.authenticate); the front door checked it already
-        if request.path in (P.HEALTH, P.READY):
-            return None
+        if request.path in (P.HEALTH, P.READY) or (request.path == P.OPENAPI and "Authorization" not in request.headers):
+            return None  # /v1/openapi.json: the protocol's document, the same for everyone
         g.tenant = tenants.authenticate(request.headers.get("Authorization"))
         if g.tenant is None:
             raise Unauthorized("missing or wrong bearer token: the fed server's own (fed_token=, "

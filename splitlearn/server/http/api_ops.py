@@ -2,6 +2,8 @@
 ``/v1/echo``, ``/v1/info``, ``/v1/openapi.json`` and the operator's ``/v1/checkpoint``."""
 from __future__ import annotations
 
+import functools
+import json
 import time
 
 from flask import Blueprint, Response, g, jsonify, request
@@ -64,10 +66,23 @@ def info():
 
 @bp.get(P.OPENAPI)
 def openapi_document():
-    """This server's routes as OpenAPI 3.1, built from the protocol module (splitlearn/openapi.py)."""
+    """This server's routes as OpenAPI 3.1, built from the protocol module (splitlearn/openapi.py).
+    Without a token: the protocol's document, the same for every server of this kind (none of
+    this server's cuts, sizes or limits), made once (docs/SECURITY.md, 'Outsiders')."""
     from ...openapi import document
     s = served()
-    return jsonify(document(s.rt.info(), "offload" if s.cfg.offload else "segment"))
+    kind = "offload" if s.cfg.offload else "segment"
+    if g.get("tenant") is None:
+        return Response(public_document(kind), mimetype="application/json")
+    return jsonify(document(s.rt.info(), kind))
+
+
+@functools.lru_cache(maxsize=None)
+def public_document(kind: str) -> bytes:
+    """The tokenless ``/v1/openapi.json`` of a server of ``kind``: the protocol's routes only."""
+    from ...openapi import document
+
+    return json.dumps(document({}, kind)).encode()
 
 
 # a segment server's only (the offload server serves the routes above and its own)

@@ -65,6 +65,9 @@ def create_app(config: Optional[ServerConfig] = None, runtime=None) -> Flask:
     def _authenticate():
         if request.path in (P.HEALTH, P.READY):
             return None
+        if request.path == P.OPENAPI and "Authorization" not in request.headers:
+            g.tenant = None  # the protocol's document, the same for everyone (api_ops.openapi_document)
+            return None
         # the front door (frontdoor.py) found the tenant at the headers; under another server, here
         tenant = request.environ.get(TENANT_KEY) or tenants.authenticate(request.headers.get("Authorization"))
         if tenant is None:

@@ -2,8 +2,8 @@
 
 All on waitress's event loop (no WSGI thread, no body buffer):
 
-- **Header-time auth**: a request without a valid token (bodiless ``GET /v1/health`` and
-  ``/v1/ready`` excepted) is answered 401 before its body is buffered; over-limit
+- **Header-time auth**: a request without a valid token (bodiless ``GET /v1/health``,
+  ``/v1/ready`` and ``/v1/openapi.json`` excepted) is answered 401 before its body is buffered; over-limit
   Content-Length: 413; malformed headers: 400. After the answer the write side is shut and
   what the client still sends is dropped for at most :data:`LINGER_S` or the announced length.
 - **Bodies reserved before they are buffered**: a tenant's Content-Length is reserved in the
@@ -227,12 +227,12 @@ class DoorChannel(HTTPChannel):
 
     def admit(self, req: DoorParser) -> bool:
         """Whether ``req`` (headers complete) may send its body: a valid token, or a bodiless health
-        or readiness check."""
+        or readiness check or a read of the protocol's OpenAPI document."""
         req.tenant = self.door.tenants.authenticate(req.headers.get("AUTHORIZATION"))
         if req.tenant is not None:
             self.authenticated = True
             return True
-        if (req.path in (P.HEALTH, P.READY) and req.command in ("GET", "HEAD") and not req.chunked
+        if (req.path in (P.HEALTH, P.READY, P.OPENAPI) and req.command in ("GET", "HEAD") and not req.chunked
                 and req.content_length == 0):
             req.headers["CONNECTION"] = "close"  # one tokenless answer, then the slot is free
             return True

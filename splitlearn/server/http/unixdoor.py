@@ -50,7 +50,7 @@ from .routing import BODY_HOLD_KEY, SERVED
 log = logging.getLogger(__name__)
 
 BODY_KEY = "splitlearn.body"  # WSGI environ: the request's whole body (no client can set it; app.py)
-_TOKENLESS = (P.HEALTH, P.READY)  # answered without a token, bodiless GET/HEAD only (as over HTTP)
+_TOKENLESS = (P.HEALTH, P.READY, P.OPENAPI)  # answered without a token, bodiless GET/HEAD only (as over HTTP)
 _MAX_PATH = 8 << 10
 _FULL_CHECK_S = 0.25  # full: how often the door looks for a newcomer waiting (a stranger then gives its slot up)
 
@@ -357,7 +357,7 @@ class _Conn:
                 if tenant is None and (path not in _TOKENLESS or method not in ("GET", "HEAD") or body_len
                                        or "region" in meta or "device" in meta):  # refused before its body is read
                     raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>); without "
-                                       "one, only a bodiless GET or HEAD of /v1/health or /v1/ready is answered")
+                                       "one, only a bodiless GET or HEAD of /v1/health, /v1/ready or /v1/openapi.json is answered")
                 if tenant is not None:
                     self.trusted = True
                 if "device" in meta:  # the inline part is the header: read first, so a bad descriptor keeps the connection
