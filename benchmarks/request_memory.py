@@ -117,7 +117,7 @@ def child(model: str, route: str, B: int, T: int, pad: bool) -> dict:
             assert r.status_code == 200, r.get_data(as_text=True)
 
     run(1, 8, 1)  # warm: kernels, AdamW state
-    m = bm.Dims.of(rt.segment, rt.dtype)
+    m = bm.Dims.of(rt.segment, rt.dtype, rt.device)
     if route in ("train_step", "train_forward"):
         predicted = bm.train_cost(m, B, T, pad)
     elif route.startswith("forward"):

@@ -13,11 +13,14 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
     kept per block (training)  e·N·(5I + 7d + a + 4)                     sdpa (flash), no dropout
                                + e·B·T·K                                 padded: sdpa's float mask
                                + N·d·(2e + 2)                            residual dropout
-                               + B·a·T·K·(3e + 1)                        scores materialised
+                               + B·a·T·K·(3e + 1)                        scores materialised (CPU)
+                  on CUDA      e·N·(5I + 7d + 4) + 4·N·a [+ 1 KiB]       fused sdpa: float32 lse, RNG state
     block workspace            e·N·(4I + 6d) [+ (1 + e)·B·T·K masked] [+ 3e·B·a·T·K scores]
+                               [+ 4·N·(d + a) on CUDA]                   the fused backward's accumulators
     head, training             4·e·N·d + 4·V·d + c·V·16                  x, grad of x; grad of W; a chunk
     head, evaluation           B·V·(e + 4) [+ 2·e·N·d + c·V·8 with labels]
-    update (training)          grads + 2·largest parameter               AdamW's temporaries
+    update (training)          grads + 2·largest parameter               AdamW's temporaries (CPU)
+                  on CUDA      grads + grads                             AdamW's foreach temporaries
     KV cache                   2·L·tokens·d·e
     in and out                 16·N·d                                    body, decoded, answer, encoded
 
@@ -45,6 +48,24 @@ GPT-2 block of transformers 5 (``saved_tensors_hooks``; equal for every shape tr
   chunk's logits, log-softmax and their gradients at a time, plus the gradients of x and W;
   a forward computes the last position's logits only.
 
+On a CUDA device (``Dims.of(..., device)``) two things differ, and the model follows
+(``Dims.cuda_kernels``, ``Dims.foreach``):
+
+- sdpa runs the flash or memory-efficient kernel (16-bit compute, or float32 for the
+  memory-efficient one; a head size that is a multiple of 8, at most 256), and both take
+  attention dropout themselves: no (B, a, T, K) scores are kept, dropout included. What the
+  kernel keeps beyond q, k, v and its output is the float32 log-sum-exp (B, a, T) (4 bytes a
+  value whatever e is) and the dropout's RNG state (a seed and an offset, priced as two of
+  the caching allocator's 512-byte blocks). Its backward's float32 accumulator for the
+  gradient of q and the (B, a, T) softmax sums join the block's workspace (4·N·(d + a));
+- AdamW takes torch's foreach path (its default for CUDA tensors), which makes one
+  temporary of every parameter's size at once (``torch._foreach_sqrt`` of the second
+  moments): the update is priced at the gradients twice, not the gradients and twice the
+  largest parameter.
+
+So GPT-2 XL, 2-way, 8 x 1024 positions, bfloat16 is priced at 134.83 GiB on the CPU (46 blocks
+of 1.47 GB of scores each) and about a third of that on CUDA.
+
 The 1.25 is the allocator's slack (``ALLOCATOR_SLACK``): glibc serves the (B, T, d) tensors of
 moderate batches from heaps that fragment. The totals are checked against peaks measured on
 CPU (peak RSS of the route through Flask's test client, in a fresh process:
@@ -55,10 +76,19 @@ one, see below).
 
 The default limit (no ``--max-request-memory-gb``) is derived at start from the memory this
 process can still get (:func:`available_memory`) minus what the segment's training state
-will still take (gradients, optimizer moments, generation's prepacked weight copy), halved:
-the other half is for what runs beside the one request computing (bodies read by other
-WSGI threads, U-shape graphs waiting for their backward, generation caches, the allocator's
-slack). A request the machine cannot hold is then refused instead of killing the server.
+will still take (gradients, optimizer moments, generation's prepacked weight copy, made on
+the CPU only), halved on the CPU: the other half is for what runs beside the one request
+computing (bodies read by other WSGI threads, U-shape graphs waiting for their backward,
+generation caches, the allocator's slack), and the memory account's total is twice the limit.
+A request the machine cannot hold is then refused instead of killing the server.
+
+On a CUDA device the rest is not halved, and the account's total is that same rest: one
+request computes at a time (the compute thread), its price carries its own allocator slack,
+what waits beside it on the device (U-shape graphs, KV caches) is reserved in the same
+account, and bodies and stored answers live in host memory. Halving there refused GPT-2 XL's
+8 x 1024 bfloat16 step on an 80 GB H100 (28.71 GiB allowed) whose unsplit twin runs on that
+GPU. The free memory is read at start: a GPU shared with other processes (a client on the
+same card) needs ``--max-request-memory-gb`` and ``--max-memory-gb`` set by hand.
 
 What outlives a request, or waits beside the one computing (bodies, waiting graphs priced
 one by one with :func:`graph_bytes`, stored answers, KV caches), is reserved in the
@@ -71,13 +101,14 @@ import logging
 import os
 import resource
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from ...errors import PayloadTooLarge
 from ...headloss import CHUNK_LOGITS_BYTES, chunk_rows
+from ...packed import usable
 from .memory import charge
 
 log = logging.getLogger(__name__)
@@ -108,35 +139,60 @@ class Dims:
     dropout: bool  # residual dropout in training (outputs and masks kept)
     grads: int = 0  # bytes of the gradients a training step makes (its trainable parameters)
     largest: int = 0  # bytes of the largest trainable parameter (the optimizer's temporaries)
+    # sdpa runs CUDA's flash / memory-efficient kernels: no scores kept, dropout included
+    cuda_kernels: bool = False
+    foreach: bool = False  # the optimizer steps every parameter at once (torch's CUDA default)
 
     @classmethod
-    def of(cls, segment: nn.Module, dtype: torch.dtype) -> "Dims":
-        """The segment's dimensions; its trainable parameters now (a LoRA server's base is frozen)."""
+    def of(cls, segment: nn.Module, dtype: torch.dtype, device: Union[torch.device, str] = "cpu") -> "Dims":
+        """The segment's dimensions as it computes in ``dtype`` on ``device``; its trainable
+        parameters now (a LoRA server's base is frozen)."""
         c = segment.config
         attn = getattr(c, "_attn_implementation", None) or "eager"
         sizes = [p.numel() * p.element_size() for p in segment.parameters() if p.requires_grad]
+        cuda = torch.device(device).type == "cuda"
         return cls(d=c.n_embd, heads=c.n_head, inner=c.n_inner or 4 * c.n_embd, vocab=c.vocab_size,
                    blocks=len(segment.h), head=segment.has_head,
                    elem=torch.empty((), dtype=dtype).element_size(),
                    eager=attn != "sdpa", attn_dropout=c.attn_pdrop > 0, dropout=c.resid_pdrop > 0,
-                   grads=sum(sizes), largest=max(sizes, default=0))
+                   grads=sum(sizes), largest=max(sizes, default=0),
+                   cuda_kernels=cuda and attn == "sdpa" and fused_sdpa(dtype, c.n_embd // c.n_head),
+                   foreach=cuda)
 
     @property
     def scores(self) -> bool:
-        """Training materialises the attention scores (the CPU flash kernel takes no dropout)."""
-        return self.eager or self.attn_dropout
+        """Training materialises the attention scores: eager attention, or dropout on a kernel
+        that takes none (the CPU's flash kernel; CUDA's take it)."""
+        return self.eager or (self.attn_dropout and not self.cuda_kernels)
 
     @property
     def chunk_rows(self) -> int:
         return chunk_rows(self.vocab, CHUNK_LOGITS_BYTES)
 
 
+def fused_sdpa(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether sdpa on a CUDA device runs a fused kernel that keeps no scores, dropout
+    included: flash (16-bit) or memory-efficient (16-bit or float32), each needing a head
+    size that is a multiple of 8 (at most 256 for flash; priced as the bound for both), as
+    torch's dispatcher checks (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``)."""
+    enabled = torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+    return (enabled and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and head_dim % 8 == 0 and head_dim <= 256)
+
+
 # -- the cost model (bytes) ----------------------------------------------------------------
+
+LSE_BYTES = 4  # CUDA's fused kernels keep their log-sum-exp in float32
+RNG_STATE_BYTES = 2 * 512  # their dropout's seed and offset: two of the caching allocator's blocks
+
 
 def kept_per_block(m: Dims, B: int, T: int, K: int, padded: bool) -> int:
     """Bytes one block keeps for the backward in training: B rows, T positions, K keys."""
     e, N = m.elem, B * T
-    b = e * N * (5 * m.inner + 7 * m.d + m.heads + 4)
+    b = e * N * (5 * m.inner + 7 * m.d + 4)
+    b += N * m.heads * (LSE_BYTES if m.cuda_kernels else e)  # sdpa's log-sum-exp, (B, a, T)
+    if m.cuda_kernels and m.attn_dropout:
+        b += RNG_STATE_BYTES  # the kernel replays its dropout from the RNG state: no mask kept
     if padded:
         b += e * B * T * K  # the float mask sdpa makes of the boolean one, kept by the kernel
     if m.dropout:
@@ -155,6 +211,8 @@ def block_workspace(m: Dims, B: int, T: int, K: int, masked: bool, scores: bool)
         b += (1 + e) * B * T * K  # the boolean (B, 1, T, K) mask and sdpa's float copy of it
     if scores:
         b += 3 * e * B * m.heads * T * K
+    elif m.cuda_kernels:
+        b += 4 * N * (m.d + m.heads)  # the backward's float32 gradient of q and softmax sums
     return b
 
 
@@ -171,9 +229,11 @@ def kv_bytes(m: Dims, tokens: int) -> int:
 def update_bytes(m: Dims) -> int:
     """A training step's gradients, and the optimizer's temporaries on top of them: torch's
     single-tensor AdamW (CPU tensors take no foreach path) makes two of each parameter's size in
-    turn (``exp_avg_sq.sqrt()``, then divided), so twice the largest; 16-bit gradients are
+    turn (``exp_avg_sq.sqrt()``, then divided), so twice the largest; its foreach path (CUDA)
+    one of every parameter's size at once (``torch._foreach_sqrt``); 16-bit gradients are
     copied to float32 for the step's norm (:mod:`.guard`)."""
-    return m.grads + 2 * m.largest + (m.grads * 4 // m.elem if m.elem < 4 else 0)
+    temporaries = m.grads if m.foreach else 2 * m.largest
+    return m.grads + temporaries + (m.grads * 4 // m.elem if m.elem < 4 else 0)
 
 
 def train_cost(m: Dims, B: int, T: int, padded: bool) -> int:
@@ -243,23 +303,33 @@ class Budget:
     limit: int  # bytes of working memory one request may take
     dims: Dims
     source: str = FLAG  # where the limit comes from: the flag, or how it was derived
+    total: Optional[int] = None  # bytes: the memory account's default total (None: twice the limit)
 
-    def check(self, what: str, need: int) -> None:
+    def check(self, what: str, need: int, held: int = 0) -> None:
         """413 if ``need`` bytes exceed the limit; the message names the limit and the flag.
-        Then ``need`` is reserved for the request being served on this thread, until its
-        answer is built (:func:`.memory.charge`; 503 past the server's total)."""
+        Then ``need`` less ``held`` (what the route reserves on its own) is reserved for the
+        request being served on this thread, until its answer is built
+        (:func:`.memory.charge`; 503 past the server's total)."""
         if need > self.limit:
             raise PayloadTooLarge(
                 f"{what} needs about {need / GiB:.2f} GiB of server memory; this server allows "
                 f"{self.limit / GiB:.2f} GiB per request ({self.source}): send fewer rows or "
                 f"positions (micro-batches, or a prompt in pieces)")
-        charge(need, what)
+        charge(max(0, need - held), what)
 
     # one method per route, each (what, bytes) checked
 
     def train(self, B: int, T: int, mask: Optional[torch.Tensor]) -> None:
         """``/v1/train/step`` or ``/v1/train/forward`` (with its backward) of B x T positions."""
         self.check(f"a training step of {B} x {T} positions", train_cost(self.dims, B, T, padded(mask)))
+
+    def train_forward(self, B: int, T: int, mask: Optional[torch.Tensor], loss: bool) -> None:
+        """``/v1/train/forward`` of B x T positions (``loss``: 2-way, the server's loss): priced
+        as the step, less the graph the route reserves on its own until the backward
+        (:func:`graph_bytes`), so the account does not hold the kept activations twice."""
+        m, pad = self.dims, padded(mask)
+        self.check(f"a training step of {B} x {T} positions", train_cost(m, B, T, pad),
+                   held=graph_bytes(m, B, T, pad, loss))
 
     def forward(self, B: int, T: int, mask: Optional[torch.Tensor], labels: bool) -> None:
         """``/v1/forward`` of B x T positions, with the loss if ``labels``."""
@@ -336,9 +406,10 @@ def available_memory(device: torch.device) -> tuple[int, str]:
     return min(found)
 
 
-def derived_limit(available: int, state_bytes: int) -> int:
-    """Half of what is left once the training state is allocated (at least ``MIN_DERIVED``)."""
-    return max(MIN_DERIVED, (available - state_bytes) // 2)
+def derived_limit(available: int, state_bytes: int, halve: bool = True) -> int:
+    """Half of what is left once the training state is allocated (``halve`` False, a GPU:
+    all of it; the module docstring says why), at least ``MIN_DERIVED``."""
+    return max(MIN_DERIVED, (available - state_bytes) // (2 if halve else 1))
 
 
 def state_bytes(segment: nn.Module, optimizer: str, packed: bool) -> int:
@@ -352,15 +423,17 @@ def state_bytes(segment: nn.Module, optimizer: str, packed: bool) -> int:
 def make_budget(segment: nn.Module, dtype: torch.dtype, device: torch.device,
                 limit_bytes: Optional[int], optimizer: str, packed: bool) -> Budget:
     """The server's budget: ``limit_bytes`` if configured, else derived (module docstring)."""
-    dims = Dims.of(segment, dtype)
+    device = torch.device(device)
+    dims = Dims.of(segment, dtype, device)
     if limit_bytes is not None:
         return Budget(limit_bytes, dims, FLAG)
     avail, what = available_memory(device)
-    state = state_bytes(segment, optimizer, packed)
-    limit = derived_limit(avail, state)
-    source = (f"derived at start: half of {what} ({avail / GiB:.2f} GiB) less the training state "
-              f"({state / GiB:.2f} GiB); {FLAG} sets it")
+    state = state_bytes(segment, optimizer, packed and usable(segment))  # prepacked on the CPU only
+    gpu = device.type == "cuda"
+    limit = derived_limit(avail, state, halve=not gpu)
+    source = (f"derived at start: {'all' if gpu else 'half'} of {what} ({avail / GiB:.2f} GiB) less the "
+              f"training state ({state / GiB:.2f} GiB); {FLAG} sets it")
     if limit == MIN_DERIVED:
         log.warning("little memory left for requests (%s): each may use %.2f GiB", source, limit / GiB)
     log.info("each request may use %.2f GiB of memory (%s)", limit / GiB, source)
-    return Budget(limit, dims, source)
+    return Budget(limit, dims, source, total=limit if gpu else None)

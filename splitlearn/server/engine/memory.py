@@ -29,7 +29,8 @@ answers, caches) beside what it computes.
 
 Defaults (``ServerConfig.max_memory_bytes``, ``max_tenant_memory_bytes``): the total is twice
 the per-request limit (with the derived per-request limit: the memory free at start less
-the training state, the budget's "other half" included); a tenant's share is the total on
+the training state, the budget's "other half" included; on a GPU the derived limit is that
+whole rest and the total the same bytes, :mod:`.budget`); a tenant's share is the total on
 a one-tenant server, else the per-request limit.
 """
 from __future__ import annotations

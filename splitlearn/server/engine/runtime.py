@@ -42,6 +42,7 @@ from ...lora import lora_scope
 from .adapters import attach as attach_lora
 from .clientstate import ClientStates
 from ..federation.modes import Federation, Replica, federation_options
+from .gradclip import NormClip
 from .lease import StepLease
 from .ledger import Answer, StepLedger
 from .training import Training, release as release_step
@@ -109,6 +110,8 @@ class SegmentRuntime:
         self.device = next(self.segment.parameters()).device
         self.dtype = next(self.segment.parameters()).dtype
         self.optimizer = self.make_optimizer(self.segment.parameters())
+        self.grad_clip = NormClip(cfg.grad_clip_factor, cfg.grad_clip_window, cfg.grad_clip_warmup,
+                                  cfg.max_grad_norm)  # the bound of a step on shared state (gradclip.py)
         self.lock = threading.RLock()
         self.ledger = StepLedger()
         self.training = Training(self)
@@ -141,15 +144,17 @@ class SegmentRuntime:
         self.budget = make_budget(self.segment, self.dtype, self.device, cfg.max_request_memory_bytes,
                                   cfg.optimizer, self._packed is not None)
         # what the server holds for its tenants beside that, per tenant and in total (memory.py)
-        total, per_tenant = default_limits(self.budget.limit, len(cfg.tenants), cfg.max_memory_bytes,
-                                           cfg.max_tenant_memory_bytes)
+        total, per_tenant = default_limits(self.budget.limit, len(cfg.tenants),
+                                           cfg.max_memory_bytes or self.budget.total, cfg.max_tenant_memory_bytes)
         self.memory = MemoryAccount(total, per_tenant, TOTAL_FLAG if cfg.max_memory_bytes else
-                                    f"twice the per-request limit; {TOTAL_FLAG} sets it")
+                                    f"{'the' if self.budget.total else 'twice the'} per-request limit; "
+                                    f"{TOTAL_FLAG} sets it")
         self.ledger.account = self.memory
         self.sessions.account, self.sessions.kv_bytes = self.memory, lambda n: kv_bytes(self.budget.dims, n)
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
+            self.grad_clip.restore(counters.get("grad_clip", {}))
             self.ledger.account = self.memory
             self.ledger.hold_all()
             self.federation.restore(counters.get("federation", {}),
@@ -274,12 +279,16 @@ class SegmentRuntime:
         members = getattr(self.federation.round, "members", {})
         return self.preemptor.active([self.segment, *(r.segment for r in members.values())])
 
-    def drop_pending(self, client_id: str, release: bool = True) -> None:
-        """A step left unfinished for over the lease timeout (its client vanished) is dropped:
-        gradients freed, lease given back; the client's late piece gets 409 and redoes it."""
+    def drop_pending(self, client_id: str, release: bool = True, taken_over: bool = False) -> None:
+        """A step left unfinished for over the lease timeout (its client vanished), or
+        ``taken_over`` by a new run of the same client id, is dropped: gradients freed, lease
+        given back; the client's late piece gets 409 and redoes it."""
         with self.lock:
-            log.warning("client %s left a step unfinished for over %gs: it is dropped",
-                        client_id, self.cfg.lease_timeout_s)
+            if taken_over:
+                log.warning("client %s started again: the step its last run left unfinished is dropped", client_id)
+            else:
+                log.warning("client %s left a step unfinished for over %gs: it is dropped",
+                            client_id, self.cfg.lease_timeout_s)
             pend = self.ledger.pending(client_id)
             if pend is not None:
                 pend.state.rep.optimizer.zero_grad(set_to_none=True)
@@ -420,7 +429,8 @@ class SegmentRuntime:
                 log.info("checkpoint deferred: splitfed round %d is open", self.federation.round.number)
                 return None
             t = time.perf_counter()
-            counters = {**self.ledger.to_counters(), "federation": self.federation.counters()}
+            counters = {**self.ledger.to_counters(), "federation": self.federation.counters(),
+                        "grad_clip": self.grad_clip.state()}
             shared = self.federation.client_weights
             extra = {"federation": shared} if shared is not None else {}
             if self.adapters is not None:  # LoRA: every adapter + optimizer, in this generation

@@ -41,7 +41,7 @@ def train_forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
     h, mask = _hidden_any_padding(s, t)
     # 2-way: the server computes the loss
     y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
-    rt.budget.train(h.shape[0], h.shape[1], mask)  # its graph waits for the backward
+    rt.budget.train_forward(h.shape[0], h.shape[1], mask, loss=y is not None)  # its graph waits for the backward
     return rt.train_forward(m, h, mask, y)
 
 
