@@ -9,12 +9,13 @@ TCP front door, it enforces the socket file's mode (0600, ``--unix-mode``), ``--
 deadlines (a body's k-th byte due ``request_timeout_s + k / min_rate`` after its frame's
 first), 400/413 on malformed frames (connection closed) or bad fields (connection goes on),
 and only sealed memfd regions of bounded size. Without a token only a bodiless ``GET``/``HEAD``
-of ``/v1/health`` or ``/v1/ready`` is answered. A tenant's inline body is reserved in the
-server's memory account (:mod:`..engine.memory`) when its frame announces it, before a byte of
-it is allocated (429/503 past the share or the total; the connection closes, the body unread),
-and read into one buffer of that size: one reservation, no per-chunk bookkeeping, the refusal
-before the client sends a byte; the pace above bounds how long an announced body that never
-comes holds it. One thread per connection runs its requests one at a time, so concurrent
+of ``/v1/health`` or ``/v1/ready`` is answered. A tenant's inline body over 64 KiB (and a
+region body the app copies out) is reserved in the server's memory account
+(:mod:`..engine.memory`) when its frame announces it, before a byte of it is allocated
+(429/503 past the share or the total; the connection closes, the body unread), then read
+into one buffer of that size: one reservation, no per-chunk bookkeeping, the refusal before
+the client sends a byte; the pace above bounds how long an announced body that never comes
+holds it. One thread per connection runs its requests one at a time, so concurrent
 clients' decode steps still batch.
 Design: docs/TRANSPORT.md; guarantees: docs/SECURITY.md, 'The Unix socket'.
 """
@@ -392,8 +393,11 @@ class _Conn:
 
     def _reserve(self, tenant, nbytes: int):
         """``nbytes`` of a body reserved for ``tenant`` (None: nothing to reserve, or no account);
-        429/503 if they do not fit."""
-        if self.door.memory is None or tenant is None or not nbytes:
+        429/503 if they do not fit. A body of at most the reader's chunk (64 KiB) is not: at most
+        that much a connection at a time (``--max-connections`` x 64 KiB in all), and a tensor
+        route reserves it anyway (routing.serve); the ~3 us a reservation costs stay off the
+        small requests (an echo of 1 KiB takes ~150 us)."""
+        if self.door.memory is None or tenant is None or nbytes <= F.Reader.CHUNK:
             return None
         return self.door.memory.reserve(tenant.name, nbytes, "a request body")
 
