@@ -64,7 +64,7 @@ class DoorLimits:
 
     max_connections: int = 256  # open connections; more wait in the listen backlog
     request_timeout_s: float = 10.0  # headers complete by then; bodies and answers get this plus size / min rate
-    min_rate_kib_s: float = 256.0  # KiB/s a body must arrive at, and an answer be read at, on average
+    min_rate_kib_s: float = 256.0  # KiB/s: a body's bytes are due at this rate as they come; an answer is read at it on average
     idle_timeout_s: float = 300.0  # a keep-alive connection with a valid token may idle this long
 
     def __post_init__(self):
