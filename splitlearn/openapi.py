@@ -82,9 +82,7 @@ def apply_schema() -> dict:
              "pieces": {"type": "integer", "minimum": 0, "maximum": P.MAX_PIECES},
              "lr": {"type": "number", "minimum": 0, "maximum": P.MAX_LR},
              "clip": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-             "discard": {"type": "boolean"},
-             "run": {"type": "string", "pattern": "^" + P._RUN.pattern + "$",
-                     "description": "the client process's run (metadata run): another run's step is not touched"}}
+             "discard": {"type": "boolean"}}
     assert tuple(props) == P.ApplyRequest.FIELDS, "ApplyRequest.FIELDS changed: describe the new fields"
     return {"type": "object", "properties": props, "required": ["client_id", "step"],
             "additionalProperties": False,
@@ -193,7 +191,8 @@ def operations(info: dict) -> list[Op]:
            answer=_json_object({"client_id": {"type": "string"}, "step": {"type": "integer"},
                                 "applied": {"type": "boolean"}, "discarded": {"type": "boolean"},
                                 "pieces": {"type": "integer"}, "lr": {"type": "number"},
-                                "grad_norm": {"type": "number"}, "durable": {"type": "integer"}},
+                                "grad_norm": {"type": "number"}, "clipped": {"type": "boolean"},
+                                "clip_norm": {"type": "number"}, "durable": {"type": "integer"}},
                                ["client_id", "step"])),
         Op("FORWARD", "post", "no-grad forward (evaluation); changes nothing", errors=(400, 413, 415),
            body=Tensors({P.HIDDEN: hidden, P.MASK: mask, P.LABELS: "optional, 2-way: " + labels},

@@ -28,10 +28,12 @@ from .engine.tenants import Tenants
 from .options import opt
 
 MiB, GiB = 1 << 20, 1 << 30
+DEFAULT_GRAD_CLIP_FACTOR = 3.0  # x the typical step's gradient norm (splitlearn/server/engine/gradclip.py)
+
 
 
 def norm_or_none(text: str) -> Optional[float]:
-    """``--max-update-norm``: a number, or ``none`` for no bound."""
+    """``--max-update-norm``, ``--grad-clip-factor``: a number, or ``none`` for no bound."""
     return None if str(text).strip().lower() == "none" else float(text)
 
 
@@ -57,7 +59,16 @@ class Training:
                          choices=("adamw", "sgd"))
     lr: float = opt(1e-3, "learning rate of the server's optimizer")
     weight_decay: float = opt(0.0, "weight decay of the server's optimizer")
-    max_grad_norm: Optional[float] = opt(None, "clip the server's gradient norm per step")
+    max_grad_norm: Optional[float] = opt(None, "clip the server's gradient norm per step to this fixed bound "
+                                               "(replaces --grad-clip-factor)")
+    grad_clip_factor: Optional[float] = opt(
+        DEFAULT_GRAD_CLIP_FACTOR, f"on the segment tenants share, clip a step's gradient norm to this many times "
+                                  f"the running geometric mean of the steps before it ('none': no clip; default "
+                                  f"{DEFAULT_GRAD_CLIP_FACTOR:g}; splitlearn/server/engine/gradclip.py)",
+        type=norm_or_none)
+    grad_clip_window: int = opt(100, "steps the --grad-clip-factor mean spans (an EMA of weight 1/window)")
+    grad_clip_warmup: int = opt(10, "first steps of the shared segment whose bound is --grad-clip-factor squared "
+                                    "(the first steps of a training vary most)")
     checkpoint_dir: Optional[str] = opt(None, "save segment + optimizer state here periodically and on SIGTERM")
     checkpoint_every: int = opt(100, "steps between checkpoints (0: only on SIGTERM or request)")
     state_dir: Optional[str] = opt(None, "replicas (docs/CLUSTER.md): keep each client's LoRA adapter, optimizer "
@@ -318,6 +329,11 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
             raise ConfigError("--round-timeout and --lease-timeout must be > 0 seconds")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm must be > 0, got {self.max_grad_norm}")
+        if self.grad_clip_factor is not None and not self.grad_clip_factor >= 1:
+            raise ConfigError(f"--grad-clip-factor must be >= 1 (or 'none'), got {self.grad_clip_factor}")
+        if self.grad_clip_window < 1 or self.grad_clip_warmup < 0:
+            raise ConfigError(f"--grad-clip-window must be >= 1 step and --grad-clip-warmup >= 0, got "
+                              f"{self.grad_clip_window} and {self.grad_clip_warmup}")
         self.strategy()  # ConfigError if invalid
         if self.client_weights == "external" and self.federation != "shared" and self.fed_secret is None:
             raise ConfigError("--client-weights external needs --fed-secret-file (the secret shared with the "

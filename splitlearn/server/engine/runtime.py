@@ -42,6 +42,7 @@ from ...lora import lora_scope
 from .adapters import attach as attach_lora
 from .clientstate import ClientStates
 from ..federation.modes import Federation, Replica, federation_options
+from .gradclip import NormClip
 from .lease import StepLease
 from .ledger import Answer, StepLedger
 from .training import Training, release as release_step
@@ -109,6 +110,8 @@ class SegmentRuntime:
         self.device = next(self.segment.parameters()).device
         self.dtype = next(self.segment.parameters()).dtype
         self.optimizer = self.make_optimizer(self.segment.parameters())
+        self.grad_clip = NormClip(cfg.grad_clip_factor, cfg.grad_clip_window, cfg.grad_clip_warmup,
+                                  cfg.max_grad_norm)  # the bound of a step on shared state (gradclip.py)
         self.lock = threading.RLock()
         self.ledger = StepLedger()
         self.training = Training(self)
@@ -151,6 +154,7 @@ class SegmentRuntime:
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
+            self.grad_clip.restore(counters.get("grad_clip", {}))
             self.ledger.account = self.memory
             self.ledger.hold_all()
             self.federation.restore(counters.get("federation", {}),
@@ -275,16 +279,12 @@ class SegmentRuntime:
         members = getattr(self.federation.round, "members", {})
         return self.preemptor.active([self.segment, *(r.segment for r in members.values())])
 
-    def drop_pending(self, client_id: str, release: bool = True, taken_over: bool = False) -> None:
-        """A step left unfinished for over the lease timeout (its client vanished), or
-        ``taken_over`` by a new run of the same client id, is dropped: gradients freed, lease
-        given back; the client's late piece gets 409 and redoes it."""
+    def drop_pending(self, client_id: str, release: bool = True) -> None:
+        """A step left unfinished for over the lease timeout (its client vanished) is dropped:
+        gradients freed, lease given back; the client's late piece gets 409 and redoes it."""
         with self.lock:
-            if taken_over:
-                log.warning("client %s started again: the step its last run left unfinished is dropped", client_id)
-            else:
-                log.warning("client %s left a step unfinished for over %gs: it is dropped",
-                            client_id, self.cfg.lease_timeout_s)
+            log.warning("client %s left a step unfinished for over %gs: it is dropped",
+                        client_id, self.cfg.lease_timeout_s)
             pend = self.ledger.pending(client_id)
             if pend is not None:
                 pend.state.rep.optimizer.zero_grad(set_to_none=True)
@@ -425,7 +425,8 @@ class SegmentRuntime:
                 log.info("checkpoint deferred: splitfed round %d is open", self.federation.round.number)
                 return None
             t = time.perf_counter()
-            counters = {**self.ledger.to_counters(), "federation": self.federation.counters()}
+            counters = {**self.ledger.to_counters(), "federation": self.federation.counters(),
+                        "grad_clip": self.grad_clip.state()}
             shared = self.federation.client_weights
             extra = {"federation": shared} if shared is not None else {}
             if self.adapters is not None:  # LoRA: every adapter + optimizer, in this generation

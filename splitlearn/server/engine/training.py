@@ -115,17 +115,8 @@ class Training:
             rt.lease.acquire(meta.client_id, meta.step)
         rep.optimizer.zero_grad(set_to_none=True)
         st = StepInFlight(rep, leased)
-        rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, time.monotonic(), meta.run))
+        rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, time.monotonic()))
         return st
-
-    def _take_over(self, meta: P.StepMeta) -> None:
-        """A piece of a new run of this client id (its ``run`` is not the pending step's: the
-        process that opened that step died between a forward and the apply): that step is dropped
-        now, its lease given back, instead of after the lease timeout, and the new run's step
-        starts afresh at the same number (never answered from the dead run's pieces)."""
-        pend = self.rt.ledger.pending(meta.client_id)
-        if pend is not None and other_run(pend, meta.run):
-            self.rt.drop_pending(meta.client_id, taken_over=True)
 
     def _admit(self, key: str) -> None:
         """A tenant's fair share: at most ``max_clients_per_tenant`` client ids and
@@ -196,7 +187,6 @@ class Training:
         """2-way, a fused piece: loss of the top on ``hidden``, backpropagated from ``loss_scale``
         (the gradient of its loss); gradients accumulated until the apply."""
         rt = self.rt
-        self._take_over(meta)
         applied = self.carried(meta)
         replay = rt.ledger.replay(meta.client_id, meta.step, meta.micro)
         if replay is not None:
@@ -229,7 +219,6 @@ class Training:
         """U-shape: trunk output for ``hidden``; the graph waits for the backward. 2-way
         (``labels`` given): the top's loss; the graph waits for its scalar gradient."""
         rt = self.rt
-        self._take_over(meta)
         applied = self.carried(meta)
         pend = rt.ledger.pending(meta.client_id, meta.step)
         if pend is not None and meta.micro in pend.state.forwards:
@@ -278,9 +267,6 @@ class Training:
         if replay is not None:
             return replay
         pend = rt.ledger.pending(meta.client_id, meta.step)
-        if pend is not None and other_run(pend, meta.run):
-            raise Conflict(f"step {meta.step} of client {client_of(meta.client_id)!r} was taken over by a newer "
-                           f"run of that client id: this run's pieces of it are gone")
         if pend is None or meta.micro not in pend.state.forwards:
             raise Conflict(f"no forward pending for step {meta.step} (micro-batch {meta.micro}) of client "
                            f"{client_of(meta.client_id)!r} (never sent, or dropped after "
@@ -324,11 +310,6 @@ class Training:
             return done
         pend = rt.ledger.pending(key, req.step)
         meta = P.StepMeta(key, req.step)
-        if pend is not None and other_run(pend, req.run):  # a newer run's step: not this run's to touch
-            if req.discard:
-                return Answer({}, {"client_id": req.client_id, "step": str(req.step), "discarded": "1"})
-            raise Conflict(f"step {req.step} of client {req.client_id!r} was taken over by a newer run of "
-                           f"that client id: nothing was applied")
         if req.discard:
             if pend is not None:
                 self.abort(meta, pend.state)
@@ -347,9 +328,8 @@ class Training:
             params = [p for p in st.rep.segment.parameters() if p.grad is not None]
             if req.clip < 1.0 and params:
                 torch._foreach_mul_([p.grad for p in params], req.clip)
-            norm = guard.grad_norm(params)
-            if rt.cfg.max_grad_norm is not None and norm > rt.cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, rt.cfg.max_grad_norm)
+            # state shared between tenants: the norm clipped to a bound from the steps before (gradclip.py)
+            clipped = rt.grad_clip.clip(params, guard.grad_norm(params), shared=st.leased)
             saved = [g["lr"] for g in opt.param_groups]
             # state shared between tenants (the segment in shared/sequential mode, a turn's adapter)
             # steps at most at the server's own lr; the client's lr rules only its own copy/adapter
@@ -371,19 +351,18 @@ class Training:
             self.abort(meta, st)
             raise
         if st.leased:
+            rt.grad_clip.applied(clipped)
             rt.lease.release(key)
         answer = Answer({}, {"client_id": req.client_id, "step": str(req.step), APPLIED: "1",
-                             "pieces": str(req.pieces), "lr": repr(lr), "grad_norm": repr(norm)})
+                             "pieces": str(req.pieces), "lr": repr(lr), "grad_norm": repr(clipped.norm),
+                             "clipped": "1" if clipped.clipped else "0"})
+        if clipped.bound is not None:
+            answer.meta["clip_norm"] = repr(clipped.bound)
         forwards = {i: f[2] for i, f in st.forwards.items()}
         release(st, rt.memory)  # the ledger keeps digests of the pieces' answers
         rt.federation.trained(key, sum(st.tokens.values()))
         rt.applied(meta, answer, st.answers, forwards)
         return answer
-
-
-def other_run(pend, run: Optional[str]) -> bool:
-    """Is the pending step ``pend`` another run's than ``run`` (both named)?"""
-    return run is not None and pend.run is not None and pend.run != run
 
 
 def apply_json(answer: Answer) -> dict:
@@ -392,9 +371,9 @@ def apply_json(answer: Answer) -> dict:
     for k, v in answer.meta.items():
         if k in ("step", "pieces", "durable"):
             out[k] = int(v)
-        elif k in ("lr", "grad_norm"):
+        elif k in ("lr", "grad_norm", "clip_norm"):
             out[k] = float(v)
-        elif k in ("applied", "discarded"):
+        elif k in ("applied", "discarded", "clipped"):
             out[k] = v == "1"
         elif k == "client_id":
             out[k] = v
