@@ -39,6 +39,10 @@ class BenchContext:
                                               seed=self.cfg.seed)
         return self._models[source]
 
+    def drop_models(self) -> None:
+        """Forget the cached unsplit models (their memory goes once nothing else holds them)."""
+        self._models.clear()
+
     def fresh_model(self, source: Optional[str] = None) -> GPT2LMHeadModel:
         """A new copy with the initial weights (for runs that compare weights or losses)."""
         return load_model(source or self.cfg.model, dtype=self.cfg.dtype, device=self.cfg.device,
