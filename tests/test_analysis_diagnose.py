@@ -70,10 +70,13 @@ def test_diagnose_json_report(server, monkeypatch, capsys):
     assert decode["calls"] == 1 and decode["per_wire_dtype"]["float32"]["bytes_received"] == D * 4
     assert train["advice"].startswith((LATENCY_ADVICE, BANDWIDTH_ADVICE))
     assert decode["advice"].startswith(LATENCY_ADVICE)  # 128 bytes cannot outweigh a call
-    for step in (train, decode):  # the advice names the dtype the table makes fastest
+    for step in (train, decode):  # the advice names the dtype the table makes fastest (float32 within 5%)
         per = step["per_wire_dtype"]
         best = min(per, key=lambda n: per[n]["estimated_ms"])
-        assert per[step["fastest_wire_dtype"]]["estimated_ms"] == pytest.approx(per[best]["estimated_ms"], abs=1e-3)
+        if per[best]["estimated_ms"] > 0.95 * per["float32"]["estimated_ms"]:
+            best = "float32"
+        assert step["fastest_wire_dtype"] == best or per[best]["estimated_ms"] == pytest.approx(
+            per[step["fastest_wire_dtype"]]["estimated_ms"], abs=1e-3)
         assert f"--wire-dtype {step['fastest_wire_dtype']}" in step["advice"]
 
 
@@ -171,3 +174,5 @@ def test_the_advice_follows_the_measured_table():
     free = _codec({"float32": 0.0, "bfloat16": 0.0, "float16": 0.0, "int8": 0.0})
     latency = estimate(step_traffic(info, 1, 1, "decode"), 20.0, 1000.0, free, "decode_step")
     assert latency["bound"] == "latency" and latency["advice"].startswith(LATENCY_ADVICE)
+    # a decode step's few bytes: bfloat16 a hair faster is no reason to leave the exact float32
+    assert latency["fastest_wire_dtype"] == "float32" and "no smaller dtype saves 5%" in latency["advice"]

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 KIB, MIB = 1 << 10, 1 << 20
 LATENCY_ADVICE = "latency-bound: fewer round trips or larger batches"
-BANDWIDTH_ADVICE = "bandwidth-bound: fewer bytes per step pay"
+BANDWIDTH_ADVICE = "bandwidth-bound: the bytes cost more than the calls"
+LOSSY_GAIN = 0.95  # a lossy wire dtype is advised where its step takes at most this share of float32's
 
 
 @dataclass
@@ -168,8 +169,10 @@ def estimate(step: dict, overhead_ms: float, mbps: float, codec: dict, kind: str
 
 
 def fastest(per: dict) -> str:
-    """The wire dtype whose estimated link time is the least (float32 where they tie)."""
-    return min(per, key=lambda name: (round(per[name]["estimated_ms"], 3), name != "float32"))
+    """The wire dtype whose estimated link time is the least; float32 (exact) unless a lossy one
+    takes at most :data:`LOSSY_GAIN` of its time."""
+    best = min(per, key=lambda name: (round(per[name]["estimated_ms"], 3), name != "float32"))
+    return best if per[best]["estimated_ms"] <= LOSSY_GAIN * per["float32"]["estimated_ms"] else "float32"
 
 
 def dtype_advice(per: dict, best: str) -> str:
@@ -177,9 +180,12 @@ def dtype_advice(per: dict, best: str) -> str:
     saves against what its cast (int8: its quantisation) costs on this machine."""
     f32 = per["float32"]
     if best == "float32":
-        others = ", ".join(f"{n} {e['estimated_ms']:.1f} ms" for n, e in per.items() if n != "float32")
-        return (f"keep --wire-dtype float32 ({f32['estimated_ms']:.1f} ms; {others}): on this machine the cast "
-                f"to a smaller dtype costs more than the bytes it saves")
+        others = {n: e for n, e in per.items() if n != "float32"}
+        listed = ", ".join(f"{n} {e['estimated_ms']:.1f} ms" for n, e in others.items())
+        text = f"keep --wire-dtype float32 (exact, {f32['estimated_ms']:.1f} ms; {listed})"
+        if all(e["codec_ms"] - f32["codec_ms"] > f32["transfer_ms"] - e["transfer_ms"] for e in others.values()):
+            return text + ": on this machine the cast to a smaller dtype costs more than the bytes it saves"
+        return text + f": no smaller dtype saves {100 * (1 - LOSSY_GAIN):.0f}% of the step"
     b = per[best]
     return (f"--wire-dtype {best} is the fastest here ({b['estimated_ms']:.1f} ms against float32's "
             f"{f32['estimated_ms']:.1f} ms: {f32['transfer_ms'] - b['transfer_ms']:.1f} ms fewer on the link "
