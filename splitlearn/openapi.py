@@ -82,7 +82,9 @@ def apply_schema() -> dict:
              "pieces": {"type": "integer", "minimum": 0, "maximum": P.MAX_PIECES},
              "lr": {"type": "number", "minimum": 0, "maximum": P.MAX_LR},
              "clip": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-             "discard": {"type": "boolean"}}
+             "discard": {"type": "boolean"},
+             "run": {"type": "string", "pattern": "^" + P._RUN.pattern + "$",
+                     "description": "the client process's run (metadata run): another run's step is not touched"}}
     assert tuple(props) == P.ApplyRequest.FIELDS, "ApplyRequest.FIELDS changed: describe the new fields"
     return {"type": "object", "properties": props, "required": ["client_id", "step"],
             "additionalProperties": False,

@@ -84,6 +84,14 @@ HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask",
 REORDER = "reorder"  # session step: I64 (R,) rows of the session's cache to keep, in order (index_select)
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: `$` would accept a trailing "\n"
+_RUN = re.compile(r"[A-Za-z0-9]{1,32}")  # a client process's run of a client id (StepMeta.run)
+
+
+def check_run(run) -> Optional[str]:
+    """A request's ``run`` (None: absent), or 400."""
+    if run is not None and not (isinstance(run, str) and _RUN.fullmatch(run)):
+        raise BadRequest(f"'run' must be 1-32 characters of [A-Za-z0-9], got {run!r}")
+    return run
 
 
 def _int_field(meta: dict, key: str, minimum: int = 0) -> int:
@@ -110,6 +118,9 @@ class StepMeta:
     micro: int = 0  # which piece of the (open-ended) step this request carries (0-based)
     loss_scale: float = 1.0  # a fused 2-way piece (TRAIN_STEP): the gradient the client's loss sends into its loss
     apply: Optional["ApplyRequest"] = None  # the previous step's apply, carried (metadata "apply": its JSON body)
+    # which run of the client id sent it (a random name per client process): a pending step of
+    # another run (a process that died mid-step) is dropped, not answered from, by a new one
+    run: Optional[str] = None
 
     def to_meta(self) -> dict[str, str]:
         # the server scopes client_id as "<tenant>:<id>"; the wire carries the id alone
@@ -118,6 +129,8 @@ class StepMeta:
         if self.fed_version is not None:
             meta["fed_version"] = str(self.fed_version)
         meta.update(micro=str(self.micro), micros="0", loss_scale=repr(self.loss_scale))
+        if self.run is not None:
+            meta["run"] = self.run
         return meta
 
     @classmethod
@@ -142,7 +155,7 @@ class StepMeta:
         step = _int_field(meta, "step", 1)
         carried = carried_apply(meta["apply"], client_id, step) if "apply" in meta else None
         return cls(client_id, step, check_wire_dtype(meta.get("wire_dtype", "float32")),
-                   version, micro, scale, carried)
+                   version, micro, scale, carried, check_run(meta.get("run")))
 
 
 MAX_APPLY_CHARS = 512  # the JSON of a carried apply ({client_id, step, pieces, lr, clip}: ~120 characters)
@@ -202,7 +215,9 @@ class ApplyRequest:
     one, 0 <= lr <= MAX_LR; on state shared between tenants, the segment in ``shared`` and
     ``sequential`` modes, the server applies at most its own ``--lr``); ``clip``: a factor in (0, 1] the gradients are multiplied by first
     (a global-norm clip computed by the client); ``discard``: drop the step's gradients instead
-    (``zero_grad`` before a step), nothing is applied and the step number stays free.
+    (``zero_grad`` before a step), nothing is applied and the step number stays free; ``run``:
+    the run that sent it (:attr:`StepMeta.run`): a step another run holds is neither applied (409)
+    nor discarded.
     """
 
     client_id: str
@@ -211,8 +226,9 @@ class ApplyRequest:
     lr: Optional[float] = None
     clip: float = 1.0
     discard: bool = False
+    run: Optional[str] = None
 
-    FIELDS = ("client_id", "step", "pieces", "lr", "clip", "discard")
+    FIELDS = ("client_id", "step", "pieces", "lr", "clip", "discard", "run")
 
     def to_json(self) -> dict:
         out = {"client_id": self.client_id, "step": self.step, "pieces": self.pieces}
@@ -222,6 +238,8 @@ class ApplyRequest:
             out["clip"] = self.clip
         if self.discard:
             out["discard"] = True
+        if self.run is not None:
+            out["run"] = self.run
         return out
 
     @classmethod
@@ -251,7 +269,7 @@ class ApplyRequest:
         clip = _number(payload, "clip") if "clip" in payload else 1.0
         if not 0.0 < clip <= 1.0:
             raise BadRequest(f"'clip' must be in (0, 1], got {clip}")
-        return cls(cid, ints["step"], ints["pieces"], lr, clip, discard)
+        return cls(cid, ints["step"], ints["pieces"], lr, clip, discard, check_run(payload.get("run")))
 
 
 @dataclass(frozen=True)

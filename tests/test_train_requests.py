@@ -200,7 +200,7 @@ def test_a_deferred_apply_stuck_on_a_dead_server_does_not_hold_up_another_segmen
     import threading
     import time
 
-    from splitlearn.hf.remote import _IdleFlusher
+    from splitlearn.hf.applies import IdleFlusher
 
     release, sent = threading.Event(), {}
 
@@ -213,7 +213,7 @@ def test_a_deferred_apply_stuck_on_a_dead_server_does_not_hold_up_another_segmen
                 release.wait(30)  # the dead server's reconnect window
             sent[req] = time.monotonic()
 
-    flusher, stuck, other = _IdleFlusher(), Segment(True, "stuck's apply"), Segment(False, "other's apply")
+    flusher, stuck, other = IdleFlusher(), Segment(True, "stuck's apply"), Segment(False, "other's apply")
     try:
         t0 = time.monotonic()
         flusher.schedule(stuck, "stuck's apply", 0.0)

@@ -134,6 +134,7 @@ def export_adapter(model, directory, base_model=None):
     if spec is None:
         raise ConfigError("export_adapter needs a LoRA model (lora=peft.LoraConfig(...))")
     remote = model.transformer.remote
+    remote.flush()  # the last step's apply: the server's adapter holds it
     client, server = adapter_tensors(model), fetch_server_adapter(remote.transport, remote.client_id)
     overlap = set(client) & set(server)
     if overlap:

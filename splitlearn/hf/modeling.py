@@ -374,6 +374,12 @@ class SplitMixin:
         remote = self.transformer.remote
         return None if remote is None else remote.flush()
 
+    def save_pretrained(self, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` of the client's side, the last optimizer step's
+        apply sent first (:meth:`flush`): what is saved and what the server holds are one step."""
+        self.flush()
+        return super().save_pretrained(*args, **kwargs)
+
     @property
     def loss_gradient(self):
         """The gradient ``loss.backward()`` will send into this model's loss, when known in

@@ -27,7 +27,10 @@ loss will receive is known in advance (:attr:`RemoteSegment.loss_gradient`: ``Sp
 backward at once, the gradient sent as ``loss_scale``) and the pipeline runs 1F1B
 (:mod:`splitlearn.hf.pipeline`). The deferred apply goes as a request of its own before a sync,
 a checkpoint of the client, an evaluation or a generation, ``close()``: whatever needs the
-server's weights to hold the step.
+server's weights to hold the step; and when the process idles, exits, or drops the model
+(:mod:`splitlearn.hf.applies`), so the server always holds exactly the client's steps. Every
+request names this process's ``run``: a new run of the client id takes over a step a dead one
+left pending (docs/PROTOCOL.md).
 
 Tensor bodies are safetensors (``wire_dtype`` as chosen; the 2-way scalar gradient is always
 F32), never pickle. A retry (a dropped connection) repeats the same numbers and gets the
@@ -59,14 +62,12 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import heapq
 import os
-import threading
 import time
 import uuid
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -80,52 +81,10 @@ from ..errors import (ConfigError, Conflict, IntegrityError, NotYourTurn, Servic
 from .. import trust
 from ..trust import Pins
 from ..wire import check_wire_dtype, pack
+from .applies import IDLE, LAST_CALL_S, Outbox, bounded, last_call
 from .journal import Redo, RequestLog, Sent, digest
 
 log = logging.getLogger(__name__)
-
-
-class _IdleFlusher:
-    """Sends a deferred apply that waited ``idle_s`` for the next step's forward to carry it.
-
-    A shared segment's lease is held from a step's first piece to its apply; a server drops a
-    step whose lease expired (``--lease-timeout``) while another client waited. A client that
-    idles between steps (a notebook, a slow data loader) would lose its step that way, so a
-    deferred apply is sent on its own after ``RemoteConfig.apply_wait_s`` (0.1 s; at most a third
-    of the lease timeout), so another owner waiting for the segment is not held up by an idle
-    one. One daemon thread for the process keeps the times; it holds the segments weakly, and
-    sends each apply from a thread of its own: a flush that waits out a dead server's
-    reconnect window must not hold up another segment's (whose lease would lapse meanwhile).
-    """
-
-    def __init__(self):
-        self._due: list = []  # heap of (time due, sequence number, weakref to the segment, the apply)
-        self._seq = 0
-        self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-
-    def schedule(self, segment: "RemoteSegment", req, idle_s: float) -> None:
-        with self._cond:
-            self._seq += 1
-            heapq.heappush(self._due, (time.monotonic() + idle_s, self._seq, weakref.ref(segment), req))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="splitlearn-idle-apply", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._due or self._due[0][0] > time.monotonic():
-                    self._cond.wait(None if not self._due else self._due[0][0] - time.monotonic())
-                _, _, ref, req = heapq.heappop(self._due)
-            segment = ref()
-            if segment is not None and segment.deferred is req:  # (not carried meanwhile: no thread)
-                threading.Thread(target=segment._idle_flush, args=(req,), name="splitlearn-idle-apply-send",
-                                 daemon=True).start()
-
-
-_IDLE = _IdleFlusher()
 
 
 @dataclass
@@ -255,12 +214,9 @@ class RemoteSegment(nn.Module):
         self._optimizer_ref = None  # attach_optimizer: only this one triggers the apply
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self.defense = None  # a splitlearn.privacy.Defense on what crosses the cut (the model's .defense)
-        self._carry = threading.RLock()  # the deferred apply: carried by a forward, or sent when idle
-        self._carrying = False  # a forward carries the deferred apply (the idle flush leaves it)
         lease = (self.info.get("limits") or {}).get("lease_timeout_s")
         self.idle_flush_s = (min(float(lease) / 3, self.cfg.apply_wait_s)
                              if isinstance(lease, (int, float)) and lease > 0 else self.cfg.apply_wait_s)
-        self.deferred: Optional[P.ApplyRequest] = None  # the last step's apply, carried by the next step's first forwards
         self.carry_apply = True  # False: every apply is a POST /v1/train/apply of its own
         self.auto_apply = True  # False: the owner calls apply() itself (SplitClient); no optimizer hook applies
         self.loss_gradient: Optional[float] = None  # the gradient the loss will receive, when known: fused 2-way pieces, 1F1B
@@ -278,6 +234,30 @@ class RemoteSegment(nn.Module):
         self._hooked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its step hook
         self._proxy_grad: Optional[torch.Tensor] = None  # the .grad tensor the last backward gave the proxy
         self._proxy_version: Optional[int] = None  # the proxy's version counter then
+        # this process's run of the client id: a new run takes over a step a dead one left (StepMeta.run)
+        self.run = uuid.uuid4().hex[:16]
+        # the deferred apply (self.deferred) and its last call: sent at exit and when this segment is collected
+        self.outbox = Outbox(self.transport, self.log)
+        self._carry = self.outbox.lock  # a forward carrying the deferred apply, a flush, the idle flush
+        # (detach() it to drop this segment without its last call: a test standing in for kill -9)
+        self.last_call = weakref.finalize(self, last_call, weakref.ref(self), self.outbox)
+
+    @property
+    def deferred(self) -> Optional[P.ApplyRequest]:
+        """The last step's apply, carried by the next step's first forwards (or sent alone)."""
+        return self.outbox.req
+
+    @deferred.setter
+    def deferred(self, req: Optional[P.ApplyRequest]) -> None:
+        self.outbox.req = req
+
+    @property
+    def _carrying(self) -> bool:  # a forward carries the deferred apply (the idle flush leaves it)
+        return self.outbox.carrying
+
+    @_carrying.setter
+    def _carrying(self, value: bool) -> None:
+        self.outbox.carrying = value
 
     def fed_transport(self):
         """The separate fed server's connection (``cfg.fed_url``), or None. Its token is its own:
@@ -308,15 +288,36 @@ class RemoteSegment(nn.Module):
         return self.transport.stats
 
     def close(self) -> None:
-        """Drop whatever this client has pending on the server (a forward with gradients on that
-        was never backpropagated holds a shared segment until the lease timeout), then hang up."""
+        """Send the last step's apply (and a late optimizer's step), drop whatever else this
+        client has pending on the server (a forward with gradients on that was never
+        backpropagated holds a shared segment until the lease timeout), then hang up."""
         try:
+            self.notice_zero_grad()
             self.flush()
             self.discard_pending(force=True)
         finally:
             self.transport.close()
             if self.fed is not None:
                 self.fed.close()
+
+    def settle(self) -> None:
+        """The last call before the process ends (this segment's finalizer, :mod:`.applies`):
+        :meth:`close` with every request bounded (:data:`~.applies.LAST_CALL_S`, no retry, no
+        long wait for a crashed server), so the server holds exactly the steps the client's
+        optimizer made. Nothing pending: nothing is sent."""
+        if self.deferred is None and not self.pieces and not self.answered:
+            return
+        if not self._carry.acquire(timeout=LAST_CALL_S):  # the idle flusher is sending it, and waits
+            log.warning("the last step's apply is still being sent to %s at exit", self.cfg.server)
+            return
+        try:
+            bounded(self.transport)
+            self.cfg = replace(self.cfg, wait_timeout_s=min(self.cfg.wait_timeout_s, LAST_CALL_S),
+                               reconnect_timeout_s=min(self.cfg.reconnect_timeout_s, LAST_CALL_S))
+            self.carry_apply = False  # a late optimizer's step goes now (no thread at exit)
+            self.close()
+        finally:
+            self._carry.release()
 
     def bind(self, model: nn.Module) -> None:
         """The model this segment belongs to: an optimizer over any of its parameters applies."""
@@ -352,7 +353,7 @@ class RemoteSegment(nn.Module):
         """A piece's metadata; a forward of the step after a deferred apply carries it (``apply``);
         a fused 2-way piece (``scale``: the gradient its loss will receive) sends it as ``loss_scale``."""
         meta = P.StepMeta(self.client_id, step, self.cfg.wire_dtype, self._fed_version, micro=micro,
-                          loss_scale=1.0 if scale is None else scale).to_meta()
+                          loss_scale=1.0 if scale is None else scale, run=self.run).to_meta()
         with self._carry:
             d = self.deferred
             if kind == "f" and d is not None and d.step == step - 1:
@@ -948,13 +949,13 @@ class RemoteSegment(nn.Module):
         answer is :attr:`last_apply` once it came), else ``POST /v1/train/apply`` now (returns the
         server's answer). A step the journal answers (:meth:`resume`) is applied at once."""
         self.flush()
-        req = P.ApplyRequest(self.client_id, self.step, self.answered, float(lr), self.clip_factor())
+        req = P.ApplyRequest(self.client_id, self.step, self.answered, float(lr), self.clip_factor(), run=self.run)
         self.applies += 1
         if self.carry_apply and not self._apply_now and self.step not in self._redo:
             with self._carry:
                 self.deferred, self._carrying = req, False
             if self.idle_flush_s:
-                _IDLE.schedule(self, req, self.idle_flush_s)
+                IDLE.schedule(self, req, self.idle_flush_s)
             self._next_step()
             return None
         _, answer = self._train_call(self.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
@@ -1004,7 +1005,7 @@ class RemoteSegment(nn.Module):
         keeps its forward) unless ``force``."""
         if self.answered == 0 and not (force and self.pieces) or self.step in self._redo:
             return
-        req = P.ApplyRequest(self.client_id, self.step, discard=True)
+        req = P.ApplyRequest(self.client_id, self.step, discard=True, run=self.run)
         self.transport.post_json(P.TRAIN_APPLY, req.to_json())
         self.log.drop(self.step)
         self.pieces = self.answered = self._norm_pieces = self._forwards_ok = 0

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ...errors import ServiceUnavailable
-from .tenants import tenant_of
+from .tenants import client_of, tenant_of
 
 MAX_LAPSES = 16  # the demotion stops doubling here (timeout_s * 65536)
 
@@ -116,9 +116,8 @@ class StepLease:
                 if left > 0:
                     h.contended |= (tenant_of(h.client_id) or h.client_id) != (tenant_of(client_id) or client_id)
                     self._wait(client_id, now)
-                    raise ServiceUnavailable(
-                        f"the segment is busy with another client's step (at most {left:.1f}s "
-                        f"more); retry", retry_after=min(1.0, left))
+                    raise ServiceUnavailable(f"{self.busy_with(h, client_id, now)} (at most {left:.1f}s more); "
+                                             f"retry", retry_after=min(1.0, left))
                 self.expired += 1
                 if (tenant_of(h.client_id) or h.client_id) != (tenant_of(client_id) or client_id):
                     self._lapse(h.client_id, now)
@@ -138,6 +137,17 @@ class StepLease:
             self.holder = Holder(client_id, step, now)
             self.seen[client_id] = now
             self.used[tenant_of(client_id) or client_id] = now
+
+    def busy_with(self, h: Holder, client_id: str, now: float) -> str:
+        """Who holds the lease and since when, as ``client_id`` may learn it: a client id of its
+        own tenant by name (with how to take over a step its dead process left), another
+        tenant's not at all (docs/SECURITY.md: the wire never shows another tenant's ids)."""
+        held = now - h.since
+        if tenant_of(h.client_id) != tenant_of(client_id):
+            return f"the segment is busy with another tenant's step, held for {held:.1f}s"
+        return (f"the segment is busy with step {h.step} of client {client_of(h.client_id)!r} of this tenant, "
+                f"held for {held:.1f}s (a run that died mid-step holds it until the lease timeout, "
+                f"{self.timeout_s:g}s; a new run with that client_id takes its step over at once)")
 
     def _wait(self, client_id: str, now: float) -> None:
         self.seen[client_id] = now

@@ -117,6 +117,7 @@ class Pending:
     step: int
     state: Any  # what the rest of the step needs (the runtime's graphs, the pieces' answers)
     since: float = 0.0  # time.monotonic() of the step's first request
+    run: Optional[str] = None  # the client process's run that opened it (StepMeta.run)
 
 
 @dataclass

@@ -279,12 +279,16 @@ class SegmentRuntime:
         members = getattr(self.federation.round, "members", {})
         return self.preemptor.active([self.segment, *(r.segment for r in members.values())])
 
-    def drop_pending(self, client_id: str, release: bool = True) -> None:
-        """A step left unfinished for over the lease timeout (its client vanished) is dropped:
-        gradients freed, lease given back; the client's late piece gets 409 and redoes it."""
+    def drop_pending(self, client_id: str, release: bool = True, taken_over: bool = False) -> None:
+        """A step left unfinished for over the lease timeout (its client vanished), or
+        ``taken_over`` by a new run of the same client id, is dropped: gradients freed, lease
+        given back; the client's late piece gets 409 and redoes it."""
         with self.lock:
-            log.warning("client %s left a step unfinished for over %gs: it is dropped",
-                        client_id, self.cfg.lease_timeout_s)
+            if taken_over:
+                log.warning("client %s started again: the step its last run left unfinished is dropped", client_id)
+            else:
+                log.warning("client %s left a step unfinished for over %gs: it is dropped",
+                            client_id, self.cfg.lease_timeout_s)
             pend = self.ledger.pending(client_id)
             if pend is not None:
                 pend.state.rep.optimizer.zero_grad(set_to_none=True)

@@ -115,8 +115,17 @@ class Training:
             rt.lease.acquire(meta.client_id, meta.step)
         rep.optimizer.zero_grad(set_to_none=True)
         st = StepInFlight(rep, leased)
-        rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, time.monotonic()))
+        rt.ledger.set_pending(meta.client_id, Pending(meta.step, st, time.monotonic(), meta.run))
         return st
+
+    def _take_over(self, meta: P.StepMeta) -> None:
+        """A piece of a new run of this client id (its ``run`` is not the pending step's: the
+        process that opened that step died between a forward and the apply): that step is dropped
+        now, its lease given back, instead of after the lease timeout, and the new run's step
+        starts afresh at the same number (never answered from the dead run's pieces)."""
+        pend = self.rt.ledger.pending(meta.client_id)
+        if pend is not None and other_run(pend, meta.run):
+            self.rt.drop_pending(meta.client_id, taken_over=True)
 
     def _admit(self, key: str) -> None:
         """A tenant's fair share: at most ``max_clients_per_tenant`` client ids and
@@ -187,6 +196,7 @@ class Training:
         """2-way, a fused piece: loss of the top on ``hidden``, backpropagated from ``loss_scale``
         (the gradient of its loss); gradients accumulated until the apply."""
         rt = self.rt
+        self._take_over(meta)
         applied = self.carried(meta)
         replay = rt.ledger.replay(meta.client_id, meta.step, meta.micro)
         if replay is not None:
@@ -219,6 +229,7 @@ class Training:
         """U-shape: trunk output for ``hidden``; the graph waits for the backward. 2-way
         (``labels`` given): the top's loss; the graph waits for its scalar gradient."""
         rt = self.rt
+        self._take_over(meta)
         applied = self.carried(meta)
         pend = rt.ledger.pending(meta.client_id, meta.step)
         if pend is not None and meta.micro in pend.state.forwards:
@@ -267,6 +278,9 @@ class Training:
         if replay is not None:
             return replay
         pend = rt.ledger.pending(meta.client_id, meta.step)
+        if pend is not None and other_run(pend, meta.run):
+            raise Conflict(f"step {meta.step} of client {client_of(meta.client_id)!r} was taken over by a newer "
+                           f"run of that client id: this run's pieces of it are gone")
         if pend is None or meta.micro not in pend.state.forwards:
             raise Conflict(f"no forward pending for step {meta.step} (micro-batch {meta.micro}) of client "
                            f"{client_of(meta.client_id)!r} (never sent, or dropped after "
@@ -310,6 +324,11 @@ class Training:
             return done
         pend = rt.ledger.pending(key, req.step)
         meta = P.StepMeta(key, req.step)
+        if pend is not None and other_run(pend, req.run):  # a newer run's step: not this run's to touch
+            if req.discard:
+                return Answer({}, {"client_id": req.client_id, "step": str(req.step), "discarded": "1"})
+            raise Conflict(f"step {req.step} of client {req.client_id!r} was taken over by a newer run of "
+                           f"that client id: nothing was applied")
         if req.discard:
             if pend is not None:
                 self.abort(meta, pend.state)
@@ -363,6 +382,11 @@ class Training:
         rt.federation.trained(key, sum(st.tokens.values()))
         rt.applied(meta, answer, st.answers, forwards)
         return answer
+
+
+def other_run(pend, run: Optional[str]) -> bool:
+    """Is the pending step ``pend`` another run's than ``run`` (both named)?"""
+    return run is not None and pend.run is not None and pend.run != run
 
 
 def apply_json(answer: Answer) -> dict:

@@ -1,0 +1,142 @@
+"""Where a step's deferred apply waits, and what sends it, so that no step is lost.
+
+The apply of a training step (the client's ``optimizer.step()``, :meth:`RemoteSegment.apply
+<splitlearn.hf.remote.RemoteSegment.apply>`) rides on the next step's first forward. When no
+next step comes soon, it is sent on its own:
+
+==============================================  ===========================================
+when                                            who sends it
+==============================================  ===========================================
+the process idles ``apply_wait_s`` (0.1 s)      :class:`IdleFlusher` (one daemon thread)
+something needs the server to hold the step     ``flush()``: a sync, an evaluation, a
+                                                generation, ``save_pretrained``,
+                                                ``export_adapter``, a checkpoint, ``close()``
+the interpreter exits                           the segment's finalizer (:func:`last_call`,
+                                                ``weakref.finalize`` runs it at exit)
+the model is garbage collected                  the same finalizer, with the segment gone:
+                                                :meth:`Outbox.send_alone`
+==============================================  ===========================================
+
+The idle flusher is a daemon thread: it dies with the process, so before the finalizer a
+script that simply ended after its last ``optimizer.step()`` left that step on the client alone
+(issue 41: a 3-step loop moved the server twice). At exit the finalizer also drops the pieces of
+a step the client never stepped (its forwards hold a shared segment's lease otherwise). Both
+last calls are bounded (:data:`LAST_CALL_S`), never raise, and log a warning when the server
+cannot be reached: the step is then the journal's to replay (docs/RECOVERY.md).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+import weakref
+from dataclasses import replace
+from typing import Optional
+
+from .. import protocol as P
+from .journal import RequestLog, Sent
+
+log = logging.getLogger(__name__)
+
+LAST_CALL_S = 5.0  # seconds a last call may wait for an answer, or for a crashed server to come back
+_UNREACHABLE: set = set()  # servers a last call at exit found gone: the other segments' do not wait for them
+
+
+class Outbox:
+    """A segment's deferred apply, and what sending it alone needs without the segment (the
+    connection, the request log): its finalizer holds this, not the segment."""
+
+    def __init__(self, transport, requests: RequestLog):
+        self.lock = threading.RLock()  # a carrying forward, a flush and the idle flusher take it
+        self.req: Optional[P.ApplyRequest] = None  # the last step's apply, not yet answered
+        self.carrying = False  # a forward carries req (the idle flush leaves it)
+        self.transport, self.requests = transport, requests
+
+    def send_alone(self) -> None:
+        """The segment was garbage collected with ``req`` deferred: send it as one bounded
+        request (:func:`bounded`) and log it in the journal as a flush would."""
+        with self.lock:
+            req, self.req = self.req, None
+            if req is None:
+                return
+            bounded(self.transport)
+            answer = self.transport.post_json(P.TRAIN_APPLY, req.to_json())
+            self.requests.record(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()), answer)
+            log.info("step %d of client %s applied as its model was dropped", req.step, req.client_id)
+
+
+def bounded(transport) -> None:
+    """A connection whose requests wait at most :data:`LAST_CALL_S`, without retries (a last call)."""
+    c = transport.cfg
+    transport.cfg = replace(c, connect_timeout_s=min(c.connect_timeout_s, LAST_CALL_S),
+                            read_timeout_s=min(c.read_timeout_s, LAST_CALL_S), retries=0)
+
+
+def last_call(segment_ref, outbox: Outbox) -> None:
+    """The segment's finalizer: at interpreter exit (the segment alive) its
+    :meth:`~splitlearn.hf.remote.RemoteSegment.settle`; after it was garbage collected, its
+    deferred apply alone. Bounded; a failure is a warning, never an exception at exit."""
+    from ..errors import SplitLearnError, TransportError
+
+    segment = segment_ref()  # alive: the interpreter is exiting
+    server = outbox.transport.cfg.url
+    if segment is not None and server in _UNREACHABLE:
+        if outbox.req is not None:
+            log.warning("the apply of step %d was not sent: %s did not answer a moment ago", outbox.req.step, server)
+        return
+    try:
+        if segment is not None:
+            segment.settle()
+        else:
+            outbox.send_alone()
+    except (SplitLearnError, OSError) as e:
+        if segment is not None and isinstance(e, (TransportError, OSError)):
+            _UNREACHABLE.add(server)
+        log.warning("the last step's apply could not be sent to %s before the end (%s): the server does not "
+                    "hold it (with a journal_dir, resume() replays it)", server, getattr(e, "message", e))
+    except Exception as e:  # noqa: BLE001 - never a traceback at exit, whatever went wrong
+        log.warning("the last call to %s failed: %r", server, e)
+
+
+class IdleFlusher:
+    """Sends a deferred apply that waited ``idle_s`` for the next step's forward to carry it.
+
+    A shared segment's lease is held from a step's first piece to its apply; a server drops a
+    step whose lease expired (``--lease-timeout``) while another client waited. A client that
+    idles between steps (a notebook, a slow data loader) would lose its step that way, so a
+    deferred apply is sent on its own after ``RemoteConfig.apply_wait_s`` (0.1 s; at most a third
+    of the lease timeout), so another owner waiting for the segment is not held up by an idle
+    one. One daemon thread for the process keeps the times; it holds the segments weakly, and
+    sends each apply from a thread of its own: a flush that waits out a dead server's
+    reconnect window must not hold up another segment's (whose lease would lapse meanwhile).
+    """
+
+    def __init__(self):
+        self._due: list = []  # heap of (time due, sequence number, weakref to the segment, the apply)
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def schedule(self, segment, req, idle_s: float) -> None:
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._due, (time.monotonic() + idle_s, self._seq, weakref.ref(segment), req))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="splitlearn-idle-apply", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._due else self._due[0][0] - time.monotonic())
+                _, _, ref, req = heapq.heappop(self._due)
+            segment = ref()
+            if segment is not None and segment.deferred is req:  # (not carried meanwhile: no thread)
+                threading.Thread(target=segment._idle_flush, args=(req,), name="splitlearn-idle-apply-send",
+                                 daemon=True).start()
+
+
+IDLE = IdleFlusher()
