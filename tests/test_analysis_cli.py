@@ -70,3 +70,25 @@ def test_cuda_run(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["device"]["type"] == "cuda"
     assert all(s["peak_memory_bytes"] > 0 for s in data["segments"])
+
+
+def test_help_imports_no_torch_and_shows_defaults():
+    """``analyze_model_performance --help`` answers without importing torch or transformers."""
+    code = ("import sys\n"
+            "from splitlearn.analysis.cli import parser\n"
+            "text = parser().format_help()\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+            "print(text)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    first, _, text = proc.stdout.partition("\n")
+    assert first == "[]"
+    text = " ".join(text.split())
+    assert "timed runs (default 20)" in text and "compute dtype (default: float32)" in text
+
+
+def test_the_cli_offers_the_wire_dtypes():
+    from splitlearn.analysis.cli import WIRE_DTYPES
+    from splitlearn.wire import WIRE_DTYPE_NAMES
+
+    assert tuple(WIRE_DTYPES) == tuple(WIRE_DTYPE_NAMES)

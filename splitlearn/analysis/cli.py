@@ -9,25 +9,26 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
-
 from ..clihelp import DefaultsHelpFormatter
 from ..errors import SplitLearnError
-from ..wire import WIRE_DTYPE_NAMES
-from . import plots, report
-from .core import AnalysisConfig, analyze_partition, prepare_model
-from .leakage import Meter, PrivacyConfig, annotate_sweep, describe_defense, load_rows
-from .sweep import LinkConfig, sweep_cuts
+
+# torch and the analysis modules are imported by the functions that use them, so that --help
+# answers at once
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # splitlearn.wire.WIRE_DTYPE_NAMES (a test keeps them equal)
 
 log = logging.getLogger(__name__)
 PROG = "analyze_model_performance"
 
 
-def build_report(config: AnalysisConfig, link: Optional[LinkConfig] = None,
-                 do_sweep: bool = False, model: Optional[torch.nn.Module] = None,
-                 privacy: Optional[PrivacyConfig] = None) -> dict:
+def build_report(config: "AnalysisConfig", link: Optional["LinkConfig"] = None,
+                 do_sweep: bool = False, model: Optional["torch.nn.Module"] = None,
+                 privacy: Optional["PrivacyConfig"] = None) -> dict:
     """The data the command writes as JSON: :func:`~.core.analyze`'s report for ``config.cuts`` (if
     any), with ``do_sweep`` a "sweep" entry, with ``privacy`` leakage and perplexity per cut."""
+    from .core import analyze_partition, prepare_model
+    from .leakage import Meter, annotate_sweep
+    from .sweep import LinkConfig, sweep_cuts
+
     model, part, device = prepare_model(config, model)
     if part is not None:
         out = analyze_partition(model, part, device, config)
@@ -103,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
                         "replaces --link-mbps and --rtt-ms")
     p.add_argument("--server-speedup", type=float, default=1.0,
                    help="how many times faster the server computes than this machine")
-    p.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPE_NAMES, help="dtype of the bytes per cut")
+    p.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPES, help="dtype of the bytes per cut")
     p.add_argument("--min-client-blocks", type=int, default=1,
                    help="blocks the client keeps at least, for privacy (default 1)")
     p.add_argument("--privacy", action="store_true", help="measure token recovery by the best "
@@ -133,6 +134,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
+    import torch
+
+    from .core import AnalysisConfig
+    from .leakage import PrivacyConfig, load_rows
+    from .sweep import LinkConfig
+
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -178,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def write_outputs(data: dict, args: argparse.Namespace) -> None:
+    from . import plots, report
+
     if not args.quiet:
         print(report.to_text(data))
         print(privacy_text(data), end="")
@@ -217,6 +226,8 @@ def privacy_rows(data: dict) -> list[dict]:
 
 def privacy_text(data: dict) -> str:
     """Leakage lines for the text output ("" without --privacy)."""
+    from .leakage import describe_defense
+
     lines = []
     for r in data.get("privacy") or []:
         dtext = describe_defense(r["defense"], r.get("finetune_steps") or 0)
