@@ -1,7 +1,9 @@
-"""Offline data: a byte-level tokenizer (ids 0..255, 256 = end-of-text, for the vocab-257 specs
-in ``models/``), the shipped corpus, and language-model batches."""
+"""Offline data: the specs' tokenizers (:func:`get_tokenizer`; a hand-written byte tokenizer, ids
+0..255 and 256 = end-of-text, for the vocab-257 specs), the shipped corpus, and language-model
+batches."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
@@ -45,27 +47,42 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict:
 
 
 def get_tokenizer(source: Optional[str] = None):
-    """A Hugging Face tokenizer for a local directory / hub id that has one; the
-    :class:`ByteTokenizer` for spec names, ``random:`` sources and JSON configs."""
-    from .loading import is_spec_source
+    """A ``transformers.PreTrainedTokenizerFast`` for ``source``, offline for every spec: the
+    spec's own (``models/NAME.json``'s ``"tokenizer"``, :mod:`splitlearn.tokenizer`), else UTF-8
+    bytes (ids of :class:`ByteTokenizer`) for spec names, ``random:`` sources, JSON configs and
+    checkpoints without tokenizer files; the tokenizer of a local directory or hub id that has one.
+    Left padding, and a pad token (the eos where the tokenizer has none)."""
+    from .loading import is_spec_source, read_spec
+    from .tokenizer import byte_tokenizer, trained_tokenizer
 
     if source is None or not isinstance(source, (str, Path)):
-        return ByteTokenizer()
+        return byte_tokenizer()
     s = str(source)
     local = Path(s).is_dir()
-    if (Path(s).exists() and not local) or is_spec_source(s):
-        return ByteTokenizer()
+    if is_spec_source(s):
+        spec = json.loads(Path(s).read_text()) if Path(s).is_file() else read_spec(s.removeprefix("random:"))
+        return trained_tokenizer(spec["tokenizer"]) if spec.get("tokenizer") else byte_tokenizer()
+    if Path(s).exists() and not local:  # a file that is no config (a segment's weights, ...): bytes
+        return byte_tokenizer()
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(s, local_files_only=local)
     except Exception:  # a checkpoint without tokenizer files, or no hub: bytes
-        return ByteTokenizer()
+        return byte_tokenizer()
     if not tok.vocab_size:  # transformers 5 builds an empty GPT2Tokenizer where files are missing
-        return ByteTokenizer()
+        return byte_tokenizer()
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def is_bytes(tokenizer) -> bool:
+    """Whether ``tokenizer`` encodes text as its UTF-8 bytes (:class:`ByteTokenizer`, or the
+    Hugging Face byte tokenizer :func:`get_tokenizer` gives the byte specs)."""
+    from .tokenizer import BYTES
+
+    return isinstance(tokenizer, ByteTokenizer) or getattr(tokenizer, "name_or_path", None) == BYTES
 
 
 def load_corpus(path: Optional[Union[str, Path]] = None) -> str:

@@ -56,7 +56,7 @@ def read_spec(name: str) -> dict:
 
 
 def config_from_dict(d: dict) -> GPT2Config:
-    d = {k: v for k, v in d.items() if k not in ("hub_id", "description")}
+    d = {k: v for k, v in d.items() if k not in ("hub_id", "description", "tokenizer")}
     model_type = d.get("model_type", "gpt2")
     if model_type != "gpt2":
         raise ConfigError(f"model_type is {model_type!r}; splitlearn cuts GPT-2 models only")
@@ -102,7 +102,7 @@ def load_model(source: ModelSource, *, dtype: Union[str, torch.dtype, None] = No
     dev = resolve_device(device or "cpu")
     with _LOAD_LOCK:
         model = _build(source, seed)
-    check_gpt2(model)
+    name_causal_lm_loss(check_gpt2(model))
     model = model.to(device=dev, dtype=torch_dtype) if torch_dtype else model.to(dev)
     return model.eval()
 
@@ -127,6 +127,17 @@ def _build(source: ModelSource, seed: int) -> GPT2LMHeadModel:
                 raise ConfigError(f"cannot load {s!r} from the Hugging Face hub: {e}{hint}") from None
         else:
             model = random_model(load_config(source), seed)
+    return model
+
+
+def name_causal_lm_loss(model: nn.Module) -> nn.Module:
+    """Name the loss of a GPT-2 language model (``model.loss_type``), in place -> ``model``.
+
+    transformers picks a model's loss by its class name; ``GPT2LMHeadModel`` (and the split
+    classes) name none, so every loss warned "`loss_type=None` ... unrecognized" and fell back to
+    ``ForCausalLM``: the loss it is, named here so that the fallback (and its warning) is never needed."""
+    if isinstance(model, GPT2LMHeadModel) and getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"
     return model
 
 

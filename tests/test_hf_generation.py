@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, TextStreamer
 
 import splitlearn
-from splitlearn import protocol as P
+from splitlearn import get_tokenizer, protocol as P
 from splitlearn.hf import RemoteCache, SplitGPT2LMHeadModel
 
 from conftest import VARIED
@@ -70,19 +70,9 @@ def both(split_lm, tiny_model, seed=0, **kw):
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A Hugging Face tokenizer built offline that encodes as splitlearn's ByteTokenizer (byte b
-    is token b, 256 is <|endoftext|>): byte-level BPE with no merges, GPT-2's byte alphabet."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    chars = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
-    vocab = {chars[b]: b for b in range(256)}
-    vocab["<|endoftext|>"] = PAD
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    """The Hugging Face tokenizer of the byte specs (splitlearn.get_tokenizer), built offline: it
+    encodes as splitlearn's ByteTokenizer (byte b is token b, 256 is <|endoftext|>)."""
+    return get_tokenizer(VARIED)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(do_sample=True, top_k=20, temperature=0.8, num_return_sequences=2),

@@ -53,7 +53,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedMode
 from transformers.utils.deprecation import deprecate_kwarg
 
 from ..errors import ConfigError, NotYourTurn, StaleWeights
-from ..loading import _LOAD_LOCK, is_spec_source, load_model
+from ..loading import _LOAD_LOCK, is_spec_source, load_model, name_causal_lm_loss
 from ..packed import PackedLinears
 from ..export import load_segments
 from ..partition import partition, validate_cuts
@@ -847,6 +847,7 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
         model.lm_head = None
         model._tied_weights_keys = {}
     model.__class__ = cls
+    name_causal_lm_loss(model)  # a language model's loss, named: no transformers warning at every loss
     remote.bind(model)
     return model
 

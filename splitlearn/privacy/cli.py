@@ -188,8 +188,8 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
             if finetune is None:
                 raise SplitLearnError("defense-aware fine-tuning runs through the model classes: use "
                                       "python -m splitlearn.privacy (splitlearn.defensetrain)")
-            from ..data import ByteTokenizer
-            if not isinstance(tokenizer or default_tokenizer(model, source), ByteTokenizer):
+            from ..data import is_bytes
+            if not is_bytes(tokenizer or default_tokenizer(model, source)):
                 raise SplitLearnError("defense-aware fine-tuning trains on the corpus as bytes: a model "
                                       "with its own tokenizer is measured with the defense at test time "
                                       "only (no --defense-train-steps)")

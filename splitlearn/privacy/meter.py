@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..data import ByteTokenizer, get_tokenizer, load_corpus
+from ..data import ByteTokenizer, get_tokenizer, is_bytes, load_corpus
 from ..errors import ConfigError
 from ..loading import load_model
 from ..partition import partition, validate_cuts
@@ -95,7 +95,7 @@ def default_tokenizer(model, source=None):
     """The tokenizer of ``source`` (or the model's ``_name_or_path``); bytes for specs."""
     src = source if isinstance(source, str) else (getattr(model.config, "_name_or_path", "") or None)
     tok = get_tokenizer(src) if src else ByteTokenizer()
-    if isinstance(tok, ByteTokenizer) and model.config.vocab_size < tok.vocab_size:
+    if is_bytes(tok) and model.config.vocab_size < len(tok):
         raise ConfigError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the "
                           f"byte tokenizer's; pass tokenizer=")
     return tok
