@@ -5,7 +5,7 @@
 
 Two servers of the same model run side by side, in one run:
 
-- **on**: ``--log-format json --log-level INFO`` (one JSON access line per request, written
+- **on**: ``--log-format json --log-level INFO --access-log -`` (one JSON access line per request, written
   to a file: the server's stderr), every request counted in the Prometheus registry, and a
   scraper reading ``GET /metrics`` (operator token) every ``--scrape-s`` seconds (Prometheus'
   default is 15 s: 1 s is the pessimistic case);
@@ -80,7 +80,7 @@ class Stepper:
 
 def measure(model: str, cuts: tuple[int, int], steps: int, warmup: int, scrape_s: float, log_dir: Optional[Path]) -> dict:
     base = ["--model", model, "--cut", str(cuts[0]), "--cut", str(cuts[1]), "--threads", "4"]
-    on = LocalServer(base + ["--log-format", "json", "--log-level", "INFO"], quiet=False)
+    on = LocalServer(base + ["--log-format", "json", "--log-level", "INFO", "--access-log", "-"], quiet=False)
     on.capture_stderr = True  # the access lines go to a file, as a log shipper would read them
     off = LocalServer(base + ["--no-request-log"], quiet=True)
     with on, off:

@@ -169,7 +169,7 @@ def test_a_real_fed_server_serves_ready_metrics_on_loopback_and_json_access_line
         port, mport = a.getsockname()[1], b.getsockname()[1]
     cmd = [sys.executable, "-m", "splitlearn.server.federation.fedserver", "--model", "tiny", "--cut", "1", "--cut",
            "3", "--fed-secret-file", str(secret), "--port", str(port), "--metrics-port", str(mport),
-           "--log-format", "json"]
+           "--log-format", "json", "--access-log", "-"]
     with ChildServer(cmd, port, env={"SPLITLEARN_FED_TOKEN": token, "OMP_NUM_THREADS": "1"},
                      capture_stderr=True) as srv:
         r = requests.get(srv.url + P.READY, timeout=10)  # no token: the front door lets the probe through

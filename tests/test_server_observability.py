@@ -5,6 +5,7 @@ In-process through Flask's test client, except the last test: ``--metrics-port``
 """
 import json
 import logging
+import logging.handlers
 import re
 import shutil
 import time
@@ -283,6 +284,50 @@ def test_flags():
         ServerConfig(model="tiny", cuts=(2,), log_format="xml")
 
 
+@pytest.fixture
+def logger_state():
+    """The access logger as it was: configure() below changes it, as a server's CLI does."""
+    logger = logging.getLogger(accesslog.__name__)
+    saved = logger.level, logger.propagate, list(logger.handlers)
+    yield logger
+    for h in logger.handlers[len(saved[2]):]:
+        logger.removeHandler(h)
+        h.close()
+    logger.setLevel(saved[0])
+    logger.propagate = saved[1]
+
+
+def test_access_lines_are_off_unless_asked_and_the_metrics_count_anyway(app, logger_state, tmp_path):
+    # the README starts the server with & in the user's terminal: its access lines would interleave
+    # with the user's own output, so there are none unless --access-log names a file or '-'
+    assert parse_args(["--model", "tiny", "--cut", "2"]).access_log is None
+    assert not logger_state.isEnabledFor(logging.INFO)
+    seen = logging.handlers.BufferingHandler(1000)
+    logger_state.addHandler(seen)
+    c = app.test_client()
+    before, _ = scrape(c)
+    assert c.get(P.INFO, headers=auth(OTHER)).status_code == 200
+    accesslog.drain()
+    after, _ = scrape(c)
+    assert value(after, "splitlearn_requests_total", route=P.INFO, method="GET", status="200", tenant="mallory") \
+        == value(before, "splitlearn_requests_total", route=P.INFO, method="GET", status="200", tenant="mallory") + 1
+    assert [r for r in seen.buffer if r.levelno < logging.WARNING] == []  # counted, not logged
+    logger_state.removeHandler(seen)
+
+    path = tmp_path / "access.log"
+    cfg = parse_args(["--model", "tiny", "--cut", "2", "--log-format", "json", "--access-log", str(path)])
+    assert cfg.access_log == str(path) and logger_state.isEnabledFor(logging.INFO)
+    assert not logger_state.propagate  # to the file only, not over stderr
+    assert c.get(P.INFO, headers=auth(OTHER)).status_code == 200
+    accesslog.drain()
+    for h in logger_state.handlers:
+        h.flush()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["route"], x["status"], x["tenant"]) for x in lines] == [(P.INFO, 200, "mallory")]
+    with pytest.raises(ConfigError, match="access-log"):
+        parse_args(["--model", "tiny", "--cut", "2", "--access-log", str(tmp_path / "no" / "such" / "dir.log")])
+
+
 def test_no_request_log_counts_nothing(access):
     c = create_app(ServerConfig(model="tiny", cuts=(2,), tokens=TENANTS, request_log=False)).test_client()
     train_step(c, 1)
@@ -295,7 +340,7 @@ def test_no_request_log_counts_nothing(access):
 @pytest.mark.slow
 def test_metrics_port_and_json_logs_on_a_real_server():
     port = free_port()
-    srv = ServerProcess((2,), extra=["--metrics-port", str(port), "--log-format", "json"])
+    srv = ServerProcess((2,), extra=["--metrics-port", str(port), "--log-format", "json", "--access-log", "-"])
     assert srv.cmd[-2:] == ["--log-level", "WARNING"]
     srv.cmd, srv.capture_stderr = srv.cmd[:-2], True  # INFO: the access lines, kept
     tenant = "t-" + digest_of(TOKEN)[:12]  # a bare token's tenant name (the token's sole tenant)

@@ -31,7 +31,6 @@ MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_GRAD_CLIP_FACTOR = 3.0  # x the typical step's gradient norm (splitlearn/server/engine/gradclip.py)
 
 
-
 def norm_or_none(text: str) -> Optional[float]:
     """``--max-update-norm``, ``--grad-clip-factor``: a number, or ``none`` for no bound."""
     return None if str(text).strip().lower() == "none" else float(text)
@@ -267,6 +266,9 @@ class Observability:
                           choices=("text", "json"))
     metrics_port: Optional[int] = opt(None, "also serve Prometheus metrics on 127.0.0.1:PORT without a token (GET "
                                             "/metrics on --port needs the operator's token; docs/OPERATIONS.md)")
+    access_log: Optional[str] = opt(None, "write one access line per request (request id, tenant, route, status, "
+                                          "bytes, ms) to this file, or to stderr for '-' (default: no access "
+                                          "lines; the metrics count every request either way)", metavar="FILE")
     request_log: bool = opt(True, "neither count requests in the metrics nor log access lines (for comparison)",
                             flag="--no-request-log")
 

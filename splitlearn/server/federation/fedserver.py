@@ -76,7 +76,7 @@ class FedConfig(StrategyOptions):
 @dataclass(kw_only=True)
 class FedServe(Observability):
     """Where the fed server listens, and its own tenants (and, from Observability: --log-level,
-    --log-format, --metrics-port, --no-request-log, as on the segment server)"""
+    --log-format, --access-log, --metrics-port, --no-request-log, as on the segment server)"""
 
     tokens: tuple[str, ...] = opt((), "this server's tenants, '<name> <token>' per line, named as on the segment "
                                       "server (default: $SPLITLEARN_FED_TOKEN, comma-separated)",
@@ -407,7 +407,7 @@ def main(argv=None) -> int:
 
     try:
         serve, cfg = parse_args(argv)
-        accesslog.configure(serve.log_level, serve.log_format)  # text or one JSON object per line
+        accesslog.configure(serve.log_level, serve.log_format, serve.access_log)  # text or JSON lines
         app = app_of(serve, cfg)
         scrape = app.extensions["splitlearn.metrics"].serve_loopback(serve.metrics_port) if serve.metrics_port else None
     except (SplitLearnError, ValueError) as e:

@@ -28,6 +28,7 @@ from flask import g, request
 from flask.testing import FlaskClient
 
 from ... import protocol as P
+from ...errors import ConfigError
 from .metrics import ServerMetrics, route_of
 
 log = logging.getLogger(__name__)
@@ -199,10 +200,30 @@ class JsonFormatter(logging.Formatter):
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
-def configure(level: str = "INFO", fmt: str = "text") -> None:
-    """The process's logging: ``fmt`` text or json on stderr, at ``level`` (the server's CLI)."""
+def configure(level: str = "INFO", fmt: str = "text", access_log: Optional[str] = None) -> None:
+    """The process's logging (the servers' CLIs): ``fmt`` text or json on stderr, at ``level``;
+    the access lines to the file ``access_log``, to stderr for ``"-"``, or nowhere for None (the
+    metrics count every request either way; a failure to record one is still logged)."""
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, got {fmt!r}")
+    formatter = JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(formatter)
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    for h in [h for h in log.handlers if getattr(h, "access_file", False)]:  # an earlier call's file
+        log.removeHandler(h)
+        h.close()
+    log.propagate = True
+    if access_log is None:  # off: a server started in a terminal with & does not write over its user's output
+        log.setLevel(logging.WARNING)
+        return
+    log.setLevel(logging.INFO)  # asked for: whatever --log-level says of the other lines
+    if access_log != "-":
+        try:
+            to_file = logging.FileHandler(access_log, encoding="utf-8")  # appends
+        except OSError as e:
+            raise ConfigError(f"--access-log {access_log}: cannot open it for appending: {e}") from None
+        to_file.setFormatter(formatter)
+        to_file.access_file = True
+        log.addHandler(to_file)
+        log.propagate = False

@@ -34,7 +34,7 @@ def parse_args(argv=None) -> ServerConfig:
     a = parser().parse_args(argv)
     from .accesslog import configure as configure_logging
     logs = Observability(**options_of(Observability, a))
-    configure_logging(logs.log_level, logs.log_format)
+    configure_logging(logs.log_level, logs.log_format, logs.access_log)
     lora = LoraOptions(**options_of(LoraOptions, a)).spec()
     return ServerConfig(**{k: v for group in GROUPS if group is not LoraOptions
                            for k, v in options_of(group, a).items()}, lora=lora)
