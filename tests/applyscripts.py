@@ -1,6 +1,6 @@
 """Scripts a newcomer writes, run by tests/test_hf_applies.py as processes of their own.
 
-``python -m applyscripts SCENARIO URL OUT CLIENT_ID [STEPS]`` (token: ``$SPLITLEARN_TOKEN``) trains the
+``python -m applyscripts SCENARIO URL OUT CLIENT_ID [STEPS | SERVER_CHECKPOINT_DIR]`` (token: ``$SPLITLEARN_TOKEN``) trains the
 tiny model against the server at URL and then simply ends, as a script does: no ``flush()``, no
 ``close()``. It writes the client's weights to ``OUT/client.safetensors`` and a line of JSON to
 stdout. Every step's batch is :func:`batch`; the optimizer is SGD at :data:`LR` (the server's).
@@ -59,22 +59,35 @@ def split_client(url: str, client_id: str, out: Path) -> dict:
     return {"client": client}
 
 
-def trainer(url: str, client_id: str, out: Path) -> dict:
+def trainer(url: str, client_id: str, out: Path, server_dir: str) -> dict:
     """transformers.Trainer, max_steps=2; every example is batch(0)'s first row, so the order the
-    Trainer draws them in does not matter."""
+    Trainer draws them in does not matter. Then the same Trainer on the unsplit model, from the
+    same weights (the server's, read from its checkpoint ``server_dir`` first), written to
+    ``OUT/unsplit.safetensors``: the reference, whatever the Trainer's loss normalisation."""
     from transformers import Trainer, TrainingArguments, default_data_collator
 
+    from splitlearn import load_model
+    from splitlearn.checkpoint import read_weights
     from splitlearn.hf import SplitGPT2LMHeadModel
 
+    server_before = read_weights(server_dir, "server")
     model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=url, client_id=client_id, apply_wait_s=WAIT)
     row = batch(0)[0]
     data = [{"input_ids": row, "labels": row} for _ in range(4)]
-    args = TrainingArguments(output_dir=str(out / "trainer"), max_steps=2, per_device_train_batch_size=2,
-                             learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-                             max_grad_norm=0.0, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-                             logging_strategy="no")
-    Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator).train()
+
+    def train(m, name: str) -> None:
+        args = TrainingArguments(output_dir=str(out / name), max_steps=2, per_device_train_batch_size=2,
+                                 learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+                                 max_grad_norm=0.0, save_strategy="no", report_to=[], use_cpu=True,
+                                 disable_tqdm=True, logging_strategy="no")
+        Trainer(model=m, args=args, train_dataset=data, data_collator=default_data_collator).train()
+
+    train(model, "split")
     save_file(client_weights(model), str(out / "client.safetensors"))
+    full = load_model("tiny")
+    full.load_state_dict(server_before, strict=False)
+    train(full, "unsplit")
+    save_file({k: v.detach().clone().contiguous() for k, v in full.state_dict().items()}, str(out / "unsplit.safetensors"))
     return {"model": model}
 
 
@@ -108,7 +121,7 @@ def main(argv) -> None:
     elif scenario == "client":
         KEPT.append(split_client(url, client_id, out))
     elif scenario == "trainer":
-        KEPT.append(trainer(url, client_id, out))
+        KEPT.append(trainer(url, client_id, out, argv[4]))
     else:
         {"abandon": abandon, "dropped": dropped}[scenario](url, client_id, out)
 
