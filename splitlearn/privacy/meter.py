@@ -95,7 +95,7 @@ def default_tokenizer(model, source=None):
     """The tokenizer of ``source`` (or the model's ``_name_or_path``); bytes for specs."""
     src = source if isinstance(source, str) else (getattr(model.config, "_name_or_path", "") or None)
     tok = get_tokenizer(src) if src else ByteTokenizer()
-    if is_bytes(tok) and model.config.vocab_size < len(tok):
+    if is_bytes(tok) and model.config.vocab_size < _vocab_size(tok):
         raise ConfigError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the "
                           f"byte tokenizer's; pass tokenizer=")
     return tok
