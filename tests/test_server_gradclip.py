@@ -187,6 +187,8 @@ def test_the_bound_moves_slowly_and_survives_a_restart(tmp_path):
 
 
 def test_the_options():
+    alone = create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=(TOKEN,))).extensions["splitlearn"]
+    assert alone.grad_clip.factor is None  # one tenant: nobody else's training to protect, no clip by default
     fixed = app_of(max_grad_norm=0.5).extensions["splitlearn"].grad_clip
     assert fixed.bound() == fixed.bound(shared=False) == 0.5  # --max-grad-norm replaces it, on every state
     with pytest.raises(ConfigError, match="grad-clip-factor"):

@@ -61,9 +61,9 @@ class Training:
     max_grad_norm: Optional[float] = opt(None, "clip the server's gradient norm per step to this fixed bound "
                                                "(replaces --grad-clip-factor)")
     grad_clip_factor: Optional[float] = opt(
-        DEFAULT_GRAD_CLIP_FACTOR, f"on the segment tenants share, clip a step's gradient norm to this many times "
-                                  f"the running geometric mean of the steps before it ('none': no clip; default "
-                                  f"{DEFAULT_GRAD_CLIP_FACTOR:g}; splitlearn/server/engine/gradclip.py)",
+        DEFAULT_GRAD_CLIP_FACTOR, f"on the segment tenants share (two or more), clip a step's gradient norm to "
+                                  f"this many times the running geometric mean of the steps before it ('none': "
+                                  f"no clip; default {DEFAULT_GRAD_CLIP_FACTOR:g}; splitlearn/server/engine/gradclip.py)",
         type=norm_or_none)
     grad_clip_window: int = opt(100, "steps the --grad-clip-factor mean spans (an EMA of weight 1/window)")
     grad_clip_warmup: int = opt(10, "first steps of the shared segment whose bound is --grad-clip-factor squared "

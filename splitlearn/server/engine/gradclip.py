@@ -33,7 +33,8 @@ later ones 1.5x). What it bounds:
 The first step of a fresh server has no statistic to clip against, and whoever takes the first
 steps sets the scale: the first is clipped only by ``--max-grad-norm`` if given (the statistic
 is saved with the checkpoint, so a restarted server keeps it). ``--max-grad-norm`` replaces
-this clip by a fixed one.
+this clip by a fixed one. A server of one tenant has no one else's training to protect: no
+clip unless ``--max-grad-norm`` (its honest steps are the unsplit model's, spikes included).
 """
 from __future__ import annotations
 

@@ -110,8 +110,9 @@ class SegmentRuntime:
         self.device = next(self.segment.parameters()).device
         self.dtype = next(self.segment.parameters()).dtype
         self.optimizer = self.make_optimizer(self.segment.parameters())
-        self.grad_clip = NormClip(cfg.grad_clip_factor, cfg.grad_clip_window, cfg.grad_clip_warmup,
-                                  cfg.max_grad_norm)  # the bound of a step on shared state (gradclip.py)
+        # the bound of a step on state shared between tenants (gradclip.py): with one tenant, none but --max-grad-norm
+        self.grad_clip = NormClip(cfg.grad_clip_factor if len(cfg.tenants) > 1 else None, cfg.grad_clip_window,
+                                  cfg.grad_clip_warmup, cfg.max_grad_norm)
         self.lock = threading.RLock()
         self.ledger = StepLedger()
         self.training = Training(self)
