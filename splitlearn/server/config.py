@@ -124,7 +124,7 @@ class Door:
     request_timeout_s: float = opt(10.0, "seconds for a request's headers; its body, and the reading of an answer, "
                                          "get this plus their size at --min-rate-kib "
                                          "(docs: splitlearn/server/http/frontdoor.py)")
-    min_rate_kib_s: float = opt(256.0, "KiB/s a body must arrive at, and an answer be read at, on average")
+    min_rate_kib_s: float = opt(256.0, "KiB/s a body's bytes must arrive at as they come (after --request-timeout), and an answer be read at")
     idle_timeout_s: float = opt(300.0, "seconds an authenticated keep-alive connection may idle")
     listen: tuple[str, ...] = opt((), "also serve on a Unix socket, unix:///PATH.sock (same routes, tokens and "
                                       "limits; bodies through shared memory: docs/TRANSPORT.md); repeatable")
