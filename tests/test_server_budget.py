@@ -176,8 +176,8 @@ def test_on_cuda_sdpa_keeps_no_scores_dropout_included():
     seg = partition(load_model(config_from_dict(read_spec("gpt2")), device="meta"), (2, 10)).trunk
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         cpu, cuda = bm.Dims.of(seg, dtype), bm.Dims.of(seg, dtype, torch.device("cuda"))
-        assert cpu.scores and not cpu.cuda_kernels and not cpu.foreach
-        assert cuda.cuda_kernels and cuda.foreach and not cuda.scores
+        assert cpu.scores and not cpu.cuda_kernels and not cpu.cuda
+        assert cuda.cuda_kernels and cuda.cuda and not cuda.scores
         e, (B, T), a = cpu.elem, (8, 1024), cpu.heads
         scores = B * a * T * T * (3 * e + 1)
         lse = B * T * a * (bm.LSE_BYTES - e)

@@ -25,6 +25,7 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
     in and out                 16·N·d                                    body, decoded, answer, encoded
 
     training step    (L·kept + workspace + head + update + in/out) x 1.25
+           on CUDA   (max(L·kept + workspace + head + grads, update) + in/out) x 1.1
     forward          (e·N·d + workspace + head + in/out) x 1.25
     session step     (KV(rows·K) + one block's K, V copy + workspace + last logits + in/out) x 1.25
     session open     KV(min(rows·n_positions, --max-tokens-per-client))
@@ -49,7 +50,7 @@ GPT-2 block of transformers 5 (``saved_tensors_hooks``; equal for every shape tr
   a forward computes the last position's logits only.
 
 On a CUDA device (``Dims.of(..., device)``) two things differ, and the model follows
-(``Dims.cuda_kernels``, ``Dims.foreach``):
+(``Dims.cuda_kernels``, ``Dims.cuda``):
 
 - sdpa runs the flash or memory-efficient kernel (16-bit compute, or float32 for the
   memory-efficient one; a head size that is a multiple of 8, at most 256), and both take
@@ -61,10 +62,14 @@ On a CUDA device (``Dims.of(..., device)``) two things differ, and the model fol
 - AdamW takes torch's foreach path (its default for CUDA tensors), which makes one
   temporary of every parameter's size at once (``torch._foreach_sqrt`` of the second
   moments): the update is priced at the gradients twice, not the gradients and twice the
-  largest parameter.
+  largest parameter;
+- the caching allocator hands the blocks the backward freed to the update's tensors, where
+  glibc keeps a freed heap in the RSS: a training step is priced at the larger of its
+  backward (kept activations, workspace, head, the gradients) and its update, not their sum,
+  with a slack of 1.1 (``CUDA_SLACK``) instead of 1.25.
 
 So GPT-2 XL, 2-way, 8 x 1024 positions, bfloat16 is priced at 134.83 GiB on the CPU (46 blocks
-of 1.47 GB of scores each) and about a third of that on CUDA.
+of 1.47 GB of scores each) and under a third of that on CUDA.
 
 The 1.25 is the allocator's slack (``ALLOCATOR_SLACK``): glibc serves the (B, T, d) tensors of
 moderate batches from heaps that fragment. The totals are checked against peaks measured on
@@ -121,6 +126,11 @@ MIN_DERIVED = 64 << 20  # the derived limit never goes below this (a warning say
 # (B, T, d) tensors come and go; GPT-2 small's prefill of 8 x 512 peaked at up to 1.2x
 # the tensors counted (docs/INTERNALS.md, "What a request costs in memory").
 ALLOCATOR_SLACK = 1.25
+# On CUDA the caching allocator rounds to 512 B blocks and splits its segments, and freed blocks
+# serve the next tensors of the same process: a smaller slack, and a step's phases priced as the
+# larger one rather than their sum. Not yet measured on a GPU (the CUDA test in
+# tests/test_server_budget.py: within 1.5x of torch.cuda.max_memory_allocated()).
+CUDA_SLACK = 1.1
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,8 @@ class Dims:
     largest: int = 0  # bytes of the largest trainable parameter (the optimizer's temporaries)
     # sdpa runs CUDA's flash / memory-efficient kernels: no scores kept, dropout included
     cuda_kernels: bool = False
-    foreach: bool = False  # the optimizer steps every parameter at once (torch's CUDA default)
+    # on a CUDA device: AdamW's foreach path; the caching allocator reuses the backward's blocks
+    cuda: bool = False
 
     @classmethod
     def of(cls, segment: nn.Module, dtype: torch.dtype, device: Union[torch.device, str] = "cpu") -> "Dims":
@@ -157,7 +168,7 @@ class Dims:
                    eager=attn != "sdpa", attn_dropout=c.attn_pdrop > 0, dropout=c.resid_pdrop > 0,
                    grads=sum(sizes), largest=max(sizes, default=0),
                    cuda_kernels=cuda and attn == "sdpa" and fused_sdpa(dtype, c.n_embd // c.n_head),
-                   foreach=cuda)
+                   cuda=cuda)
 
     @property
     def scores(self) -> bool:
@@ -232,7 +243,7 @@ def update_bytes(m: Dims) -> int:
     turn (``exp_avg_sq.sqrt()``, then divided), so twice the largest; its foreach path (CUDA)
     one of every parameter's size at once (``torch._foreach_sqrt``); 16-bit gradients are
     copied to float32 for the step's norm (:mod:`.guard`)."""
-    temporaries = m.grads if m.foreach else 2 * m.largest
+    temporaries = m.grads if m.cuda else 2 * m.largest
     return m.grads + temporaries + (m.grads * 4 // m.elem if m.elem < 4 else 0)
 
 
@@ -243,7 +254,9 @@ def train_cost(m: Dims, B: int, T: int, padded: bool) -> int:
     b = m.blocks * kept_per_block(m, B, T, T, padded) + block_workspace(m, B, T, T, padded, m.scores)
     if m.head:  # ln_f's input and output, the shifted copy, grad of x; grad of W; one chunk
         b += 4 * e * N * m.d + 4 * m.vocab * m.d + _chunk(m, N, grads=True)
-    return _slack(b + update_bytes(m) + io_bytes(m, B, T))
+    if m.cuda:  # the update runs once the backward has freed the activations, in their blocks
+        return _slack(m, max(b + m.grads, update_bytes(m)) + io_bytes(m, B, T))
+    return _slack(m, b + update_bytes(m) + io_bytes(m, B, T))
 
 
 def graph_bytes(m: Dims, B: int, T: int, padded: bool, loss: bool = False) -> int:
@@ -255,11 +268,11 @@ def graph_bytes(m: Dims, B: int, T: int, padded: bool, loss: bool = False) -> in
     b = m.blocks * kept_per_block(m, B, T, T, padded) + 2 * e * N * m.d + 2 * 4 * N * m.d
     if loss:
         b += 4 * e * N * m.d + m.vocab * m.d * e
-    return _slack(b)
+    return _slack(m, b)
 
 
-def _slack(tensor_bytes: int) -> int:
-    return int(tensor_bytes * ALLOCATOR_SLACK)
+def _slack(m: Dims, tensor_bytes: int) -> int:
+    return int(tensor_bytes * (CUDA_SLACK if m.cuda else ALLOCATOR_SLACK))
 
 
 def _chunk(m: Dims, N: int, grads: bool) -> int:
@@ -279,7 +292,7 @@ def forward_cost(m: Dims, B: int, T: int, padded: bool, labels: bool) -> int:
         b += B * m.vocab * (e + 4)  # the last position's logits, and packed
         if labels:
             b += 2 * e * N * m.d + _chunk(m, N, grads=False)
-    return _slack(b + io_bytes(m, B, T))
+    return _slack(m, b + io_bytes(m, B, T))
 
 
 def session_step_cost(m: Dims, rows: int, past: int, T: int, padded: bool = True) -> int:
@@ -291,7 +304,7 @@ def session_step_cost(m: Dims, rows: int, past: int, T: int, padded: bool = True
     b = kv_bytes(m, rows * K) + 2 * rows * K * m.d * m.elem + block_workspace(m, rows, T, K, masked, m.eager)
     if m.head:
         b += rows * m.vocab * (m.elem + 4)
-    return _slack(b + io_bytes(m, rows, T))
+    return _slack(m, b + io_bytes(m, rows, T))
 
 
 # -- the limit -----------------------------------------------------------------------------
