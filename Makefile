@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 LOCK   := constraints.txt
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test bench install clean test-latest lock fuzz
+.PHONY: demo test bench install clean test-latest lock fuzz gpu-wheels
 
 # torch first and pinned, by pip (it takes the CPU build on this disk; an unpinned torch pulls
 # several GB of CUDA wheels). Then every package at the version constraints.txt locks (the build
@@ -67,6 +67,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/wan.py
 	$(PY) benchmarks/load.py --json benchmarks/results/cpu/load.json
+
+# the wheels a lent GPU machine lacks (.whl/, gitignored), which benchmarks/gpu_session.sh
+# installs there; benchmarks/README.md, 'On a GPU'
+gpu-wheels: $(STAMP)
+	PY=$(PY) sh tools/gpu_wheels.sh
 
 # schemathesis against a real server of each shape, from its own /v1/openapi.json (2,000+ requests)
 fuzz: $(STAMP)
