@@ -216,3 +216,15 @@ def test_clients_built_from_many_threads_at_once_all_work():
         for c in built:  # every client holds the same seeded weights
             assert all(torch.equal(v, reference[k]) for k, v in c.bottom.state_dict().items())
             c.close()
+
+
+def test_a_script_run_twice_with_one_client_id_goes_on_from_the_servers_step(server):
+    """A newcomer runs the same ``SplitClient(..., client_id="rerun")`` script twice: the second
+    run numbers its steps after the server's last one for that id (as the model classes do),
+    instead of a 409 "step 1 ... is out of order: the server has applied step 2"."""
+    for run in range(2):
+        with client_of(server, client_id="rerun") as client:
+            assert client.step == 2 * run
+            for ids, mask in BATCHES[:2]:
+                client.train_step(ids, mask)
+            assert client.step == 2 * run + 2

@@ -51,7 +51,7 @@ class SplitClient:
         self.device = resolve_device(c.device)
         remote = RemoteSegment(RemoteConfig(url, c.token, c.client_id, c.wire_dtype, c.timeout_s, c.retries,
                                             c.wait_timeout_s, c.reconnect_timeout_s, c.pins, c.fed_url, c.fed_token,
-                                            c.journal_dir), state={"step": 0})
+                                            c.journal_dir))  # the client id's last step: the server's
         try:
             self.transport, self.info, self.cuts, self.u_shape = remote.transport, remote.info, remote.cuts, remote.u_shape
             m, self.segments = split_segments(model, remote, self.device, c.seed)  # the same modules
