@@ -104,10 +104,14 @@ def abandon(url: str, client_id: str, out: Path) -> None:
 
 def dropped(url: str, client_id: str, out: Path) -> None:
     """Two steps, then the model is dropped and collected; the process dies without exit handlers:
-    only the model's finalizer can have sent the last apply."""
+    only the model's finalizer can have sent the last apply (from a thread of its own, which
+    exit would join: joined here, as os._exit runs no exit handler)."""
+    from splitlearn.hf.applies import wait_dropped
+
     kept = model_class(url, client_id, 2, out)
     del kept["model"]
     gc.collect()
+    wait_dropped()
     print(json.dumps({"dropped": True}), flush=True)
     os._exit(0)
 

@@ -11,10 +11,13 @@ the process idles ``apply_wait_s`` (0.1 s)      :class:`IdleFlusher` (one daemon
 something needs the server to hold the step     ``flush()``: a sync, an evaluation, a
                                                 generation, ``save_pretrained``,
                                                 ``export_adapter``, a checkpoint, ``close()``
-the interpreter exits                           the segment's finalizer (:func:`last_call`,
-                                                ``weakref.finalize`` runs it at exit)
+the interpreter exits                           the segment's finalizer (:func:`last_call`);
+                                                every live segment's at once, in threads
+                                                joined within :data:`LAST_CALL_S` (+1 s)
 the model is garbage collected                  the same finalizer, with the segment gone:
-                                                :meth:`Outbox.send_alone`
+                                                :meth:`Outbox.send_alone`, from a thread of
+                                                its own (the collecting thread never waits;
+                                                exit joins it)
 ==============================================  ===========================================
 
 The idle flusher is a daemon thread: it dies with the process, so before the finalizer a
@@ -26,6 +29,7 @@ cannot be reached: the step is then the journal's to replay (docs/RECOVERY.md).
 """
 from __future__ import annotations
 
+import atexit
 import heapq
 import logging
 import threading
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 
 LAST_CALL_S = 5.0  # seconds a last call may wait for an answer, or for a crashed server to come back
 _UNREACHABLE: set = set()  # servers a last call at exit found gone: the other segments' do not wait for them
+_LIVE: set = set()  # the finalizers of segments not yet collected (run at exit: _at_exit)
+_SENDING: set = set()  # threads sending a collected segment's apply (joined at exit)
 
 
 class Outbox:
@@ -73,6 +79,54 @@ def bounded(transport) -> None:
                             read_timeout_s=min(c.read_timeout_s, LAST_CALL_S), retries=0)
 
 
+def register(segment, outbox: Outbox) -> weakref.finalize:
+    """The segment's finalizer (:func:`last_call`): run when it is collected, and at exit by
+    :func:`_at_exit` with every other live segment's, in parallel. ``detach()`` drops it."""
+    fin = weakref.finalize(segment, last_call, weakref.ref(segment), outbox)
+    fin.atexit = False  # _at_exit runs it, beside the others, not one after another
+    if len(_LIVE) > 64:
+        _LIVE.difference_update([f for f in list(_LIVE) if not f.alive])
+    _LIVE.add(fin)
+    return fin
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Every live segment's last call at once (a process with segments of several servers, some
+    gone, waits :data:`LAST_CALL_S` once, not once per server), and the applies of collected
+    segments still being sent; all joined within ``LAST_CALL_S + 1`` seconds."""
+    threads = [threading.Thread(target=f, name="splitlearn-last-call", daemon=True)
+               for f in list(_LIVE) if f.alive]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + LAST_CALL_S + 1.0
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    wait_dropped(max(0.0, deadline - time.monotonic()))
+
+
+def wait_dropped(timeout_s: float = LAST_CALL_S + 1.0) -> None:
+    """Wait up to ``timeout_s`` for the applies of collected segments still being sent (exit
+    does; so may a process about to end without exit handlers, ``os._exit``)."""
+    deadline = time.monotonic() + timeout_s
+    for t in list(_SENDING):
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _send_alone(outbox: Outbox) -> None:
+    from ..errors import SplitLearnError
+
+    try:
+        outbox.send_alone()
+    except (SplitLearnError, OSError) as e:
+        log.warning("the apply of a dropped model could not be sent to %s (%s): the server does not hold it "
+                    "(with a journal_dir, resume() replays it)", outbox.transport.cfg.url, getattr(e, "message", e))
+    except Exception as e:  # noqa: BLE001 - a daemon thread's last words, never a traceback
+        log.warning("the apply of a dropped model failed: %r", e)
+    finally:
+        _SENDING.discard(threading.current_thread())
+
+
 def last_call(segment_ref, outbox: Outbox) -> None:
     """The segment's finalizer: at interpreter exit (the segment alive) its
     :meth:`~splitlearn.hf.remote.RemoteSegment.settle`; after it was garbage collected, its
@@ -85,13 +139,16 @@ def last_call(segment_ref, outbox: Outbox) -> None:
         if outbox.req is not None:
             log.warning("the apply of step %d was not sent: %s did not answer a moment ago", outbox.req.step, server)
         return
+    if segment is None:  # collected: sent from a thread of its own, whatever thread collected it
+        if outbox.req is not None:
+            t = threading.Thread(target=_send_alone, args=(outbox,), name="splitlearn-dropped-apply", daemon=True)
+            _SENDING.add(t)
+            t.start()
+        return
     try:
-        if segment is not None:
-            segment.settle()
-        else:
-            outbox.send_alone()
+        segment.settle()
     except (SplitLearnError, OSError) as e:
-        if segment is not None and isinstance(e, (TransportError, OSError)):
+        if isinstance(e, (TransportError, OSError)):
             _UNREACHABLE.add(server)
         log.warning("the last step's apply could not be sent to %s before the end (%s): the server does not "
                     "hold it (with a journal_dir, resume() replays it)", server, getattr(e, "message", e))

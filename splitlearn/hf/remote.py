@@ -81,7 +81,7 @@ from ..errors import (ConfigError, Conflict, IntegrityError, NotYourTurn, Servic
 from .. import trust
 from ..trust import Pins
 from ..wire import check_wire_dtype, pack
-from .applies import IDLE, LAST_CALL_S, Outbox, bounded, last_call
+from .applies import IDLE, LAST_CALL_S, Outbox, bounded, register
 from .journal import Redo, RequestLog, Sent, digest
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class RemoteSegment(nn.Module):
         self.outbox = Outbox(self.transport, self.log)
         self._carry = self.outbox.lock  # a forward carrying the deferred apply, a flush, the idle flush
         # (detach() it to drop this segment without its last call: a test standing in for kill -9)
-        self.last_call = weakref.finalize(self, last_call, weakref.ref(self), self.outbox)
+        self.last_call = register(self, self.outbox)
 
     @property
     def deferred(self) -> Optional[P.ApplyRequest]:
