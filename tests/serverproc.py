@@ -67,6 +67,14 @@ def assert_error(resp, status: int, words: str = "") -> dict:
     return payload
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory now, MiB (/proc/PID/status VmRSS)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
 def segment_of(app):
     return app.extensions["splitlearn"].segment
 

@@ -19,7 +19,7 @@ from splitlearn.localserver import ChildServer, free_port
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.transport import unixframe as F
 
-from serverproc import TOKEN
+from serverproc import TOKEN, rss_mib
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # RSS and slots: run alone (pytest.ini)
 
@@ -41,13 +41,6 @@ def server():
     with srv:
         srv.unix_path, srv.unix_url = sock_path, "unix://" + sock_path
         yield srv
-
-
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def raw(server) -> socket.socket:

@@ -20,7 +20,7 @@ from splitlearn.errors import Unauthorized
 from splitlearn.localserver import ChildServer, free_port
 from splitlearn.server.http.frontdoor import LINGER_S
 
-from serverproc import TOKEN
+from serverproc import TOKEN, rss_mib
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # deadlines: run alone (pytest.ini)
 
@@ -44,13 +44,6 @@ def door(tmp_path_factory):
         srv.checkpoint_dir = ckpt
         srv.token = (ckpt / "splitlearn-token").read_text().strip()
         yield srv
-
-
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def open_sockets(pid: int) -> int:
