@@ -255,14 +255,20 @@ def run(args) -> dict:
         try:
             # generation first, on servers no training step has changed: the split's tokens are
             # the unsplit model's (same_tokens); each phase's servers go before the next (GPU memory)
-            phase(ctx, "seed001", lambda: seed001(replace(cfg, dtype="float32"), servers, *p["seed"],
+            want = set(args.phases.split(",")) if args.phases else None
+            if want is None or "seed001" in want:
+                phase(ctx, "seed001", lambda: seed001(replace(cfg, dtype="float32"), servers, *p["seed"],
                                                   p["seed_tokens"], p["seed_prompt"]), rows)
             if not smoke:
                 servers.stop()  # seed 001's float32 server
-            phase(ctx, "greedy", lambda: greedy(cfg, ctx, servers, *p["generate"], not args.no_compile), rows)
-            phase(ctx, "decode overhead", lambda: decode_overhead(cfg, servers, *p["generate"], p["decode_calls"]),
-                  rows)
+            if want is None or "greedy" in want:
+                phase(ctx, "greedy", lambda: greedy(cfg, ctx, servers, *p["generate"], not args.no_compile), rows)
+            if want is None or "decode" in want:
+                phase(ctx, "decode overhead",
+                      lambda: decode_overhead(cfg, servers, *p["generate"], p["decode_calls"]), rows)
             for size in ("small", "xl"):
+                if want is not None and f"train-{size}" not in want:
+                    continue
                 cases = [c for c in p["train"] if f"-{size}-" in c.case]
                 phase(ctx, f"train-{size}", lambda: training(cfg, ctx, servers, cases, rounds), rows)
                 if not smoke:  # the next model has the GPU to itself
@@ -323,6 +329,8 @@ def main(argv=None) -> int:
     a.add_argument("--repeats", type=int, default=3, help="timed generations per system")
     a.add_argument("--new-tokens", type=int, default=64)
     a.add_argument("--no-compile", action="store_true", help="without the static cache + torch.compile reference")
+    a.add_argument("--phases", help="comma-separated subset of seed001,greedy,decode,train-small,train-xl "
+                   "(default: all)")
     a.add_argument("--out", help="results directory (default: benchmarks/results/gpu; --smoke: a temporary one)")
     args = a.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -158,3 +158,37 @@ def test_a_full_account_refuses_with_429_and_the_tenant_share_is_separate_from_t
         account.reserve("carol", 2 << 20, "a graph")
     a.release(), b.release()
     assert account.tenants == {} and account.refusals == 2
+
+
+def test_a_fingerprint_changes_with_any_byte_and_with_bytes_moved():
+    """The device digest's sums (ledger._fingerprint) run the same on any device: here the CPU."""
+    from splitlearn.server.engine.ledger import _fingerprint
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7).to(torch.bfloat16)  # 210 bytes: padded to whole words
+    base = _fingerprint(x)
+    assert torch.equal(base, _fingerprint(x.clone()))
+    flat = x.reshape(-1).view(torch.uint8)
+    for i in (0, 7, 8, 209):  # first, word end, word start, last (in the pad's word)
+        y = flat.clone()
+        y[i] ^= 1
+        assert not torch.equal(_fingerprint(y.view(torch.bfloat16)), base), i
+    swapped = x.reshape(-1).clone()
+    swapped[[0, 100]] = swapped[[100, 0]]
+    assert not torch.equal(_fingerprint(swapped), base)  # same multiset of words, moved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_answer_on_the_gpu_is_digested_there_and_names_its_tensors():
+    from splitlearn.server.engine.ledger import answer_digests
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 8, 16, device="cuda", dtype=torch.bfloat16)
+    on_gpu = [Answer({"hidden": h}, {"step": "1"}), Answer({"hidden": h.clone()}, {"step": "1"}),
+              Answer({"hidden": h + 1}, {"step": "1"}), Answer({"hidden": h}, {"step": "2"}),
+              Answer({"grad": h}, {"step": "1"})]
+    d = answer_digests(on_gpu)
+    assert d[0] == d[1] and len(set(d)) == 4  # values, metadata and names all count
+    assert all(a._bytes is None for a in on_gpu)  # never encoded (no copy to host memory)
+    cpu = Answer({"hidden": h.cpu()}, {"step": "1"})
+    assert answer_digests([cpu]) == [digest_of(cpu.encode())]

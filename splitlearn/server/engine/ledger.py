@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -80,6 +81,52 @@ def digest_of(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
+# odd 64-bit multiplier (the golden ratio's, as a signed int64): spreads a word's bits over the sum
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Three int64 sums over ``t``'s bytes, on its device: the words, the words weighted by
+    their odd positions, and the words' bits folded and mixed, weighted likewise (wrapping
+    arithmetic). Any changed byte changes the first or second sum; moved bytes the second."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if b.numel() % 8:
+        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+    w = b.view(torch.int64)  # (n,)
+    odd = torch.arange(1, 2 * w.numel(), 2, device=w.device, dtype=torch.int64)  # (n,)
+    return torch.stack([w.sum(), (w * odd).sum(), ((w ^ (w >> 29)) * _MIX * odd).sum()])
+
+
+def answer_digests(answers: list[Answer]) -> list[bytes]:
+    """What names each answer once its bytes are dropped (a retry's 409, the checkpoint).
+    An answer in host memory (encoded already, or its tensors on the CPU): BLAKE2b-128 of its
+    encoded bytes (:func:`digest_of`). An answer whose tensors are on a GPU is digested there:
+    BLAKE2b-128 of its tensors' names, dtypes, shapes, its metadata and :func:`_fingerprint` of
+    each, every fingerprint read back in one copy of 24 bytes a tensor. Encoding it would copy
+    each tensor to host memory and hash it on the CPU (~40 ms a step of GPT-2 small's shape on
+    an H100 host, two 12.6 MB answers): the cost issue 42 removed (docs/PERFORMANCE.md)."""
+    out: list = [None] * len(answers)
+    on_device = []
+    for i, a in enumerate(answers):
+        if a._bytes is not None or not any(t.is_cuda for t in a.tensors.values()):
+            out[i] = digest_of(a._bytes or encode(a.tensors, a.meta))
+        else:
+            on_device.append(i)
+    if on_device:
+        prints = [[_fingerprint(t) for _, t in sorted(answers[i].tensors.items())] for i in on_device]
+        host = torch.stack([p for ps in prints for p in ps]).cpu().numpy()  # the one copy back (and sync)
+        k = 0
+        for i in on_device:
+            a = answers[i]
+            h = hashlib.blake2b(digest_size=16)
+            h.update(json.dumps([[n, str(t.dtype), list(t.shape)] for n, t in sorted(a.tensors.items())]).encode())
+            h.update(json.dumps(a.meta, sort_keys=True).encode())
+            h.update(host[k:k + len(a.tensors)].tobytes())
+            k += len(a.tensors)
+            out[i] = h.digest()
+    return out
+
+
 @dataclass(eq=False)
 class Kept:
     """A stored answer of an applied step: its encoded bytes while the server keeps them (a
@@ -101,7 +148,7 @@ class Kept:
         body = self.body  # read once: another thread may evict it
         if body is None:
             raise Conflict(f"{what} was applied; its answer is no longer held by the server (digest "
-                           f"blake2b-128 {(self.digest or b'').hex()} of its bytes): nothing was applied "
+                           f"blake2b-128 {(self.digest or b'').hex()}): nothing was applied "
                            f"again")
         return Answer.decode(body)
 
@@ -139,14 +186,11 @@ def _sealed(rec: ClientRecord, final: bool) -> tuple[Kept, dict[int, Kept], dict
     the last one still gets its "durable" field."""
     answer, pieces, forwards = rec.live
 
-    def body(a: Answer) -> bytes:
-        return a.encode() if final else (a._bytes or encode(a.tensors, a.meta))
-
-    def kept(a: Answer) -> Kept:
-        return Kept(None, digest_of(body(a)))
-
-    return (Kept(body(answer)), {i: kept(a) for i, a in pieces.items()},
-            {i: kept(a) for i, a in forwards.items()})
+    body = answer.encode() if final else (answer._bytes or encode(answer.tensors, answer.meta))
+    named = [*pieces.items(), *forwards.items()]
+    digests = iter(answer_digests([a for _, a in named]))
+    return (Kept(body), {i: Kept(None, next(digests)) for i, _ in pieces.items()},
+            {i: Kept(None, next(digests)) for i, _ in forwards.items()})
 
 
 @dataclass
