@@ -3,16 +3,18 @@
     python benchmarks/profile_step.py --device cuda                      # GPT-2 small, U (2, 10), 8 x 1024
     python benchmarks/profile_step.py --device cpu --model tiny-768      # the fixed cost, tiny compute
 
-The server runs in this process (its app, its TCP front door and its ``unix://`` door in threads,
-as ``python -m splitlearn.server`` builds them), so one profiler sees the client and the server:
+The server is a process of its own (``python -m splitlearn.server``, TCP and ``unix://``), or with
+``--in-process`` its app and doors run in threads of this process (one profiler sees both sides):
 
 - timings: the median step over ``--steps`` for the unsplit model and the split over each transport;
 - ``--torch-profile DIR``: ``torch.profiler`` (CPU and, on CUDA, CUDA activities) of a few split
-  steps per transport, both sides: ``DIR/<transport>.txt`` (key averages by self CPU time and by
-  device time) and ``DIR/<transport>.json`` (a Chrome trace, with ``--trace``);
-- ``--cprofile DIR``: Python's profiler in every thread (the client's, the doors', the server's
-  compute thread) over the whole run, merged: ``DIR/steps.cprofile.txt`` (the timings above are
-  then the profiled ones).
+  steps per transport: ``DIR/<transport>.txt`` (this process's key averages by self CPU time and
+  by device time; in process: both sides), ``DIR/<transport>.json`` (a Chrome trace, with
+  ``--trace``) and, with a server process, ``DIR/server-profile.txt`` (its ``--profile-dir``
+  tables: every request it served, the warm-up and timed steps too);
+- ``--cprofile DIR`` (with ``--in-process``): Python's profiler in every thread (the client's, the
+  doors', the server's compute thread) over the whole run, merged: ``DIR/steps.cprofile.txt``
+  (the timings above are then the profiled ones).
 
 ``--model tiny-768``: one block of d=768 (the per-step fixed cost with almost no compute, the CPU
 bench of issue 42); any model spec of ``splitlearn.loading`` otherwise.
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
     a.add_argument("--transports", default="unix,tcp")
     a.add_argument("--torch-profile", help="directory for torch.profiler tables")
     a.add_argument("--trace", action="store_true", help="with --torch-profile: also a Chrome trace")
-    a.add_argument("--cprofile", help="directory for cProfile tables (every thread)")
+    a.add_argument("--in-process", action="store_true", help="the server's app and doors in threads of this process")
+    a.add_argument("--cprofile", help="with --in-process: directory for cProfile tables (every thread)")
     args = a.parse_args(argv)
 
     from splitlearn.checkpoint import make_optimizer
@@ -144,9 +147,19 @@ def main(argv=None) -> int:
     model = load_model(spec, device=args.device, dtype=getattr(torch, dtype))
     cfg = BenchConfig(device=args.device, dtype=dtype)
     ids = prompts(cfg, args.batch, model.config.vocab_size, args.seq).to(args.device)
-    whole = AllThreads().__enter__() if args.cprofile else None  # every thread, the server's too
+    whole = AllThreads().__enter__() if args.cprofile and args.in_process else None  # every thread, the server's too
     sock = os.path.join(tempfile.mkdtemp(prefix="sl-prof-"), "s.sock")
-    urls, _keep = in_process_server(server_argv, sock)
+    server = None
+    if args.in_process:
+        urls, _keep = in_process_server(server_argv, sock)
+    else:
+        from splitlearn.localserver import LocalServer
+
+        extra_args = ["--listen", "unix://" + sock]
+        if args.torch_profile:
+            extra_args += ["--profile-dir", str(Path(args.torch_profile).resolve())]
+        server = LocalServer(server_argv + extra_args, token=TOKEN, quiet=False).start()
+        urls = {"tcp": server.url, "unix": "unix://" + sock}
     opt = make_optimizer(model.parameters(), "adamw", 1e-4, 0.0)
     systems = {"unsplit": lambda: unsplit_step(model, opt, ids)}
     clients = {}
@@ -194,6 +207,8 @@ def main(argv=None) -> int:
         whole.report(Path(args.cprofile) / "steps.cprofile.txt")
     for c in clients.values():
         c.close()
+    if server is not None:
+        server.stop()  # SIGTERM: its --profile-dir tables are written
     return 0
 
 

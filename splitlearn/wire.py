@@ -129,12 +129,15 @@ class Encoded:
     ``keep_device``: tensors on a CUDA device stay there (:attr:`device`), for a link that
     writes them into a device region (:meth:`write_data`); anything else copies them out."""
 
-    __slots__ = ("head", "tensors", "nbytes", "device")
+    __slots__ = ("head", "tensors", "nbytes", "device", "host_copied")
 
     def __init__(self, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None,
                  keep_device: bool = False):
         meta = {str(k): str(v) for k, v in (metadata or {}).items()}
         self.device = next((v.device for v in tensors.values() if v.is_cuda), None) if keep_device else None
+        # bytes of tensor data copied through host memory so far (a copy out of a device counts)
+        self.host_copied = sum(v.numel() * v.element_size() for v in tensors.values()
+                               if self.device is None and not v.is_cpu)
         moved = {str(k): _ready(v, self.device) for k, v in tensors.items()}
         if sys.byteorder != "little" or any(v.dtype not in _ST_DTYPES for v in moved.values()):
             moved = {k: v.cpu() for k, v in moved.items()}
@@ -157,12 +160,36 @@ class Encoded:
     def __len__(self) -> int:
         return self.nbytes
 
+    def _data_bytes(self) -> int:
+        return self.nbytes - len(self.head)
+
     def __bytes__(self) -> bytes:
         # numpy arrays are joined as their bytes (C-contiguous): one copy, one torch call a tensor
+        self.host_copied += self._data_bytes()
         return b"".join([self.head, *(_host_array(v) for v in self.tensors)])
+
+    def host_body(self):
+        """The body in host memory, for a socket, each tensor copied once: tensors left on a
+        CUDA device (``keep_device``) go device-to-host straight into one pinned buffer of the
+        body's size (the copies queued together, one wait), which comes back as a ``memoryview``;
+        tensors in host memory are joined into ``bytes`` (:meth:`__bytes__`). Either way one copy
+        of the data (:attr:`host_copied`), none by Python."""
+        if self.device is None:
+            return bytes(self)
+        buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)  # torch caches pinned blocks
+        buf[:len(self.head)].copy_(torch.frombuffer(bytearray(self.head), dtype=torch.uint8))
+        end = len(self.head)
+        for v in self.tensors:
+            n = v.numel() * v.element_size()
+            buf[end:end + n].copy_(v.reshape(-1).view(torch.uint8), non_blocking=True)  # device to pinned host
+            end += n
+        torch.cuda.current_stream(self.device).synchronize()  # the bytes are there before the socket reads them
+        self.host_copied += self._data_bytes()
+        return memoryview(buf.numpy())  # keeps ``buf`` alive
 
     def write_into(self, buf, offset: int = 0) -> int:
         """Write the body into the writable buffer ``buf`` at ``offset``; its size."""
+        self.host_copied += self._data_bytes()
         end = offset + len(self.head)
         buf[offset:end] = self.head
         for v in self.tensors:

@@ -67,6 +67,7 @@ def test_a_forward_crosses_the_device_region_with_the_same_answer(server, rows, 
         no_host_copies.clear()
         b, mb = unix.call_meta(P.FORWARD, _hidden(0, *rows), {"wire_dtype": "float32"})
         assert "cuda" not in no_host_copies  # the client wrote its tensors device to device
+        assert unix.stats.host_copy_bytes == 0  # nor read the answer through host memory (WireStats)
         conn = unix.link._lanes[0]
         assert conn.device_region is not None and conn.device_region.device.type == "cuda"
         assert b[P.HIDDEN].is_cuda and ma == mb
@@ -74,6 +75,24 @@ def test_a_forward_crosses_the_device_region_with_the_same_answer(server, rows, 
     finally:
         http.close()
         unix.close()
+
+
+def test_over_tcp_a_cuda_tensor_is_copied_once_each_way_through_pinned_memory(server):
+    """The lean HTTP path: each tensor copied once, device to pinned host memory, sent from there
+    (a memoryview, not joined into bytes); the answer decoded once (WireStats.host_copy_bytes)."""
+    t = Transport(TransportConfig(server.url, TOKEN))
+    try:
+        body = _hidden(0, 4, 64)
+        a, _ = t.call_meta(P.FORWARD, body, {"wire_dtype": "float32"})
+        sent = sum(v.numel() * v.element_size() for v in body.values())
+        got = sum(v.numel() * v.element_size() for v in a.values())
+        assert t.stats.host_copy_bytes == sent + got
+        enc = wire.Encoded(body, {}, keep_device=True)
+        view = enc.host_body()
+        assert isinstance(view, memoryview) and bytes(view) == bytes(wire.Encoded(body, {}))
+        assert enc.host_copied == sent
+    finally:
+        t.close()
 
 
 def test_generation_on_the_gpu_is_the_unsplit_models(server, varied_model, padded_batch):

@@ -63,6 +63,20 @@ def test_a_forward_gets_the_same_tensors_and_metadata(server, rows):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) and ma == mb
 
 
+@pytest.mark.parametrize("rows", [(2, 5), (4, 64)])  # inline, and through the region
+def test_each_tensor_crosses_host_memory_once_each_way(server, rows):
+    """WireStats.host_copy_bytes: over HTTP each tensor is copied once into the body and the
+    answer's once out of it; over unix:// once into the region (or the inline frame) and once
+    out. A second copy anywhere (a join after a copy, bytes() of a view) would show."""
+    body = _hidden(0, *rows)
+    sent = sum(v.numel() * v.element_size() for v in body.values())
+    for t in both(server):
+        a = t.call(P.FORWARD, body, {"wire_dtype": "float32"})
+        got = sum(v.numel() * v.element_size() for v in a.values())
+        assert t.stats.host_copy_bytes == sent + got, t.cfg.url
+        t.close()
+
+
 def test_decode_steps_on_two_lanes_are_sent_before_they_are_read(server):
     answers = []
     for t in both(server):

@@ -271,6 +271,10 @@ class Observability:
                                           "lines; the metrics count every request either way)", metavar="FILE")
     request_log: bool = opt(True, "neither count requests in the metrics nor log access lines (for comparison)",
                             flag="--no-request-log")
+    profile_dir: Optional[str] = opt(None, "record torch.profiler (CPU ops of every thread, CUDA kernels on a GPU) "
+                                           "from start to SIGTERM/SIGINT, then write its tables to "
+                                           "DIR/server-profile.txt (slows the server: for finding where time "
+                                           "goes; docs/PERFORMANCE.md)", metavar="DIR")
 
 
 # the command line's sections, in --help's order (LoraOptions: ServerConfig.lora)

@@ -28,7 +28,7 @@ import requests
 
 from .. import protocol as P
 from ..errors import ConfigError, SplitLearnError, TransportError, from_payload
-from ..wire import DeviceBody, Encoded, decode, encode
+from ..wire import DeviceBody, Encoded, decode
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,9 @@ class WireStats:
     round_trip_s: float = 0.0  # from sending a request to having its answer
     server_compute_s: float = 0.0  # what the server reported spending (X-Server-Time-Ms)
     retries: int = 0
+    # bytes of tensor data this client's transport copied through host memory, both ways
+    # (a device-to-host copy counts): one copy each way over TCP, 0 over a unix:// device region
+    host_copy_bytes: int = 0
 
     @property
     def overhead_s(self) -> float:
@@ -411,11 +414,17 @@ class Transport:
     def start_call(self, path: str, tensors: dict, meta: Optional[dict] = None, lane: int = 0) -> PendingCall:
         """Encode and send ``tensors`` on ``lane`` now; :meth:`finish_call` gets the answer."""
         t0 = time.perf_counter()
-        # a link into shared memory (unix://) writes the body there itself: the one copy
-        body = (Encoded(tensors, meta, keep_device=getattr(self.link, "takes_device", False))
-                if getattr(self.link, "takes_encoded", False) else encode(tensors, meta))
+        if getattr(self.link, "takes_encoded", False):
+            # a link into shared memory (unix://) writes the body there itself: the one copy
+            body = enc = Encoded(tensors, meta, keep_device=getattr(self.link, "takes_device", False))
+        else:  # a socket: each tensor copied once into host memory (from a GPU: into pinned memory)
+            lean = self.lean and self.link is None  # http.client sends a memoryview as it is
+            enc = Encoded(tensors, meta, keep_device=lean)
+            body = enc.host_body() if lean else bytes(enc)
         self.stats.serialize_s += time.perf_counter() - t0
-        return self.start(path, body, lane)
+        pending = self.start(path, body, lane)
+        self.stats.host_copy_bytes += enc.host_copied  # once the link has written it
+        return pending
 
     def finish_call(self, pending: PendingCall) -> dict:
         return self.finish_call_meta(pending)[0]
@@ -433,6 +442,8 @@ class Transport:
             if isinstance(answer, (memoryview, DeviceBody)):
                 answer.release()
         self.stats.deserialize_s += time.perf_counter() - t0
+        if not isinstance(answer, DeviceBody):  # decoded out of host memory: one copy a tensor
+            self.stats.host_copy_bytes += sum(t.numel() * t.element_size() for t in out.values())
         return out, meta
 
     def post_bytes(self, path: str, body: bytes) -> bytes:

@@ -57,6 +57,35 @@ def write_generated_token(cfg: ServerConfig) -> Path:
     return path.resolve()
 
 
+def start_profiler(rt):
+    """``--profile-dir``: torch.profiler over the server's life, started on its compute thread
+    (the profiler records the CPU ops of the thread that starts it: the one that runs the
+    model; CUDA kernels and copies of every thread on a GPU)."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if getattr(getattr(rt, "device", None), "type", "cpu") == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=acts)
+    rt.compute.run(prof.__enter__)
+    return prof
+
+
+def write_profile(prof, rt, directory: Path) -> Path:
+    """Stop ``prof`` (on the compute thread); its key averages by self CPU time (and by device
+    time on a GPU) to ``directory/server-profile.txt``."""
+    device = getattr(rt, "device", None)
+    rt.compute.run(lambda: prof.__exit__(None, None, None))
+    directory.mkdir(parents=True, exist_ok=True)
+    avg = prof.key_averages()
+    text = avg.table(sort_by="self_cpu_time_total", row_limit=50)
+    if getattr(device, "type", "cpu") == "cuda":
+        text += "\n\n" + avg.table(sort_by="self_device_time_total", row_limit=30)
+    path = directory / "server-profile.txt"
+    path.write_text(text)
+    return path
+
+
 def serve(cfg: ServerConfig) -> None:
     """Build the app and serve it until SIGTERM/SIGINT, checkpointing on the way out."""
     from ...idlepoll import IdlePoller
@@ -75,6 +104,7 @@ def serve(cfg: ServerConfig) -> None:
                       for url in cfg.listen]
 
     poller = IdlePoller().start() if cfg.poll_idle else None
+    profiler = start_profiler(rt) if cfg.profile_dir else None
     scrape = app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port) if cfg.metrics_port else None
 
     def stop(signum, _frame):
@@ -95,6 +125,8 @@ def serve(cfg: ServerConfig) -> None:
         if scrape is not None:
             scrape.shutdown()
         rt.compute.run(rt.checkpoint)
+        if profiler is not None:
+            write_profile(profiler, rt, Path(cfg.profile_dir))
         for door in unix_doors:
             door.close()
         if server is not None:
