@@ -38,6 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,6 +48,7 @@ import torch  # noqa: E402
 from splitlearn import protocol as P  # noqa: E402
 from splitlearn.checkpoint import make_optimizer  # noqa: E402
 from splitlearn.client import SplitClient  # noqa: E402
+from splitlearn.hf.pipeline import Chooser  # noqa: E402
 from splitlearn.localserver import LocalServer  # noqa: E402
 from splitlearn.transport import Transport, TransportConfig  # noqa: E402
 
@@ -132,14 +134,20 @@ def training(cfg: BenchConfig, ctx: BenchContext, servers: Servers, cases: list[
     opt = make_optimizer(model.parameters(), "adamw", cfg.lr, 0.0)
     base = ("-".join(first.case.split("-")[:2]), "unsplit")  # train-small, train-xl
     steps = {base: lambda: unsplit_step(model, opt, ids)}
-    clients = []
+    clients, owner = [], {}
     for c in cases:
         urls, token = servers.urls(c.model, c.cuts, cfg.dtype)
         for kind in TRANSPORTS:
             client = SplitClient(urls[kind], model, token=token, device=cfg.device, wire_dtype=c.wire,
                                  seed=cfg.seed, lr=cfg.lr, micro_batches=c.micro)
             clients.append(client)
+            owner[(c.case, kind)] = client
             steps[(c.case, kind)] = (lambda client=client: client.train_step(ids))
+    for key, fn in steps.items():  # micro-batches past the chooser's trials (pipeline.Chooser)
+        client = owner.get(key)
+        if client is not None and client.micro_batches > 1 and cfg.device == "cuda":
+            for _ in range(2 * (Chooser.WARMUP + Chooser.TRIALS)):
+                fn()
     ctx.log(f"  training {first.model}: {len(steps)} systems, {cfg.warmup} + {rounds} rounds")
     runs = {k: [] for k in steps}
     for r in range(cfg.warmup + rounds):
@@ -148,11 +156,16 @@ def training(cfg: BenchConfig, ctx: BenchContext, servers: Servers, cases: list[
             if r >= cfg.warmup:
                 runs[k].append(t)
             _free(cfg.device)
+    chosen = {}
     for c in clients:
+        chooser = c._model.__dict__.get("_micro_chooser")
+        chosen[id(c)] = None if chooser is None else chooser.choice
         c.close()
     rows = []
     for (case, kind), times in runs.items():
-        rows.append({"case": case, "transport": kind, "model": first.model, "batch": first.batch, "seq": first.seq,
+        client = owner.get((case, kind))
+        extra = {"micro_chosen": chosen.get(id(client))} if client is not None and chosen.get(id(client)) else {}
+        rows.append({**extra, "case": case, "transport": kind, "model": first.model, "batch": first.batch, "seq": first.seq,
                      "median_ms": round(1e3 * statistics.median(times), 2), "p90_ms": round(1e3 * p90(times), 2),
                      "ratio": round(statistics.median(a / b for a, b in zip(times, runs[base])), 3),
                      "rounds": len(times)})
@@ -231,18 +244,20 @@ def seed001(cfg: BenchConfig, servers: Servers, model_name: str, cuts, tokens: i
     return out
 
 
-def phase(ctx: BenchContext, name: str, fn, rows: list) -> None:
+def phase(ctx: BenchContext, name: str, fn, rows: list, done=None) -> None:
     ctx.log(f"[{name}]")
     t0 = time.perf_counter()
     rows += fn()
     ctx.log(f"[{name}] {time.perf_counter() - t0:.0f} s")
+    if done is not None:  # the results so far, written: a run cut short keeps its finished phases
+        done()
 
 
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
-def run(args) -> dict:
+def run(args, out: Optional[Path] = None) -> dict:
     smoke, p = args.smoke, plan(args.smoke)
     cfg = BenchConfig(device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", threads=1,
                       repeats=1 if smoke else args.repeats, warmup=1 if smoke else 2,
@@ -250,6 +265,17 @@ def run(args) -> dict:
     started = dt.datetime.now(dt.timezone.utc)
     t0, rows = time.perf_counter(), []
     rounds = 1 if smoke else args.rounds
+
+    def result() -> dict:
+        import transformers
+        return {"device": device_name(cfg.device), "device_type": cfg.device,
+                "date": started.isoformat(timespec="seconds"), "seconds": round(time.perf_counter() - t0, 1),
+                "command": command_line(), "smoke": smoke, "torch": torch.__version__,
+                "transformers": transformers.__version__, "rows": rows}
+
+    def done() -> None:
+        if out is not None:
+            write(result(), out)
     with BenchContext(cfg) as ctx:
         servers = Servers(ctx)
         try:
@@ -258,29 +284,27 @@ def run(args) -> dict:
             want = set(args.phases.split(",")) if args.phases else None
             if want is None or "seed001" in want:
                 phase(ctx, "seed001", lambda: seed001(replace(cfg, dtype="float32"), servers, *p["seed"],
-                                                  p["seed_tokens"], p["seed_prompt"]), rows)
+                                                  p["seed_tokens"], p["seed_prompt"]), rows, done)
             if not smoke:
                 servers.stop()  # seed 001's float32 server
             if want is None or "greedy" in want:
-                phase(ctx, "greedy", lambda: greedy(cfg, ctx, servers, *p["generate"], not args.no_compile), rows)
+                phase(ctx, "greedy", lambda: greedy(cfg, ctx, servers, *p["generate"], not args.no_compile), rows,
+                      done)
             if want is None or "decode" in want:
                 phase(ctx, "decode overhead",
-                      lambda: decode_overhead(cfg, servers, *p["generate"], p["decode_calls"]), rows)
+                      lambda: decode_overhead(cfg, servers, *p["generate"], p["decode_calls"]), rows, done)
             for size in ("small", "xl"):
                 if want is not None and f"train-{size}" not in want:
                     continue
                 cases = [c for c in p["train"] if f"-{size}-" in c.case]
-                phase(ctx, f"train-{size}", lambda: training(cfg, ctx, servers, cases, rounds), rows)
+                phase(ctx, f"train-{size}", lambda: training(cfg, ctx, servers, cases, rounds), rows, done)
                 if not smoke:  # the next model has the GPU to itself
                     servers.stop()
                     ctx.drop_models()
                     _free(cfg.device)
         finally:
             servers.stop()
-    import transformers
-    return {"device": device_name(cfg.device), "device_type": cfg.device, "date": started.isoformat(timespec="seconds"),
-            "seconds": round(time.perf_counter() - t0, 1), "command": command_line(), "smoke": smoke,
-            "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
+    return result()
 
 
 SUMMARY_CASES = ("train-small-bf16", "train-small-f32", "train-small-bf16-mb4", "train-xl-bf16", "train-xl-bf16-mb4",
@@ -335,9 +359,9 @@ def main(argv=None) -> int:
     args = a.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         a.error("--device cuda: no CUDA device is available (--device cpu --smoke runs without one)")
-    result = run(args)
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="sl-gpu-smoke-")) if args.smoke else
                                            Path(__file__).resolve().parent / "results" / "gpu")
+    result = run(args, out)
     for r in result["rows"]:
         print(json.dumps(r))
     print(markdown(result))

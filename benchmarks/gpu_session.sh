@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The one prepared script for a session lent a GPU: the CUDA tests, then benchmarks/gpu.py, in
-# ~8 minutes on an H100. Prepare the wheels here first (once; .whl/ is gitignored), then run it
-# through the device tool from the repository root, carrying them:
+# The one prepared script for a session lent a GPU: benchmarks/gpu.py (the table of issue 42), the
+# CUDA tests, then where a step's time goes (benchmarks/profile_step.py, both processes under
+# torch.profiler), in ~6.5 minutes on an H100. Prepare the wheels here first (once; .whl/ is
+# gitignored), then run it through the device tool from the repository root, carrying them:
 #
 #   make gpu-wheels
-#   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=420)
 #
 # The GPU image has torch 2.11+cu130 and an older transformers and reaches no registry: the
 # wheels go to /tmp/site, on PYTHONPATH with the source tree. What comes back under $OUT (at most
-# 8 files): device.txt, tests.log, gpu.log, latest.json, latest.md and the run's dated JSON; copy
-# the last three to benchmarks/results/gpu/ and commit them. Exit status: non-zero if the tests or
-# the benchmark failed.
+# 8 files): device.txt, gpu.log, latest.json, latest.md, the run's dated JSON, tests.log and
+# profile.txt; copy the JSON and .md to benchmarks/results/gpu/ and commit them. GPU_ARGS adds
+# arguments to gpu.py (default: 3 rounds, 1 repeat, 32 new tokens: the session's device time is
+# short). Exit status: non-zero if the benchmark or the tests failed.
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run 'make gpu-wheels' here and carry .whl" >&2; exit 2; }
@@ -21,16 +23,24 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/device.txt"
 
-# the CUDA tests: the device region, devices, the memory model against the measured peak (~1 min)
-timeout 180 python3 -m pytest -p no:cacheprovider -q -rs tests/test_transport_cuda.py tests/test_devices.py \
-    "tests/test_server_budget.py::test_on_cuda_the_price_is_within_1_5x_of_the_measured_peak" 2>&1 | tee "$OUT/tests.log"
-tests=$?
-
-# the GPU table (at most ~7 minutes)
-timeout 420 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log"
+# the GPU table; each finished phase is written at once (a run cut short keeps them)
+timeout "${GPU_TIMEOUT:-230}" python3 benchmarks/gpu.py ${GPU_ARGS:---rounds 3 --repeats 1 --new-tokens 32} 2>&1 \
+    | grep -v "Loading weights" | tee "$OUT/gpu.log"
 bench=$?
 cp benchmarks/results/gpu/latest.json benchmarks/results/gpu/latest.md "$OUT/" 2>/dev/null
 dated=$(ls -t benchmarks/results/gpu/20*.json 2>/dev/null | head -1)
 [ -n "$dated" ] && cp "$dated" "$OUT/"
-echo "tests: exit $tests; benchmark: exit $bench"
+
+# the CUDA tests: the device region (0 host bytes), pinned TCP, the device digest, the memory model
+timeout 70 python3 -m pytest -p no:cacheprovider -q -rs -x tests/test_transport_cuda.py \
+    "tests/test_server_ledger.py::test_an_answer_on_the_gpu_is_digested_there_and_names_its_tensors" \
+    "tests/test_server_budget.py::test_on_cuda_the_price_is_within_1_5x_of_the_measured_peak" 2>&1 | tee "$OUT/tests.log"
+tests=$?
+
+# where a unix:// training step's time goes: this process and the server's (--profile-dir)
+timeout 60 python3 benchmarks/profile_step.py --device cuda --steps 3 --transports unix --torch-profile /tmp/prof \
+    2>&1 | grep -v "Loading weights\|USDT" > /tmp/prof.log
+{ cat /tmp/prof.log; echo "## client (this process)"; cat /tmp/prof/unix.txt; echo "## server"; cat /tmp/prof/server-profile.txt; } \
+    > "$OUT/profile.txt" 2>&1
+echo "benchmark: exit $bench; tests: exit $tests"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

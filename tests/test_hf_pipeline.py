@@ -115,3 +115,47 @@ def test_only_the_lm_head_pipelines(server):
         SplitGPT2ForSequenceClassification.from_pretrained("tiny", server=server.url, token=TOKEN, num_labels=2,
                                                            micro_batches=2)
     assert SplitGPT2LMHeadModel.micro_batches.fget  # the property, documented on the class
+
+
+class _Clock:
+    """A step's time as the test says: each training forward reads it once."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("faster", ["whole", "pipelined"])
+def test_the_chooser_keeps_the_count_it_measured_faster(server, faster):
+    """On a GPU, micro-batching can be slower than whole batches (one GPU shared by both sides):
+    the first steps measure both and the faster stays. Here on the CPU (choose_micro_batches =
+    True) with a clock the test drives: each step's server calls show which count it ran."""
+    from splitlearn.hf import pipeline
+
+    model = split_lm(server, micro_batches=M)
+    model.choose_micro_batches = True
+    clock = _Clock()
+    model.__dict__["_micro_chooser"] = pipeline.Chooser(M, clock=clock)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = batches(12, seed=4, rows=4)
+    ran = []
+    for ids, mask, labels in data:
+        calls = model.remote.stats.calls
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        pieces = (model.remote.stats.calls - calls) // 2  # a forward and a backward each
+        ran.append(pieces)
+        slow = (pieces > 1) == (faster == "whole")
+        clock.now += 2.0 if slow else 1.0
+    plan = pipeline.Chooser.WARMUP + pipeline.Chooser.TRIALS
+    assert ran[:plan] == [M] * plan and ran[plan:2 * plan] == [1] * plan  # measured both
+    assert set(ran[2 * plan:]) == {1 if faster == "whole" else M}  # then kept the faster
+    model.choose_micro_batches = False  # the user's M, always
+    ids, mask, labels = data[0]
+    calls = model.remote.stats.calls
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert (model.remote.stats.calls - calls) // 2 == M
+    model.remote.close()

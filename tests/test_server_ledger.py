@@ -176,6 +176,9 @@ def test_a_fingerprint_changes_with_any_byte_and_with_bytes_moved():
     swapped = x.reshape(-1).clone()
     swapped[[0, 100]] = swapped[[100, 0]]
     assert not torch.equal(_fingerprint(swapped), base)  # same multiset of words, moved
+    y = torch.randn(40)
+    for lo in (1, 2):  # a view at an offset that is no whole word: the same bytes, the same sums
+        assert torch.equal(_fingerprint(y[lo:lo + 16]), _fingerprint(y[lo:lo + 16].clone()))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -345,6 +345,10 @@ class SplitMixin:
             remote.persist(optimizer)  # journal_dir: the server checkpoints at a sync; the average is loaded
         return status
 
+    #: measure ``micro_batches`` against whole batches over the first training steps and keep the
+    #: faster (:class:`splitlearn.hf.pipeline.Chooser`): "auto" on a CUDA device, True anywhere, False never
+    choose_micro_batches = "auto"
+
     @property
     def micro_batches(self) -> int:
         """Training forwards with ``labels`` split into this many micro-batches, pipelined with

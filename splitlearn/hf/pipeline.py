@@ -184,11 +184,82 @@ class _Pipelined(torch.autograd.Function):
         return None, None, None
 
 
-def applies(model, labels, cache, inputs_embeds) -> bool:
-    """Pipeline this forward? Training (gradients on), ``labels``, no cache, M > 1, rows > 1."""
+class Chooser:
+    """Whole batches or ``M`` micro-batches, whichever measured faster (on a GPU by default).
+
+    Pipelining pays where the client and the server compute at once on two devices (two CPUs,
+    two GPUs, a link with latency); on one GPU both sides share it, and M smaller pieces cost M
+    times the per-crossing and launch overheads (issue 42: GPT-2 XL U (2, 46) on one H100, 4 x
+    1024, was 1.4x the unsplit step whole and 3.0x with ``micro_batches=4``). So the first
+    training steps measure both: ``WARMUP`` + ``TRIALS`` steps with M, the same whole; a step's
+    time is the time from its training forward to the next (forward, backward, the optimizer's
+    step and whatever the loop does between: the same for both). The faster count's median
+    wins and is kept (logged once at INFO). ``model.choose_micro_batches``: ``"auto"`` (the
+    default: measure on a CUDA device only, where the GPU issue measured the loss), ``True``
+    (measure on any device), ``False`` (always M)."""
+
+    WARMUP, TRIALS = 1, 3
+
+    def __init__(self, m: int, clock=None):
+        import time
+
+        self.m, self.clock = m, clock or time.perf_counter
+        self.plan = [m] * (self.WARMUP + self.TRIALS) + [1] * (self.WARMUP + self.TRIALS)
+        self.times: dict[int, list[float]] = {m: [], 1: []}
+        self.index, self.last, self.choice = 0, None, None
+
+    def count(self) -> int:
+        """The count for the training forward starting now (each call is one step's forward)."""
+        now = self.clock()
+        if self.choice is not None:
+            return self.choice
+        if self.last is not None:  # the step before this one has ended: its time
+            prev = self.index - 1
+            if prev % (self.WARMUP + self.TRIALS) >= self.WARMUP:
+                self.times[self.plan[prev]].append(now - self.last)
+        self.last = now
+        if self.index == len(self.plan):
+            import logging
+            import statistics
+
+            med = {k: statistics.median(v) for k, v in self.times.items()}
+            self.choice = self.m if med[self.m] <= med[1] else 1
+            logging.getLogger(__name__).info(
+                "micro_batches=%d: %.1f ms a step, whole batches: %.1f ms: training with %s (measured over %d "
+                "steps each; model.choose_micro_batches = False keeps %d)", self.m, 1e3 * med[self.m],
+                1e3 * med[1], f"{self.m} micro-batches" if self.choice == self.m else "whole batches",
+                self.TRIALS, self.m)
+            return self.choice
+        self.index += 1
+        return self.plan[self.index - 1]
+
+
+def micro_count(model) -> int:
+    """The micro-batches of this training forward: ``model.micro_batches``, or 1 while/after
+    the :class:`Chooser` measured whole batches faster."""
     m = check_micro_batches(getattr(model, "micro_batches", 1))
-    return (m > 1 and torch.is_grad_enabled() and labels is not None and cache is None
-            and inputs_embeds is None)
+    choose = getattr(model, "choose_micro_batches", "auto")
+    if m < 2 or choose is False:
+        return m
+    if choose == "auto":
+        param = next(model.parameters(), None)
+        if param is None or param.device.type != "cuda":
+            return m
+    chooser = model.__dict__.get("_micro_chooser")
+    if chooser is None or chooser.m != m:
+        chooser = model.__dict__["_micro_chooser"] = Chooser(m)
+    return chooser.count()
+
+
+def applies(model, labels, cache, inputs_embeds) -> bool:
+    """Pipeline this forward? Training (gradients on), ``labels``, no cache, M > 1 (for this
+    step: :func:`micro_count`), rows > 1."""
+    if not (torch.is_grad_enabled() and labels is not None and cache is None and inputs_embeds is None):
+        check_micro_batches(getattr(model, "micro_batches", 1))
+        return False
+    m = micro_count(model)
+    model.__dict__["_micro_now"] = m
+    return m > 1
 
 
 def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids=None, position_ids=None,
@@ -197,7 +268,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     ``hf_forward(**kw)``: the Hugging Face head's own forward (U-shape), run on each micro-batch's
     output. None when the batch cannot be split (fewer rows than 2, a micro-batch of no targets)."""
     t = model.transformer
-    m = min(model.micro_batches, input_ids.shape[0])
+    m = min(model.__dict__.get("_micro_now", model.micro_batches), input_ids.shape[0])
     labels = labels.to(input_ids.device)
     counts = token_shares(labels, m)
     if m < 2 or min(counts) == 0:

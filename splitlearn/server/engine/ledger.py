@@ -90,8 +90,9 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor:
     their odd positions, and the words' bits folded and mixed, weighted likewise (wrapping
     arithmetic). Any changed byte changes the first or second sum; moved bytes the second."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    if b.numel() % 8:
-        b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+    pad = -b.numel() % 8
+    if pad or b.storage_offset() % 8:  # whole int64 words, aligned: a copy padded with zeros
+        b = torch.cat([b, b.new_zeros(pad)])
     w = b.view(torch.int64)  # (n,)
     odd = torch.arange(1, 2 * w.numel(), 2, device=w.device, dtype=torch.int64)  # (n,)
     return torch.stack([w.sum(), (w * odd).sum(), ((w ^ (w >> 29)) * _MIX * odd).sum()])
@@ -113,8 +114,9 @@ def answer_digests(answers: list[Answer]) -> list[bytes]:
         else:
             on_device.append(i)
     if on_device:
-        prints = [[_fingerprint(t) for _, t in sorted(answers[i].tensors.items())] for i in on_device]
-        host = torch.stack([p for ps in prints for p in ps]).cpu().numpy()  # the one copy back (and sync)
+        dev = next(t.device for i in on_device for t in answers[i].tensors.values() if t.is_cuda)
+        prints = [_fingerprint(t).to(dev) for i in on_device for _, t in sorted(answers[i].tensors.items())]
+        host = torch.stack(prints).cpu().numpy()  # the one copy back (and the one wait)
         k = 0
         for i in on_device:
             a = answers[i]
