@@ -176,12 +176,21 @@ def main(argv=None) -> int:
             sync(args.device)
             if r >= 2:
                 times[k].append(time.perf_counter() - t0)
+    wire = {}
+    for kind, c in clients.items():  # what the transport did over the whole run, per step
+        st, n = c.transport.stats, 2 + args.steps
+        wire[kind] = (1e3 * st.server_compute_s / n, 1e3 * st.overhead_s / n, st.host_copy_bytes / n / 2**20,
+                      (st.bytes_sent + st.bytes_received) / n / 2**20)
     base = statistics.median(times["unsplit"])
     print(f"device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}; {args.model} cuts {cuts} "
           f"{args.batch}x{args.seq} compute {dtype} wire {args.wire} micro {args.micro}")
     for k, ts in times.items():
         m = statistics.median(ts)
-        print(f"  {k:8s} {1e3 * m:9.2f} ms  {m / base:6.2f}x  (min {1e3 * min(ts):.2f})")
+        line = f"  {k:8s} {1e3 * m:9.2f} ms  {m / base:6.2f}x  (min {1e3 * min(ts):.2f})"
+        if k in wire:
+            line += (" | per step: server compute {:.1f} ms, round trips less that {:.1f} ms, host copies "
+                     "{:.1f} MiB, on the wire {:.1f} MiB".format(*wire[k]))
+        print(line)
 
     for kind in clients:
         fn = systems[kind]
