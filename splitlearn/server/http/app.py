@@ -22,9 +22,8 @@ from ..engine.memory import MemoryAccount
 from ..engine.runtime import SegmentRuntime
 from . import accesslog, api_federation, api_lora, api_offload, api_ops, api_sessions, api_training
 from .frontdoor import TENANT_KEY
-from .unixdoor import BODY_KEY
 from .metrics import ServerMetrics
-from .routing import SERVED, Served, error_response, internal_error
+from .routing import BODY_KEY, SERVED, Served, error_response, internal_error
 
 log = logging.getLogger(__name__)
 

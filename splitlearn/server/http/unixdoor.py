@@ -46,11 +46,10 @@ from ...transport import unixframe as F
 from ...wire import MAX_HEADER, DeviceBody, Encoded
 from .direct import Direct
 from .frontdoor import TENANT_KEY, DoorLimits
-from .routing import BODY_HOLD_KEY, SERVED
+from .routing import BODY_HOLD_KEY, BODY_KEY, SERVED
 
 log = logging.getLogger(__name__)
 
-BODY_KEY = "splitlearn.body"  # WSGI environ: the request's whole body (no client can set it; app.py)
 _TOKENLESS = (P.HEALTH, P.READY, P.OPENAPI)  # answered without a token, bodiless GET/HEAD only (as over HTTP)
 _MAX_PATH = 8 << 10
 _FULL_CHECK_S = 0.25  # full: how often the door looks for a newcomer waiting (a stranger then gives its slot up)
