@@ -23,6 +23,7 @@ from splitlearn.server.http.cli import parse_args
 from splitlearn.server.config import ServerConfig
 from splitlearn.server.engine.tenants import digest_of
 from splitlearn.errors import ConfigError
+from splitlearn.wire import encode
 
 from serverproc import (OTHER, TENANTS, TOKEN, ServerProcess, access_lines, apply_step, assert_error, auth, logged_json,
                         post_tensors, tensors_of)
@@ -351,12 +352,21 @@ def test_metrics_port_and_json_logs_on_a_real_server():
         assert requests.get(srv.url + P.READY, timeout=10).json()["ready"] is True  # no token, through the door
         for _ in range(3):
             assert_status(requests.get(srv.url + P.INFO, headers=auth(), timeout=10), 200)
+        # an answer over 1 MiB goes out through waitress's file wrapper (routing.bytes_response):
+        # whole, and counted and logged once it is sent, as any other
+        big = encode({"x": torch.arange(600_000, dtype=torch.float32)})
+        r = requests.post(srv.url + P.ECHO, data=big, headers={**auth(), "Content-Type": P.CONTENT_TYPE}, timeout=30)
+        assert_status(r, 200)
+        assert r.content == big and int(r.headers["Content-Length"]) == len(big)
+        echoed = logged_json(srv, lambda lines: any(x.get("route") == P.ECHO for x in lines))
+        assert [x["bytes_out"] for x in echoed if x.get("route") == P.ECHO] == [len(big)]
         r = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10)  # loopback, no token
         assert_status(r, 200)
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(r.text) for s in f.samples}
         assert value(samples, "splitlearn_requests_total", route=P.INFO, method="GET", status="200",
                      tenant=tenant) == 3
+        assert value(samples, "splitlearn_request_bytes_total", route=P.ECHO, direction="out") == len(big)
         assert TOKEN not in r.text and digest_of(TOKEN) not in r.text
         lines = logged_json(srv, lambda lines: sum(x.get("route") in (P.INFO, P.READY) for x in lines) >= 4)
         assert lines and all({"ts", "level", "logger", "message"} <= set(x) for x in lines)  # every line JSON

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from ... import protocol as P
 from ...errors import BadRequest, Forbidden, PayloadTooLarge
 from .probes import readiness
-from .routing import request_body, served
+from .routing import bytes_response, request_body, served
 
 bp = Blueprint("operations", __name__)
 
@@ -49,7 +49,7 @@ def echo():
     check_echo(served().cfg, request.content_length or 0)
     started, body = time.perf_counter(), request_body()
     check_echo(served().cfg, len(body))
-    resp = Response(body, status=200, mimetype=P.CONTENT_TYPE)
+    resp = bytes_response(body)
     resp.headers[P.SERVER_TIME_HEADER] = f"{(time.perf_counter() - started) * 1e3:.3f}"
     return resp
 

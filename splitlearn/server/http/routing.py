@@ -93,6 +93,51 @@ def request_body() -> bytes:
     return body
 
 
+PASSTHROUGH_BYTES = 1 << 20  # answers larger than this go out through wsgi.file_wrapper (_Views)
+
+
+class _Views:
+    """A read-only file over an answer's bytes whose reads are views of them, not copies.
+
+    Behind waitress, an answer given as ``bytes`` is copied into the connection's out-buffer
+    and read back out of it in socket-sized chunks (two copies: ~20 ms for a 12.6 MB answer
+    on the CPU host); through ``wsgi.file_wrapper`` waitress sends the file's reads as they are.
+    ``on_close``: the response's close (its access line), called once the file is sent."""
+
+    def __init__(self, data: bytes):
+        self.view, self.pos, self.on_close = memoryview(data), 0, None
+
+    def read(self, n: int = -1) -> memoryview:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        out, self.pos = self.view[self.pos:end], end
+        return out
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = (0, self.pos, len(self.view))[whence] + offset
+        return self.pos
+
+    def close(self) -> None:
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close()
+
+
+def bytes_response(content: bytes) -> Response:
+    """A 200 safetensors answer; a large one handed to the WSGI server as a file of views of
+    its bytes (:class:`_Views`), which waitress sends without copying."""
+    wrapper = request.environ.get("wsgi.file_wrapper")
+    if wrapper is None or len(content) <= PASSTHROUGH_BYTES:
+        return Response(content, status=200, mimetype=P.CONTENT_TYPE)
+    file = _Views(content)
+    resp = Response(wrapper(file, 1 << 20), status=200, mimetype=P.CONTENT_TYPE, direct_passthrough=True)
+    resp.headers["Content-Length"] = str(len(content))
+    file.on_close = resp.close  # the hooks on the response's close run once it is sent
+    return resp
+
+
 def tensor_body() -> bytes:
     """The request's safetensors bytes; 415 for another content type."""
     if request.mimetype != P.CONTENT_TYPE:
@@ -163,7 +208,7 @@ def tensor_route(bp: Blueprint, rule: str, *, owner: bool = False, inline: bool 
                 content, server_ms = serve(s, held, route, g.tenant, request.content_length or 0,
                                            request.mimetype, request_body, url_args,
                                            body_hold=request.environ.get(BODY_HOLD_KEY))
-                resp = Response(content, status=200, mimetype=P.CONTENT_TYPE)
+                resp = bytes_response(content)
                 resp.headers[P.SERVER_TIME_HEADER] = server_ms
                 return resp
 
