@@ -66,6 +66,12 @@ STARTUP_ENV = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LC_", "LANG", "HOME", "TZ"
 # gets torch.set_num_threads(n): what a fresh import would have picked, as n is under the cap
 # that made m. Anything else starts fresh. (numpy's OpenBLAS keeps the fork server's count.)
 THREAD_ENV = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+# Under those prefixes but read each time they are used, from the process's environment (which the
+# forked child's os.environ sets): a child whose value differs needs no fresh start. The Hugging Face
+# tokenizers' switch is one that tests set meanwhile: a transformers pipeline or an lm-eval run
+# writes TOKENIZERS_PARALLELISM=false into os.environ, and every server forked after that in the
+# worker exec'd afresh (~9 CPU-seconds each).
+USE_TIME_ENV = ("TOKENIZERS_PARALLELISM",)
 
 _fork_lock = threading.Lock()
 _fork_ctx = None
@@ -101,13 +107,37 @@ def launch(cmd: Sequence[str], env: Optional[dict] = None, stdout=None, stderr=N
 # started fresh (~9 CPU-seconds: the journal tests took 13-15 s instead of 2-3 s in a suite run).
 # Set before the fork server starts, the import changes nothing. (torch's CPU build runs GNU
 # OpenMP, which reads neither.)
+# Likewise torch's inductor writes its cache directory (TORCHINDUCTOR_CACHE_DIR, under the "TORCH"
+# prefix) when first used, which importing peft does (LoRA tests, lazily): every server forked after
+# that in the worker exec'd afresh (the journal tests took 30-40 s instead of 2-3 s in a suite run).
+# It is set here to the value torch itself would write (:func:`_inductor_cache_dir`).
 IMPORT_ENV = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}
+
+
+def _inductor_cache_dir() -> Optional[str]:
+    """The directory torch's inductor puts in ``TORCHINDUCTOR_CACHE_DIR`` when first used, by torch's
+    own function, loaded from its file alone (importing ``torch._inductor`` costs ~2 s); None if
+    this torch has no such file."""
+    import importlib.util
+
+    import torch
+
+    path = Path(torch.__file__).parent / "_inductor" / "runtime" / "cache_dir_utils.py"
+    try:
+        spec = importlib.util.spec_from_file_location("_forkserver_inductor_cache_dir", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return os.path.abspath(module.default_cache_dir())
+    except Exception:  # noqa: BLE001 - another torch: the children may start fresh, slower, same result
+        return None
 
 
 def install() -> None:
     """Every ChildServer (LocalServer, the relay, ...) of this process starts through :func:`launch`."""
     for k, v in IMPORT_ENV.items():
         os.environ.setdefault(k, v)
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and (cache := _inductor_cache_dir()) is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     localserver.launch = launch
 
 
@@ -169,7 +199,7 @@ class _Fd:
 def _start_plan(env: dict) -> Optional[int]:
     """In a forked child, before it takes ``env``: the torch threads to set for it to start as a
     fresh ``python -m`` would (None: nothing to set); -1 if it must start fresh."""
-    if any(k.startswith(STARTUP_ENV) and k not in THREAD_ENV and env.get(k) != os.environ.get(k)
+    if any(k.startswith(STARTUP_ENV) and k not in THREAD_ENV + USE_TIME_ENV and env.get(k) != os.environ.get(k)
            for k in set(env) | set(os.environ)):
         return -1
     if all(env.get(k) == os.environ.get(k) for k in THREAD_ENV) or "torch" not in sys.modules:

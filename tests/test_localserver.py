@@ -153,6 +153,28 @@ def test_a_forked_child_starts_as_python_dash_m_would(tmp_path, monkeypatch):
     assert forked[1:] == ["threads 1", "atexit"]
 
 
+def test_what_tests_write_into_the_environment_meanwhile_does_not_make_children_start_afresh(tmp_path, monkeypatch):
+    """What libraries write into os.environ while tests run is set before the fork server starts
+    (torch's inductor cache directory, which importing peft writes), or read only when used
+    (TOKENIZERS_PARALLELISM, which a transformers pipeline writes): a server forked after that is
+    still forked, not exec'd afresh (~9 CPU-seconds each)."""
+    startup = {k: v for k, v in os.environ.items() if k.startswith(forkserver.STARTUP_ENV)}
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()  # what peft's import runs
+    assert {k: v for k, v in os.environ.items() if k.startswith(forkserver.STARTUP_ENV)} == startup
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    cmd = [sys.executable, "-m", "probe_mod"]
+    if forkserver.fork_server_env is None:
+        assert ForkedProcess(cmd, dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait(60) == 7
+    parallelism = "true" if forkserver.fork_server_env.get("TOKENIZERS_PARALLELISM") == "false" else "false"
+    env = {**forkserver.fork_server_env, "PROBE": "p", "TOKENIZERS_PARALLELISM": parallelism, **ONE_THREAD}
+    with open(tmp_path / "forked.out", "wb") as out:
+        assert ForkedProcess(cmd, env, stdout=out, stderr=out).wait(60) == 7
+    assert (tmp_path / "forked.out").read_text().splitlines()[1:] == ["threads 1", "atexit"]  # torch preloaded
+
+
 def test_fork_only_where_it_can_and_is_asked_to(monkeypatch):
     m, env = [sys.executable, "-m", "http.server"], dict(os.environ)
     assert can_fork(m) and can_fork(m, {**env, "OMP_NUM_THREADS": "1"}, subprocess.DEVNULL)
