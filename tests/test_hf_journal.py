@@ -160,6 +160,25 @@ def test_the_log_keeps_only_what_is_not_durable_and_checks_answers():
     assert digest({"a": torch.zeros(2)}) != digest({"a": torch.zeros(2, 1)}) != digest({"b": torch.zeros(2)})
 
 
+def test_a_logged_digest_of_either_kind_is_checked_on_any_device():
+    """Answers on a GPU are logged with the digest of their sums (no host copy); the check
+    (journal.matches) recomputes the kind it finds, on whatever device the answer is now: a log
+    written on a GPU checks on the CPU after a crash, and a log of the BLAKE2b kind still checks."""
+    from splitlearn.fingerprint import digest as fingerprint_digest
+    from splitlearn.hf.journal import FINGERPRINT, bytes_digest, matches
+
+    t = {"hidden": torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)}
+    other = {"hidden": t["hidden"].clone()}
+    other["hidden"][1, 4, 2] += 1
+    made_on_gpu = FINGERPRINT + fingerprint_digest(t)  # what digest() makes of CUDA tensors
+    assert len(made_on_gpu) == 17 and matches(t, made_on_gpu) and not matches(other, made_on_gpu)
+    assert matches(t, bytes_digest(t)) and not matches(other, bytes_digest(t))
+    assert digest(t) == bytes_digest(t)  # tensors in host memory: the bytes' digest, as before
+    if torch.cuda.is_available():
+        on_gpu = {k: v.cuda() for k, v in t.items()}
+        assert digest(on_gpu) == made_on_gpu and matches(t, digest(on_gpu))
+
+
 # -- the client killed: the journal on disk (journal_dir), model.resume(optimizer) -------------
 
 def train(model, opt, start=1, stop=STEPS + 1):

@@ -19,7 +19,8 @@ Recovery (:meth:`RequestLog.replay`): the server says it has applied step ``k`` 
 (``GET /v1/clients/<id>``). Every logged request of the steps after ``k`` is sent again in
 order, then the request that failed is retried. The server's weights at ``k`` are those the
 client trained against the first time, so every replayed answer is the first one: each is
-compared with the digest (BLAKE2b of its tensors) kept when it first came, and a difference
+compared with the digest kept when it first came (:func:`digest`: of its sums on a GPU, of its
+bytes in host memory), and a difference
 (a server restarted from another state, another tenant's step in between) raises
 ``Conflict`` instead of training on silently. With a float32 wire the run equals an
 undisturbed one bit for bit.
@@ -57,11 +58,33 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import Conflict, SegmentFileError
+from ..fingerprint import digest as fingerprint_digest
 
 log = logging.getLogger(__name__)
 
 
+FINGERPRINT = b"F"  # the first of a 17-byte digest made of the tensors' sums (splitlearn.fingerprint)
+
+
 def digest(tensors: dict[str, torch.Tensor]) -> bytes:
+    """What names an answer in the log: for tensors on a GPU, ``FINGERPRINT`` + the digest of
+    their sums made there (:mod:`splitlearn.fingerprint`: no copy to host memory, no hash of
+    12.6 MB on one core per answer); for tensors in host memory, BLAKE2b-128 of their names,
+    dtypes, shapes and bytes (:func:`bytes_digest`). :func:`matches` checks either kind."""
+    if any(t.is_cuda for t in tensors.values()):
+        return FINGERPRINT + fingerprint_digest(tensors)
+    return bytes_digest(tensors)
+
+
+def matches(tensors: dict[str, torch.Tensor], d: bytes) -> bool:
+    """Is ``d`` the digest of ``tensors``, made the way ``d`` was? Both kinds are the same on
+    any device: a log written on a GPU is checked on the CPU, and the other way round."""
+    if len(d) == 1 + 16 and d[:1] == FINGERPRINT:
+        return FINGERPRINT + fingerprint_digest(tensors) == d
+    return bytes_digest(tensors) == d
+
+
+def bytes_digest(tensors: dict[str, torch.Tensor]) -> bytes:
     """BLAKE2b of an answer's tensors (names, dtypes, shapes and bytes), in name order."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
@@ -203,7 +226,7 @@ class RequestLog:
             for r in self.steps[s]:
                 answer = send(r)
                 n += 1
-                if r.answer is not None and digest(answer) != r.answer:
+                if r.answer is not None and not matches(answer, r.answer):
                     raise Conflict(f"the server's answer to {r.path} of step {s} differs from the one this "
                                    f"client trained on: the restarted server is not in the state it was "
                                    f"(another checkpoint, or another step in between); nothing more was "

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from ...errors import Conflict, SplitLearnError
+from ...fingerprint import digests as fingerprint_digests
 from ...wire import Encoded, decode, encode
 from .tenants import client_of, tenant_of
 
@@ -81,29 +81,12 @@ def digest_of(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
-# odd 64-bit multiplier (the golden ratio's, as a signed int64): spreads a word's bits over the sum
-_MIX = 0x9E3779B97F4A7C15 - (1 << 64)
-
-
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Three int64 sums over ``t``'s bytes, on its device: the words, the words weighted by
-    their odd positions, and the words' bits folded and mixed, weighted likewise (wrapping
-    arithmetic). Any changed byte changes the first or second sum; moved bytes the second."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    pad = -b.numel() % 8
-    if pad or b.storage_offset() % 8:  # whole int64 words, aligned: a copy padded with zeros
-        b = torch.cat([b, b.new_zeros(pad)])
-    w = b.view(torch.int64)  # (n,)
-    odd = torch.arange(1, 2 * w.numel(), 2, device=w.device, dtype=torch.int64)  # (n,)
-    return torch.stack([w.sum(), (w * odd).sum(), ((w ^ (w >> 29)) * _MIX * odd).sum()])
-
-
 def answer_digests(answers: list[Answer]) -> list[bytes]:
     """What names each answer once its bytes are dropped (a retry's 409, the checkpoint).
     An answer in host memory (encoded already, or its tensors on the CPU): BLAKE2b-128 of its
-    encoded bytes (:func:`digest_of`). An answer whose tensors are on a GPU is digested there:
-    BLAKE2b-128 of its tensors' names, dtypes, shapes, its metadata and :func:`_fingerprint` of
-    each, every fingerprint read back in one copy of 24 bytes a tensor. Encoding it would copy
+    encoded bytes (:func:`digest_of`). An answer whose tensors are on a GPU is digested there
+    (:func:`splitlearn.fingerprint.digests`: BLAKE2b-128 of its names, dtypes, shapes, metadata
+    and each tensor's sums, read back in one copy of 24 bytes a tensor). Encoding it would copy
     each tensor to host memory and hash it on the CPU (~40 ms a step of GPT-2 small's shape on
     an H100 host, two 12.6 MB answers): the cost issue 42 removed (docs/PERFORMANCE.md)."""
     out: list = [None] * len(answers)
@@ -113,19 +96,8 @@ def answer_digests(answers: list[Answer]) -> list[bytes]:
             out[i] = digest_of(a._bytes or encode(a.tensors, a.meta))
         else:
             on_device.append(i)
-    if on_device:
-        dev = next(t.device for i in on_device for t in answers[i].tensors.values() if t.is_cuda)
-        prints = [_fingerprint(t).to(dev) for i in on_device for _, t in sorted(answers[i].tensors.items())]
-        host = torch.stack(prints).cpu().numpy()  # the one copy back (and the one wait)
-        k = 0
-        for i in on_device:
-            a = answers[i]
-            h = hashlib.blake2b(digest_size=16)
-            h.update(json.dumps([[n, str(t.dtype), list(t.shape)] for n, t in sorted(a.tensors.items())]).encode())
-            h.update(json.dumps(a.meta, sort_keys=True).encode())
-            h.update(host[k:k + len(a.tensors)].tobytes())
-            k += len(a.tensors)
-            out[i] = h.digest()
+    for i, d in zip(on_device, fingerprint_digests([(answers[i].tensors, answers[i].meta) for i in on_device])):
+        out[i] = d
     return out
 
 

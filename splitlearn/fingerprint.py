@@ -1,0 +1,66 @@
+"""A digest of tensors computed where they lie: on a GPU, without copying them to host memory.
+
+    sums = fingerprint(t)                    # int64 (3,), on t's device: no copy, no wait
+    d = digest({"hidden": h}, {"step": "1"}) # BLAKE2b-128 of names, dtypes, shapes, metadata, sums
+
+Three int64 sums over a tensor's bytes read as 64-bit words ``w_i`` (zero-padded), with odd
+weights ``o_i = 2i + 1`` and wrapping arithmetic::
+
+    s1 = sum w_i        s2 = sum w_i * o_i        s3 = sum (w_i ^ (w_i >> 29)) * M * o_i
+
+(``M`` the golden ratio's odd 64-bit constant). Integer sums modulo 2**64 do not depend on the
+order they are added in, so the sums are the same on any device and any reduction kernel: a
+digest made on a GPU equals the one made of the same bytes on the CPU. Any one changed word
+changes ``s1``; a change of two words, or a word moved, changes ``s2``; ``s3`` mixes the bits.
+What it names: an answer kept for exactly-once bookkeeping (the server's ledger, the client's
+request log), to tell the same answer from another after a crash. It is no defence against an
+adversary choosing bytes to collide (nothing here relies on that: see docs/SECURITY.md).
+
+Why not BLAKE2b of the bytes: on a GPU that copies each tensor to host memory and hashes it on
+one core (19 ms for 12.6 MB on the CPU host, plus the copy and its wait), twice per training step
+of GPT-2 small at 8 x 1024 on each side (issue 42, docs/PERFORMANCE.md 'On a GPU'); the sums
+cost microseconds there and one read-back of 24 bytes a tensor.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Optional
+
+import torch
+
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit multiplier, as a signed int64
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """The three int64 sums of ``t``'s bytes, on ``t``'s device (see the module docstring)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = -b.numel() % 8
+    if pad or b.storage_offset() % 8:  # whole int64 words, aligned: a copy padded with zeros
+        b = torch.cat([b, b.new_zeros(pad)])
+    w = b.view(torch.int64)  # (n,)
+    odd = torch.arange(1, 2 * w.numel(), 2, device=w.device, dtype=torch.int64)  # (n,)
+    return torch.stack([w.sum(), (w * odd).sum(), ((w ^ (w >> 29)) * _MIX * odd).sum()])
+
+
+def digests(items: list[tuple[dict[str, torch.Tensor], Optional[dict]]]) -> list[bytes]:
+    """BLAKE2b-128 of each ``(tensors, metadata)``: the tensors' names, dtypes and shapes, the
+    metadata and each tensor's :func:`fingerprint`; all the sums read back in one copy."""
+    named = [sorted(tensors.items()) for tensors, _ in items]
+    flat = [t for ts in named for _, t in ts]
+    dev = next((t.device for t in flat if t.is_cuda), torch.device("cpu"))
+    sums = torch.stack([fingerprint(t).to(dev) for t in flat]).cpu().numpy() if flat else None
+    out, k = [], 0
+    for ts, (_, meta) in zip(named, items):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(json.dumps([[n, str(t.dtype), list(t.shape)] for n, t in ts]).encode())
+        h.update(json.dumps(meta or {}, sort_keys=True).encode())
+        h.update(sums[k:k + len(ts)].tobytes() if ts else b"")
+        k += len(ts)
+        out.append(h.digest())
+    return out
+
+
+def digest(tensors: dict[str, torch.Tensor], meta: Optional[dict] = None) -> bytes:
+    """:func:`digests` of one."""
+    return digests([(tensors, meta)])[0]
