@@ -14,7 +14,8 @@ digest made on a GPU equals the one made of the same bytes on the CPU. Any one c
 changes ``s1``; a change of two words, or a word moved, changes ``s2``; ``s3`` mixes the bits.
 What it names: an answer kept for exactly-once bookkeeping (the server's ledger, the client's
 request log), to tell the same answer from another after a crash. It is no defence against an
-adversary choosing bytes to collide (nothing here relies on that: see docs/SECURITY.md).
+adversary choosing bytes to collide (nothing here relies on that: docs/SECURITY.md, "Stored
+answers are digests or bounded bytes").
 
 Why not BLAKE2b of the bytes: on a GPU that copies each tensor to host memory and hashes it on
 one core (19 ms for 12.6 MB on the CPU host, plus the copy and its wait), twice per training step
