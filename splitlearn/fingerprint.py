@@ -11,7 +11,8 @@ weights ``o_i = 2i + 1`` and wrapping arithmetic::
 (``M`` the golden ratio's odd 64-bit constant). Integer sums modulo 2**64 do not depend on the
 order they are added in, so the sums are the same on any device and any reduction kernel: a
 digest made on a GPU equals the one made of the same bytes on the CPU. Any one changed word
-changes ``s1``; a change of two words, or a word moved, changes ``s2``; ``s3`` mixes the bits.
+changes ``s1``; two changed words, or a word moved, change ``s2`` (but for differences that are
+multiples of a large power of two, which ``s3``'s mixed bits then tell apart).
 What it names: an answer kept for exactly-once bookkeeping (the server's ledger, the client's
 request log), to tell the same answer from another after a crash. It is no defence against an
 adversary choosing bytes to collide (nothing here relies on that: docs/SECURITY.md, "Stored
