@@ -5,6 +5,7 @@ from its checkpoint directory, and compares every loss and every weight exactly.
 server is a real process; the undisturbed runs' server is the same app in this process
 (tests/serverproc.py's InprocServerProcess: the same answers, bit for bit).
 """
+import os
 import threading
 import time
 
@@ -134,13 +135,19 @@ def cli_args(srv, steps, *extra) -> list[str]:
             *extra]
 
 
-def cli_train(srv, steps, *extra):
-    import subprocess
+def cli_train(srv, steps, *extra, logs):
+    """``python -m splitlearn.client train ...`` as a process of its own, forked from the tests'
+    preloaded interpreter where it can be, as the servers are (tests/forkserver.py: not ~9
+    CPU-seconds of imports each); its stdout and stderr go to the files ``logs``.out and .err."""
     import sys
 
-    env = {"SPLITLEARN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "splitlearn.client", *cli_args(srv, steps, *extra)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from splitlearn import localserver
+
+    env = {**os.environ, "SPLITLEARN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    logs.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{logs}.out", "w") as out, open(f"{logs}.err", "w") as err:
+        return localserver.launch([sys.executable, "-m", "splitlearn.client", *cli_args(srv, steps, *extra)],
+                                  env=env, stdout=out, stderr=err)
 
 
 def test_a_client_killed_mid_training_resumes_exactly(tmp_path, monkeypatch):
@@ -162,7 +169,7 @@ def test_a_client_killed_mid_training_resumes_exactly(tmp_path, monkeypatch):
                 monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)
                 assert main(cli_args(srv, 14, "--save", str(save))) == 0
             else:
-                proc = cli_train(srv, 14, "--save", str(save))
+                proc = cli_train(srv, 14, "--save", str(save), logs=d / "first")
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline:  # wait until it is mid-way (its log has steps)
                     wal = list((save / "wal").glob("*.safetensors")) if (save / "wal").exists() else []
@@ -172,9 +179,8 @@ def test_a_client_killed_mid_training_resumes_exactly(tmp_path, monkeypatch):
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 assert proc.returncode == -signal.SIGKILL
-                proc = cli_train(srv, 14, "--resume", str(save))
-                out, err = proc.communicate(timeout=300)
-                assert proc.returncode == 0, err
+                proc = cli_train(srv, 14, "--resume", str(save), logs=d / "resumed")
+                assert proc.wait(300) == 0, (d / "resumed.err").read_text()[-3000:]
             assert requests_step(srv) == 14
             results[name] = (srv.weights(), read_client(save))
     (sa, ca), (sb, cb) = results["undisturbed"], results["killed"]

@@ -144,14 +144,21 @@ def test_derived_limit_is_half_of_what_the_training_state_leaves():
     assert bm.trainable_bytes(seg) == 0 and bm.state_bytes(seg, "adamw", packed=True) == params
 
 
-def test_available_memory_honours_an_address_space_limit():
-    code = ("import resource, torch; from splitlearn.server.engine import budget as b\n"
-            "size = b._status_kib('VmSize'); hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
-            "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), hard))\n"
-            "print(*b.available_memory(torch.device('cpu')), sep='|')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    free, what = out.stdout.strip().split("|")
+def test_available_memory_honours_an_address_space_limit(tmp_path, monkeypatch):
+    # a process of its own (the limit is its own), forked from the tests' preloaded interpreter
+    # where it can be (tests/forkserver.py: not ~9 CPU-seconds of imports)
+    from splitlearn import localserver
+
+    (tmp_path / "as_limit_probe.py").write_text(
+        "import resource, torch; from splitlearn.server.engine import budget as b\n"
+        "size = b._status_kib('VmSize'); hard = resource.getrlimit(resource.RLIMIT_AS)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20), hard))\n"
+        "print(*b.available_memory(torch.device('cpu')), sep='|')\n")
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = localserver.launch([sys.executable, "-m", "as_limit_probe"], env=dict(os.environ), stdout=out, stderr=err)
+    assert proc.wait(120) == 0, (tmp_path / "err").read_text()[-2000:]
+    free, what = (tmp_path / "out").read_text().strip().split("|")
     assert what == "RLIMIT_AS" and 0 < int(free) <= 64 << 20
 
 
