@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 _MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit multiplier, as a signed int64
+CHUNK_WORDS = 1 << 22  # words summed at once: temporaries of at most ~4 x 32 MiB beside the tensor
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
@@ -41,8 +42,12 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     if pad or b.storage_offset() % 8:  # whole int64 words, aligned: a copy padded with zeros
         b = torch.cat([b, b.new_zeros(pad)])
     w = b.view(torch.int64)  # (n,)
-    odd = torch.arange(1, 2 * w.numel(), 2, device=w.device, dtype=torch.int64)  # (n,)
-    return torch.stack([w.sum(), (w * odd).sum(), ((w ^ (w >> 29)) * _MIX * odd).sum()])
+    sums = torch.zeros(3, dtype=torch.int64, device=w.device)
+    for start in range(0, w.numel(), CHUNK_WORDS):  # temporaries of a chunk at a time (the sums commute)
+        c = w[start:start + CHUNK_WORDS]
+        odd = torch.arange(2 * start + 1, 2 * (start + c.numel()), 2, device=w.device, dtype=torch.int64)
+        sums += torch.stack([c.sum(), (c * odd).sum(), ((c ^ (c >> 29)) * _MIX * odd).sum()])
+    return sums
 
 
 def digests(items: list[tuple[dict[str, torch.Tensor], Optional[dict]]]) -> list[bytes]:

@@ -24,6 +24,15 @@ def test_any_changed_or_moved_byte_changes_the_sums():
         assert torch.equal(fingerprint(y[lo:lo + 16]), fingerprint(y[lo:lo + 16].clone()))
 
 
+def test_chunks_do_not_change_the_sums(monkeypatch):
+    from splitlearn import fingerprint as fp
+
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(5))  # 4004 bytes: 501 words
+    whole = fingerprint(x)
+    monkeypatch.setattr(fp, "CHUNK_WORDS", 64)
+    assert torch.equal(fingerprint(x), whole)
+
+
 def test_the_digest_names_the_tensors_and_the_metadata():
     h = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3))
     ds = digests([({"hidden": h}, {"step": "1"}), ({"hidden": h.clone()}, {"step": "1"}),
