@@ -150,8 +150,11 @@ class Servers:
         return self.running[args]
 
     def stop(self):
-        for srv, _ in self.running.values():
-            srv.stop()
+        """All at once: each server checkpoints and stops on SIGTERM (~3 s), not one after another."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self.running))) as pool:
+            list(pool.map(lambda entry: entry[0].stop(), self.running.values()))
 
 
 @pytest.fixture(scope="module")

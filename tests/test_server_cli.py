@@ -117,3 +117,21 @@ def test_help_shows_each_default_in_the_options_unit():
     body_mb = ServerConfig.__dataclass_fields__["max_body_bytes"].default / (1 << 20)
     assert f"(default: {body_mb:g})" in text.split("--max-body-mb")[1].split("--")[0]
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_profile_dir_writes_the_compute_threads_profile_at_sigterm(tmp_path):
+    """--profile-dir: torch.profiler on the compute thread from start to SIGTERM; the table
+    names the trunk's operators (a forward ran there), and nothing is written before the end."""
+    import torch
+
+    from splitlearn.transport import Transport, TransportConfig
+    from splitlearn.wire import pack
+
+    with ServerProcess((1, 3), extra=["--profile-dir", str(tmp_path)]) as srv:
+        t = Transport(TransportConfig(srv.url, TOKEN))
+        h = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+        assert P.HIDDEN in t.call(P.FORWARD, pack(P.HIDDEN, h, "float32"), {"wire_dtype": "float32"})
+        t.close()
+        assert not (tmp_path / "server-profile.txt").exists()
+    table = (tmp_path / "server-profile.txt").read_text()
+    assert "Self CPU" in table and "aten::addmm" in table

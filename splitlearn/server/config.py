@@ -169,6 +169,10 @@ class Limits:
 class Scheduling:
     """The compute thread: decode batches and priorities (splitlearn/server/engine/priority.py)"""
 
+    profile_dir: Optional[str] = opt(None, "record torch.profiler on the compute thread (its CPU ops; every CUDA "
+                                           "kernel and copy on a GPU) from start to SIGTERM/SIGINT, then write its "
+                                           "tables to DIR/server-profile.txt (slows the server: for finding where "
+                                           "time goes; docs/PERFORMANCE.md)", metavar="DIR")
     torch_threads: Optional[int] = opt(None, "intra-op threads for the segment (default: torch's, one per core)")
     batching: bool = opt(True, "run concurrent sessions' decode steps one at a time (for comparison)",
                          flag="--no-batching")
@@ -271,10 +275,6 @@ class Observability:
                                           "lines; the metrics count every request either way)", metavar="FILE")
     request_log: bool = opt(True, "neither count requests in the metrics nor log access lines (for comparison)",
                             flag="--no-request-log")
-    profile_dir: Optional[str] = opt(None, "record torch.profiler (CPU ops of every thread, CUDA kernels on a GPU) "
-                                           "from start to SIGTERM/SIGINT, then write its tables to "
-                                           "DIR/server-profile.txt (slows the server: for finding where time "
-                                           "goes; docs/PERFORMANCE.md)", metavar="DIR")
 
 
 # the command line's sections, in --help's order (LoraOptions: ServerConfig.lora)
