@@ -127,23 +127,16 @@ def main(argv=None) -> int:
 
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
-    spec = args.model
-    if spec == "tiny-768":  # one block of GPT-2 small's width: the fixed cost, little compute
-        spec = "random:gpt2"
-        extra = ["--model-config", '{"n_layer": 3}']
-        cuts = (1, 2)
-    else:
-        extra, cuts = [], tuple(int(c) for c in args.cuts.split(","))
+    spec, cuts = args.model, tuple(int(c) for c in args.cuts.split(","))
+    if spec == "tiny-768":  # GPT-2 small's width, one block a segment, a 256-token vocabulary: little compute
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        spec, cuts = tempfile.mkdtemp(prefix="sl-prof-model-"), (1, 2)
+        GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=768, n_head=12, vocab_size=256, n_positions=1024,
+                                   bos_token_id=0, eos_token_id=0)).save_pretrained(spec)
     server_argv = ["--model", spec, "--device", args.device, "--dtype", dtype, "--lr", "1e-4", "--threads", "16",
                    "--seed", "0"] + [x for c in cuts for x in ("--cut", str(c))]
-    if extra:
-        from transformers import GPT2Config, GPT2LMHeadModel
-        config = GPT2Config(n_layer=3, n_embd=768, n_head=12, vocab_size=256, n_positions=1024)
-        torch.manual_seed(0)
-        d = tempfile.mkdtemp(prefix="sl-prof-model-")
-        GPT2LMHeadModel(config).save_pretrained(d)
-        spec = d
-        server_argv[1] = d
     model = load_model(spec, device=args.device, dtype=getattr(torch, dtype))
     cfg = BenchConfig(device=args.device, dtype=dtype)
     ids = prompts(cfg, args.batch, model.config.vocab_size, args.seq).to(args.device)
