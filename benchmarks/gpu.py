@@ -134,13 +134,12 @@ def training(cfg: BenchConfig, ctx: BenchContext, servers: Servers, cases: list[
     opt = make_optimizer(model.parameters(), "adamw", cfg.lr, 0.0)
     base = ("-".join(first.case.split("-")[:2]), "unsplit")  # train-small, train-xl
     steps = {base: lambda: unsplit_step(model, opt, ids)}
-    clients, owner = [], {}
+    owner = {}  # (case, transport) -> its client
     for c in cases:
         urls, token = servers.urls(c.model, c.cuts, cfg.dtype)
         for kind in TRANSPORTS:
             client = SplitClient(urls[kind], model, token=token, device=cfg.device, wire_dtype=c.wire,
                                  seed=cfg.seed, lr=cfg.lr, micro_batches=c.micro)
-            clients.append(client)
             owner[(c.case, kind)] = client
             steps[(c.case, kind)] = (lambda client=client: client.train_step(ids))
     for key, fn in steps.items():  # micro-batches past the chooser's trials (pipeline.Chooser)
@@ -157,7 +156,7 @@ def training(cfg: BenchConfig, ctx: BenchContext, servers: Servers, cases: list[
                 runs[k].append(t)
             _free(cfg.device)
     chosen = {}
-    for c in clients:
+    for c in owner.values():
         chooser = c._model.__dict__.get("_micro_chooser")
         chosen[id(c)] = None if chooser is None else chooser.choice
         c.close()
@@ -169,7 +168,7 @@ def training(cfg: BenchConfig, ctx: BenchContext, servers: Servers, cases: list[
                      "median_ms": round(1e3 * statistics.median(times), 2), "p90_ms": round(1e3 * p90(times), 2),
                      "ratio": round(statistics.median(a / b for a, b in zip(times, runs[base])), 3),
                      "rounds": len(times)})
-    del steps, opt, clients
+    del steps, opt, owner
     return rows
 
 

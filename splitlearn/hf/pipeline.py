@@ -40,6 +40,9 @@ defense's extra loss (NoPeek) is computed per micro-batch and weighted by its ro
 """
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from typing import Optional
 
 import torch
@@ -48,6 +51,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from .. import protocol as P
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 MAX_LANES = 8  # requests in flight at once (one keep-alive connection each)
 
@@ -201,8 +206,6 @@ class Chooser:
     WARMUP, TRIALS = 1, 3
 
     def __init__(self, m: int, clock=None):
-        import time
-
         self.m, self.clock = m, clock or time.perf_counter
         self.plan = [m] * (self.WARMUP + self.TRIALS) + [1] * (self.WARMUP + self.TRIALS)
         self.times: dict[int, list[float]] = {m: [], 1: []}
@@ -219,12 +222,9 @@ class Chooser:
                 self.times[self.plan[prev]].append(now - self.last)
         self.last = now
         if self.index == len(self.plan):
-            import logging
-            import statistics
-
             med = {k: statistics.median(v) for k, v in self.times.items()}
             self.choice = self.m if med[self.m] <= med[1] else 1
-            logging.getLogger(__name__).info(
+            log.info(
                 "micro_batches=%d: %.1f ms a step, whole batches: %.1f ms: training with %s (measured over %d "
                 "steps each; model.choose_micro_batches = False keeps %d)", self.m, 1e3 * med[self.m],
                 1e3 * med[1], f"{self.m} micro-batches" if self.choice == self.m else "whole batches",
