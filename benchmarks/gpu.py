@@ -144,7 +144,7 @@ def training(cfg: BenchConfig, ctx: BenchContext, servers: Servers, cases: list[
             steps[(c.case, kind)] = (lambda client=client: client.train_step(ids))
     for key, fn in steps.items():  # micro-batches past the chooser's trials (pipeline.Chooser)
         client = owner.get(key)
-        if client is not None and client.micro_batches > 1 and cfg.device == "cuda":
+        if client is not None and client.micro_batches > 1 and client._model.choose_micro_batches:
             for _ in range(2 * (Chooser.WARMUP + Chooser.TRIALS)):
                 fn()
     ctx.log(f"  training {first.model}: {len(steps)} systems, {cfg.warmup} + {rounds} rounds")

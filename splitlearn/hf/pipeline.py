@@ -199,9 +199,11 @@ class Chooser:
     training steps measure both: ``WARMUP`` + ``TRIALS`` steps with M, the same whole; a step's
     time is the time from its training forward to the next (forward, backward, the optimizer's
     step and whatever the loop does between: the same for both). The faster count's median
-    wins and is kept (logged once at INFO). ``model.choose_micro_batches``: ``"auto"`` (the
-    default: measure on a CUDA device only, where the GPU issue measured the loss), ``True``
-    (measure on any device), ``False`` (always M)."""
+    wins and is kept (logged once at INFO). ``model.choose_micro_batches``: ``"auto"`` (measure
+    on a CUDA device only, where the GPU issue measured the loss), ``True`` (measure on any
+    device), ``False`` (always M; the default for now: its one H100 run, SplitClient with M = 4,
+    met a forward answered with a backward's tensors, refused by the answer checks, cause not
+    found; on the CPU both switches are tested)."""
 
     WARMUP, TRIALS = 1, 3
 
@@ -238,7 +240,7 @@ def micro_count(model) -> int:
     """The micro-batches of this training forward: ``model.micro_batches``, or 1 while/after
     the :class:`Chooser` measured whole batches faster."""
     m = check_micro_batches(getattr(model, "micro_batches", 1))
-    choose = getattr(model, "choose_micro_batches", "auto")
+    choose = getattr(model, "choose_micro_batches", False)
     if m < 2 or choose is False:
         return m
     if choose == "auto":
