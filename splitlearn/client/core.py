@@ -18,7 +18,8 @@ from ..errors import ConfigError, SplitLearnError
 from ..hf.federation import federation_of
 from ..hf.lora import apply_lora, export_adapter
 from ..hf.modeling import split_segments
-from ..hf.remote import RemoteConfig, RemoteSegment
+from ..hf.config import RemoteConfig
+from ..hf.remote import RemoteSegment
 from ..hf.streaming import stream_tokens
 from ..idlepoll import IdlePoller
 from ..segments import labels_from_batch, positions_from_mask

@@ -6,7 +6,8 @@ values in a :class:`~.cache.RemoteCache`. See :mod:`.modeling`, :mod:`.remote` a
 from .cache import RemoteCache
 from .modeling import (ServerBlock, SplitGenerationMixin, SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel,
                        SplitGPT2Model, split_model)
-from .remote import RemoteConfig, RemoteSegment
+from .config import RemoteConfig
+from .remote import RemoteSegment
 
 __all__ = ["RemoteCache", "RemoteConfig", "RemoteSegment", "ServerBlock", "SplitGenerationMixin",
            "SplitGPT2ForSequenceClassification", "SplitGPT2LMHeadModel", "SplitGPT2Model", "split_model"]

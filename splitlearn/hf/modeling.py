@@ -62,7 +62,8 @@ from ..transport import shares_cores_with_server
 from ..trust import Pins
 from . import pipeline
 from .cache import _rows
-from .remote import RemoteConfig, RemoteSegment
+from .config import RemoteConfig
+from .remote import RemoteSegment
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +456,7 @@ class SplitMixin:
         :attr:`micro_batches`. ``fed_url``, ``fed_token``: a separate fed server for the federation
         modes (:mod:`splitlearn.hf.federation`); ``journal_dir``: the crash journal on disk too
         (:meth:`resume`); ``wait_timeout_s``, ``reconnect_timeout_s``, ``apply_wait_s``: as
-        :class:`~splitlearn.hf.remote.RemoteConfig`. ``min_client_blocks`` (default 1: a server cut at 0 is refused),
+        :class:`~splitlearn.hf.config.RemoteConfig`. ``min_client_blocks`` (default 1: a server cut at 0 is refused),
         ``expected_cuts``, ``shape`` (``"u"``: a 2-way server is refused, the labels stay here):
         the splits accepted (:class:`splitlearn.trust.Pins`), checked before anything is sent.
         Other keyword arguments go
