@@ -76,6 +76,11 @@ class StaleWeights(Conflict):
     code = "stale_weights"
 
 
+class ForwardLost(Conflict):
+    """Client side: the server has no forward for a backward (it lost or dropped it): the step
+    must run again from its first forward (``SplitClient`` does; the model classes raise it)."""
+
+
 class RequestTimeout(SplitLearnError):
     """A request that did not arrive within its deadline (the server's front door cut it off)."""
 

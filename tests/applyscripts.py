@@ -52,7 +52,7 @@ def split_client(url: str, client_id: str, out: Path) -> dict:
     from splitlearn import SplitClient
 
     client = SplitClient(url, "tiny", optimizer="sgd", lr=LR, device="cpu", client_id=client_id)
-    client.model.remote.idle_flush_s = WAIT
+    client.model.remote.applier.idle_s = WAIT
     for step in range(3):
         client.train_step(batch(step))
     save_file(client_weights(client.model), str(out / "client.safetensors"))

@@ -205,7 +205,7 @@ def test_a_lying_answer_in_training_is_refused_and_the_client_is_unchanged(lying
             after = weights(model)
             assert all(torch.equal(before[k], after[k]) for k in before), name  # nothing moved
             assert all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters()), name
-            assert model.remote.server_norm is None and model.remote.step == step, name
+            assert model.remote.steps.server_norm is None and model.remote.step == step, name
             opt.zero_grad()  # (also drops the refused step's pieces on the server)
         # an honest answer again: the loop goes on
         model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()

@@ -126,7 +126,7 @@ def test_export_adapter_holds_the_servers_last_step(tmp_path):
         client = SplitClient(srv.url, "tiny", token=TOKEN, device="cpu", optimizer="sgd", lr=1e-2,
                              lora=LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
                                              fan_in_fan_out=True))
-        client.model.remote.idle_flush_s = 30  # not the idle flusher: export_adapter sends it
+        client.model.remote.applier.idle_s = 30  # not the idle flusher: export_adapter sends it
         for step in range(2):
             client.train_step(batch(step))
         out = client.export_adapter(tmp_path / "adapter")

@@ -63,11 +63,11 @@ def test_a_splitfed_round_of_model_classes_equals_one_unsplit_step(cuts, tmp_pat
         # server refuses its step's first forward; the model loads the shared weights, runs again
         a, b = models
         average = client_weights(b)
-        a.remote.federation.version = a.remote._fed_version = 0
+        a.remote.federation.version = a.remote.steps.fed_version = 0
         with torch.no_grad():
             a.transformer.wte.weight.zero_()
-        calls, refused, real = a.remote.stats.calls, [], a.remote.refused_for_federation
-        a.remote.refused_for_federation = lambda: refused.append(real()) or refused[-1]
+        calls, refused, real = a.remote.stats.calls, [], a.remote.steps.refused_for_federation
+        a.remote.steps.refused_for_federation = lambda: refused.append(real()) or refused[-1]
         a(input_ids=batches[0][0], labels=batches[0][0]).loss.backward()
         assert refused == [True]  # the server said stale_weights once; the forward ran again
         assert a.remote.federation.version == 1 and torch.equal(client_weights(a)["transformer.wpe.weight"],

@@ -91,7 +91,7 @@ def run(cuts, tmp, kill_at=None, restart_from=None, micro_batches=1):
         client = {k: v.clone() for k, v in model.state_dict().items() if "remote." not in k}
         server = srv.weights()
         model.remote.close()
-    return losses, client, server, remote.recoveries
+    return losses, client, server, remote.journal.recoveries
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_a_model_class_killed_mid_training_resumes_exactly(tmp_path, cuts, crash
                 # that: not even the idle flush of step 5's deferred apply, which a live model in this
                 # process would send 0.1 s later (racing the resumed model's replay of step 5), nor
                 # the last call its finalizer makes when it is collected (kill -9 runs neither)
-                model.remote.idle_flush_s = 0
+                model.remote.applier.idle_s = 0
                 model.remote.last_call.detach()
                 losses = train(model, opt, stop=6)
                 if crash == "mid-step":  # step 6's first piece reaches the server, then the process dies
@@ -236,7 +236,7 @@ def test_a_model_class_killed_mid_training_resumes_exactly(tmp_path, cuts, crash
                 # and no request, but for step 5's pieces when the process died before its apply
                 # went (carried by step 6's first forward): the server never applied it
                 again = 2 * PIECES if crash == "between-steps" else 0
-                assert model.remote.stats.calls == calls + again and not model.remote._redo
+                assert model.remote.stats.calls == calls + again and not model.remote.journal._redo
                 losses += train(model, opt, start=6)
             client = {k: v.clone() for k, v in model.state_dict().items() if "remote." not in k}
             results[name] = (losses, client, srv.weights())

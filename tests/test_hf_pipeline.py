@@ -62,7 +62,7 @@ def test_pipelined_loop_equals_unsplit(server):
 def test_the_forwards_of_a_step_are_in_flight_together(server):
     model = split_lm(server, micro_batches=M)
     remote, events = model.remote, []
-    start, finish = remote.start_piece, remote.finish_piece
+    start, finish = remote.steps.start, remote.steps.finish
 
     def spy_start(kind, tensors, lane, piece=None):
         call = start(kind, tensors, lane, piece)
@@ -73,7 +73,7 @@ def test_the_forwards_of_a_step_are_in_flight_together(server):
         events.append(("finish", call[0], call[1][1]))
         return finish(call)
 
-    remote.start_piece, remote.finish_piece = spy_start, spy_finish
+    remote.steps.start, remote.steps.finish = spy_start, spy_finish
     ids, mask, labels = batches(1, seed=4, rows=6)[0]
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     first_answer = events.index(("finish", "f", 0))

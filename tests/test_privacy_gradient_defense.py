@@ -101,17 +101,17 @@ def test_bad_input(make, match):
 def _sent_gradients(model, ids):
     """The gradients the client sends the server in one training backward (the wire's messages)."""
     sent, remote = [], model.remote
-    real = remote.send_backward
+    real = remote.steps.send_backward
 
     def record(piece, grad, dtype, device):
         sent.append(grad.detach().clone())
         return real(piece, grad, dtype, device)
 
-    remote.send_backward = record
+    remote.steps.send_backward = record
     try:
         model(ids, labels=ids).loss.backward()
     finally:
-        del remote.send_backward
+        del remote.steps.send_backward
     model.zero_grad()
     assert len(sent) == 1
     return sent[0]  # (B, T, d)

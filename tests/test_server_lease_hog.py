@@ -50,7 +50,7 @@ def test_a_tenant_that_never_sends_its_backward_cannot_hold_the_segment(server):
                      reconnect_timeout_s=30) as honest:
         # the apply as a request of its own in both runs: with the hog about, the server asks for it
         # at once (apply_now), and the ratio below is the lease's effect, not the carried apply's
-        honest.model.remote.carry_apply = False
+        honest.model.remote.applier.carry = False
         steps_in(honest, 0.5)  # warm-up
         alone = steps_in(honest, RUN_S)
 

@@ -131,7 +131,7 @@ def test_a_model_class_client_above_the_servers_lr_is_told_once(caplog):
         model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN).train()
         opt = torch.optim.SGD(model.parameters(), lr=10 * SERVER_LR)
         ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
-        with caplog.at_level("WARNING", logger="splitlearn.hf.remote"):
+        with caplog.at_level("WARNING", logger="splitlearn.hf.applies"):
             for _ in range(2):
                 model(input_ids=ids, labels=ids).loss.backward()
                 opt.step()

@@ -86,7 +86,7 @@ def model_class_steps(url: str, m: int, loss_gradient=None) -> list:
 def split_client_steps(url: str, m: int) -> list:
     count, per_step = None, []
     with SplitClient(url, "tiny", token=TOKEN, device="cpu", micro_batches=m) as client:
-        client.model.remote.idle_flush_s = 30  # as model_class_steps' apply_wait_s
+        client.model.remote.applier.idle_s = 30  # as model_class_steps' apply_wait_s
         count = Counter(client.transport)
         for step in range(STEPS):
             client.train_step(batch(step))
@@ -140,7 +140,7 @@ def test_an_idle_client_keeps_its_deferred_step_while_another_waits_for_the_leas
             m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, apply_wait_s=10).train()
             models.append((m, torch.optim.SGD(m.parameters(), lr=1e-2)))
         (a, opt_a), (b, opt_b) = models
-        assert a.remote.idle_flush_s == pytest.approx(1.0)  # a third of the timeout: 2 s of slack on a loaded host
+        assert a.remote.applier.idle_s == pytest.approx(1.0)  # a third of the timeout: 2 s of slack on a loaded host
 
         def step(model, opt, i):
             ids = batch(i)
@@ -177,7 +177,7 @@ def test_an_owner_waiting_for_the_segment_is_not_held_up_by_another_owners_defer
         for _ in range(2):
             m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN).train()
             models.append((m, torch.optim.SGD(m.parameters(), lr=1e-2)))
-        assert models[0][0].remote.idle_flush_s == pytest.approx(0.1)
+        assert models[0][0].remote.applier.idle_s == pytest.approx(0.1)
         waits = []
         for i, (m, opt) in enumerate(models):
             t0 = time.monotonic()
@@ -204,16 +204,16 @@ def test_a_deferred_apply_stuck_on_a_dead_server_does_not_hold_up_another_segmen
 
     release, sent = threading.Event(), {}
 
-    class Segment:  # what the flusher reads and calls: deferred, _idle_flush(req)
+    class Applier:  # what the flusher reads and calls: deferred, idle_flush(req)
         def __init__(self, blocks: bool, deferred: str):
             self.blocks, self.deferred = blocks, deferred
 
-        def _idle_flush(self, req):
+        def idle_flush(self, req):
             if self.blocks:
                 release.wait(30)  # the dead server's reconnect window
             sent[req] = time.monotonic()
 
-    flusher, stuck, other = IdleFlusher(), Segment(True, "stuck's apply"), Segment(False, "other's apply")
+    flusher, stuck, other = IdleFlusher(), Applier(True, "stuck's apply"), Applier(False, "other's apply")
     try:
         t0 = time.monotonic()
         flusher.schedule(stuck, "stuck's apply", 0.0)

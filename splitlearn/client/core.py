@@ -6,6 +6,7 @@ this class adds a batch in, one step out (applied at the server's own lr), its o
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -14,7 +15,7 @@ import torch
 from .. import protocol as P
 from ..checkpoint import make_optimizer, unique_parameters
 from ..devices import resolve_device
-from ..errors import ConfigError, SplitLearnError
+from ..errors import ConfigError, ForwardLost, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights
 from ..hf.federation import federation_of
 from ..hf.lora import apply_lora, export_adapter
 from ..hf.modeling import split_segments
@@ -22,6 +23,7 @@ from ..hf.config import RemoteConfig
 from ..hf.remote import RemoteSegment
 from ..hf.streaming import stream_tokens
 from ..idlepoll import IdlePoller
+from ..transport.fedsync import wait_while_busy
 from ..segments import labels_from_batch, positions_from_mask
 from .config import ClientConfig
 
@@ -63,8 +65,10 @@ class SplitClient:
             self.optimizer = make_optimizer(lora or unique_parameters(self.segments), c.optimizer, c.lr,
                                             c.weight_decay)
             self.federation = federation_of(m)
-            remote.auto_apply, remote.loss_gradient = False, 1.0  # run_step applies; fused 2-way pieces, 1F1B
-            remote.attach_optimizer(self.optimizer)  # journal_dir: the step-0 client checkpoint
+            remote.loss_gradient = 1.0  # train_step's loss.backward(): fused 2-way pieces, 1F1B
+            # every step applied at the server's own lr (this optimizer's lr is the client side's)
+            remote.link.fixed_lr = float(self.info.get("optimizer", {}).get("lr", c.lr))
+            remote.link.attach(self.optimizer)  # only its steps apply; journal_dir: the step-0 client checkpoint
         except BaseException:
             remote.close()
             raise
@@ -104,7 +108,7 @@ class SplitClient:
     def recoveries(self) -> list[dict]:
         """One entry per recovery from a server restart: ``{"server_step", "replayed", "requests"}``."""
         return [{"server_step": r["server_step"], "replayed": r["steps"], "requests": r["replayed"]}
-                for r in self._model.remote.recoveries]
+                for r in self._model.remote.journal.recoveries]
 
     def close(self) -> None:
         try:
@@ -142,6 +146,8 @@ class SplitClient:
         pos = None if mask is None else positions_from_mask(mask, ids.shape[1])  # left padding as generate's
 
         def attempt() -> float:
+            if remote.pieces or remote.answered:  # an earlier attempt's pieces: dropped on both sides
+                remote.steps.discard(force=True)
             torch.set_rng_state(rng)  # every attempt draws the same dropout masks
             model.train()
             self.optimizer.zero_grad(set_to_none=True)
@@ -150,8 +156,22 @@ class SplitClient:
             extra = model.transformer.defense_loss  # the defense's own term (NoPeek) is not the task's loss
             return float(out.loss.detach()) - (float(extra.detach()) if extra is not None else 0.0)
 
-        server_lr = float(self.info.get("optimizer", {}).get("lr", self.config.lr))  # the server's own
-        return remote.run_step(attempt, self.optimizer, server_lr)
+        step, deadline = remote.step, time.monotonic() + remote.cfg.wait_timeout_s
+        while True:  # a busy segment waited out; a refused attempt dropped on both sides and redone
+            try:
+                self.federation.before_step()
+                loss = wait_while_busy(attempt, "the segment", max(deadline - time.monotonic(), 0.0))
+                break
+            except (StaleWeights, NotYourTurn) as e:  # the shared weights moved on, or the turn lapsed
+                log.info("step %d redone: %s", step, e.message)
+                self.federation.stale()
+            except ForwardLost as e:  # the server lost or dropped the forward
+                log.warning("step %d redone: %s", step, e.message)
+            remote.log.drop(step)  # what was logged of the refused attempt
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"step {step} could not be applied within {remote.cfg.wait_timeout_s:g}s")
+        self.optimizer.step()  # its hook applies the server's step (remote.link), carried by the next request
+        return loss
 
     def flush(self) -> Optional[dict]:
         """Send the last step's deferred apply now -> the server's answer (None: none deferred)."""
@@ -160,7 +180,7 @@ class SplitClient:
     def recover(self) -> int:
         """Bring a server that restarted from its checkpoint back to this client's step -> the
         number of steps replayed (training does it by itself)."""
-        return self._model.remote.recover()
+        return self._model.remote.journal.recover()
 
     def sync(self) -> dict:
         """End of a turn (sequential) or round (splitfed): share the client-side weights (LoRA: the
@@ -182,7 +202,7 @@ class SplitClient:
 
     def save(self, directory: Union[str, Path], server_checkpoint: bool = True) -> Path:
         """Write this side's weights, optimizer state, client id and step to ``directory`` (a client
-        checkpoint: ``RemoteSegment.persist``), the server checkpointing the same step first."""
+        checkpoint: ``Recovery.persist``), the server checkpointing the same step first."""
         remote = self._model.remote
         remote.flush()  # the last step's apply: the server's checkpoint holds it
         if server_checkpoint:
@@ -191,7 +211,7 @@ class SplitClient:
                     remote.log.durable(self.step)  # the server's checkpoint holds every step of this client
             except SplitLearnError as e:  # a server without --checkpoint-dir
                 log.warning("server did not checkpoint: %s", e)
-        remote.persist(self.optimizer, directory)
+        remote.journal.persist(self.optimizer, directory)
         return Path(directory)
 
     def load(self, directory: Union[str, Path]) -> int:
@@ -199,15 +219,15 @@ class SplitClient:
         journal's noted batches again -> the step (docs/RECOVERY.md). ``ConfigError``: no
         checkpoint or other cuts; ``Conflict``: the server is more than one step past it."""
         remote = self._model.remote
-        counters = remote.restore(directory, self.optimizer, rng=False)
+        counters = remote.journal.restore(directory, self.optimizer, rng=False)
         self.client_id = counters["client_id"]
-        notes = remote.load_journal(directory, int(counters["step"]))  # the server brought to this step
+        notes = remote.journal.load_journal(directory, int(counters["step"]))  # the server brought to this step
         for step in sorted(notes):  # answered from the log where the server has them
             t = notes[step]
             self._step(t["ids"].to(self.device), t["mask"].to(self.device) if "mask" in t else None, t["rng"],
                        noted=True)
-        if remote.log.directory is not None and self.step > remote._snap_step:
-            remote.persist(self.optimizer)
+        if remote.log.directory is not None and self.step > remote.journal.snapshot_step:
+            remote.journal.persist(self.optimizer)
         return self.step
 
     def export_adapter(self, directory: Union[str, Path], base_model: Optional[str] = None) -> Path:

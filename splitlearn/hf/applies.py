@@ -1,8 +1,7 @@
 """Where a step's deferred apply waits, and what sends it, so that no step is lost.
 
-The apply of a training step (the client's ``optimizer.step()``, :meth:`RemoteSegment.apply
-<splitlearn.hf.remote.RemoteSegment.apply>`) rides on the next step's first forward. When no
-next step comes soon, it is sent on its own:
+The apply of a training step (the client's ``optimizer.step()``, :meth:`Applier.apply`) rides
+on the next step's first forward. When no next step comes soon, it is sent on its own:
 
 ==============================================  ===========================================
 when                                            who sends it
@@ -20,6 +19,12 @@ the model is garbage collected                  the same finalizer, with the seg
                                                 exit joins it)
 ==============================================  ===========================================
 
+A step ends one way: :meth:`Applier.apply` defers the apply (or, when it cannot wait, sends
+it), and whoever sends it (a carrying forward's answer, a flush, the idle flusher, the last call)
+hands the answer to :meth:`Applier.answered`, the one place a deferred apply is settled. The
+idle timer has one owner, the :class:`Applier`, which schedules it with the process's
+:class:`IdleFlusher`.
+
 The idle flusher is a daemon thread: it dies with the process, so before the finalizer a
 script that simply ended after its last ``optimizer.step()`` left that step on the client alone
 (issue 41: a 3-step loop moved the server twice). At exit the finalizer also drops the pieces of
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import heapq
+import json
 import logging
 import threading
 import time
@@ -70,6 +76,108 @@ class Outbox:
             answer = self.transport.post_json(P.TRAIN_APPLY, req.to_json())
             self.requests.record(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()), answer)
             log.info("step %d of client %s applied as its model was dropped", req.step, req.client_id)
+
+
+class Applier:
+    """How a segment's steps end: the apply of each, deferred to ride on the next step's first
+    forward, or sent alone (:meth:`flush`); the answers it gets (:attr:`last`).
+
+    ``segment``: the :class:`~splitlearn.hf.remote.RemoteSegment` (held weakly), whose step
+    (``segment.steps``), clip (``segment.link``) and journal (``segment.journal``) an apply
+    reads. ``idle_s``: how long a deferred apply waits for a forward before the idle flusher
+    sends it (``RemoteConfig.apply_wait_s``, at most a third of the server's lease).
+    """
+
+    def __init__(self, segment, outbox: Outbox, idle_s: float):
+        self._segment = weakref.proxy(segment)
+        self.outbox = outbox
+        self.idle_s = idle_s
+        self.carry = True  # False: every apply is a POST /v1/train/apply of its own
+        self.last: Optional[dict] = None  # the server's answer to the last apply
+        self.count = 0  # applies made
+        self._lr_capped = False
+
+    @property
+    def deferred(self) -> Optional[P.ApplyRequest]:
+        """The last step's apply, carried by the next step's first forwards (or sent alone)."""
+        return self.outbox.req
+
+    def carried_by(self, step: int) -> Optional[str]:
+        """A forward of ``step`` is being sent: the deferred apply of the step before as its
+        metadata ``apply`` (the idle flusher then leaves it), or None."""
+        with self.outbox.lock:
+            d = self.outbox.req
+            if d is None or d.step != step - 1:
+                return None
+            self.outbox.carrying = True
+            return json.dumps(d.to_json(), separators=(",", ":"))
+
+    def apply(self, lr: float) -> Optional[dict]:
+        """The apply of the current step at ``lr``; the next pieces belong to the next step.
+        Deferred (:attr:`carry`; returns None, the answer is :attr:`last` once it came), else
+        ``POST /v1/train/apply`` now (returns the server's answer): when the server asked for it
+        now (another client waits for the shared segment) or the journal answers the step."""
+        seg = self._segment
+        steps = seg.steps
+        self.flush()
+        req = P.ApplyRequest(seg.client_id, steps.step, steps.answered, float(lr), seg.link.clip_factor(), run=seg.run)
+        self.count += 1
+        if self.carry and not steps.apply_now and not seg.journal.answers(steps.step):
+            with self.outbox.lock:
+                self.outbox.req, self.outbox.carrying = req, False
+            if self.idle_s:
+                IDLE.schedule(self, req, self.idle_s)
+            steps.next()
+            return None
+        _, answer = seg.journal.call(steps.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
+        self.answered(req, answer)
+        steps.next()
+        return answer
+
+    def flush(self) -> Optional[dict]:
+        """Send the deferred apply now (``POST /v1/train/apply``; a retry of one a forward
+        already carried gets its stored answer): before whatever needs the server to hold the
+        step (a sync, a checkpoint, an evaluation, a generation, ``close``). Returns its answer."""
+        with self.outbox.lock:
+            req = self.outbox.req
+            if req is None:
+                return None
+            _, answer = self._segment.journal.call(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
+            self.answered(req, answer)
+            return answer
+
+    def idle_flush(self, req: P.ApplyRequest) -> None:
+        """The idle flusher's call: send ``req`` unless a forward carries it or it was answered."""
+        with self.outbox.lock:
+            if self.outbox.req is not req or self.outbox.carrying:
+                return
+            try:
+                self.flush()
+            except Exception as e:  # noqa: BLE001 - the next forward carries it again, or raises
+                log.warning("sending the deferred apply of step %d failed (%s); the next step's forward carries it",
+                            req.step, e)
+
+    def carried(self, step: int, info: dict) -> None:
+        """A forward of ``step`` that carried the deferred apply was answered: its answer to the
+        apply (metadata ``apply``) settles it, logged as if it had been sent alone."""
+        req, carried = self.outbox.req, info.get("apply")
+        if req is not None and carried is not None and req.step == step - 1:
+            answer = json.loads(carried)
+            self._segment.journal.logged(req.step, Sent(P.TRAIN_APPLY, None, req.to_json()), {}, answer)
+            self.answered(req, answer)
+
+    def answered(self, req: P.ApplyRequest, answer: dict) -> None:
+        """The server's answer to ``req`` came (its own request's, or a carrying forward's)."""
+        with self.outbox.lock:
+            if self.outbox.req is req:
+                self.outbox.req, self.outbox.carrying = None, False
+        self.last = answer
+        applied = answer.get("lr") if isinstance(answer, dict) else None
+        if isinstance(applied, (int, float)) and applied < float(req.lr) and not self._lr_capped:
+            self._lr_capped = True  # once: a schedule asks for it every step
+            log.warning("the server applied lr %g, not this optimizer's %g: on weights shared between tenants it "
+                        "steps at most at its own --lr (docs/SECURITY.md); start it with --lr >= your peak lr",
+                        applied, float(req.lr))
 
 
 def bounded(transport) -> None:
@@ -164,7 +272,7 @@ class IdleFlusher:
     idles between steps (a notebook, a slow data loader) would lose its step that way, so a
     deferred apply is sent on its own after ``RemoteConfig.apply_wait_s`` (0.1 s; at most a third
     of the lease timeout), so another owner waiting for the segment is not held up by an idle
-    one. One daemon thread for the process keeps the times; it holds the segments weakly, and
+    one. One daemon thread for the process keeps the times; it holds the appliers weakly, and
     sends each apply from a thread of its own: a flush that waits out a dead server's
     reconnect window must not hold up another segment's (whose lease would lapse meanwhile).
     """
@@ -175,10 +283,10 @@ class IdleFlusher:
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
 
-    def schedule(self, segment, req, idle_s: float) -> None:
+    def schedule(self, applier: Applier, req, idle_s: float) -> None:
         with self._cond:
             self._seq += 1
-            heapq.heappush(self._due, (time.monotonic() + idle_s, self._seq, weakref.ref(segment), req))
+            heapq.heappush(self._due, (time.monotonic() + idle_s, self._seq, weakref.ref(applier), req))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="splitlearn-idle-apply", daemon=True)
                 self._thread.start()
@@ -190,9 +298,9 @@ class IdleFlusher:
                 while not self._due or self._due[0][0] > time.monotonic():
                     self._cond.wait(None if not self._due else self._due[0][0] - time.monotonic())
                 _, _, ref, req = heapq.heappop(self._due)
-            segment = ref()
-            if segment is not None and segment.deferred is req:  # (not carried meanwhile: no thread)
-                threading.Thread(target=segment._idle_flush, args=(req,), name="splitlearn-idle-apply-send",
+            applier = ref()
+            if applier is not None and applier.deferred is req:  # (not carried meanwhile: no thread)
+                threading.Thread(target=applier.idle_flush, args=(req,), name="splitlearn-idle-apply-send",
                                  daemon=True).start()
 
 

@@ -39,8 +39,8 @@ weights, optimizer state and step) is a client checkpoint in ``DIR`` (:mod:`spli
 rewritten when the server's durable step has moved past it, and the log keeps every step after
 the server's durable one. A caller may add its own records of a step (:meth:`RequestLog.note`:
 ``SplitClient`` notes each batch and its RNG state), never sent. After a client crash
-(``model.resume(optimizer)``, ``SplitClient.load``: :meth:`RemoteSegment.load_journal
-<splitlearn.hf.remote.RemoteSegment.load_journal>` reads :func:`read_log`): the server's lost
+(``model.resume(optimizer)``, ``SplitClient.load``: :meth:`Recovery.load_journal
+<splitlearn.hf.recovery.Recovery.load_journal>` reads :func:`read_log`): the server's lost
 steps up to the checkpoint are replayed from the log; the steps after the checkpoint that the
 server has applied are answered from the log when the client runs them again (no request; each
 request must equal the logged one); the ones it lost are sent again.
@@ -92,10 +92,6 @@ def bytes_digest(tensors: dict[str, torch.Tensor]) -> bytes:
         h.update(f"{name}:{t.dtype}:{list(t.shape)};".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.digest()
-
-
-class Redo(Exception):
-    """A step the server did not apply and that must be run again from the start."""
 
 
 @dataclass

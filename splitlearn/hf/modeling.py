@@ -125,13 +125,13 @@ class SplitGPT2Model(GPT2PreTrainedModel):
                                 timeout_s, retries, **kwargs)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        self.remote.attach_optimizer(optimizer)
+        self.remote.link.attach(optimizer)
         return optimizer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if self.remote is not None:
-            self.remote.discard_pending()
+            self.remote.steps.discard()
 
     @property
     def client_blocks(self) -> list[tuple[int, int]]:
@@ -290,7 +290,7 @@ class SplitMixin:
         """Let only ``optimizer`` apply the server's steps (by default the optimizer holding this
         model's parameters, found at the first backward, does); with a ``journal_dir``, also
         writes the starting checkpoint :meth:`resume` needs. Returns it."""
-        self.remote.attach_optimizer(optimizer)
+        self.remote.link.attach(optimizer)
         return optimizer
 
     def resume(self, optimizer: torch.optim.Optimizer) -> int:
@@ -301,13 +301,13 @@ class SplitMixin:
         feed it that step's data. The first run must have attached its optimizer
         (:meth:`attach_optimizer`) before training: that writes the starting checkpoint (with
         the RNG state, so dropout draws the same masks). See :mod:`splitlearn.hf.journal`."""
-        return self.remote.resume(optimizer)
+        return self.remote.journal.resume(optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Both sides: this model's gradients, and the server's pending ones (discarded there)."""
         super().zero_grad(set_to_none=set_to_none)
         if self.transformer.remote is not None:
-            self.transformer.remote.discard_pending()
+            self.transformer.remote.steps.discard()
 
     def __call__(self, *args, **kwargs):
         """``nn.Module.__call__``; a step refused at its first forward by a federation mode (the
@@ -315,14 +315,14 @@ class SplitMixin:
         runs again (:mod:`splitlearn.hf.federation`)."""
         remote = self.transformer.remote
         if remote is not None and self.training:
-            remote.prepare_step(self)
+            remote.steps.prepare(self)
         try:
             return super().__call__(*args, **kwargs)
         except (StaleWeights, NotYourTurn) as e:
-            if remote is None or not remote.refused_for_federation():
+            if remote is None or not remote.steps.refused_for_federation():
                 raise
             log.info("the forward of step %d runs again: %s", remote.step, e.message)
-            remote.prepare_step(self)
+            remote.steps.prepare(self)
             return super().__call__(*args, **kwargs)
 
     def sync(self) -> dict:
@@ -334,16 +334,16 @@ class SplitMixin:
         from .federation import federation_of, shared_weights
 
         remote = self.transformer.remote
-        remote.notice_zero_grad()
+        remote.link.notice_zero_grad()
         if remote.pieces or remote.answered:
             raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
                               "(optimizer.step() or zero_grad() first)")
         remote.flush()  # the last step's deferred apply, before the turn or the round closes
         fed = federation_of(self)
         status = fed.sync(shared_weights(self))
-        optimizer = remote._optimizer_ref() if remote._optimizer_ref is not None else None
-        if not fed.shared and optimizer is not None and remote.log.directory is not None and remote.log.enabled:
-            remote.persist(optimizer)  # journal_dir: the server checkpoints at a sync; the average is loaded
+        optimizer = remote.link.attached
+        if not fed.shared and optimizer is not None and remote.journal.on_disk:
+            remote.journal.persist(optimizer)  # journal_dir: the server checkpoints at a sync; the average is loaded
         return status
 
     #: measure ``micro_batches`` against whole batches over the first training steps and keep the
@@ -843,7 +843,7 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
     trunk.remote = remote
     if isinstance(model, GPT2Model):
         _need_u_shape(trunk, "SplitGPT2Model")
-        remote.bind(trunk)
+        remote.link.bind(trunk)
         return trunk
     cls = _split_class(type(model))
     if not trunk.u_shape and not issubclass(cls, GPT2LMHeadModel):
@@ -855,7 +855,7 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
         model._tied_weights_keys = {}
     model.__class__ = cls
     name_causal_lm_loss(model)  # a language model's loss, named: no transformers warning at every loss
-    remote.bind(model)
+    remote.link.bind(model)
     return model
 
 

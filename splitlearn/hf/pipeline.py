@@ -84,13 +84,13 @@ class _Lanes:
         lane = key[1] % self.n
         if lane in self.calls:  # one request per lane: read the one before
             self._read(lane)
-        call = self.remote.start_piece(kind, tensors, lane, piece, **({} if scale is None else {"scale": scale}))
+        call = self.remote.steps.start(kind, tensors, lane, piece, **({} if scale is None else {"scale": scale}))
         self.calls[lane] = (key, call)
         return call[1]  # the piece
 
     def _read(self, lane: int) -> None:
         key, call = self.calls.pop(lane)
-        self.answers[key] = self.remote.finish_piece(call)
+        self.answers[key] = self.remote.steps.finish(call)
 
     def ready(self, key: tuple) -> bool:
         """Can ``key``'s answer be had without waiting for the server?"""
@@ -147,9 +147,9 @@ class _Run:
             for i in range(len(self.sent)):
                 if u:
                     torch.autograd.backward(self.losses[i], g * self.weights[i])  # top⁻¹(i): the leaf's grad
-                    tensors = self.remote.backward_tensors(self.leaves[i].grad)
+                    tensors = self.remote.steps.backward_tensors(self.leaves[i].grad)
                 else:  # the scalar gradient of the server's loss
-                    tensors = self.remote.backward_tensors((g.detach() * self.weights[i]).reshape(()))
+                    tensors = self.remote.steps.backward_tensors((g.detach() * self.weights[i]).reshape(()))
                 before = self.lanes.get(("b", i - 1)) if i else None
                 self.lanes.start(("b", i), "b", tensors, self.pieces[i])
                 if before is not None:
@@ -279,7 +279,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     run = _Run(model, m)
     run.weights = [n / total for n in counts]
     known = run.remote.loss_gradient
-    scales = [run.remote.fused_scale(w) for w in run.weights]
+    scales = [run.remote.steps.fused_scale(w) for w in run.weights]
     if known is not None and (t.u_shape or None not in scales):  # backpropagate while forwarding (1F1B)
         run.eager = float(known)
     rows = [x.shape[0] for x in _rows(input_ids, m)]
@@ -294,7 +294,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             run.sent.append(sent)
             run.defense.append(t.defense_loss)
             ctxs.append(ctx)
-            tensors = run.remote.forward_tensors(sent, ctx["mask"], None if t.u_shape else y)
+            tensors = run.remote.steps.forward_tensors(sent, ctx["mask"], None if t.u_shape else y)
             fused = scales[i] if run.eager is not None and not t.u_shape else None
             run.pieces.append(run.lanes.start(("f", i), "f", tensors, scale=fused))
         one = torch.full((), run.eager if run.eager is not None else 1.0, device=input_ids.device)
@@ -319,7 +319,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             del head  # its logits (b, T, V) are not kept: the loss's graph holds what the backward needs
             if run.eager is not None:  # top⁻¹(i) now, b(i) on its way while the client goes on
                 torch.autograd.backward(run.losses[i], one * run.weights[i])
-                run.lanes.start(("b", i), "b", run.remote.backward_tensors(leaf.grad), run.pieces[i])
+                run.lanes.start(("b", i), "b", run.remote.steps.backward_tensors(leaf.grad), run.pieces[i])
         while run.eager is not None and run.done < m:
             run.bottom(run.done, run.lanes.get(("b", run.done)), one)
     except BaseException:
