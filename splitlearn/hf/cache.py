@@ -71,6 +71,7 @@ from .. import protocol as P
 from .. import trust
 from ..errors import NotFound
 from ..wire import check_wire_dtype, pack, unpack
+from .ahead import SendAhead
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def _delete_session(transport, session_id: str) -> None:
         pass
 
 
-class RemoteCache(Cache):
+class RemoteCache(Cache, SendAhead):
     """The KV cache of a split GPT-2: client layers here, server layers in one server session.
 
     config: the whole model's config (``n_layer`` slots). transport: a
@@ -92,7 +93,7 @@ class RemoteCache(Cache):
     (U-shape: the server answers hidden states) or ``"top"`` (2-way: logits). wire_dtype: of the
     activations sent and the answers. client_id: LoRA servers use this client's adapter. lane: the
     transport lane of the steps. replay: keep the activations sent so a lost session is rebuilt.
-    """
+    overlap, row_block: see :meth:`row_groups`; sending a step ahead: :mod:`.ahead`."""
 
     def __init__(self, config: PretrainedConfig, transport, *, server_blocks: tuple[int, int],
                  server_kind: str = "trunk", wire_dtype: str = "float32",
@@ -127,18 +128,11 @@ class RemoteCache(Cache):
             raise ValueError(f"row_block must be an int >= 1, got {row_block!r}")
         self.overlap, self.row_block = bool(overlap), row_block
         self.groups: Optional[list[tuple[slice, "RemoteCache"]]] = None  # row groups (see row_groups)
-        # greedy decoding with row groups: the first group's next step sent ahead (see next_inputs)
-        self.greedy = False  # set by generate: greedy choice, no logits processor, rows never move
-        self.eos: Optional[torch.Tensor] = None  # ids that end a row (finished rows get ``pad``)
-        self.pad: Optional[torch.Tensor] = None
-        self.max_length = 0  # generate stops at this many positions: nothing to send ahead then
-        self._ahead: Optional[tuple] = None  # (step, bottom context, ids, mask, positions, keep)
-        self._finished: Optional[torch.Tensor] = None  # (b,) first-group rows that produced eos
+        SendAhead.__init__(self)
 
     @classmethod
     def from_info(cls, config: PretrainedConfig, transport, info: dict, **kwargs) -> "RemoteCache":
-        """A cache for the server whose ``GET /v1/info`` answered ``info`` (its segment's blocks
-        and kind); ``kwargs`` as for the constructor."""
+        """A cache for the server whose ``/v1/info`` answered ``info``; ``kwargs`` as the constructor's."""
         seg = info["segment"]
         return cls(config, transport, server_blocks=tuple(seg["blocks"]), server_kind=seg["kind"], **kwargs)
 
@@ -168,72 +162,6 @@ class RemoteCache(Cache):
             half = (rows // self.row_block + 1) // 2 * self.row_block
             self.groups = [(slice(0, half), self._child(0)), (slice(half, rows), self._child(1))]
         return self.groups
-
-    # -- sending the first group's next step ahead (greedy) -------------------------------
-
-    def next_inputs(self, logits: torch.Tensor, ids: torch.Tensor, mask: Optional[torch.Tensor],
-                    positions: Optional[torch.Tensor]) -> Optional[tuple]:
-        """Greedy decoding with row groups: the first group's inputs of the next step as
-        ``generate`` will make them, from its last-position ``logits`` (b, V) and this step's
-        ``ids`` (b, T), ``mask`` (b, past + T) or None and ``positions`` (b or 1, T) or None:
-        (ids (b, 1), mask, positions), or None where nothing may be sent ahead.
-
-        The split model's forward runs that group's bottom on them and sends it at once
-        (:meth:`sent_ahead`), so the server computes it while this process computes the other
-        group's top (and ``generate`` picks the tokens): the overlap crosses the step, as it
-        does between two forwards of one group. The next forward takes it if its inputs are
-        those (:meth:`take_ahead`), else takes it back: the tokens never depend on it."""
-        child = self.groups[0][1]
-        if not self.greedy or len(self.groups) < 2 or child._length + 1 >= self.max_length:
-            return None
-        tok = logits.argmax(-1)  # (b,): generate's greedy choice (no logits processor)
-        if self.eos is not None and self.pad is not None and self._finished is not None:
-            tok = torch.where(self._finished, self.pad.to(tok), tok)  # finished rows: padding
-        nxt_mask = None if mask is None else torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        nxt_pos = None if positions is None else positions[:, -1:] + 1
-        return tok[:, None], nxt_mask, nxt_pos
-
-    def sent_ahead(self, step: "_Step", ctx: dict, ids: torch.Tensor, mask: Optional[torch.Tensor],
-                   positions: Optional[torch.Tensor], keep: int) -> None:
-        """Keep the first group's step sent ahead (:meth:`next_inputs`) for the next forward."""
-        self._ahead = (step, ctx, ids, mask, positions, keep)
-
-    def take_ahead(self, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: Optional[torch.Tensor],
-                   keep: int) -> Optional[tuple]:
-        """The first group's step sent ahead for exactly these inputs and its bottom's context,
-        ``(step, ctx)``; None if there is none, or it was for other inputs (it is then taken
-        back: its answer read and dropped, the position dropped on both sides)."""
-        child = self.groups[0][1]
-        if self.greedy and child._length and ids.shape[1] == 1 and self.eos is not None:
-            done = torch.isin(ids[:, -1], self.eos.to(ids.device))  # the token this step feeds
-            self._finished = done if self._finished is None else self._finished | done
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        step, ctx, a_ids, a_mask, a_pos, a_keep = ahead
-        if keep == a_keep and _same(ids, a_ids) and _same(mask, a_mask) and _same(positions, a_pos):
-            return step, ctx
-        child.take_back(step)
-        return None
-
-    def take_back(self, step: "_Step") -> None:
-        """Take back ``step`` (from :meth:`start`): its answer is read and dropped, the client's
-        layers and the length go back to what they held before it; the server drops the
-        position with the next step (``crop``)."""
-        self.finish(step)
-        self._length = step.past
-        for layer in self.layers:
-            extra = layer.get_seq_length() - step.past if layer.is_initialized else 0
-            if extra > 0:
-                layer.crop(-extra)
-
-    def _settle(self) -> None:
-        """Before a cache operation: take back a step sent ahead; no more sending ahead."""
-        if self._ahead is not None:
-            step = self._ahead[0]
-            self._ahead = None
-            self.groups[0][1].take_back(step)
-        self.greedy, self._finished = False, None
 
     def _child(self, i: int) -> "RemoteCache":
         return type(self)(self.config, self.transport, server_blocks=self.server_blocks,
@@ -573,9 +501,3 @@ def _rows(x: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     if x is None or x.shape[0] == 1:
         return x
     return x[rows]
-
-
-def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return a.shape == b.shape and bool(torch.equal(a, b.to(device=a.device, dtype=a.dtype)))
