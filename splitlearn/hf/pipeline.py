@@ -78,7 +78,7 @@ class _Lanes:
     def __init__(self, remote, n: int):
         self.remote, self.n = remote, n
         self.calls: dict[int, tuple] = {}  # lane -> (key, call)
-        self.answers: dict[tuple, tuple] = {}  # key -> finish_piece's (kind, piece, tensors)
+        self.answers: dict[tuple, tuple] = {}  # key -> steps.finish's (kind, piece, tensors)
 
     def start(self, key: tuple, kind: str, tensors: dict, piece=None, scale=None):
         lane = key[1] % self.n
