@@ -49,8 +49,10 @@ def _is_main_guard(node: ast.AST) -> bool:
 
 
 def imports(path: Path, pkg: list[str] = None) -> list[str]:
-    """The splitlearn modules ``path`` (in package ``pkg``, by default where it lies) imports, as
-    absolute names, at module level or inside functions (not under a ``__main__`` guard)."""
+    """What ``path`` (in package ``pkg``, by default where it lies) imports of splitlearn, as
+    absolute names, at module level or inside functions (not under a ``__main__`` guard): each
+    name of a ``from`` import as ``module.name`` (a submodule, or a name in that module:
+    :func:`graph` takes the deepest module)."""
     pkg = pkg or list(path.relative_to(ROOT.parent).parts[:-1])
     out = []
 
@@ -61,10 +63,12 @@ def imports(path: Path, pkg: list[str] = None) -> list[str]:
             if node.level:
                 base = pkg[:len(pkg) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
-                names = [] if node.module else [a.name for a in node.names]
-                out.extend([f"{target}.{n}" for n in names] or [target])
             elif node.module and node.module.startswith("splitlearn"):
-                out.append(node.module)
+                target = node.module
+            else:
+                target = None
+            if target is not None:
+                out.extend([f"{target}.{a.name}" for a in node.names if a.name != "*"] or [target])
         elif isinstance(node, ast.Import):
             out.extend(a.name for a in node.names if a.name.startswith("splitlearn"))
         for child in ast.iter_child_nodes(node):
@@ -164,7 +168,7 @@ def test_the_checker_sees_a_lie(tmp_path):
     f.write_text("import torch\nfrom . import tickets\n\ndef f():\n    from ..engine.tenants import client_of\n\n"
                  "if __name__ == '__main__':\n    from ..http.fedapp import main\n")
     found = imports(f, ["splitlearn", "server", "federation"])  # as if it lay in splitlearn/server/federation/
-    assert found == ["splitlearn.server.federation.tickets", "splitlearn.server.engine.tenants"]
+    assert found == ["splitlearn.server.federation.tickets", "splitlearn.server.engine.tenants.client_of"]
     g = {"splitlearn.server.federation.modes": {"splitlearn.server.engine.tenants", "splitlearn.server.config"},
          "splitlearn.server.engine.tenants": set(), "splitlearn.server.config": set()}
     assert upward(g) == ["splitlearn.server.federation.modes (federation) -> splitlearn.server.engine.tenants (engine)"]

@@ -30,7 +30,6 @@ from .rounds import aggregate
 log = logging.getLogger(__name__)
 
 
-
 class Strategy:
     """Base: bound every update, then :meth:`combine` them (subclasses), around the reference."""
 
@@ -108,14 +107,12 @@ def make_strategy(aggregation: str = "fedavg", max_update_norm: Optional[float] 
                   trim_beta: float = 0.2, max_share: Optional[float] = DEFAULT_MAX_MEMBER_SHARE) -> Strategy:
     """The strategy of ``--aggregation`` (fedavg | median | trimmed-mean); ``max_share``:
     ``--max-member-share`` (the robust rules weigh every member alike anyway)."""
+    check_aggregation(aggregation)  # ConfigError for any other name
     if aggregation == "fedavg":
         return FedAvg(max_update_norm, max_share)
     if aggregation == "median":
         return FedMedian(max_update_norm, max_share)
-    if aggregation == "trimmed-mean":
-        return FedTrimmedAvg(max_update_norm, trim_beta, max_share)
-    check_aggregation(aggregation)  # raises: none of the above
-    raise AssertionError(aggregation)
+    return FedTrimmedAvg(max_update_norm, trim_beta, max_share)
 
 
 def strategy_of(cfg) -> Strategy:
