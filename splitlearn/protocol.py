@@ -361,7 +361,7 @@ def parse_token_line(line: str) -> Optional[tuple[str, str, bool]]:
 
 def read_token_file(path: str) -> tuple[str, ...]:
     """The lines of a token file that carry a token, whitespace-normalised (the format:
-    :mod:`splitlearn.server.engine.tenants`; a client takes the token of the first line)."""
+    :mod:`splitlearn.server.tenants`; a client takes the token of the first line)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:

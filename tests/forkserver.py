@@ -47,12 +47,13 @@ from splitlearn import localserver
 FORK_ENV = "SPLITLEARN_FORK_SERVERS"  # "0": the tests' servers start as plain subprocesses
 
 # What the fork server imports once: what ``python -m splitlearn.server`` imports (its __main__
-# -> .http.cli; serve() -> .http.app, .http.frontdoor, ..idlepoll) and the fed server. A module
-# that fails to import is skipped by multiprocessing; a child then imports it itself (slower,
-# same result). The children run the code as it was when the fork server started: edits after
+# -> .http.cli; serve() -> .http.app, .http.frontdoor, ..idlepoll) and the fed server (its state
+# and its app). A module that fails to import is skipped by multiprocessing; a child then imports
+# it itself (slower, same result). The children run the code as it was when the fork server started: edits after
 # that go unseen.
 PRELOAD = ("splitlearn.localserver", "splitlearn.server.http.cli", "splitlearn.server.http.app",
-           "splitlearn.server.http.frontdoor", "splitlearn.idlepoll", "splitlearn.server.federation.fedserver")
+           "splitlearn.server.http.frontdoor", "splitlearn.idlepoll", "splitlearn.server.federation.fedserver",
+           "splitlearn.server.http.fedapp")
 
 # Environment variables read when an interpreter or the preloaded libraries start (glibc's
 # malloc, OpenBLAS, libgomp, MKL, huggingface_hub's paths and switches, the locale...), not

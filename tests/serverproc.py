@@ -208,7 +208,7 @@ class InprocFedServer(InprocServer):
     """The app of ``python -m splitlearn.server.federation.fedserver ARGS`` in this process."""
 
     def build(self):
-        from splitlearn.server.federation.fedserver import app_of, parse_args
+        from splitlearn.server.http.fedapp import app_of, parse_args
 
         return app_of(*parse_args(self.args))
 

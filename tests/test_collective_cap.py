@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 
 from splitlearn.localserver import free_port
-from splitlearn.server.federation.strategy import capped_weights
+from splitlearn.server.federation.aggregate import capped_weights
 
 pytestmark = pytest.mark.slow
 

@@ -310,13 +310,14 @@ def test_one_tenant_alone_keeps_the_turn_past_its_bounds():
 def test_the_options_come_from_the_command_line_and_bad_ones_are_refused():
     from splitlearn.errors import ConfigError
     from splitlearn.server.config import ServerConfig
+    from splitlearn.server.federation.fairness import fairness_of
     from splitlearn.server.http.cli import parse_args
 
     base = ["--model", "tiny", "--cut", "1", "--log-level", "WARNING"]
-    fair = parse_args([*base, "--max-tenant-seats", "3", "--max-turn-steps", "7", "--max-turn-seconds", "2.5",
-                       "--fair-wait-seconds", "9"]).fairness()
+    fair = fairness_of(parse_args([*base, "--max-tenant-seats", "3", "--max-turn-steps", "7", "--max-turn-seconds", "2.5",
+                       "--fair-wait-seconds", "9"]))
     assert (fair.seats, fair.max_turn_steps, fair.max_turn_s, fair.wait_s) == (3, 7, 2.5, 9.0)
-    default = parse_args(base).fairness()
+    default = fairness_of(parse_args(base))
     assert (default.share(1), default.share(2), default.share(5)) == (1, 1, 3)
     for bad in ({"max_tenant_seats": 0}, {"max_turn_steps": 0}, {"max_turn_s": 0.0}, {"fair_wait_s": -1.0}):
         with pytest.raises(ConfigError):

@@ -21,10 +21,11 @@ from splitlearn import protocol as P
 from splitlearn.loading import load_config
 from splitlearn.localserver import ChildServer
 from splitlearn.errors import ConfigError
-from splitlearn.server.engine.tenants import Tenants
+from splitlearn.server.tenants import Tenants
 from splitlearn.server.federation import tickets
 from splitlearn.server.federation.clientside import ClientSide
-from splitlearn.server.federation.fedserver import FedConfig, FedRounds, FedServe, create_fedavg_app, parse_args
+from splitlearn.server.federation.fedserver import FedConfig, FedRounds, FedServe
+from splitlearn.server.http.fedapp import create_fedavg_app, parse_args
 from splitlearn.server.federation.strategy import make_strategy
 from splitlearn.wire import encode
 

@@ -20,9 +20,10 @@ def app_of(kind: str):
     if kind == "fed":  # the fed server (python -m splitlearn.server.federation.fedserver)
         from splitlearn.loading import load_config
         from splitlearn.server.federation.clientside import ClientSide
-        from splitlearn.server.federation.fedserver import FedConfig, FedRounds, create_fedavg_app
+        from splitlearn.server.federation.fedserver import FedConfig, FedRounds
+        from splitlearn.server.http.fedapp import create_fedavg_app
         from splitlearn.server.federation.strategy import make_strategy
-        from splitlearn.server.engine.tenants import Tenants
+        from splitlearn.server.tenants import Tenants
         cfg = FedConfig("tiny", (1, 3), b"s" * 44, "splitfed")
         rounds = FedRounds(cfg, ClientSide(load_config("tiny"), (1, 3), model="tiny"), make_strategy("fedavg", None))
         return create_fedavg_app(rounds, Tenants(TENANTS))

@@ -250,7 +250,7 @@ def test_the_hello_reads_the_seals_before_the_size(monkeypatch):
     and without seals is refused for the seals; the door's own calls come seals first."""
     from flask import Flask
 
-    from splitlearn.server.engine.tenants import Tenants
+    from splitlearn.server.tenants import Tenants
     from splitlearn.server.http.unixdoor import UnixDoor
 
     calls = []

@@ -237,8 +237,9 @@ def test_a_wsgi_thread_blocked_on_an_unread_answer_is_freed_by_the_send_deadline
     """waitress blocks a WSGI thread when an unread answer passes its 16 MiB high watermark with
     another request behind it on the connection (2 such clients stopped a 2-thread server for
     good); the send deadline disconnects them, which wakes the thread."""
-    from splitlearn.server.http.frontdoor import DoorLimits, make_server
-    from splitlearn.server.engine.tenants import Tenants
+    from splitlearn.server.config import DoorLimits
+    from splitlearn.server.http.frontdoor import make_server
+    from splitlearn.server.tenants import Tenants
 
     big = b"x" * (24 << 20)
 

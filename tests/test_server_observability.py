@@ -21,7 +21,7 @@ from splitlearn.server.http import accesslog
 from splitlearn.server.http.app import create_app
 from splitlearn.server.http.cli import parse_args
 from splitlearn.server.config import ServerConfig
-from splitlearn.server.engine.tenants import digest_of
+from splitlearn.server.tenants import digest_of
 from splitlearn.errors import ConfigError
 from splitlearn.wire import encode
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from splitlearn.errors import BadRequest, ConfigError
-from splitlearn.server.federation.strategy import (FedAvg, FedMedian, FedTrimmedAvg, capped_weights, coordinate_median,
-                                        make_strategy, update_norm)
+from splitlearn.server.federation.aggregate import capped_weights, update_norm
+from splitlearn.server.federation.strategy import FedAvg, FedMedian, FedTrimmedAvg, coordinate_median, make_strategy
 
 REF = {"w": torch.tensor([1.0, 2.0, 3.0]), "step": torch.tensor([7])}  # a float tensor and an int buffer
 

@@ -320,8 +320,8 @@ def test_a_region_is_its_connections_alone(server):
 def door():
     from flask import Flask
 
-    from splitlearn.server.engine.tenants import Tenants
-    from splitlearn.server.http.frontdoor import DoorLimits
+    from splitlearn.server.tenants import Tenants
+    from splitlearn.server.config import DoorLimits
     from splitlearn.server.http.unixdoor import UnixDoor
 
     app = Flask("t")
@@ -365,7 +365,7 @@ def test_each_request_on_a_connection_is_served_as_the_token_it_carries():
     token, a wrong one or none, hoping to be served as alice. Each request is its own token's."""
     from flask import Flask, request as flask_request
 
-    from splitlearn.server.engine.tenants import Tenants
+    from splitlearn.server.tenants import Tenants
     from splitlearn.server.http.frontdoor import TENANT_KEY
     from splitlearn.server.http.unixdoor import UnixDoor
 
@@ -401,7 +401,8 @@ def test_each_request_on_a_connection_is_served_as_the_token_it_carries():
 
 
 def test_a_live_socket_is_not_taken_over_and_a_stale_one_is(door):
-    from splitlearn.server.http.unixdoor import UnixDoor, socket_path
+    from splitlearn.server.config import socket_path
+    from splitlearn.server.http.unixdoor import UnixDoor
 
     with pytest.raises(ConfigError, match="already listens"):
         UnixDoor(door.app, door.tenants, door.path, max_body_bytes=1 << 20)

@@ -9,26 +9,151 @@ The options come in groups, one dataclass each (:class:`Source`, :class:`Trainin
 (:mod:`splitlearn.server.options`): each default and help text is written once, here. Every
 group is keyword-only. The fed server's config reuses :class:`StrategyOptions` and
 :class:`LoraOptions`.
+
+Plain data the server's wings read (docs/ARCHITECTURE.md, 'The server'): this module imports
+none of them. What the options' checks need lives here (the defaults, :class:`DoorLimits`,
+:class:`GroupSpec`, the secret file, the strategy checks); what is built from a config is built
+in the wing that owns it (``strategy_of`` and ``fairness_of`` in ``federation/``, the runtime in
+``engine/``, the app and the doors in ``http/``).
 """
 from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit
 
 from ..errors import ConfigError
 from ..lora import LoraSpec
 from ..protocol import read_token_file
-from .federation.fairness import DEFAULT_MAX_TURN_S, DEFAULT_MAX_TURN_STEPS, DEFAULT_WAIT_S, Fairness
-from .federation.strategy import AGGREGATIONS, DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, make_strategy
-from .federation.tickets import check_secret, read_secret_file
-from .engine.tenants import Tenants
 from .options import opt
+from .tenants import Tenants
 
 MiB, GiB = 1 << 20, 1 << 30
 DEFAULT_GRAD_CLIP_FACTOR = 3.0  # x the typical step's gradient norm (splitlearn/server/engine/gradclip.py)
+# the fairness options' defaults (federation/fairness.py): a turn of 100 steps or 60 s while another
+# tenant waits (a client that syncs every 10 steps, as docs/FEDERATION.md's example, ends it long
+# before); a refused tenant waits 5 s
+DEFAULT_MAX_TURN_STEPS = 100
+DEFAULT_MAX_TURN_S = 60.0
+DEFAULT_WAIT_S = 5.0
+# the strategy options (federation/strategy.py)
+AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
+# --max-update-norm's default, above every honest round measured: docs/FEDERATION.md,
+# '`--max-update-norm`: the default, measured'.
+DEFAULT_MAX_UPDATE_NORM = 100.0
+# --max-member-share's default: no member holds the majority of a round's FedAvg weight; it bites
+# only when one member trained more target tokens than all the others together.
+DEFAULT_MAX_MEMBER_SHARE = 0.5
+MIN_SECRET_BYTES = 32  # the fed secret's (federation/tickets.py)
+LINGER_S = 2.0  # after a refusal, what the client still sends is dropped this long, then we close (http/frontdoor.py)
+MAX_HEADER_BYTES = 64 << 10  # a request line + headers (waitress's default: 256 KiB)
+
+
+def check_bounds(max_update_norm: Optional[float], max_share: Optional[float]) -> None:
+    """``--max-update-norm`` and ``--max-member-share`` of a strategy (ConfigError if invalid)."""
+    if max_update_norm is not None and not max_update_norm > 0:
+        raise ConfigError(f"--max-update-norm must be > 0, got {max_update_norm}")
+    if max_share is not None and not 0 < max_share <= 1:
+        raise ConfigError(f"--max-member-share must be in (0, 1], got {max_share}")
+
+
+def check_trim_beta(beta: float) -> None:
+    if not 0 <= beta < 0.5:
+        raise ConfigError(f"--trim-beta must be in [0, 0.5), got {beta}")
+
+
+def check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+
+
+def check_strategy(aggregation: str, max_update_norm: Optional[float], trim_beta: float,
+                   max_share: Optional[float]) -> None:
+    """ConfigError unless these make a strategy: the checks ``federation.strategy.make_strategy``
+    runs, in its order."""
+    check_aggregation(aggregation)
+    check_bounds(max_update_norm, max_share)
+    if aggregation == "trimmed-mean":
+        check_trim_beta(trim_beta)
+
+
+def read_secret_file(path: str) -> bytes:
+    """The shared secret: the file's contents, stripped; at least 32 bytes."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read --fed-secret-file {path}: {e}") from None
+    check_secret(secret)
+    return secret
+
+
+def check_secret(secret: bytes) -> None:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the fed secret must be at least {MIN_SECRET_BYTES} bytes (it has {len(secret)}): "
+                          f"python -c 'import secrets; print(secrets.token_urlsafe(48))' > fed.secret")
+
+
+def socket_path(url: str) -> str:
+    """The socket file of a ``unix:///path`` URL (ConfigError for anything else)."""
+    parts = urlsplit(url)
+    if parts.scheme != "unix" or parts.netloc or not parts.path or parts.query or parts.fragment:
+        raise ConfigError(f"--listen takes unix:///absolute/path.sock, got {url!r}")
+    return parts.path
+
+
+@dataclass(frozen=True)
+class DoorLimits:
+    """What one connection may hold and for how long (reported in ``/v1/info`` "limits")."""
+
+    max_connections: int = 256  # open connections; more wait in the listen backlog
+    request_timeout_s: float = 10.0  # headers complete by then; bodies and answers get this plus size / min rate
+    min_rate_kib_s: float = 256.0  # KiB/s: a body's bytes are due at this rate as they come; an answer is read at it on average
+    idle_timeout_s: float = 300.0  # a keep-alive connection with a valid token may idle this long
+
+    def __post_init__(self):
+        if self.max_connections < 1:
+            raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):
+            raise ConfigError("--request-timeout, --min-rate-kib and --idle-timeout must be > 0")
+
+    def at_min_rate_s(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` take at the minimum rate."""
+        return nbytes / (self.min_rate_kib_s * 1024)
+
+    def allowance_s(self, nbytes: int) -> float:
+        """Seconds a transfer of ``nbytes`` may take: the grace plus the bytes at the minimum rate."""
+        return self.request_timeout_s + self.at_min_rate_s(nbytes)
+
+    def as_info(self) -> dict:
+        return {**asdict(self), "max_header_bytes": MAX_HEADER_BYTES, "linger_s": LINGER_S}
+
+
+def parse_store(addr: str) -> tuple[str, int]:
+    """``host:port`` of the TCPStore (ConfigError if malformed)."""
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--fed-store must be HOST:PORT (the cluster's TCPStore), got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where a replica finds the others: ``--fed-store``, ``--fed-rank``, ``--fed-world-size``."""
+
+    store: str  # host:port of the TCPStore (python -m splitlearn.cluster hosts it)
+    index: int  # this replica's index, 0 .. world - 1 (its rank when all are in)
+    world: int  # replicas in the cluster
+    timeout_s: float = 60.0  # a collective's, and a generation's join, longest wait
+
+    def __post_init__(self):
+        parse_store(self.store)
+        if self.world < 1 or not 0 <= self.index < self.world:
+            raise ConfigError(f"--fed-rank must be in 0..--fed-world-size - 1, got {self.index} of {self.world}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--fed-timeout must be > 0, got {self.timeout_s}")
 
 
 def norm_or_none(text: str) -> Optional[float]:
@@ -136,8 +261,7 @@ class Door:
                               "(a second SIGTERM stops at once)", flag="--drain-seconds")
 
     def door_limits(self):
-        """The connection limits as the front door takes them (:mod:`splitlearn.server.http.frontdoor`)."""
-        from .http.frontdoor import DoorLimits
+        """The connection limits as the doors take them (:mod:`splitlearn.server.http.frontdoor`)."""
         return DoorLimits(self.max_connections, self.request_timeout_s, self.min_rate_kib_s, self.idle_timeout_s)
 
 
@@ -225,10 +349,6 @@ class FederationOptions:
                                              "seats and the next turn are held for it meanwhile",
                              flag="--fair-wait-seconds")
 
-    def fairness(self) -> Fairness:
-        """The seats and turns policy between tenants of these options (:mod:`.federation.fairness`)."""
-        return Fairness(self.max_tenant_seats, self.max_turn_steps, self.max_turn_s, self.fair_wait_s)
-
 
 @dataclass(kw_only=True)
 class StrategyOptions:
@@ -246,9 +366,9 @@ class StrategyOptions:
         DEFAULT_MAX_MEMBER_SHARE, f"largest fraction of a splitfed round's FedAvg weight (target tokens trained) one "
                                   f"member may hold (1: no cap; default {DEFAULT_MAX_MEMBER_SHARE:g}, docs/FEDERATION.md)")
 
-    def strategy(self):
-        """The :class:`~splitlearn.server.federation.strategy.Strategy` of these options (ConfigError if invalid)."""
-        return make_strategy(self.aggregation, self.max_update_norm, self.trim_beta, self.max_member_share)
+    def check_strategy(self) -> None:
+        """ConfigError unless these options make a strategy (``federation.strategy.strategy_of`` makes it)."""
+        check_strategy(self.aggregation, self.max_update_norm, self.trim_beta, self.max_member_share)
 
 
 @dataclass(kw_only=True)
@@ -303,7 +423,6 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if self.listen:
-            from .http.unixdoor import socket_path
             for url in self.listen:
                 socket_path(url)
         elif not self.tcp:
@@ -340,7 +459,7 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
         if self.grad_clip_window < 1 or self.grad_clip_warmup < 0:
             raise ConfigError(f"--grad-clip-window must be >= 1 step and --grad-clip-warmup >= 0, got "
                               f"{self.grad_clip_window} and {self.grad_clip_warmup}")
-        self.strategy()  # ConfigError if invalid
+        self.check_strategy()
         if self.client_weights == "external" and self.federation != "shared" and self.fed_secret is None:
             raise ConfigError("--client-weights external needs --fed-secret-file (the secret shared with the "
                               "fed server, which signs each member's ticket: docs/FEDERATION.md)")
@@ -350,7 +469,6 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
             if self.federation != "splitfed":
                 raise ConfigError("--fed-store spans SplitFed rounds over replicas: it needs --federation splitfed "
                                   "(a sequential turn is one global lock; shared mode needs no group)")
-            from .federation.collective import GroupSpec
             GroupSpec(self.fed_store, self.fed_rank, self.fed_world_size, self.fed_timeout_s)  # ConfigError if invalid
         if self.priority not in ("decode-first", "fifo"):
             raise ConfigError(f"--priority must be decode-first or fifo, got {self.priority!r}")

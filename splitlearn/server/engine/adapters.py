@@ -42,7 +42,7 @@ from ...lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec
 from ...segments import Segment
 from ...wire import encode
 from ..federation.modes import Federation, Replica
-from .tenants import client_of
+from ..tenants import client_of
 
 log = logging.getLogger(__name__)
 

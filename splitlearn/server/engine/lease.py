@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ...errors import ServiceUnavailable
-from .tenants import client_of, tenant_of
+from ..tenants import client_of, tenant_of
 
 MAX_LAPSES = 16  # the demotion stops doubling here (timeout_s * 65536)
 

@@ -37,7 +37,7 @@ import torch
 from ...errors import Conflict, SplitLearnError
 from ...fingerprint import digests as fingerprint_digests
 from ...wire import Encoded, decode, encode
-from .tenants import client_of, tenant_of
+from ..tenants import client_of, tenant_of
 
 
 APPLIED = "applied"  # metadata of an apply's answer: "1"

@@ -162,7 +162,7 @@ class SegmentRuntime:
                                     read_extra(cfg.checkpoint_dir, "server", "federation"))
             log.info("resumed from %s: %d steps applied", cfg.checkpoint_dir, self.steps_applied)
         if cfg.fed_store is not None:  # SplitFed rounds over replicas (splitlearn/server/federation/collective.py)
-            from ..federation.collective import GroupSpec
+            from ..config import GroupSpec
             self.federation.join_group(GroupSpec(cfg.fed_store, cfg.fed_rank, cfg.fed_world_size,
                                                  cfg.fed_timeout_s), self.compute.run)
 

@@ -55,7 +55,7 @@ from ..federation.modes import Replica
 from .budget import graph_bytes, padded
 from .priority import step_in_parts
 from .ledger import APPLIED, Answer, Pending, answer_bytes
-from .tenants import SEP, client_of, tenant_of
+from ..tenants import SEP, client_of, tenant_of
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 
 from ...errors import ConfigError, Conflict, ServiceUnavailable
+from ..config import GroupSpec, parse_store
 from .rounds import close_round, floating_keys
 
 log = logging.getLogger(__name__)
@@ -36,31 +36,6 @@ log = logging.getLogger(__name__)
 Weights = dict[str, torch.Tensor]
 TICK_S = 0.05  # how often a replica polls the store: close flags, timeouts, generations
 STORE_PREFIX = "splitlearn/fed"
-
-
-def parse_store(addr: str) -> tuple[str, int]:
-    """``host:port`` of the TCPStore (ConfigError if malformed)."""
-    host, sep, port = str(addr).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--fed-store must be HOST:PORT (the cluster's TCPStore), got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """Where a replica finds the others: ``--fed-store``, ``--fed-rank``, ``--fed-world-size``."""
-
-    store: str  # host:port of the TCPStore (python -m splitlearn.cluster hosts it)
-    index: int  # this replica's index, 0 .. world - 1 (its rank when all are in)
-    world: int  # replicas in the cluster
-    timeout_s: float = 60.0  # a collective's, and a generation's join, longest wait
-
-    def __post_init__(self):
-        parse_store(self.store)
-        if self.world < 1 or not 0 <= self.index < self.world:
-            raise ConfigError(f"--fed-rank must be in 0..--fed-world-size - 1, got {self.index} of {self.world}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--fed-timeout must be > 0, got {self.timeout_s}")
 
 
 def weights_sha256(weights: Weights) -> str:

@@ -27,16 +27,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from ...errors import NotYourTurn, ServiceUnavailable
-from ..engine.tenants import client_of, tenant_of
+from ..config import DEFAULT_MAX_TURN_S, DEFAULT_MAX_TURN_STEPS, DEFAULT_WAIT_S
+from ..tenants import client_of, tenant_of
 
 log = logging.getLogger(__name__)
 
-# the options' defaults (config.FederationOptions): a turn of 100 steps or 60 s while another
-# tenant waits (a client that syncs every 10 steps, as docs/FEDERATION.md's example, ends it long
-# before); a refused tenant waits 5 s
-DEFAULT_MAX_TURN_STEPS = 100
-DEFAULT_MAX_TURN_S = 60.0
-DEFAULT_WAIT_S = 5.0
 
 
 @dataclass
@@ -216,3 +211,8 @@ class Fairness:
         self._forget(now)
         return {"max_tenant_seats": self.share(k), "max_turn_steps": self.max_turn_steps,
                 "max_turn_s": self.max_turn_s, "tenants_waiting": len(self.waiting)}
+
+
+def fairness_of(cfg) -> Fairness:
+    """The seats and turns policy of a config's :class:`~splitlearn.server.config.FederationOptions`."""
+    return Fairness(cfg.max_tenant_seats, cfg.max_turn_steps, cfg.max_turn_s, cfg.fair_wait_s)

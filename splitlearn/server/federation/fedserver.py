@@ -6,7 +6,9 @@ options and a shared secret::
     python -m splitlearn.server.federation.fedserver --model tiny-demo --cut 2 --cut 4 --mode splitfed \\
         --fed-secret-file fed.secret --token-file fed-tokens.txt --port 8001
 
-Takes an upload only with the segment server's ticket (:mod:`.tickets`) for the round being
+This module is the fed server's state (:class:`FedRounds`) and options (:class:`FedConfig`,
+:class:`FedServe`); its app, metrics and command are :mod:`splitlearn.server.http.fedapp`, built
+from the segment server's http pieces. Takes an upload only with the segment server's ticket (:mod:`.tickets`) for the round being
 collected, from the tenant it names, once per member, in its own schema (:mod:`.clientside`);
 combines with the same :mod:`.strategy`. A round closes on the forwarded close record's members
 all uploaded, a later round's ticket, or ``--upload-timeout``. State is in memory.
@@ -15,7 +17,6 @@ its metrics: docs/OPERATIONS.md, 'The fed server'.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -25,24 +26,18 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from flask import Flask, Response, g, jsonify, request
 
 from ... import protocol as P
-from ...errors import BadRequest, ConfigError, Conflict, Forbidden, NotFound, SplitLearnError, Unauthorized
+from ...errors import BadRequest, ConfigError, Conflict, Forbidden, NotFound
 from ...lora import LoraSpec
-from ...wire import decode, encode
+from ...protocol import read_token_file
+from ..config import MiB, Observability, StrategyOptions, check_secret, read_secret_file
+from ..options import opt
+from ..tenants import Tenants
 from . import tickets
 from .clientside import ClientSide
 from .rounds import aggregate
 from .strategy import Strategy, coordinate_median
-from ..config import MiB, LoraOptions, Observability, StrategyOptions
-from ..engine.tenants import Tenants
-from ..options import add_options, opt, options_of
-from ...protocol import read_token_file
-from ..http import accesslog
-from ..http.metrics import ServerMetrics
-from ..http.probes import fed_readiness
-from ..http.validate import json_object
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +51,7 @@ class FedConfig(StrategyOptions):
     model: str = opt(help="the segment server's --model (the client-side schema)")
     cuts: tuple[int, ...] = opt(help="the segment server's --cut(s)", flag="--cut")
     secret: bytes = opt(help="the secret shared with the segment server (>= 32 bytes)", flag="--fed-secret-file",
-                        parse=tickets.read_secret_file, repr=False)
+                        parse=read_secret_file, repr=False)
     mode: str = opt("splitfed", "the segment server's --federation", choices=("splitfed", "sequential"))
     seed: int = opt(0, "the segment server's --seed")
     lora: Optional[LoraSpec] = opt(None, cli=False)  # the segment server's --lora-* (client-side adapters only)
@@ -64,12 +59,12 @@ class FedConfig(StrategyOptions):
                                         "without it")
 
     def __post_init__(self):
-        self.strategy()  # ConfigError if invalid
+        self.check_strategy()
         if self.mode not in ("splitfed", "sequential"):
             raise ConfigError(f"a fed server runs sequential or splitfed, not {self.mode!r}")
         if not self.upload_timeout_s > 0:
             raise ConfigError(f"--upload-timeout must be > 0 seconds, got {self.upload_timeout_s}")
-        tickets.check_secret(self.secret)
+        check_secret(self.secret)
         self.cuts = tuple(self.cuts)
 
 
@@ -255,175 +250,6 @@ class FedRounds:
 CLOSE_REASONS = ("complete", "later_round", "timeout")  # every upload in; a later round's ticket or record; --upload-timeout
 
 
-class FedCollector:
-    """The fed server's rounds as ``splitlearn_fed_*`` metric families, read at each scrape under
-    the rounds' lock (families: docs/OPERATIONS.md, 'The fed server')."""
-
-    def __init__(self, rounds: FedRounds):
-        self.rounds = rounds
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        fr = self.rounds
-        with fr.lock:
-            fr._expire()  # a round past --upload-timeout is closed, as a status read closes it
-            version, number, expected = fr.version, fr.round, fr.expected
-            held, failed, closed, last = len(fr.uploads), len(fr.failed), dict(fr.closed), dict(fr.last_round)
-        info = GaugeMetricFamily("splitlearn_server_info", "The server's shape and federation mode",
-                                 labels=("shape", "federation", "protocol_version"))
-        info.add_metric(("fed", fr.cfg.mode, str(P.PROTOCOL_VERSION)), 1)
-        yield info
-        yield GaugeMetricFamily("splitlearn_federation_version", "Version of the shared client-side weights",
-                                value=version)
-        yield GaugeMetricFamily("splitlearn_fed_round", "The segment server's round being collected (0: none)",
-                                value=number or 0)
-        uploads = GaugeMetricFamily("splitlearn_fed_uploads", "Uploads held for the round being collected",
-                                    labels=("state",))
-        uploads.add_metric(("accepted",), held)
-        uploads.add_metric(("failed",), failed)
-        yield uploads
-        yield GaugeMetricFamily("splitlearn_fed_expected_uploads", "Members the close record names (0: none yet)",
-                                value=expected or 0)
-        closes = CounterMetricFamily("splitlearn_fed_rounds_closed", "Rounds closed here, by reason",
-                                     labels=("reason",))
-        for reason in CLOSE_REASONS:
-            closes.add_metric((reason,), closed[reason])
-        yield closes
-        yield GaugeMetricFamily("splitlearn_fed_last_round_members", "Members averaged in the last round",
-                                value=last.get("members", 0))
-        yield GaugeMetricFamily("splitlearn_fed_last_round_samples", "Samples (target tokens) of the last round",
-                                value=last.get("samples", 0))
-
-
-def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = True) -> Flask:
-    """The fed server's routes around ``rounds``; ``tenants``: its own tokens; ``request_log``:
-    count requests in ``/metrics`` and log their access lines (as the segment server)."""
-    app = Flask("splitlearn.fedavg", static_folder=None)  # every route is in openapi.py
-    app.extensions["splitlearn.fedavg"] = rounds
-    metrics = ServerMetrics(None, state=FedCollector(rounds))  # this app's own registry
-    app.extensions["splitlearn.metrics"] = metrics
-    if request_log:  # first of the hooks: the clock and the request id (..http.accesslog)
-        accesslog.install(app, metrics)
-
-    @app.errorhandler(SplitLearnError)
-    def _error(err: SplitLearnError):
-        resp = jsonify(err.to_payload())
-        resp.status_code = err.status
-        return resp
-
-    @app.before_request
-    def _authenticate():  # constant-time (Tenants.authenticate); the front door checked it already
-        if request.path in (P.HEALTH, P.READY) or (request.path == P.OPENAPI and "Authorization" not in request.headers):
-            return None  # /v1/openapi.json: the protocol's document, the same for everyone
-        g.tenant = tenants.authenticate(request.headers.get("Authorization"))
-        if g.tenant is None:
-            raise Unauthorized("missing or wrong bearer token: the fed server's own (fed_token=, "
-                               "$SPLITLEARN_FED_TOKEN), not the segment server's")
-        return None
-
-    @app.get(P.HEALTH)
-    def health():
-        return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
-
-    @app.get(P.READY)
-    def ready():  # no token, as the segment server's (..http.probes)
-        ok, checks = fed_readiness(rounds)
-        return jsonify(ready=ok, checks=checks), 200 if ok else 503
-
-    @app.get(P.METRICS)
-    def metrics_text():
-        if not g.tenant.operator:
-            raise Forbidden("the metrics are the operator's: use the operator's fed token (a token-file line "
-                            "'<name> <token> operator', or the only token), or scrape --metrics-port on the "
-                            "fed server's loopback (docs/OPERATIONS.md)")
-        body, content_type = metrics.exposition(request.headers.get("Accept"))
-        return Response(body, status=200, headers={"Content-Type": content_type})
-
-    @app.get(P.OPENAPI)
-    def openapi_document():
-        from ...openapi import document
-        return jsonify(document({}, "fed"))
-
-    @app.get(P.FEDERATION)
-    def status():
-        return jsonify(rounds.status(g.tenant.name))
-
-    @app.post(P.FEDERATION_SYNC)
-    def sync():
-        if request.mimetype != P.CONTENT_TYPE:
-            raise BadRequest(f"send the weights as {P.CONTENT_TYPE} (safetensors)")
-        tensors, meta = decode(request.get_data(cache=False))
-        return jsonify(rounds.upload(g.tenant.name, P.SyncMeta.from_meta(meta), tensors))
-
-    @app.post(P.FEDERATION_CLOSE)
-    def close():
-        shape = '{"record": "<the last_close of the segment server>"}'
-        payload = json_object(request.get_data(cache=False), shape)  # 400/413, never a 500
-        if set(payload) != {"record"}:
-            raise BadRequest('the body must be JSON {"record": "<the last_close of the segment server>"}')
-        return jsonify(rounds.close(g.tenant.name, payload["record"]))
-
-    @app.get(P.FEDERATION_WEIGHTS)
-    def weights():
-        version, w = rounds.latest()
-        return Response(encode(w, {"version": str(version)}), mimetype=P.CONTENT_TYPE)
-
-    return app
-
-
-def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
-    """The command line, generated from :class:`FedServe`, :class:`FedConfig` and the
-    segment server's LoRA options."""
-    p = argparse.ArgumentParser(prog="python -m splitlearn.server.federation.fedserver", allow_abbrev=False,
-                                description="a fed server: averages client-side weights apart from the segment server")
-    for group in (FedConfig, LoraOptions, FedServe):
-        add_options(p, group)
-    a = p.parse_args(argv)
-    serve = FedServe(**options_of(FedServe, a))
-    cfg = FedConfig(**options_of(FedConfig, a), lora=LoraOptions(**options_of(LoraOptions, a)).spec())
-    return serve, cfg
-
-
-def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True) -> Flask:
-    from ...loading import load_config
-
-    side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
-    return create_fedavg_app(FedRounds(cfg, side, cfg.strategy()), tenants, request_log=request_log)
-
-
-def app_of(serve: FedServe, cfg: FedConfig) -> Flask:
-    """The fed server's app as ``python -m ...fedserver`` serves it: its tenants, its body limit."""
-    app = build(cfg, serve.tenants(), request_log=serve.request_log)
-    app.config["MAX_CONTENT_LENGTH"] = serve.max_body_bytes
-    return app
-
-
-def main(argv=None) -> int:
-    from ..http.frontdoor import make_server
-
-    try:
-        serve, cfg = parse_args(argv)
-        accesslog.configure(serve.log_level, serve.log_format, serve.access_log)  # text or JSON lines
-        app = app_of(serve, cfg)
-        scrape = app.extensions["splitlearn.metrics"].serve_loopback(serve.metrics_port) if serve.metrics_port else None
-    except (SplitLearnError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # the same front door as the segment server (header-time auth, deadlines): splitlearn/server/http/frontdoor.py
-    server = make_server(app, serve.tenants(), host=serve.host, port=serve.port, threads=8,
-                         max_body_bytes=serve.max_body_bytes, ident="splitlearn-fedavg")
-    print(f"splitlearn fed server ({cfg.mode}) at http://{serve.host}:{serve.port} (ready)", file=sys.stderr, flush=True)
-    try:
-        server.run()
-    finally:
-        if scrape is not None:
-            scrape.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the command (its app is the http wing's): python -m splitlearn.server.federation.fedserver
+    from ..http.fedapp import main
     sys.exit(main())

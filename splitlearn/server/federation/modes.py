@@ -19,44 +19,23 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from ...errors import BadRequest, ConfigError, Conflict, NotFound, NotYourTurn, ServiceUnavailable, StaleWeights
-from ...segments import Segment
 from . import tickets
 from .clientside import ClientSide
-from .collective import GroupSpec, ReplicaGroup, weights_sha256
-from .fairness import Fairness
-from .rounds import Combined, Contribution, aggregate, close_round, contribution, flatten, floating_keys, size_of, unflatten
-from .strategy import Aggregate, Strategy, coordinate_median, make_strategy
-from ..engine.tenants import client_of, tenant_of
+from .collective import ReplicaGroup
+from .fairness import Fairness, fairness_of
+from .replicas import Replica, Replicated, Round
+from .rounds import Combined, Contribution, aggregate, close_round, contribution, unflatten
+from .strategy import Aggregate, Strategy, coordinate_median, make_strategy, strategy_of
+from ..tenants import client_of, tenant_of
 
 log = logging.getLogger(__name__)
 
 MODES = ("shared", "sequential", "splitfed")
-
-
-@dataclass
-class Replica:
-    """A copy of the server segment that a client trains, with its optimizer."""
-
-    segment: Segment
-    optimizer: torch.optim.Optimizer
-
-
-@dataclass
-class Round:
-    number: int = 1
-    members: dict[str, Replica] = field(default_factory=dict)  # key -> its copy
-    tokens: dict[str, int] = field(default_factory=dict)  # key -> target tokens this server trained for it
-    synced: dict[str, int] = field(default_factory=dict)  # key -> samples (its FedAvg weight: those tokens)
-    failed: dict[str, str] = field(default_factory=dict)  # key -> why its sync was refused (out of the round)
-    weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # key -> client-side
-    tickets: dict[str, str] = field(default_factory=dict)  # key -> its signed ticket (external)
-    started: Optional[float] = None  # Federation.clock() of the first member
 
 
 def federation_options(cfg, config, cuts) -> dict:
@@ -65,11 +44,11 @@ def federation_options(cfg, config, cuts) -> dict:
     side = None
     if cfg.federation != "shared":
         side = ClientSide(config, cuts, model=cfg.model, segment=cfg.segment, seed=cfg.seed, lora=cfg.lora)
-    return {"strategy": cfg.strategy(), "fairness": cfg.fairness(),
+    return {"strategy": strategy_of(cfg), "fairness": fairness_of(cfg),
             "clientside": side, "client_weights_at": cfg.client_weights, "secret": cfg.fed_secret}
 
 
-class Federation:
+class Federation(Replicated):
     """State of the federation; every method is called under the runtime's lock."""
 
     def __init__(self, mode: str, base: Replica, make_optimizer: Callable, clients_per_round: int,
@@ -101,18 +80,6 @@ class Federation:
         self.on_change: Callable[[], object] = lambda: None  # shared weights changed (the runtime checkpoints)
         self.group: Optional[ReplicaGroup] = None  # splitfed across replicas (:mod:`.collective`)
         self.closing = False  # group: this replica froze its round for the collective close
-
-    def join_group(self, spec: GroupSpec, run: Callable) -> ReplicaGroup:
-        """SplitFed across replicas: rounds over every replica's members, closed with
-        torch.distributed (:mod:`.collective`); ``run`` executes on the compute thread."""
-        if self.mode != "splitfed":
-            raise ConfigError(f"--fed-store joins replicas' SplitFed rounds; federation mode {self.mode!r} "
-                              f"cannot span replicas (a sequential turn is one global lock: run it on one server)")
-        if not self.external and (self.clientside is None or self._client_reference() is None):
-            raise ConfigError("SplitFed across replicas needs the initial client-side weights (every replica "
-                              "bounds uploads around the same ones): serve --model, or use --client-weights external")
-        self.group = ReplicaGroup(spec, self, run).start()
-        return self.group
 
     @property
     def external(self) -> bool:
@@ -379,44 +346,6 @@ class Federation:
             self.on_change()
             return self._shas() if self.group is not None else {}  # (replicas report them; one server: no cost)
 
-    def _shas(self) -> dict:
-        return {"server": weights_sha256(self.base.segment.state_dict()),
-                "client": None if self.client_weights is None else weights_sha256(self.client_weights)}
-
-    def position(self) -> tuple[int, int]:
-        with self.lock:
-            return self.version, self.round.number
-
-    def flat_size(self, with_client: bool) -> int:
-        return size_of(self.base.segment.state_dict()) + (size_of(self._client_reference()) if with_client else 0)
-
-    def state_flat(self) -> tuple[torch.Tensor, bool]:
-        """The shared weights as one flat float32 buffer (server side, then client side if any)."""
-        with self.lock:
-            ref = self.base.segment.state_dict()
-            server = flatten(ref, floating_keys(ref))
-            if self.client_weights is None:
-                return server, False
-            return torch.cat([server, flatten(self.client_weights, floating_keys(self.client_weights))]), True
-
-    def adopt_state(self, version: int, number: int, flat: torch.Tensor, with_client: bool) -> dict:
-        """A replica behind the group takes the most advanced one's shared weights; its own
-        round (if any) is dropped: its members' syncs were in the round that replica closed."""
-        with self.lock:
-            ref = self.base.segment.state_dict()
-            n = size_of(ref)
-            self._load_server(unflatten(flat[:n], ref))
-            if with_client:
-                self.client_weights = unflatten(flat[n:], self._client_reference())
-                if self.clientside is not None:
-                    self.clientside.forget_initial()
-            if self.round.members:
-                log.warning("round %d's %d members here are dropped: the group is at round %d",
-                            self.round.number, len(self.round.members), number)
-            self.version, self.round, self.closing = version, Round(number), False
-            self.on_change()
-            return self._shas()
-
     def _aggregate_client(self, uploads: list[tuple[dict[str, torch.Tensor], int]]) -> Aggregate:
         """The strategy around the current shared client-side weights (first: the initial ones)."""
         ref = self.client_weights
@@ -429,9 +358,6 @@ class Federation:
             self.clientside.forget_initial()
         log.info("client-side update norms %s, clipped %s", [round(x, 4) for x in agg.norms], agg.clipped)
         return agg
-
-    def _load_server(self, weights: dict[str, torch.Tensor]) -> None:
-        self.base.segment.load_state_dict(weights)  # float32 -> the segment's dtype
 
     def _sign(self, statement) -> str:
         return tickets.sign(self.secret, statement)

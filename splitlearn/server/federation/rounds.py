@@ -16,12 +16,21 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from ...errors import BadRequest, ConfigError
-from .strategy import Aggregate, Strategy, capped_weights, toward, update_norm
+from .aggregate import Aggregate, Weights, capped_weights, toward, update_norm
 
 log = logging.getLogger(__name__)
 
-Weights = dict[str, torch.Tensor]
 MAX_RANK_MEMBERS = 1 << 20  # a count any rank reports above this is refused (never a real round)
+
+
+class Strategy(Protocol):
+    """What a round reads of its rule (:class:`.strategy.Strategy`, which imports this module)."""
+
+    name: str
+    max_update_norm: Optional[float]
+    max_share: Optional[float]
+
+    def combine(self, bounded: list[torch.Tensor], samples: list[float]) -> torch.Tensor: ...
 
 
 # -- flat buffers of weights ---------------------------------------------------------------
@@ -192,7 +201,7 @@ def close_round(strategy: Strategy, c: Contribution, comm: Collective = SOLO, ru
 
 def capped_over(comm: Collective, max_share: float, samples: list[int]) -> tuple[list, float, int]:
     """This rank's members' FedAvg weights capped over the whole round
-    (:func:`~.strategy.capped_weights` on every rank's counts in rank order, so every rank
+    (:func:`~.aggregate.capped_weights` on every rank's counts in rank order, so every rank
     computes the same), the round's total weight, and how many were lowered."""
     counts = [int(x) for x in comm.all_gather(torch.tensor([len(samples)], dtype=torch.int64))]
     if any(not 0 <= x <= MAX_RANK_MEMBERS for x in counts):

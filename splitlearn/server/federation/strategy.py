@@ -6,7 +6,7 @@ Every rule works on updates ``d_k = w_k - w`` around the current shared weights 
 1. **bounded**: ``d_k * min(1, M / ||d_k||_2)``, the norm over all tensors (``--max-update-norm M``);
 2. **combined** coordinate by coordinate, in float64, over ``w + d'_k``:
    ``FedAvg`` sum_k n_k w'_k / sum_k n_k (McMahan et al. 2017, eq. 1; n_k: the target tokens
-   the server trained for member k, capped at ``--max-member-share`` by :func:`capped_weights`);
+   the server trained for member k, capped at ``--max-member-share`` by :func:`.aggregate.capped_weights`);
    ``FedMedian`` (Yin et al. 2018, option I; an even count averages the two middle values, as
    numpy); ``FedTrimmedAvg`` the mean after dropping the floor(beta K) largest and smallest
    values (option II; Flower's ``_trim_mean``);
@@ -18,44 +18,16 @@ Design: docs/FEDERATION.md, 'One member cannot break the federation'.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from ...errors import ConfigError
+from ..config import (DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, check_aggregation, check_bounds,
+                      check_trim_beta)
+from .aggregate import Aggregate, Weights
+from .rounds import aggregate
 
 log = logging.getLogger(__name__)
-
-AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
-# --max-update-norm's default, above every honest round measured: docs/FEDERATION.md,
-# '`--max-update-norm`: the default, measured'.
-DEFAULT_MAX_UPDATE_NORM = 100.0
-# --max-member-share's default: no member holds the majority of a round's FedAvg weight; it bites
-# only when one member trained more target tokens than all the others together.
-DEFAULT_MAX_MEMBER_SHARE = 0.5
-Weights = dict[str, torch.Tensor]
-
-
-@dataclass
-class Aggregate:
-    """A strategy's answer: the new weights (float32) and what bounding did to each update."""
-
-    weights: Weights
-    norms: list[float]  # ||w_k - w||_2 of each update as sent
-    clipped: list[bool]  # whether each update was scaled down to max_update_norm
-    share_capped: list[bool] = field(default_factory=list)  # whether each FedAvg weight was lowered to max_share
-
-
-def update_norm(reference: Weights, weights: Weights) -> float:
-    """``||weights - reference||_2`` over every floating-point tensor, in float64 (the
-    difference of two finite float32 values can overflow float32, never float64)."""
-    total = 0.0
-    for k, ref in reference.items():
-        if ref.is_floating_point():
-            total += float((weights[k].double() - ref.double()).pow(2).sum())
-    return math.sqrt(total)
 
 
 class Strategy:
@@ -64,10 +36,7 @@ class Strategy:
     name = "strategy"
 
     def __init__(self, max_update_norm: Optional[float] = None, max_share: Optional[float] = None):
-        if max_update_norm is not None and not max_update_norm > 0:
-            raise ConfigError(f"--max-update-norm must be > 0, got {max_update_norm}")
-        if max_share is not None and not 0 < max_share <= 1:
-            raise ConfigError(f"--max-member-share must be in (0, 1], got {max_share}")
+        check_bounds(max_update_norm, max_share)
         self.max_update_norm = max_update_norm  # L2 bound of one member's update (None: unbounded)
         self.max_share = max_share  # largest fraction of a round's FedAvg weight one member holds (None: any)
 
@@ -79,7 +48,6 @@ class Strategy:
         """The new shared weights from ``updates`` ((weights, samples) per member) around
         ``reference`` (the current shared weights, which every member started from): a round
         of one server, closed by :func:`.rounds.close_round` as every round is."""
-        from .rounds import aggregate
         return aggregate(self, reference, updates)
 
     def combine(self, bounded: list[torch.Tensor], samples: list[float]) -> torch.Tensor:
@@ -87,36 +55,6 @@ class Strategy:
         flat buffer, or one tensor of the weights), coordinate by coordinate, in float64. Every rule here commutes with translation, so
         combining ``w + d_k`` equals ``w`` plus the combination of the ``d_k``."""
         raise NotImplementedError
-
-
-def capped_weights(samples: list[int], max_share: Optional[float]) -> list[float]:
-    """FedAvg weights in which no member holds more than ``max_share`` of the total: members
-    over it are lowered to exactly that share of the new total, the others keep theirs
-    (water-filling, largest first). ``samples`` itself, the same ints, when no member is over
-    (so an honest round's arithmetic is unchanged bit for bit); equal weights when no weights
-    can satisfy the cap (``max_share * K <= 1``)."""
-    total, k = sum(samples), len(samples)
-    if max_share is None or k < 2 or max(samples) <= max_share * total:
-        return samples
-    if max_share * k <= 1:
-        return [1] * k
-    order = sorted(range(k), key=lambda i: -samples[i])
-    for c in range(1, k):  # the c largest are capped at x = max_share * (rest + c x)
-        rest = sum(samples[i] for i in order[c:])
-        x = max_share * rest / (1 - max_share * c)
-        if samples[order[c]] <= x:
-            out = [float(n) for n in samples]
-            for i in order[:c]:
-                out[i] = x
-            return out
-    return [1] * k  # (unreachable: max_share * k > 1 leaves the smallest uncapped)
-
-
-def toward(ref: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
-    """``ref + scale * (w - ref)`` (0 < scale < 1) in float64, as float32: a point between two
-    float32 values, so finite."""
-    r = ref.double()
-    return (r + (w.double() - r) * scale).float()
 
 
 class FedAvg(Strategy):
@@ -153,8 +91,7 @@ class FedTrimmedAvg(Strategy):
     def __init__(self, max_update_norm: Optional[float] = None, beta: float = 0.2,
                  max_share: Optional[float] = None):
         super().__init__(max_update_norm, max_share)
-        if not 0 <= beta < 0.5:
-            raise ConfigError(f"--trim-beta must be in [0, 0.5), got {beta}")
+        check_trim_beta(beta)
         self.beta = beta  # fraction of the members trimmed at each end
 
     def describe(self) -> dict:
@@ -170,13 +107,17 @@ def make_strategy(aggregation: str = "fedavg", max_update_norm: Optional[float] 
                   trim_beta: float = 0.2, max_share: Optional[float] = DEFAULT_MAX_MEMBER_SHARE) -> Strategy:
     """The strategy of ``--aggregation`` (fedavg | median | trimmed-mean); ``max_share``:
     ``--max-member-share`` (the robust rules weigh every member alike anyway)."""
+    check_aggregation(aggregation)  # ConfigError for any other name
     if aggregation == "fedavg":
         return FedAvg(max_update_norm, max_share)
     if aggregation == "median":
         return FedMedian(max_update_norm, max_share)
-    if aggregation == "trimmed-mean":
-        return FedTrimmedAvg(max_update_norm, trim_beta, max_share)
-    raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+    return FedTrimmedAvg(max_update_norm, trim_beta, max_share)
+
+
+def strategy_of(cfg) -> Strategy:
+    """The strategy of a config's :class:`~splitlearn.server.config.StrategyOptions` (ConfigError if invalid)."""
+    return make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta, cfg.max_member_share)
 
 
 def coordinate_median(uploads: list[Weights]) -> Weights:

@@ -18,13 +18,11 @@ import hashlib
 import hmac
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from ...errors import BadRequest, ConfigError, Forbidden
+from ...errors import BadRequest, Forbidden
 from ...protocol import MAX_TICKET_CHARS
 
 DOMAIN = b"splitlearn-fed/1\n"  # what the MAC covers starts with this: no other HMAC use collides
-MIN_SECRET_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -49,22 +47,6 @@ class Close:
     version: int  # the version of the shared weights after the round
     synced: int  # members whose weights belong in the average
     kind: str = "close"
-
-
-def read_secret_file(path: str) -> bytes:
-    """The shared secret: the file's contents, stripped; at least 32 bytes."""
-    try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(f"cannot read --fed-secret-file {path}: {e}") from None
-    check_secret(secret)
-    return secret
-
-
-def check_secret(secret: bytes) -> None:
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"the fed secret must be at least {MIN_SECRET_BYTES} bytes (it has {len(secret)}): "
-                          f"python -c 'import secrets; print(secrets.token_urlsafe(48))' > fed.secret")
 
 
 def _mac(secret: bytes, body: bytes) -> str:

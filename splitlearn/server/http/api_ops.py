@@ -10,30 +10,25 @@ from flask import Blueprint, Response, g, jsonify, request
 
 from ... import protocol as P
 from ...errors import BadRequest, Forbidden, PayloadTooLarge
-from .probes import readiness
+from . import probes
+from .metrics import operator_exposition
 from .routing import bytes_response, request_body, served
 
 bp = Blueprint("operations", __name__)
 
 
-@bp.get(P.HEALTH)
-def health():
-    return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
+bp.get(P.HEALTH)(probes.health)
 
 
 @bp.get(P.READY)
 def ready():
-    ok, checks = readiness(served().rt)
-    return jsonify(ready=ok, checks=checks), 200 if ok else 503
+    return probes.ready_answer(*probes.readiness(served().rt))
 
 
 @bp.get(P.METRICS)
 def metrics_text():
-    if not g.tenant.operator:
-        raise Forbidden("the metrics are the operator's: use the operator's token, or scrape "
-                        "--metrics-port on the server's loopback (docs/OPERATIONS.md)")
-    body, content_type = served().metrics.exposition(request.headers.get("Accept"))
-    return Response(body, status=200, headers={"Content-Type": content_type})
+    return operator_exposition(served().metrics, "the metrics are the operator's: use the operator's token, or "
+                               "scrape --metrics-port on the server's loopback (docs/OPERATIONS.md)")
 
 
 def check_echo(cfg, size: int) -> None:

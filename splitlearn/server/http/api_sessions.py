@@ -11,7 +11,7 @@ from ... import protocol as P
 from ...errors import BadRequest
 from ..engine.priority import timed
 from ..engine.sessions import step_budget, step_ops
-from ..engine.tenants import Tenant
+from ..tenants import Tenant
 from . import validate
 from .routing import Served, served, tensor_route
 from .validate import json_object

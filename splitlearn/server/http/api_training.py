@@ -10,7 +10,7 @@ from ...wire import check_wire_dtype
 from ..engine.ledger import Answer
 from ..engine.priority import timed
 from ..engine.training import apply_json
-from ..engine.tenants import Tenant
+from ..tenants import Tenant
 from . import validate
 from .routing import Served, client_key, hidden_and_mask, scoped, served, tensor_route
 from .validate import json_object

@@ -98,7 +98,8 @@ def serve(cfg: ServerConfig) -> None:
                          max_body_bytes=cfg.max_body_bytes, limits=cfg.door_limits()) if cfg.tcp else None
     unix_doors = []
     if cfg.listen:  # --listen unix:///PATH.sock: the same app without HTTP (unixdoor.py)
-        from .unixdoor import UnixDoor, socket_path
+        from ..config import socket_path
+        from .unixdoor import UnixDoor
         unix_doors = [UnixDoor(app, cfg.tenants, socket_path(url), max_body_bytes=cfg.max_body_bytes,
                                limits=cfg.door_limits(), mode=int(cfg.unix_mode, 8)).start()
                       for url in cfg.listen]

@@ -22,7 +22,7 @@ from ... import protocol as P
 from ...errors import SplitLearnError
 from ...wire import DeviceBody, Encoded, decode
 from ..engine.memory import scope as memory_scope
-from ..engine.tenants import Tenant
+from ..tenants import Tenant
 from . import accesslog
 from .api_ops import check_echo
 from .routing import SERVED, TENSOR_ROUTES, TensorRoute, internal_error, serve

@@ -34,7 +34,7 @@ import logging
 import select
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Optional
 
@@ -45,44 +45,16 @@ from waitress.task import ErrorTask, WSGITask
 from waitress.utilities import Error, build_http_date
 
 from ... import protocol as P
-from ...errors import ConfigError, SplitLearnError, from_status
+from ...errors import SplitLearnError, from_status
 from ..engine.memory import Hold, MemoryAccount
-from ..engine.tenants import Tenants
+from ..config import LINGER_S, MAX_HEADER_BYTES, DoorLimits
+from ..tenants import Tenants
 from .routing import BODY_HOLD_KEY, SERVED
 
 log = logging.getLogger(__name__)
 
 TENANT_KEY = "splitlearn.tenant"  # WSGI environ: the Tenant the door admitted (no client can set it)
-LINGER_S = 2.0  # after a refusal, what the client still sends is dropped this long, then we close
-MAX_HEADER_BYTES = 64 << 10  # a request line + headers (waitress's default: 256 KiB)
 RECV_BYTES = 256 << 10  # per read; waitress's default 8 KiB made a 1.5 MB body take 190 reads (echo 8.8 -> 6.3 ms)
-
-
-@dataclass(frozen=True)
-class DoorLimits:
-    """What one connection may hold and for how long (reported in ``/v1/info`` "limits")."""
-
-    max_connections: int = 256  # open connections; more wait in the listen backlog
-    request_timeout_s: float = 10.0  # headers complete by then; bodies and answers get this plus size / min rate
-    min_rate_kib_s: float = 256.0  # KiB/s: a body's bytes are due at this rate as they come; an answer is read at it on average
-    idle_timeout_s: float = 300.0  # a keep-alive connection with a valid token may idle this long
-
-    def __post_init__(self):
-        if self.max_connections < 1:
-            raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
-        if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):
-            raise ConfigError("--request-timeout, --min-rate-kib and --idle-timeout must be > 0")
-
-    def at_min_rate_s(self, nbytes: int) -> float:
-        """Seconds ``nbytes`` take at the minimum rate."""
-        return nbytes / (self.min_rate_kib_s * 1024)
-
-    def allowance_s(self, nbytes: int) -> float:
-        """Seconds a transfer of ``nbytes`` may take: the grace plus the bytes at the minimum rate."""
-        return self.request_timeout_s + self.at_min_rate_s(nbytes)
-
-    def as_info(self) -> dict:
-        return {**asdict(self), "max_header_bytes": MAX_HEADER_BYTES, "linger_s": LINGER_S}
 
 
 class _DoorError(Error):

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+from flask import Response, g, request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from ... import protocol as P
-from ...errors import ConfigError
+from ...errors import ConfigError, Forbidden
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,19 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
+def operator_exposition(metrics: "ServerMetrics", refusal: str) -> Response:
+    """``GET /metrics`` (both servers): the families as text, for the operator's token only
+    (403 ``refusal`` for another tenant's)."""
+    if not g.tenant.operator:
+        raise Forbidden(refusal)
+    body, content_type = metrics.exposition(request.headers.get("Accept"))
+    return Response(body, status=200, headers={"Content-Type": content_type})
+
+
 class ServerMetrics:
     """The registry of one app: request counters fed by :meth:`observe`, the server's state
     read from the runtime ``rt`` at each scrape (or by ``state``, a collector of another
-    server's: the fed server's, splitlearn/server/federation/fedserver.py)."""
+    server's: the fed server's, :mod:`.fedapp`)."""
 
     def __init__(self, rt, memory=None, state=None):
         self.registry = CollectorRegistry(auto_describe=False)

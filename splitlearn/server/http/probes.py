@@ -13,6 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from flask import jsonify
+
+from ... import protocol as P
+
 
 def writable(directory: Optional[str]) -> Optional[bool]:
     """Whether a file can be created in ``directory`` now (not made yet: in the nearest
@@ -34,6 +38,16 @@ def writable(directory: Optional[str]) -> Optional[bool]:
     except OSError:
         pass
     return True
+
+
+def health():
+    """``GET /v1/health``'s answer (both servers): alive."""
+    return jsonify(status="ok", protocol_version=P.PROTOCOL_VERSION)
+
+
+def ready_answer(ok: bool, checks: dict):
+    """``GET /v1/ready``'s answer (both servers): 200 when every check passes, else 503."""
+    return jsonify(ready=ok, checks=checks), 200 if ok else 503
 
 
 def readiness(rt) -> tuple[bool, dict]:

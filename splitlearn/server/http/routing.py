@@ -26,7 +26,7 @@ from ...errors import BadRequest, PayloadTooLarge, SplitLearnError, UnsupportedM
 from ...wire import decode
 from ..engine.memory import MemoryAccount, scope as memory_scope
 from ..engine.priority import timed
-from ..engine.tenants import Tenant
+from ..tenants import Tenant
 from . import validate
 
 # Generation-step bodies up to this size are decoded on the WSGI thread: under 16 Ki float32

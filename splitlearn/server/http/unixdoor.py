@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from typing import Optional
-from urllib.parse import unquote, unquote_to_bytes, urlsplit
+from urllib.parse import unquote, unquote_to_bytes
 
 import torch
 
@@ -45,7 +45,8 @@ from ...transport import cudaregion
 from ...transport import unixframe as F
 from ...wire import MAX_HEADER, DeviceBody, Encoded
 from .direct import Direct
-from .frontdoor import TENANT_KEY, DoorLimits
+from ..config import DoorLimits
+from .frontdoor import TENANT_KEY
 from .routing import BODY_HOLD_KEY, BODY_KEY, SERVED
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,6 @@ log = logging.getLogger(__name__)
 _TOKENLESS = (P.HEALTH, P.READY, P.OPENAPI)  # answered without a token, bodiless GET/HEAD only (as over HTTP)
 _MAX_PATH = 8 << 10
 _FULL_CHECK_S = 0.25  # full: how often the door looks for a newcomer waiting (a stranger then gives its slot up)
-
-
-def socket_path(url: str) -> str:
-    """The socket file of a ``unix:///path`` URL (ConfigError for anything else)."""
-    parts = urlsplit(url)
-    if parts.scheme != "unix" or parts.netloc or not parts.path or parts.query or parts.fragment:
-        raise ConfigError(f"--listen takes unix:///absolute/path.sock, got {url!r}")
-    return parts.path
 
 
 class UnixDoor:

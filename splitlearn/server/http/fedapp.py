@@ -1,0 +1,178 @@
+"""The fed server's app and command (``python -m splitlearn.server.federation.fedserver``): the
+routes around its rounds (:class:`~splitlearn.server.federation.fedserver.FedRounds`, its state),
+built from the segment server's http pieces: the error answers and the token check
+(:mod:`.hooks`), the probes (:mod:`.probes`), the metrics (:mod:`.metrics`, with
+:class:`FedCollector`'s families), the access log (:mod:`.accesslog`) and the front door
+(:mod:`.frontdoor`). Routes: docs/PROTOCOL.md, 'The fed server'; operating it:
+docs/OPERATIONS.md, 'The fed server'.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flask import Flask, Response, g, jsonify, request
+
+from ... import protocol as P
+from ...errors import BadRequest, SplitLearnError
+from ...wire import decode, encode
+from ..config import LoraOptions
+from ..federation.clientside import ClientSide
+from ..federation.fedserver import CLOSE_REASONS, FedConfig, FedRounds, FedServe
+from ..federation.strategy import strategy_of
+from ..options import add_options, options_of
+from ..tenants import Tenants
+from . import accesslog, probes
+from .frontdoor import make_server
+from .hooks import install_auth, install_errors
+from .metrics import ServerMetrics, operator_exposition
+from .validate import json_object
+
+
+class FedCollector:
+    """The fed server's rounds as ``splitlearn_fed_*`` metric families, read at each scrape under
+    the rounds' lock (families: docs/OPERATIONS.md, 'The fed server')."""
+
+    def __init__(self, rounds: FedRounds):
+        self.rounds = rounds
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        fr = self.rounds
+        with fr.lock:
+            fr._expire()  # a round past --upload-timeout is closed, as a status read closes it
+            version, number, expected = fr.version, fr.round, fr.expected
+            held, failed, closed, last = len(fr.uploads), len(fr.failed), dict(fr.closed), dict(fr.last_round)
+        info = GaugeMetricFamily("splitlearn_server_info", "The server's shape and federation mode",
+                                 labels=("shape", "federation", "protocol_version"))
+        info.add_metric(("fed", fr.cfg.mode, str(P.PROTOCOL_VERSION)), 1)
+        yield info
+        yield GaugeMetricFamily("splitlearn_federation_version", "Version of the shared client-side weights",
+                                value=version)
+        yield GaugeMetricFamily("splitlearn_fed_round", "The segment server's round being collected (0: none)",
+                                value=number or 0)
+        uploads = GaugeMetricFamily("splitlearn_fed_uploads", "Uploads held for the round being collected",
+                                    labels=("state",))
+        uploads.add_metric(("accepted",), held)
+        uploads.add_metric(("failed",), failed)
+        yield uploads
+        yield GaugeMetricFamily("splitlearn_fed_expected_uploads", "Members the close record names (0: none yet)",
+                                value=expected or 0)
+        closes = CounterMetricFamily("splitlearn_fed_rounds_closed", "Rounds closed here, by reason",
+                                     labels=("reason",))
+        for reason in CLOSE_REASONS:
+            closes.add_metric((reason,), closed[reason])
+        yield closes
+        yield GaugeMetricFamily("splitlearn_fed_last_round_members", "Members averaged in the last round",
+                                value=last.get("members", 0))
+        yield GaugeMetricFamily("splitlearn_fed_last_round_samples", "Samples (target tokens) of the last round",
+                                value=last.get("samples", 0))
+
+
+def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = True) -> Flask:
+    """The fed server's routes around ``rounds``; ``tenants``: its own tokens; ``request_log``:
+    count requests in ``/metrics`` and log their access lines (as the segment server)."""
+    app = Flask("splitlearn.fedavg", static_folder=None)  # every route is in openapi.py
+    app.extensions["splitlearn.fedavg"] = rounds
+    metrics = ServerMetrics(None, state=FedCollector(rounds))  # this app's own registry
+    app.extensions["splitlearn.metrics"] = metrics
+    install_errors(app)  # the segment server's error answers (.hooks)
+    if request_log:  # first of the hooks: the clock and the request id (.accesslog)
+        accesslog.install(app, metrics)
+    install_auth(app, tenants, "missing or wrong bearer token: the fed server's own (fed_token=, "
+                               "$SPLITLEARN_FED_TOKEN), not the segment server's")
+    app.get(P.HEALTH)(probes.health)
+
+    @app.get(P.READY)
+    def ready():  # no token, as the segment server's (.probes)
+        return probes.ready_answer(*probes.fed_readiness(rounds))
+
+    @app.get(P.METRICS)
+    def metrics_text():
+        return operator_exposition(metrics, "the metrics are the operator's: use the operator's fed token (a "
+                                   "token-file line '<name> <token> operator', or the only token), or scrape "
+                                   "--metrics-port on the fed server's loopback (docs/OPERATIONS.md)")
+
+    @app.get(P.OPENAPI)
+    def openapi_document():
+        from ...openapi import document
+        return jsonify(document({}, "fed"))
+
+    @app.get(P.FEDERATION)
+    def status():
+        return jsonify(rounds.status(g.tenant.name))
+
+    @app.post(P.FEDERATION_SYNC)
+    def sync():
+        if request.mimetype != P.CONTENT_TYPE:
+            raise BadRequest(f"send the weights as {P.CONTENT_TYPE} (safetensors)")
+        tensors, meta = decode(request.get_data(cache=False))
+        return jsonify(rounds.upload(g.tenant.name, P.SyncMeta.from_meta(meta), tensors))
+
+    @app.post(P.FEDERATION_CLOSE)
+    def close():
+        shape = '{"record": "<the last_close of the segment server>"}'
+        payload = json_object(request.get_data(cache=False), shape)  # 400/413, never a 500
+        if set(payload) != {"record"}:
+            raise BadRequest('the body must be JSON {"record": "<the last_close of the segment server>"}')
+        return jsonify(rounds.close(g.tenant.name, payload["record"]))
+
+    @app.get(P.FEDERATION_WEIGHTS)
+    def weights():
+        version, w = rounds.latest()
+        return Response(encode(w, {"version": str(version)}), mimetype=P.CONTENT_TYPE)
+
+    return app
+
+
+def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
+    """The command line, generated from :class:`FedServe`, :class:`FedConfig` and the
+    segment server's LoRA options."""
+    p = argparse.ArgumentParser(prog="python -m splitlearn.server.federation.fedserver", allow_abbrev=False,
+                                description="a fed server: averages client-side weights apart from the segment server")
+    for group in (FedConfig, LoraOptions, FedServe):
+        add_options(p, group)
+    a = p.parse_args(argv)
+    serve = FedServe(**options_of(FedServe, a))
+    cfg = FedConfig(**options_of(FedConfig, a), lora=LoraOptions(**options_of(LoraOptions, a)).spec())
+    return serve, cfg
+
+
+def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True) -> Flask:
+    from ...loading import load_config
+
+    side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
+    return create_fedavg_app(FedRounds(cfg, side, strategy_of(cfg)), tenants, request_log=request_log)
+
+
+def app_of(serve: FedServe, cfg: FedConfig) -> Flask:
+    """The fed server's app as ``python -m ...fedserver`` serves it: its tenants, its body limit."""
+    app = build(cfg, serve.tenants(), request_log=serve.request_log)
+    app.config["MAX_CONTENT_LENGTH"] = serve.max_body_bytes
+    return app
+
+
+def main(argv=None) -> int:
+    try:
+        serve, cfg = parse_args(argv)
+        accesslog.configure(serve.log_level, serve.log_format, serve.access_log)  # text or JSON lines
+        app = app_of(serve, cfg)
+        scrape = app.extensions["splitlearn.metrics"].serve_loopback(serve.metrics_port) if serve.metrics_port else None
+    except (SplitLearnError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # the same front door as the segment server (header-time auth, deadlines): :mod:`.frontdoor`
+    server = make_server(app, serve.tenants(), host=serve.host, port=serve.port, threads=8,
+                         max_body_bytes=serve.max_body_bytes, ident="splitlearn-fedavg")
+    print(f"splitlearn fed server ({cfg.mode}) at http://{serve.host}:{serve.port} (ready)", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        if scrape is not None:
+            scrape.shutdown()
+    return 0
+
