@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 from transformers import GPT2Model
 
 from ..errors import ConfigError, NotYourTurn, StaleWeights
+from .config import SplitOptions, with_options
 from .remote import RemoteSegment
 
 log = logging.getLogger(__name__)
@@ -184,34 +184,34 @@ class SplitMixin:
     HF_CLASS: type = GPT2Model
 
     @classmethod
-    def from_pretrained(cls, source, *model_args, server: Optional[str] = None, token: Optional[str] = None,
-                        client_id: Optional[str] = None, wire_dtype: str = "float32", seed: int = 0,
-                        timeout_s: float = 300.0, retries: int = 6, defense=None, lora=None, micro_batches: int = 1,
-                        **kwargs):
+    @with_options(*SplitOptions.names())
+    def from_pretrained(cls, source, *model_args, **kwargs):
         """Build the split model for ``source`` (the sources of :func:`splitlearn.load_model`: a
         spec name, a directory, a config JSON, a hub id, a model) against the server at ``server``,
-        whose cuts are read from its ``/v1/info``. ``defense``: see :attr:`defense`. ``lora``: a
-        ``peft.LoraConfig`` (or ``"server"``) for a server started with ``--lora-r``: adapters on
-        both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`). ``micro_batches``: see
-        :attr:`micro_batches`. ``fed_url``, ``fed_token``: a separate fed server for the federation
-        modes (:mod:`splitlearn.hf.federation`); ``journal_dir``: the crash journal on disk too
-        (:meth:`resume`); ``wait_timeout_s``, ``reconnect_timeout_s``, ``apply_wait_s``: as
-        :class:`~splitlearn.hf.config.RemoteConfig`. ``min_client_blocks`` (default 1: a server cut at 0 is refused),
-        ``expected_cuts``, ``shape`` (``"u"``: a 2-way server is refused, the labels stay here):
-        the splits accepted (:class:`splitlearn.trust.Pins`), checked before anything is sent.
-        Other keyword arguments go
-        to the head's config (``num_labels=3``, ``pad_token_id=...``). Only the client's weights
-        are kept; eval mode, as ``from_pretrained`` leaves any model."""
+        whose cuts are read from its ``/v1/info``. The options are the fields of
+        :class:`~splitlearn.hf.config.SplitOptions`, each with its help there: the connection
+        (:class:`~splitlearn.hf.config.RemoteConfig`: ``server``, ``token``, ``client_id``,
+        ``wire_dtype``, the timeouts and ``retries``, ``fed_url``/``fed_token`` for a separate fed
+        server (:mod:`splitlearn.hf.federation`), ``journal_dir`` for :meth:`resume`,
+        ``apply_wait_s``, and the splits accepted, ``min_client_blocks``, ``expected_cuts`` and
+        ``shape``, checked before anything is sent) and what the model adds
+        (:class:`~splitlearn.hf.config.ModelOptions`: ``seed``; ``defense``: see :attr:`defense`;
+        ``lora``: a ``peft.LoraConfig`` (or ``"server"``) for a server started with ``--lora-r``,
+        adapters on both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`);
+        ``micro_batches``: see :attr:`micro_batches`). A bad option is a ConfigError before any
+        call. Other keyword arguments go to the head's config (``num_labels=3``,
+        ``pad_token_id=...``). Only the client's weights are kept; eval mode, as
+        ``from_pretrained`` leaves any model."""
         from .lora import apply_lora
         from .modeling import _from_pretrained
 
-        model = _from_pretrained(cls.HF_CLASS, source, server, token, client_id, wire_dtype, seed,
-                                 timeout_s, retries, **kwargs)
+        options = SplitOptions.take(kwargs)
+        model = _from_pretrained(cls.HF_CLASS, source, options, **kwargs)
         try:
-            if defense is not None:
-                model.defense = defense
-            model.micro_batches = micro_batches
-            apply_lora(model, lora, seed=seed)  # also refuses a model without LoRA on a LoRA server
+            if options.defense is not None:
+                model.defense = options.defense
+            model.micro_batches = options.micro_batches
+            apply_lora(model, options.lora, seed=options.seed)  # also refuses a model without LoRA on a LoRA server
         except BaseException:
             model.remote.close()
             raise

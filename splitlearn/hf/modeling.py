@@ -49,10 +49,9 @@ from transformers.utils.deprecation import deprecate_kwarg
 from ..errors import ConfigError
 from ..loading import load_model, name_causal_lm_loss
 from ..partition import partition
-from ..trust import Pins
 from . import pipeline
 from .cache import _rows
-from .config import RemoteConfig
+from .config import ModelOptions, RemoteConfig, SplitOptions, with_options
 from .generation import SplitGenerationMixin
 from .mixin import SplitMixin
 from .remote import RemoteSegment
@@ -225,16 +224,16 @@ def _split_class(hf_cls: type) -> type:
     return made
 
 
+@with_options(*SplitOptions.names(skip=("server", *ModelOptions.names())))
 def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optional[RemoteSegment] = None,
-                token: Optional[str] = None, client_id: Optional[str] = None, wire_dtype: str = "float32",
-                timeout_s: float = 300.0, retries: int = 6, min_client_blocks: int = 1,
-                expected_cuts: Optional[tuple] = None, shape: Optional[str] = None):
+                **options):
     """Split a Hugging Face GPT-2 (``GPT2Model``, ``GPT2LMHeadModel``, ``GPT2ForSequenceClassification``
     or any GPT-2 head class) against the splitlearn server at ``server``: **in place**, like
     peft's ``get_peft_model``. Its server-side blocks (and, 2-way, ``ln_f`` and the LM head)
     are dropped, its own modules are kept as they are (no copy), and it becomes the split
     class (``SplitGPT2LMHeadModel``, ...). Returns the model.
 
+    ``options``: :class:`~splitlearn.hf.config.RemoteConfig`'s fields (the connection), e.g.
     ``min_client_blocks`` (default 1), ``expected_cuts``, ``shape`` (``"u"``: the labels stay
     here): the splits this client accepts (:class:`splitlearn.trust.Pins`); a server outside
     them is a ConfigError before anything is sent to it.
@@ -242,8 +241,10 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
     if remote is None:
         if server is None:
             raise ConfigError("split_model needs server=URL (or remote=RemoteSegment)")
-        remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries,
-                                            pins=Pins(min_client_blocks, expected_cuts, shape)))
+        remote = RemoteSegment(RemoteConfig.given(server, options, "split_model"))
+    elif options:
+        raise ConfigError(f"split_model takes remote=RemoteSegment or the connection's options, not both "
+                          f"({', '.join(sorted(options))})")
     if isinstance(model, SplitGPT2Model) or isinstance(model, SplitMixin):
         raise ConfigError("this model is split already")
     trunk_hf = model if isinstance(model, GPT2Model) else getattr(model, "transformer", None)
@@ -299,14 +300,10 @@ def split_segments(source, remote: RemoteSegment, device=None, seed: int = 0) ->
     return split_model(_hf_from_segments(GPT2LMHeadModel, segments), remote=remote), segments
 
 
-def _from_pretrained(hf_cls: type, source, server, token, client_id, wire_dtype, seed, timeout_s, retries,
-                     **kwargs):
-    if server is None:
-        raise ConfigError("from_pretrained of a split model needs server=URL (the splitlearn server)")
-    pins = Pins(*(kwargs.pop(k, d) for k, d in (("min_client_blocks", 1), ("expected_cuts", None), ("shape", None))))
-    more = {k: kwargs.pop(k) for k in ("wait_timeout_s", "reconnect_timeout_s", "apply_wait_s", "fed_url", "fed_token", "journal_dir")
-            if k in kwargs}  # RemoteConfig's other fields
-    remote = RemoteSegment(RemoteConfig(server, token, client_id, wire_dtype, timeout_s, retries, pins=pins, **more))
+def _from_pretrained(hf_cls: type, source, options: SplitOptions, **kwargs):
+    """``kwargs``: the head's config (``num_labels=3``)."""
+    seed = options.seed
+    remote = RemoteSegment(options.remote_config)
     try:
         if _is_export(source):  # export_segments' directory: the client's segments, as SplitClient takes it
             hf = _hf_from_segments(hf_cls, _client_segments(source, remote), seed, **kwargs)

@@ -18,6 +18,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from ..errors import ConfigError
 from ..partition import validate_cuts
 from ..segments import embed, run_blocks
+from .config import HEAD_OPTIONS, SplitOptions, with_options
 from .remote import RemoteSegment
 
 CUTS_KEY = "splitlearn_cuts"  # the config attribute naming the server's cuts
@@ -70,14 +71,13 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         self.remote = remote
 
     @classmethod
-    def from_pretrained(cls, source, *model_args, server: Optional[str] = None, token: Optional[str] = None,
-                        client_id: Optional[str] = None, wire_dtype: str = "float32", seed: int = 0,
-                        timeout_s: float = 300.0, retries: int = 6, **kwargs):
-        """The trunk alone (``GPT2Model``'s output, U-shape servers): see :meth:`SplitMixin.from_pretrained`."""
+    @with_options(*SplitOptions.names(skip=HEAD_OPTIONS))
+    def from_pretrained(cls, source, *model_args, **kwargs):
+        """The trunk alone (``GPT2Model``'s output, U-shape servers): see :meth:`SplitMixin.from_pretrained`
+        (its options less a head's: ``defense``, ``lora``, ``micro_batches``)."""
         from .modeling import _from_pretrained
 
-        return _from_pretrained(GPT2Model, source, server, token, client_id, wire_dtype, seed,
-                                timeout_s, retries, **kwargs)
+        return _from_pretrained(GPT2Model, source, SplitOptions.take(kwargs, skip=HEAD_OPTIONS), **kwargs)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.remote.attach_optimizer(optimizer)
