@@ -17,7 +17,7 @@ holds (docs/INTERNALS.md, "transformers 5 and segments") and derives positions f
 One block runner: :func:`run_blocks` (the causal mask against a slot the blocks hold, then the
 blocks) and :func:`embed` (token + position embeddings, dropout) are what both a
 :class:`Segment` (export, the server, the analyzer) and the split model classes
-(:class:`splitlearn.hf.modeling.SplitGPT2Model`) run their blocks and embeddings through.
+(:class:`splitlearn.hf.trunk.SplitGPT2Model`) run their blocks and embeddings through.
 """
 from __future__ import annotations
 

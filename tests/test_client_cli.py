@@ -220,8 +220,62 @@ def test_help_imports_no_torch_and_shows_defaults():
     assert "(default: float32)" in helptext and "(default: 0.001)" in helptext and "(default: adamw)" in helptext
 
 
-def test_the_cli_offers_the_wire_dtypes():
-    from splitlearn.client.cli import WIRE_DTYPES
-    from splitlearn.wire import WIRE_DTYPE_NAMES
 
-    assert tuple(WIRE_DTYPES) == tuple(WIRE_DTYPE_NAMES)
+def _help(command: str) -> str:
+    from splitlearn.client.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return " ".join(sub.choices[command].format_help().split())  # one line: argparse wraps where it likes
+
+
+#: ClientConfig's fields that are not options of their own, and what stands in for them
+NOT_OPTIONS = {"journal_dir": "--save", "defense": "--noise-sigma", "lora": "--lora"}
+
+
+@pytest.mark.parametrize("command", ["train", "generate"])
+def test_every_client_option_is_on_the_command_line_with_its_default(command):
+    """The options are generated from ClientConfig's fields: each is there, with its help and its
+    default (generate: not the optimizer's nor micro_batches; its --seed is the sampler's)."""
+    import dataclasses
+
+    from splitlearn.client.config import ClientConfig, Optimizer
+    from splitlearn.clihelp import flag_of, with_default
+
+    text = _help(command)
+    assert "--server SERVER" in text
+    for f in dataclasses.fields(ClientConfig):
+        if f.name in NOT_OPTIONS:
+            assert not f.metadata["cli"] and NOT_OPTIONS[f.name] in _help("train")
+            continue
+        if command == "generate" and (f.name in {g.name for g in dataclasses.fields(Optimizer)}
+                                      or f.name == "micro_batches"):
+            continue
+        flag = "--model-seed" if command == "generate" and f.name == "seed" else flag_of(f)
+        assert flag in text, (command, flag)
+        if f.type != "bool":
+            shown = with_default(f.metadata["help"], f.default).replace("%%", "%")
+            assert "".join(shown.split()) in "".join(text.split()), (command, f.name)  # "(default: X)" too
+
+
+def test_the_options_parse_into_a_client_config(tmp_path):
+    from splitlearn.client.cli import build_parser
+    from splitlearn.client.config import ClientConfig
+    from splitlearn.clihelp import options_of
+
+    token = tmp_path / "token"
+    token.write_text("# a comment\nsecret\n")
+    args = build_parser().parse_args([
+        "train", "--server", "http://x", "--model", "tiny", "--steps", "1", "--token-file", str(token),
+        "--client-id", "alice", "--wire-dtype", "int8", "--timeout", "5", "--retries", "2", "--wait-timeout", "7",
+        "--reconnect-timeout", "9", "--min-client-blocks", "2", "--expected-cuts", "2", "3", "--shape", "u",
+        "--seed", "4", "--micro-batches", "2", "--optimizer", "sgd", "--lr", "0.5", "--weight-decay", "0.1",
+        "--device", "cpu", "--no-packed-weights", "--poll-idle"])
+    cfg = ClientConfig(**options_of(ClientConfig, args))
+    assert cfg == ClientConfig(token="secret", client_id="alice", wire_dtype="int8", timeout_s=5.0, retries=2,
+                               wait_timeout_s=7.0, reconnect_timeout_s=9.0, min_client_blocks=2,
+                               expected_cuts=(2, 3), shape="u", seed=4, micro_batches=2, optimizer="sgd", lr=0.5,
+                               weight_decay=0.1, device="cpu", packed_weights=False, poll_idle=True)
+    defaults = build_parser().parse_args(["generate", "--server", "http://x", "--model", "tiny", "--prompt", "a",
+                                          "--model-seed", "3", "--seed", "5"])
+    assert ClientConfig(**options_of(ClientConfig, defaults)) == ClientConfig(seed=3)
+    assert defaults.sample_seed == 5

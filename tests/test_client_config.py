@@ -43,3 +43,16 @@ def test_every_option_is_documented():
     doc = inspect.getdoc(SplitClient)
     for f in dataclasses.fields(ClientConfig):
         assert f"{f.name}" in doc, f.name
+
+
+def test_the_fields_are_the_one_sources():
+    """ClientConfig is the connection and the model's options of splitlearn.hf.config (the same
+    fields as from_pretrained's) and the client's own, each written once with its help."""
+    from splitlearn.client.config import Compute, Optimizer
+    from splitlearn.hf.config import Connection, ModelOptions
+
+    groups = [{f.name for f in dataclasses.fields(g)} for g in (Connection, ModelOptions, Optimizer, Compute)]
+    assert sum(map(len, groups)) == len(dataclasses.fields(ClientConfig))
+    assert set().union(*groups) == {f.name for f in dataclasses.fields(ClientConfig)}
+    for f in dataclasses.fields(ClientConfig):
+        assert f.metadata.get("help"), f.name

@@ -1,4 +1,9 @@
-"""``python -m splitlearn.client {train,generate,info,diagnose}``: the client's command line."""
+"""``python -m splitlearn.client {train,generate,info,diagnose}``: the client's command line.
+
+The options of :class:`~splitlearn.client.config.ClientConfig` (and the server's URL) are
+generated from its fields (:mod:`splitlearn.clihelp`): each is written once, with its default
+and its help, in :mod:`splitlearn.client.config` and :mod:`splitlearn.hf.config`; the options
+written here are the commands' own (the data, the steps, the prompt...)."""
 from __future__ import annotations
 
 import argparse
@@ -8,36 +13,18 @@ import sys
 import time
 from typing import Optional
 
-from ..clihelp import DefaultsHelpFormatter
+from ..clihelp import DefaultsHelpFormatter, add_options, options_of
 from ..errors import ConfigError, SplitLearnError
+from ..hf.config import ModelOptions, RemoteConfig
+from .config import ClientConfig, Compute, Optimizer
 
 # torch, transformers and requests are imported by the commands that use them, so that `--help`
 # and a mistyped option answer at once (issue 41: 6 s on a quiet 2-core machine before).
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # splitlearn.wire.WIRE_DTYPE_NAMES (a test keeps them equal)
-
-
-def _pins(args) -> dict:
-    """The splits this client accepts (splitlearn.trust.Pins), from --min-client-blocks,
-    --expected-cuts and --shape."""
-    return dict(min_client_blocks=args.min_client_blocks, shape=args.shape,
-                expected_cuts=tuple(args.expected_cuts) if args.expected_cuts else None)
 
 
 def _token(args) -> Optional[str]:
-    from ..protocol import parse_token_line, read_token_file
-
-    if getattr(args, "token_file", None):
-        return parse_token_line(read_token_file(args.token_file)[0])[1]  # the first line's token
-    return os.environ.get("SPLITLEARN_TOKEN")
-
-
-def _fed_token(args) -> Optional[str]:
-    """The fed server's own token: --fed-token-file's first line, else $SPLITLEARN_FED_TOKEN."""
-    from ..protocol import parse_token_line, read_token_file
-
-    if getattr(args, "fed_token_file", None):
-        return parse_token_line(read_token_file(args.fed_token_file)[0])[1]
-    return os.environ.get("SPLITLEARN_FED_TOKEN")
+    """--token-file's first line, else $SPLITLEARN_TOKEN."""
+    return options_of(RemoteConfig, args).get("token") or os.environ.get("SPLITLEARN_TOKEN")
 
 
 def _defense(args):
@@ -96,16 +83,11 @@ def cmd_train(args) -> int:
     if args.save_every is not None and (args.save_every < 1 or not args.save):
         raise SplitLearnError("--save-every N needs N >= 1 and --save DIR")
     save_dir = args.save or args.resume  # kept current: a killed client resumes from it exactly
-    with SplitClient(args.server, args.model, token=_token(args), optimizer=args.optimizer, lr=args.lr,
-                     device=args.device, wire_dtype=args.wire_dtype, seed=args.seed,
-                     client_id=args.client_id, wait_timeout_s=args.wait_timeout,
-                     reconnect_timeout_s=args.reconnect_timeout, journal_dir=save_dir,
-                     defense=_defense(args), micro_batches=args.micro_batches,
-                     lora="server" if args.lora else None, poll_idle=args.poll_idle,
-                     fed_url=args.fed_url, fed_token=_fed_token(args) if args.fed_url else None,
-                     **_pins(args)) as client:
+    config = ClientConfig(**options_of(ClientConfig, args), journal_dir=save_dir, defense=_defense(args),
+                          lora="server" if args.lora else None)
+    with SplitClient(args.server, args.model, config=config) as client:
         start = client.load(args.resume) if args.resume else 0
-        batches = lm_batches(ids, args.batch_size, args.seq_len, seed=args.seed)
+        batches = lm_batches(ids, args.batch_size, args.seq_len, seed=config.seed)
         for _ in range(start):  # the batch of step i depends on the seed and i only
             next(batches)
         first = last = None
@@ -187,15 +169,18 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise SplitLearnError("the prompt is empty")
     ids = torch.tensor([prompt])
-    sampling = not args.greedy and (args.temperature != 1.0 or args.top_k or args.top_p or args.seed is not None)
+    sampling = not args.greedy and (args.temperature != 1.0 or args.top_k or args.top_p
+                                    or args.sample_seed is not None)
     trained = _trained_client(args.load) if args.load else None
-    options = {}
+    options = options_of(ClientConfig, args)
     if trained is not None:  # the trained client's id (its server-side weights where a mode keeps them apart)
-        options["client_id"] = trained[0]["client_id"]
+        trained_id = trained[0]["client_id"]
+        if options.get("client_id", trained_id) != trained_id:
+            raise ConfigError(f"--load {args.load}: trained as client {trained_id!r}, not --client-id "
+                              f"{options['client_id']!r}")
+        options["client_id"] = trained_id
         options["lora"] = "server" if any("lora_" in k for k in trained[1]) else None
-    with SplitClient(args.server, args.model, token=_token(args), device=args.device,
-                     wire_dtype=args.wire_dtype, seed=args.model_seed, defense=_defense(args),
-                     poll_idle=args.poll_idle, **options, **_pins(args)) as client:
+    with SplitClient(args.server, args.model, config=ClientConfig(**options, defense=_defense(args))) as client:
         if trained is not None:
             _load_into(client, args.load, *trained)
             print(f"loaded the client saved at step {trained[0]['step']} in {args.load}", file=sys.stderr)
@@ -205,7 +190,7 @@ def cmd_generate(args) -> int:
         try:
             for t in client.generate_stream(ids, max_new_tokens=args.max_new_tokens, do_sample=sampling,
                                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                            seed=args.seed, eos_token_id=args.eos_token_id):
+                                            seed=args.sample_seed, eos_token_id=args.eos_token_id):
                 if not args.json and not new:  # the prompt once the first token came: a refused
                     sys.stdout.write(tok.decode(prompt))  # request prints no half line
                 new.append(int(t[0]))
@@ -250,27 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
         if nopeek:
             sp.add_argument("--nopeek", type=float, help="defense: NoPeek distance-correlation loss weight")
 
-    def common(sp, model=True):
+    def common(sp, model=True, training=True):
+        """The generated options: the server's URL and token alone (``model=False``), or every
+        ClientConfig option (``training=False``: less the optimizer's and ``micro_batches``;
+        ``--model-seed`` for ``seed``, whose ``--seed`` is the sampler's)."""
         sp.allow_abbrev = False  # subparsers do not inherit it: `--mode` must not mean `--model`
-        sp.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8000 or unix:///run/splitlearn.sock")
-        sp.add_argument("--token-file", help="file whose first line is the bearer token "
-                                             "(default: $SPLITLEARN_TOKEN)")
-        if model:
-            sp.add_argument("--model", required=True, help="the model source the server was started with")
-            sp.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                            help="where the client's blocks run (auto: cuda if there is one)")
-            sp.add_argument("--wire-dtype", default="float32", choices=WIRE_DTYPES,
-                            help="dtype of the activations and gradients on the wire (docs/PROTOCOL.md)")
-            sp.add_argument("--poll-idle", action="store_true",
-                            help="keep this process's cores polling instead of sleeping between messages "
-                                 "(Linux; lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
-            sp.add_argument("--min-client-blocks", type=int, default=1,
-                            help="refuse a server whose first cut leaves fewer blocks here (default 1: a server "
-                                 "cut at 0 would receive the raw token embeddings)")
-            sp.add_argument("--expected-cuts", type=int, nargs="+", metavar="CUT",
-                            help="refuse a server whose cuts are not exactly these (e.g. --expected-cuts 2 10)")
-            sp.add_argument("--shape", choices=["u", "2way"],
-                            help="refuse a server of the other shape (u: the labels never leave this machine)")
+        if not model:
+            add_options(sp, RemoteConfig, only=("server", "token"))
+            return
+        add_options(sp, RemoteConfig)
+        sp.add_argument("--model", required=True, help="the model source the server was started with")
+        add_options(sp, ModelOptions, skip=() if training else ("micro_batches",),
+                    flags=None if training else {"seed": "--model-seed"})
+        if training:
+            add_options(sp, Optimizer)
+        add_options(sp, Compute)
 
     info = sub.add_parser("info", help="print the server's /v1/info")
     common(info, model=False)
@@ -295,38 +274,23 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
     tr.add_argument("--batch-size", type=int, default=8, help="rows per step")
     tr.add_argument("--seq-len", type=int, default=64, help="tokens per row")
-    tr.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
-                    help="the client's optimizer (the server steps its own: match its --optimizer)")
-    tr.add_argument("--lr", type=float, default=1e-3, help="the client's learning rate")
-    tr.add_argument("--seed", type=int, default=0, help="seed of the model init and of the batches")
     tr.add_argument("--save", help="keep the client's state here: a snapshot at the server's checkpoints plus "
                     "a log of every step since, so a killed client resumes exactly; saved at the end too")
     tr.add_argument("--save-every", type=int, help="also save (and have the server checkpoint) every N steps")
     tr.add_argument("--resume", help="resume from a --save directory (and keep saving there)")
-    tr.add_argument("--reconnect-timeout", type=float, default=120.0,
-                    help="seconds to wait for a restarting server before failing (default 120)")
-    tr.add_argument("--client-id", help="this data owner's name on the server (default: random)")
     tr.add_argument("--lora", action="store_true", help="train LoRA adapters with the server's options "
                     "(a server started with --lora-r); the base weights stay frozen on both sides")
     tr.add_argument("--export-adapter", metavar="DIR", help="with --lora: write this client's adapter "
                     "(both sides) to DIR as a peft adapter directory at the end")
-    tr.add_argument("--micro-batches", type=int, default=1, help="split each batch into M micro-batches "
-                    "and pipeline them, so client and server compute at the same time (GPipe)")
     tr.add_argument("--sync-every", type=int, help="federation: share client-side weights every N steps "
                     "(sequential: end of a turn; splitfed: end of a round); always at the end")
-    tr.add_argument("--fed-url", help="federation: the fed server that averages the client-side weights (a "
-                    "segment server started with --client-weights external)")
-    tr.add_argument("--fed-token-file", help="with --fed-url: file whose first line is this tenant's token on the "
-                    "fed server (default: $SPLITLEARN_FED_TOKEN); never the segment server's token")
-    tr.add_argument("--wait-timeout", type=float, default=600.0,
-                    help="seconds to wait for a busy segment, a turn or a round before failing")
     tr.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     defense(tr, nopeek=True)
     tr.set_defaults(func=cmd_train)
 
     ge = sub.add_parser("generate", help="generate text, streaming it as it comes")
-    common(ge)
+    common(ge, training=False)
     src = ge.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help='prompt token ids, e.g. "1 2 3"')
@@ -335,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     ge.add_argument("--top-k", type=int, help="sample from the k likeliest tokens (default: all)")
     ge.add_argument("--top-p", type=float, help="nucleus sampling: the likeliest tokens of this mass (default: 1)")
-    ge.add_argument("--seed", type=int, help="seed of the sampler (sampling is reproducible with it)")
+    ge.add_argument("--seed", type=int, dest="sample_seed", help="seed of the sampler (sampling is reproducible "
+                    "with it)")
     ge.add_argument("--eos-token-id", type=int, help="stop at this token")
-    ge.add_argument("--model-seed", type=int, default=0, help="seed of random model inits (match the server's)")
     ge.add_argument("--load", metavar="DIR", help="generate with the client that `train --save DIR` trained "
                     "(without it the client's blocks are the model source's, untrained)")
     ge.add_argument("--json", action="store_true", help='print {"ids", "text", "stats"} and nothing else on stdout')

@@ -8,71 +8,60 @@
 The fields are the constructor's keyword options, with the same names and defaults, so code
 written against the keywords keeps working; a config can be built once, validated before any
 network call, stored and reused. Bad values raise :class:`~splitlearn.errors.ConfigError`
-here, before the client contacts the server.
+here, before the client contacts the server. Each field is written once, with its help: the
+connection's and the model's in :mod:`splitlearn.hf.config` (a split model's
+``from_pretrained`` takes the same), the client's own here; ``python -m splitlearn.client``'s
+options are generated from them.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional
 
-from .. import protocol as P
-from ..errors import ConfigError, SplitLearnError
-from ..trust import Pins
-from ..wire import check_wire_dtype
+from ..clihelp import opt
+from ..errors import ConfigError
+from ..hf.config import Connection, ModelOptions
 
 
-@dataclass
-class ClientConfig:
-    token: Optional[str] = None  # bearer token (default $SPLITLEARN_TOKEN)
-    optimizer: str = "adamw"  # the client's optimizer: adamw | sgd
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    device: str = "auto"  # auto | cpu | cuda
-    wire_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8: the tensors this client sends and asks for
-    client_id: Optional[str] = None  # this data owner's name on the server (1-64 of [A-Za-z0-9_.-]; default random)
-    seed: int = 0  # seeds a spec model's weights (the same spec and seed as the server's)
-    timeout_s: float = 300.0  # read timeout of one call
-    retries: int = 6  # retries of a call that failed on the connection
-    wait_timeout_s: float = 600.0  # longest wait for a busy segment, a sequential turn or a splitfed round
-    reconnect_timeout_s: float = 120.0  # longest wait for a crashed server to come back
-    journal_dir: Optional[Union[str, Path]] = None  # the crash journal: survives a client crash
-    defense: Any = None  # splitlearn.privacy.Defense applied to every activation sent
-    micro_batches: int = 1  # pipelined training: micro-batches in flight
-    fed_url: Optional[str] = None  # a separate fed server that averages the client-side weights
-    fed_token: Optional[str] = None  # the fed server's own token (default $SPLITLEARN_FED_TOKEN)
-    lora: Any = None  # per-client LoRA: a peft.LoraConfig, a splitlearn.lora.LoraSpec or "server"
-    packed_weights: bool = True  # generate on oneDNN prepacked copies of the client's linear weights
-    poll_idle: bool = False  # keep this process's cores polling while the server works (Linux)
-    min_client_blocks: int = 1  # refuse a server whose first cut leaves fewer blocks here (0 sends raw embeddings)
-    expected_cuts: Optional[tuple] = None  # refuse a server whose cuts are not exactly these (None: any)
-    shape: Optional[str] = None  # "u": refuse a 2-way server (the labels stay here); "2way"; None: either
+@dataclass(kw_only=True)
+class Optimizer:
+    """The client's optimizer"""
+
+    optimizer: str = opt("adamw", "the client's optimizer (the server steps its own: match its --optimizer)",
+                         choices=("adamw", "sgd"))
+    lr: float = opt(1e-3, "the client's learning rate")
+    weight_decay: float = opt(0.0, "the client's weight decay")
+
+
+@dataclass(kw_only=True)
+class Compute:
+    """Where and how the client computes"""
+
+    device: str = opt("auto", "where the client's blocks run (auto: cuda if there is one)",
+                      choices=("auto", "cpu", "cuda"))
+    packed_weights: bool = opt(True, "generation runs on oneDNN prepacked copies of the client's linear weights "
+                                     "(CPU, float32); --no-packed-weights: on the weights themselves",
+                               flag="--no-packed-weights")
+    poll_idle: bool = opt(False, "keep this process's cores polling instead of sleeping between messages "
+                                 "(Linux; lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
+
+
+@dataclass(kw_only=True)
+class ClientConfig(Compute, Optimizer, ModelOptions, Connection):
+    """Every option of a :class:`~splitlearn.client.SplitClient`: the connection
+    (:class:`~splitlearn.hf.config.Connection`), what the model adds
+    (:class:`~splitlearn.hf.config.ModelOptions`), the optimizer and where it computes; each
+    field is written once, with its help (the client's ``--help`` shows it)."""
 
     def __post_init__(self):
-        Pins(self.min_client_blocks, self.expected_cuts, self.shape)  # ConfigError now if malformed
-        if not isinstance(self.micro_batches, int) or not 1 <= self.micro_batches <= P.MAX_MICROS:
-            raise ConfigError(f"micro_batches must be an integer in 1..{P.MAX_MICROS}, got {self.micro_batches!r}")
-        if self.client_id is not None and not P.valid_client_id(self.client_id):
-            raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
-        try:
-            self.wire_dtype = check_wire_dtype(self.wire_dtype)
-        except SplitLearnError as e:  # the wire's own error is the server's 400
-            raise ConfigError(str(e)) from None
+        Connection.__post_init__(self)
+        ModelOptions.__post_init__(self)
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose adamw or sgd")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        for name in ("lr", "weight_decay", "wait_timeout_s", "reconnect_timeout_s"):
+        for name in ("lr", "weight_decay"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not isinstance(self.retries, int) or self.retries < 0:
-            raise ConfigError(f"retries must be an integer >= 0, got {self.retries!r}")
-
-    @property
-    def pins(self) -> Pins:
-        """What this client accepts of a server's split, checked on its ``/v1/info``."""
-        return Pins(self.min_client_blocks, self.expected_cuts, self.shape)
 
     @classmethod
     def of(cls, config: Optional["ClientConfig"] = None, **options) -> "ClientConfig":

@@ -52,9 +52,7 @@ class SplitClient:
         c = self.config = ClientConfig.of(config, **options)
         self.poller: Optional[IdlePoller] = None
         self.device = resolve_device(c.device)
-        remote = RemoteSegment(RemoteConfig(url, c.token, c.client_id, c.wire_dtype, c.timeout_s, c.retries,
-                                            c.wait_timeout_s, c.reconnect_timeout_s, c.pins, c.fed_url, c.fed_token,
-                                            c.journal_dir))  # the client id's last step: the server's
+        remote = RemoteSegment(RemoteConfig.of(url, c))  # every connection field; the client id's last step: the server's
         try:
             self.transport, self.info, self.cuts, self.u_shape = remote.transport, remote.info, remote.cuts, remote.u_shape
             m, self.segments = split_segments(model, remote, self.device, c.seed)  # the same modules

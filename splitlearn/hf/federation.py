@@ -2,7 +2,7 @@
 
 Against a server started with ``--federation sequential`` or ``--federation splitfed``
 (docs/FEDERATION.md), a model class trains in your own loop and shares its client-side weights
-with :meth:`SplitMixin.sync <splitlearn.hf.modeling.SplitMixin.sync>`::
+with :meth:`SplitMixin.sync <splitlearn.hf.mixin.SplitMixin.sync>`::
 
     model = SplitGPT2LMHeadModel.from_pretrained(src, server=url, client_id="owner-a")
     for batch in my_batches:               # this owner's turn (sequential) or round (splitfed)

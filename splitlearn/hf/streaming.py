@@ -1,5 +1,5 @@
 """Streaming generation: each new token of every row as transformers' ``generate`` makes it
-(:meth:`SplitGenerationMixin.generate_stream <splitlearn.hf.modeling.SplitGenerationMixin.generate_stream>`,
+(:meth:`SplitGenerationMixin.generate_stream <splitlearn.hf.generation.SplitGenerationMixin.generate_stream>`,
 ``SplitClient.generate_stream``)."""
 from __future__ import annotations
 

@@ -1,0 +1,168 @@
+"""``SplitGenerationMixin``: ``transformers``' own ``generate()`` for a split model, on a
+:class:`~splitlearn.hf.cache.RemoteCache` (the server keeps its blocks' keys and values)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Optional
+
+from transformers.generation.configuration_utils import GenerationMode
+
+from ..errors import ConfigError
+from ..packed import PackedLinears
+from ..transport import shares_cores_with_server
+
+log = logging.getLogger(__name__)
+
+
+class _GenerationScope(threading.local):
+    """The caches ``generate()`` made in this thread, closed when the outermost call returns."""
+
+    depth = 0
+    caches: list = []
+
+
+_SCOPE = _GenerationScope()
+
+
+class SplitGenerationMixin:
+    """``transformers``' own ``generate()`` for a split model: every strategy and option of
+    ``GenerationMixin`` (greedy, sampling, beam search, ``num_return_sequences``, logits
+    processors, stopping criteria and stop strings, streamers, assisted and prompt-lookup
+    decoding) runs on a :class:`~splitlearn.hf.cache.RemoteCache`, whose server half is one
+    generation session on the server.
+
+    When the caller passes no ``cache``, ``generate`` makes the cache
+    (:meth:`new_cache`: this model's connection, wire dtype and ``client_id``) and **closes its
+    session when it returns** (normally or by an exception), so a ``generate`` call leaves
+    nothing open on the server; the cache in a ``return_dict_in_generate`` output is then
+    closed (empty). To keep a session across calls (a conversation), pass your own
+    ``cache=model.new_cache()`` and close it (``with`` or ``.close()``) yourself. An
+    assistant model's cache, made inside an outer split model's ``generate``, closes with it;
+    a split *assistant* of an unsplit model keeps its cache across the drafting calls, and the
+    cache's finalizer closes its session when transformers drops it.
+
+    Assisted and prompt-lookup decoding draft at the link-aware length (one round trip per
+    round, so the length follows the measured round trip, draft cost and acceptance:
+    :mod:`splitlearn.hf.draft`) unless the caller sets a schedule of their own; the tokens are
+    the same either way.
+
+    A batch of two rows or more runs as two row groups in flight where that pays
+    (:attr:`overlap`; :meth:`RemoteCache.row_groups <splitlearn.hf.cache.RemoteCache.row_groups>`):
+    two sessions, the server computing one group while this process computes the other; in
+    greedy decoding the first group's next step is sent before the second group's top runs.
+    The tokens are those of one batch.
+    """
+
+    #: run a step of two rows or more as two row groups in flight, each on its own session and
+    #: transport lane, so the server computes one while this process computes the other
+    #: (:meth:`RemoteCache.row_groups <splitlearn.hf.cache.RemoteCache.row_groups>`; beam
+    #: search, sampling and the rest alike; the tokens are the same). None: where it pays, in
+    #: the U-shape (this process holds the top and the LM head: work worth overlapping) when
+    #: the server does not share this process's cores (a server on another host, or this
+    #: process pinned to a subset of the machine's cores); True/False: always/never. A 2-way
+    #: client holds only the bottom: two groups there only double the server's weight reads
+    #: (pinned batch 8: 68 tokens/s in two groups against 87 in one; benchmarks/README.md).
+    overlap: Optional[bool] = None
+
+    def overlaps(self) -> bool:
+        """Whether ``generate`` runs two row groups in flight (see :attr:`overlap`)."""
+        from .modeling import SplitGPT2LMHeadModel
+
+        if not isinstance(self, SplitGPT2LMHeadModel):  # its forward is the one that runs groups
+            return False
+        if self.overlap is not None:
+            return bool(self.overlap)
+        remote = self.transformer.remote
+        return self.transformer.u_shape and not shares_cores_with_server(remote.transport.cfg.url)
+
+    def new_cache(self, **kwargs):
+        """A :class:`~splitlearn.hf.cache.RemoteCache` for this model's server (``kwargs`` as
+        for its constructor: ``lane``, ``replay``, ``overlap``, ``row_block``)."""
+        from .cache import RemoteCache
+
+        remote = self.transformer.remote
+        if remote is None:
+            raise ConfigError("this split model is not connected to a server (from_pretrained(..., server=URL))")
+        remote.flush()  # a deferred apply first: generation reads the server's weights
+        kwargs.setdefault("wire_dtype", remote.cfg.wire_dtype)
+        kwargs.setdefault("client_id", remote.client_id)
+        return RemoteCache.from_info(self.config, remote.transport, remote.info, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        blocks = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+        given = model_kwargs.get("cache")
+        if getattr(given, "groups", ()) is None:  # a RemoteCache passed in, not split yet
+            given.row_block = blocks  # its groups split between prompts: beam search reorders within
+        if given is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode,
+                                                         batch_size, max_cache_length)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ConfigError(f"a split model's cache is a RemoteCache (the server keeps its blocks' keys and "
+                              f"values); cache_implementation={generation_config.cache_implementation!r} "
+                              f"is not available")
+        cache = self.new_cache(overlap=not generation_config.is_assistant and self.overlaps(), row_block=blocks)
+        if cache.overlap and generation_mode == GenerationMode.GREEDY_SEARCH:  # see RemoteCache.next_inputs
+            cache.greedy = True  # until a logits processor shows up (_get_logits_processor)
+            cache.eos, cache.pad = generation_config._eos_token_tensor, generation_config._pad_token_tensor
+            cache.max_length = generation_config.max_length or 0
+        model_kwargs["cache"] = cache
+        if _SCOPE.depth and not (generation_config.is_assistant and _SCOPE.depth == 1):
+            _SCOPE.caches.append(cache)  # closed when the outermost generate returns
+        if generation_config.is_assistant:
+            cache.activate_past_recording()
+
+    def _get_logits_processor(self, *args, **kwargs):
+        processors = super()._get_logits_processor(*args, **kwargs)
+        cache = (kwargs.get("model_kwargs") or {}).get("cache")
+        if processors and getattr(cache, "greedy", False):
+            cache.greedy = False  # the choice is not the logits' argmax: send nothing ahead
+        return processors
+
+    #: generate on oneDNN prepacked copies of the client's linear weights (CPU, float32, no
+    #: grad; :mod:`splitlearn.packed`), as ``SplitClient(packed_weights=True)`` does: 1.2-2.5x
+    #: faster few-row products (the LM head above all); set False on the model to turn it off
+    packed_weights: bool = True
+
+    #: ``generate(assistant_model=... | prompt_lookup_num_tokens=...)`` drafts at the link-aware
+    #: length unless the caller sets a schedule (:func:`splitlearn.hf.draft.default_policy`);
+    #: False: transformers' own schedule
+    link_aware_drafts: bool = True
+    #: the :class:`~splitlearn.hf.draft.LinkAwarePolicy` of the last ``generate`` that drafted by
+    #: default (its ``rounds``, ``lengths``, ``measured_acceptance``), or None
+    last_draft_policy = None
+
+    def generate_stream(self, **kwargs):
+        """Yield the next token of every row, (B,), as ``generate(**kwargs)`` makes it (in a
+        thread; closing the iterator stops it at its next token): :mod:`splitlearn.hf.streaming`."""
+        from .streaming import stream_tokens
+
+        return stream_tokens(self.generate, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``; a cache it makes is closed on return, and drafting
+        follows the link by default (see the class and :attr:`link_aware_drafts`)."""
+        from .draft import default_policy, link_aware
+
+        if _SCOPE.depth == 0:
+            _SCOPE.caches = []
+        _SCOPE.depth += 1
+        try:
+            with contextlib.ExitStack() as stack:
+                policy = default_policy(self, args, kwargs)
+                if policy is not None:
+                    self.last_draft_policy = stack.enter_context(link_aware(self, policy))
+                if self.packed_weights:
+                    stack.enter_context(PackedLinears(self).active())  # a no-op off the CPU or float32
+                return super().generate(*args, **kwargs)
+        finally:
+            _SCOPE.depth -= 1
+            if _SCOPE.depth == 0:
+                caches, _SCOPE.caches = _SCOPE.caches, []
+                for cache in caches:
+                    try:
+                        cache.close()
+                    except Exception:  # noqa: BLE001 - never mask generate's own outcome
+                        log.warning("closing a generation session failed", exc_info=True)

@@ -1,0 +1,218 @@
+"""``SplitMixin``: what every split head model has (the remote segment, the optimizer hook,
+``zero_grad``, federation's ``sync``, ``micro_batches``, ``defense``, ``from_pretrained``)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import GPT2Model
+
+from ..errors import ConfigError, NotYourTurn, StaleWeights
+from .config import SplitOptions, with_options
+from .remote import RemoteSegment
+
+log = logging.getLogger(__name__)
+
+
+class SplitMixin:
+    """What every split head model has: the remote segment, the optimizer hook, ``zero_grad``."""
+
+    @property
+    def remote(self) -> RemoteSegment:
+        return self.transformer.remote
+
+    @property
+    def client_id(self) -> str:
+        return self.remote.client_id
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Let only ``optimizer`` apply the server's steps (by default the optimizer holding this
+        model's parameters, found at the first backward, does); with a ``journal_dir``, also
+        writes the starting checkpoint :meth:`resume` needs. Returns it."""
+        self.remote.link.attach(optimizer)
+        return optimizer
+
+    def resume(self, optimizer: torch.optim.Optimizer) -> int:
+        """After this process was killed: a model made as before (same ``client_id``, same
+        ``journal_dir``) and a fresh ``optimizer`` are put back at the journal's client checkpoint,
+        the server is brought to it, and the logged steps after it are answered from the journal
+        when your loop runs them again. Returns the optimizer step to run again first (1, 2...):
+        feed it that step's data. The first run must have attached its optimizer
+        (:meth:`attach_optimizer`) before training: that writes the starting checkpoint (with
+        the RNG state, so dropout draws the same masks). See :mod:`splitlearn.hf.journal`."""
+        return self.remote.journal.resume(optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Both sides: this model's gradients, and the server's pending ones (discarded there)."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self.transformer.remote is not None:
+            self.transformer.remote.steps.discard()
+
+    def __call__(self, *args, **kwargs):
+        """``nn.Module.__call__``; a step refused at its first forward by a federation mode (the
+        shared client-side weights moved on, or the turn lapsed) loads them, takes the turn and
+        runs again (:mod:`splitlearn.hf.federation`)."""
+        remote = self.transformer.remote
+        if remote is not None and self.training:
+            remote.steps.prepare(self)
+        try:
+            return super().__call__(*args, **kwargs)
+        except (StaleWeights, NotYourTurn) as e:
+            if remote is None or not remote.steps.refused_for_federation():
+                raise
+            log.info("the forward of step %d runs again: %s", remote.step, e.message)
+            remote.steps.prepare(self)
+            return super().__call__(*args, **kwargs)
+
+    def sync(self) -> dict:
+        """The end of this owner's turn (sequential) or of its part of a round (splitfed): upload
+        the client-side weights; splitfed waits for the round's other members and loads the
+        average. A no-op in shared mode. Call it between optimizer steps. Returns the server's
+        federation status. With a ``journal_dir`` and an attached optimizer, the client
+        checkpoint is written again after it. See :mod:`splitlearn.hf.federation`."""
+        from .federation import federation_of, shared_weights
+
+        remote = self.transformer.remote
+        remote.link.notice_zero_grad()
+        if remote.pieces or remote.answered:
+            raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
+                              "(optimizer.step() or zero_grad() first)")
+        remote.flush()  # the last step's deferred apply, before the turn or the round closes
+        fed = federation_of(self)
+        status = fed.sync(shared_weights(self))
+        optimizer = remote.link.attached
+        if not fed.shared and optimizer is not None and remote.journal.on_disk:
+            remote.journal.persist(optimizer)  # journal_dir: the server checkpoints at a sync; the average is loaded
+        return status
+
+    #: measure ``micro_batches`` against whole batches over the first training steps and keep the
+    #: faster (:class:`splitlearn.hf.pipeline.Chooser`): "auto" on a CUDA device, True anywhere, False
+    #: never (the default until a GPU run passes: on an H100, SplitClient with micro_batches=4 and
+    #: "auto" got a backward's answer to a forward, refused as IntegrityError; cause not found)
+    choose_micro_batches = False
+
+    @property
+    def micro_batches(self) -> int:
+        """Training forwards with ``labels`` split into this many micro-batches, pipelined with
+        the server (:mod:`splitlearn.hf.pipeline`); 1: whole. ``SplitGPT2LMHeadModel`` only."""
+        return self.__dict__.get("_micro_batches", 1)
+
+    @micro_batches.setter
+    def micro_batches(self, m: int) -> None:
+        from .modeling import SplitGPT2LMHeadModel
+        from .pipeline import check_micro_batches
+
+        check_micro_batches(m)
+        if m > 1 and getattr(self.defense, "residual", False):
+            raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
+        if m > 1 and getattr(self.defense, "defends_gradient", False):
+            raise ConfigError("a defense of the gradient channel trains whole batches (micro_batches=1: "
+                              "its clip is per token of the whole batch's loss)")
+        if m > 1 and not isinstance(self, SplitGPT2LMHeadModel):
+            raise ConfigError(f"micro_batches works with SplitGPT2LMHeadModel (a causal-LM loss); "
+                              f"{type(self).__name__} trains whole batches")
+        self.__dict__["_micro_batches"] = m
+
+    def flush(self):
+        """Send the last optimizer step's apply now (it is carried by the next step's first
+        request): before reading the server's weights by other means. ``sync``, evaluation,
+        ``generate``, a client checkpoint and ``close`` do it by themselves. Returns the server's
+        answer (``remote.last_apply``), or None if nothing was deferred."""
+        remote = self.transformer.remote
+        return None if remote is None else remote.flush()
+
+    def save_pretrained(self, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained`` of the client's side, the last optimizer step's
+        apply sent first (:meth:`flush`): what is saved and what the server holds are one step."""
+        self.flush()
+        return super().save_pretrained(*args, **kwargs)
+
+    @property
+    def loss_gradient(self):
+        """The gradient ``loss.backward()`` will send into this model's loss, when known in
+        advance (``1.0`` for a plain loop; ``1 / k`` for ``(loss / k).backward()``): 2-way pieces
+        are then fused (one request each: the server's forward, loss and backward at once) and
+        micro-batches run 1F1B (:mod:`splitlearn.hf.pipeline`). A backward with another gradient is
+        a ``ConfigError``. None (the default): not known; each piece's backward waits for it."""
+        remote = self.transformer.remote
+        return None if remote is None else remote.loss_gradient
+
+    @loss_gradient.setter
+    def loss_gradient(self, g) -> None:
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0):
+            raise ConfigError(f"loss_gradient must be None or a number in (0, 1], got {g!r}")
+        self.transformer.remote.loss_gradient = None if g is None else float(g)
+
+    @property
+    def defense(self):
+        """A :class:`splitlearn.privacy.Defense` (``GaussianNoise``, ``NoPeek``) on every
+        activation this model sends, in training, evaluation and generation; its extra loss is
+        added to the loss the model computes from ``labels`` (and is ``transformer.defense_loss``
+        for a loss of your own). None: none."""
+        return getattr(self.remote, "defense", None)
+
+    @defense.setter
+    def defense(self, defense) -> None:
+        from ..privacy.defenses import Defense
+
+        if defense is not None and not isinstance(defense, Defense):
+            raise ConfigError(f"defense must be a splitlearn.privacy Defense (GaussianNoise, NoPeek), "
+                              f"got {type(defense).__name__}")
+        if getattr(defense, "residual", False):
+            if not self.transformer.u_shape:
+                raise ConfigError("a defense's residual design needs a U-shape server (the client "
+                                  "keeps the residual stream between the two cuts)")
+            if self.micro_batches > 1:
+                raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
+        if getattr(defense, "defends_gradient", False):
+            if not self.transformer.u_shape:
+                raise ConfigError("a defense of the gradient channel (grad_clip, grad_sigma) clips the "
+                                  "gradient a U-shape client sends back at the second cut; a 2-way "
+                                  "client sends none (the server computes the loss from the labels)")
+            if self.micro_batches > 1:
+                raise ConfigError("a defense of the gradient channel trains whole batches (micro_batches=1)")
+        self.remote.defense = defense
+
+    def _add_defense_loss(self, out):
+        extra = self.transformer.defense_loss
+        if extra is not None and getattr(out, "loss", None) is not None:
+            out.loss = out.loss + extra
+        return out
+
+    # -- construction --------------------------------------------------------------------
+
+    HF_CLASS: type = GPT2Model
+
+    @classmethod
+    @with_options(*SplitOptions.names())
+    def from_pretrained(cls, source, *model_args, **kwargs):
+        """Build the split model for ``source`` (the sources of :func:`splitlearn.load_model`: a
+        spec name, a directory, a config JSON, a hub id, a model) against the server at ``server``,
+        whose cuts are read from its ``/v1/info``. The options are the fields of
+        :class:`~splitlearn.hf.config.SplitOptions`, each with its help there: the connection
+        (:class:`~splitlearn.hf.config.RemoteConfig`: ``server``, ``token``, ``client_id``,
+        ``wire_dtype``, the timeouts and ``retries``, ``fed_url``/``fed_token`` for a separate fed
+        server (:mod:`splitlearn.hf.federation`), ``journal_dir`` for :meth:`resume`,
+        ``apply_wait_s``, and the splits accepted, ``min_client_blocks``, ``expected_cuts`` and
+        ``shape``, checked before anything is sent) and what the model adds
+        (:class:`~splitlearn.hf.config.ModelOptions`: ``seed``; ``defense``: see :attr:`defense`;
+        ``lora``: a ``peft.LoraConfig`` (or ``"server"``) for a server started with ``--lora-r``,
+        adapters on both sides for this ``client_id`` (:mod:`splitlearn.hf.lora`);
+        ``micro_batches``: see :attr:`micro_batches`). A bad option is a ConfigError before any
+        call. Other keyword arguments go to the head's config (``num_labels=3``,
+        ``pad_token_id=...``). Only the client's weights are kept; eval mode, as
+        ``from_pretrained`` leaves any model."""
+        from .lora import apply_lora
+        from .modeling import _from_pretrained
+
+        options = SplitOptions.take(kwargs)
+        model = _from_pretrained(cls.HF_CLASS, source, options, **kwargs)
+        try:
+            if options.defense is not None:
+                model.defense = options.defense
+            model.micro_batches = options.micro_batches
+            apply_lora(model, options.lora, seed=options.seed)  # also refuses a model without LoRA on a LoRA server
+        except BaseException:
+            model.remote.close()
+            raise
+        return model
