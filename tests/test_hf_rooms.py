@@ -53,7 +53,7 @@ class Segment:
     """What the rooms read of a RemoteSegment."""
 
     def __init__(self, u_shape=True, loss_gradient=None):
-        self.cfg = RemoteConfig("http://nowhere")
+        self.cfg = RemoteConfig(server="http://nowhere")
         self.client_id, self.run, self.u_shape, self.loss_gradient = "alice", "r1", u_shape, loss_gradient
         self.info, self.federation = {}, None
         self.transport = Wire()
