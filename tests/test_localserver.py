@@ -13,9 +13,10 @@ import pytest
 
 import forkserver
 from forkserver import ForkedProcess, can_fork
-from splitlearn import localserver, protocol as P
+from splitlearn.procs import localserver
+from splitlearn.api import protocol as P
 from splitlearn.errors import TransportError
-from splitlearn.localserver import ChildServer, LocalServer, free_port
+from splitlearn.procs.localserver import ChildServer, LocalServer, free_port
 
 
 def http_server(port: int, **kw) -> ChildServer:

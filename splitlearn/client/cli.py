@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from ..clihelp import DefaultsHelpFormatter
+from ..procs.clihelp import DefaultsHelpFormatter
 from ..errors import ConfigError, SplitLearnError
 
 # torch, transformers and requests are imported by the commands that use them, so that `--help`
@@ -24,7 +24,7 @@ def _pins(args) -> dict:
 
 
 def _token(args) -> Optional[str]:
-    from ..protocol import parse_token_line, read_token_file
+    from ..api.protocol import parse_token_line, read_token_file
 
     if getattr(args, "token_file", None):
         return parse_token_line(read_token_file(args.token_file)[0])[1]  # the first line's token
@@ -33,7 +33,7 @@ def _token(args) -> Optional[str]:
 
 def _fed_token(args) -> Optional[str]:
     """The fed server's own token: --fed-token-file's first line, else $SPLITLEARN_FED_TOKEN."""
-    from ..protocol import parse_token_line, read_token_file
+    from ..api.protocol import parse_token_line, read_token_file
 
     if getattr(args, "fed_token_file", None):
         return parse_token_line(read_token_file(args.fed_token_file)[0])[1]
@@ -57,7 +57,7 @@ def _mb(n: int) -> str:
 
 
 def cmd_info(args) -> int:
-    from .. import protocol as P
+    from ..api import protocol as P
     from ..transport import Transport, TransportConfig
 
     t = Transport(TransportConfig(args.server, _token(args), retries=1))
@@ -84,7 +84,7 @@ def cmd_diagnose(args) -> int:
 def cmd_train(args) -> int:
     from tqdm import tqdm
 
-    from ..data import get_tokenizer, lm_batches, load_corpus
+    from ..model.data import get_tokenizer, lm_batches, load_corpus
     from .core import SplitClient
 
     tok = get_tokenizer(args.model)
@@ -152,7 +152,7 @@ def cmd_train(args) -> int:
 def _trained_client(directory: str) -> tuple[dict, dict]:
     """(counters, weights) of the client that ``train --save DIR`` left in ``directory``: its
     id, step and cuts, and the state dict of its model (LoRA: with its adapters)."""
-    from ..checkpoint import has_state, latest, read_extra, read_meta
+    from ..model.checkpoint import has_state, latest, read_extra, read_meta
 
     if not has_state(directory, "client"):
         raise ConfigError(f"--load {directory}: no trained client there (`train --save DIR` writes one)")
@@ -176,7 +176,7 @@ def _load_into(client, directory: str, counters: dict, weights: dict) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from ..data import get_tokenizer
+    from ..model.data import get_tokenizer
     from .core import SplitClient
 
     tok = get_tokenizer(args.model)

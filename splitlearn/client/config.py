@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..errors import ConfigError, SplitLearnError
-from ..trust import Pins
-from ..wire import check_wire_dtype
+from ..api.trust import Pins
+from ..api.wire import check_wire_dtype
 
 
 @dataclass

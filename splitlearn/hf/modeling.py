@@ -53,13 +53,13 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedMode
 from transformers.utils.deprecation import deprecate_kwarg
 
 from ..errors import ConfigError, NotYourTurn, StaleWeights
-from ..loading import _LOAD_LOCK, is_spec_source, load_model, name_causal_lm_loss
-from ..packed import PackedLinears
-from ..export import load_segments
-from ..partition import partition, validate_cuts
-from ..segments import embed, run_blocks
+from ..model.loading import _LOAD_LOCK, is_spec_source, load_model, name_causal_lm_loss
+from ..model.packed import PackedLinears
+from ..model.export import load_segments
+from ..model.partition import partition, validate_cuts
+from ..model.segments import embed, run_blocks
 from ..transport import shares_cores_with_server
-from ..trust import Pins
+from ..api.trust import Pins
 from . import pipeline
 from .cache import _rows
 from .config import RemoteConfig
@@ -413,7 +413,7 @@ class SplitMixin:
 
     @defense.setter
     def defense(self, defense) -> None:
-        from ..privacy.defenses import Defense
+        from ..defense.defenses import Defense
 
         if defense is not None and not isinstance(defense, Defense):
             raise ConfigError(f"defense must be a splitlearn.privacy Defense (GaussianNoise, NoPeek), "

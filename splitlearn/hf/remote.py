@@ -75,11 +75,11 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..errors import (ConfigError, Conflict, IntegrityError, NotYourTurn, ServiceUnavailable, SplitLearnError,
                       StaleWeights, TransportError)
-from .. import trust
-from ..wire import pack
+from ..api import trust
+from ..api.wire import pack
 from .config import RemoteConfig
 from .applies import IDLE, LAST_CALL_S, Outbox, bounded, register
 from .journal import Redo, RequestLog, Sent, digest
@@ -557,7 +557,7 @@ class RemoteSegment(nn.Module):
 
     def _send_once(self, sent: Sent) -> tuple[dict, dict]:
         """One request (waiting out a segment busy with another client's step) -> (tensors, info)."""
-        from ..transport.fedsync import wait_while_busy
+        from ..transport.busy import wait_while_busy
 
         if sent.tensors is None:  # an apply: JSON both ways
             return {}, self.transport.post_json(sent.path, sent.meta)
@@ -636,7 +636,7 @@ class RemoteSegment(nn.Module):
         """Write the model's weights, ``optimizer``'s state and the RNG state as the client
         checkpoint in ``directory`` (default: ``cfg.journal_dir``; between steps); drop the log
         the server's durable step and this checkpoint both hold."""
-        from ..checkpoint import save_state
+        from ..model.checkpoint import save_state
 
         self.flush()  # the step this checkpoint holds is on the server (and in the log) first
         directory = Path(directory) if directory is not None else self.log.directory
@@ -655,7 +655,7 @@ class RemoteSegment(nn.Module):
         ``optimizer`` (and the RNG state if ``rng``) -> its counters (``client_id``, ``step``,
         ``cuts``). ConfigError if there is none, or it is not at the server's cuts (or not
         ``client_id``'s, if given)."""
-        from ..checkpoint import has_state, load_state, read_extra
+        from ..model.checkpoint import has_state, load_state, read_extra
 
         if directory is None or not has_state(directory, "client"):
             raise ConfigError(f"no client checkpoint in {directory}")
@@ -691,7 +691,7 @@ class RemoteSegment(nn.Module):
         (stale shared weights, a lapsed turn, a forward it no longer has), within
         ``wait_timeout_s``; then ``optimizer.step()``, the apply at ``lr`` and, with a journal on
         disk, a new client checkpoint once the server's is past the last. Returns the loss."""
-        from ..transport.fedsync import wait_while_busy
+        from ..transport.busy import wait_while_busy
         from .federation import federation_of
 
         fed, step = federation_of(self._owner_ref()), self.step
@@ -793,7 +793,7 @@ class RemoteSegment(nn.Module):
         self._optimizer_ref = weakref.ref(optimizer)
         self._hook(optimizer)
         if self.log.directory is not None and self.log.enabled and self.pieces == 0:
-            from ..checkpoint import has_state
+            from ..model.checkpoint import has_state
 
             if not has_state(self.log.directory, "client"):
                 self.persist(optimizer)  # where a resume starts if nothing later is durable

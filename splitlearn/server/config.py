@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
-from ..lora import LoraSpec
-from ..protocol import read_token_file
+from ..model.lora import LoraSpec
+from ..api.protocol import read_token_file
 from .federation.fairness import DEFAULT_MAX_TURN_S, DEFAULT_MAX_TURN_STEPS, DEFAULT_WAIT_S, Fairness
 from .federation.strategy import AGGREGATIONS, DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, make_strategy
 from .federation.tickets import check_secret, read_secret_file

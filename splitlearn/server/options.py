@@ -19,7 +19,7 @@ import dataclasses
 import typing
 from typing import Any, Callable, Optional
 
-from ..clihelp import with_default
+from ..procs.clihelp import with_default
 
 HELP, FLAG, UNIT, PARSE, TYPE, CHOICES, METAVAR, GROUP, CLI = (
     "help", "flag", "unit", "parse", "type", "choices", "metavar", "group", "cli")

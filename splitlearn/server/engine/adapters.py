@@ -36,11 +36,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ...checkpoint import has_state, latest, optimizer_state, read_extra, read_meta, restore_optimizer
+from ...model.checkpoint import has_state, latest, optimizer_state, read_extra, read_meta, restore_optimizer
 from ...errors import ConfigError, NotFound, SegmentFileError
-from ...lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec
-from ...segments import Segment
-from ...wire import encode
+from ...model.lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec
+from ...model.segments import Segment
+from ...api.wire import encode
 from ..federation.modes import Federation, Replica
 from .tenants import client_of
 

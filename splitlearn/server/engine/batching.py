@@ -43,8 +43,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
-from ...lora import lora_rows
-from ...segments import Segment, SegmentCache
+from ...model.lora import lora_rows
+from ...model.segments import Segment, SegmentCache
 from .compute import ComputeThread
 from .priority import DecodeBudget, fair_take
 

@@ -112,8 +112,8 @@ import torch
 from torch import nn
 
 from ...errors import PayloadTooLarge
-from ...headloss import CHUNK_LOGITS_BYTES, chunk_rows
-from ...packed import usable
+from ...model.headloss import CHUNK_LOGITS_BYTES, chunk_rows
+from ...model.packed import usable
 from .memory import charge
 
 log = logging.getLogger(__name__)

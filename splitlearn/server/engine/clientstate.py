@@ -42,9 +42,9 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ...checkpoint import _tensors, latest, private_dir, read_meta, restore_optimizer, save_state
+from ...model.checkpoint import _tensors, latest, private_dir, read_meta, restore_optimizer, save_state
 from ...errors import ConfigError
-from ...lora import LoraSpec
+from ...model.lora import LoraSpec
 from .ledger import StepLedger
 
 log = logging.getLogger(__name__)

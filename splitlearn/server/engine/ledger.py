@@ -35,8 +35,8 @@ from typing import Any, Optional
 import torch
 
 from ...errors import Conflict, SplitLearnError
-from ...fingerprint import digests as fingerprint_digests
-from ...wire import Encoded, decode, encode
+from ...api.fingerprint import digests as fingerprint_digests
+from ...api.wire import Encoded, decode, encode
 from .tenants import client_of, tenant_of
 
 

@@ -25,11 +25,11 @@ import threading
 
 import torch
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, PayloadTooLarge
-from ...loading import load_model
-from ...offload.field import PRIMES, field_matmul
-from ...offload.layers import MAX_PRODUCTS, SCHEMES, QuantisedLayers, layer_names, linear_weights
+from ...model.loading import load_model
+from ...offloadmath.field import PRIMES, field_matmul
+from ...offloadmath.layers import MAX_PRODUCTS, SCHEMES, QuantisedLayers, layer_names, linear_weights
 from .compute import ComputeThread
 from ..config import ServerConfig
 from .ledger import Answer

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 
 from ...errors import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
-from ...segments import SegmentCache
+from ...model.segments import SegmentCache
 
 REORDER = "reorder"  # the tensor name (splitlearn.protocol.REORDER)
 

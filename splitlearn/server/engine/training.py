@@ -46,10 +46,10 @@ from typing import Optional
 
 import torch
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, Conflict, TooManyRequests
-from ...headloss import IGNORE, head_loss
-from ...wire import pack
+from ...model.headloss import IGNORE, head_loss
+from ...api.wire import pack
 from . import guard
 from ..federation.modes import Replica
 from .budget import graph_bytes, padded

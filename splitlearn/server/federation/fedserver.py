@@ -27,10 +27,10 @@ from typing import Optional
 import torch
 from flask import Flask, Response, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, ConfigError, Conflict, Forbidden, NotFound, SplitLearnError, Unauthorized
-from ...lora import LoraSpec
-from ...wire import decode, encode
+from ...model.lora import LoraSpec
+from ...api.wire import decode, encode
 from . import tickets
 from .clientside import ClientSide
 from .rounds import aggregate
@@ -38,7 +38,7 @@ from .strategy import Strategy, coordinate_median
 from ..config import MiB, LoraOptions, Observability, StrategyOptions
 from ..engine.tenants import Tenants
 from ..options import add_options, opt, options_of
-from ...protocol import read_token_file
+from ...api.protocol import read_token_file
 from ..http import accesslog
 from ..http.metrics import ServerMetrics
 from ..http.probes import fed_readiness
@@ -345,7 +345,7 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = T
 
     @app.get(P.OPENAPI)
     def openapi_document():
-        from ...openapi import document
+        from ...api.openapi import document
         return jsonify(document({}, "fed"))
 
     @app.get(P.FEDERATION)
@@ -389,7 +389,7 @@ def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
 
 
 def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True) -> Flask:
-    from ...loading import load_config
+    from ...model.loading import load_config
 
     side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
     return create_fedavg_app(FedRounds(cfg, side, cfg.strategy()), tenants, request_log=request_log)

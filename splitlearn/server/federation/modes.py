@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from ...errors import BadRequest, ConfigError, Conflict, NotFound, NotYourTurn, ServiceUnavailable, StaleWeights
-from ...segments import Segment
+from ...model.segments import Segment
 from . import tickets
 from .clientside import ClientSide
 from .collective import GroupSpec, ReplicaGroup, weights_sha256

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...errors import BadRequest, ConfigError, Forbidden
-from ...protocol import MAX_TICKET_CHARS
+from ...api.protocol import MAX_TICKET_CHARS
 
 DOMAIN = b"splitlearn-fed/1\n"  # what the MAC covers starts with this: no other HMAC use collides
 MIN_SECRET_BYTES = 32

@@ -8,7 +8,7 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, Forbidden, PayloadTooLarge
 from .probes import readiness
 from .routing import bytes_response, request_body, served
@@ -69,7 +69,7 @@ def openapi_document():
     """This server's routes as OpenAPI 3.1, built from the protocol module (splitlearn/openapi.py).
     Without a token: the protocol's document, the same for every server of this kind (none of
     this server's cuts, sizes or limits), made once (docs/SECURITY.md, 'Outsiders')."""
-    from ...openapi import document
+    from ...api.openapi import document
     s = served()
     kind = "offload" if s.cfg.offload else "segment"
     if g.get("tenant") is None:
@@ -80,7 +80,7 @@ def openapi_document():
 @functools.lru_cache(maxsize=None)
 def public_document(kind: str) -> bytes:
     """The tokenless ``/v1/openapi.json`` of a server of ``kind``: the protocol's routes only."""
-    from ...openapi import document
+    from ...api.openapi import document
 
     return json.dumps(document({}, kind)).encode()
 

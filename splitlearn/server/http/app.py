@@ -15,7 +15,7 @@ from typing import Optional
 from flask import Flask, g, request
 from werkzeug.exceptions import HTTPException
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, NotFound, PayloadTooLarge, SplitLearnError, Unauthorized, UnsupportedMediaType
 from ..config import ServerConfig
 from ..engine.memory import MemoryAccount

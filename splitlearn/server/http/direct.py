@@ -18,9 +18,9 @@ import secrets
 import time
 from typing import Callable, Optional
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import SplitLearnError
-from ...wire import DeviceBody, Encoded, decode
+from ...api.wire import DeviceBody, Encoded, decode
 from ..engine.memory import scope as memory_scope
 from ..engine.tenants import Tenant
 from . import accesslog

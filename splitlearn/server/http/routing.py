@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, PayloadTooLarge, SplitLearnError, UnsupportedMediaType
-from ...wire import decode
+from ...api.wire import decode
 from ..engine.memory import MemoryAccount, scope as memory_scope
 from ..engine.priority import timed
 from ..engine.tenants import Tenant

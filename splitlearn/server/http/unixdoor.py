@@ -39,11 +39,11 @@ from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 import torch
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, ConfigError, PayloadTooLarge, RequestTimeout, SplitLearnError, Unauthorized
 from ...transport import cudaregion
 from ...transport import unixframe as F
-from ...wire import MAX_HEADER, DeviceBody, Encoded
+from ...api.wire import MAX_HEADER, DeviceBody, Encoded
 from .direct import Direct
 from .frontdoor import TENANT_KEY, DoorLimits
 from .routing import BODY_HOLD_KEY, BODY_KEY, SERVED
