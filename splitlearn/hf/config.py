@@ -22,7 +22,7 @@ class RemoteConfig:
     retries: int = 6  # reconnects after a dropped connection (numbered requests: exactly once)
     wait_timeout_s: float = 600.0  # the longest wait for a segment busy with another client's step
     reconnect_timeout_s: float = 120.0  # the longest wait for a crashed server to come back (then replay)
-    pins: Pins = field(default_factory=Pins)  # the splits this client accepts (splitlearn.api.trust): checked on /v1/info
+    pins: Pins = field(default_factory=Pins)  # the splits this client accepts (splitlearn.trust): checked on /v1/info
     fed_url: Optional[str] = None  # a separate fed server for the client-side weights (federation modes)
     fed_token: Optional[str] = None  # its own token (default $SPLITLEARN_FED_TOKEN; never the segment server's)
     journal_dir: Optional[str] = None  # the request log on disk too, with the client's checkpoint (.journal)
@@ -33,7 +33,7 @@ class RemoteConfig:
     def __post_init__(self):
         self.wire_dtype = check_wire_dtype(self.wire_dtype)
         if not isinstance(self.pins, Pins):
-            raise ConfigError(f"pins must be a splitlearn.api.trust.Pins, got {type(self.pins).__name__}")
+            raise ConfigError(f"pins must be a splitlearn.trust.Pins, got {type(self.pins).__name__}")
         if self.client_id is not None and not P.valid_client_id(self.client_id):
             raise ConfigError(f"client_id must be 1-64 characters of [A-Za-z0-9_.-], got {self.client_id!r}")
         if not 0 < self.apply_wait_s <= 60:
