@@ -29,7 +29,7 @@ $(STAMP): setup.py $(LOCK)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m splitlearn.demo
+	$(PY) -m splitlearn.apps.demo
 
 # Two phases: most tests on $(TEST_WORKERS) pytest-xdist workers (a test file stays on one worker,
 # so its module-scoped servers are shared), then the tests that measure time or fairness alone

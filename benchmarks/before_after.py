@@ -59,7 +59,7 @@ def old_server(src: str, cuts, tmp: str, core: int = 1):
     """The earlier commit's server (``python -m splitlearn_old.server``) on ``core``, one torch thread."""
     import secrets
 
-    from splitlearn.localserver import ChildServer, free_port
+    from splitlearn.procs.localserver import ChildServer, free_port
 
     port, token = free_port(), secrets.token_urlsafe(16)
     os.sched_setaffinity(0, {core})  # the server inherits it
@@ -77,7 +77,7 @@ def old_server(src: str, cuts, tmp: str, core: int = 1):
 def run(a, log=print) -> dict:
     from splitlearn import load_model
     from splitlearn.client import SplitClient as New
-    from splitlearn.segments import labels_from_batch
+    from splitlearn.model.segments import labels_from_batch
     from splitlearn_old.client import SplitClient as Old
 
     from benchmarks.timing import pinned_u_server

@@ -34,9 +34,9 @@ from pathlib import Path
 import requests
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
-from splitlearn.localserver import free_port
+from splitlearn.procs.localserver import free_port
 
 TOKEN = "bench-cluster-5f0c9e1a7b3d"
 

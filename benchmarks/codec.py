@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from splitlearn import wire
+from splitlearn.api import wire
 
 from .config import BenchConfig
 from .timing import measure

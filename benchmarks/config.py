@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from splitlearn.wire import WIRE_DTYPE_NAMES as WIRE_DTYPES
+from splitlearn.api.wire import WIRE_DTYPE_NAMES as WIRE_DTYPES
 
 WORKLOADS = ("codec", "overhead", "generation", "pinned", "training", "int8_drift", "concurrency",
              "server_batching")

@@ -14,7 +14,7 @@ from transformers import GPT2LMHeadModel
 
 from splitlearn import load_model
 from splitlearn.client import SplitClient
-from splitlearn.localserver import LocalServer
+from splitlearn.procs.localserver import LocalServer
 
 from .config import BenchConfig
 

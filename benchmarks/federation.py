@@ -26,9 +26,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from splitlearn.client import SplitClient  # noqa: E402
-from splitlearn.transport.fedsync import untied_weights  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
-from splitlearn.wire import encode  # noqa: E402
+from splitlearn.hf.fedsync import untied_weights  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
+from splitlearn.api.wire import encode  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:

@@ -64,10 +64,10 @@ from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 import schemathesis  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
-from splitlearn import openapi  # noqa: E402
-from splitlearn import protocol as P  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
-from splitlearn.wire import decode, encode  # noqa: E402
+from splitlearn.api import openapi  # noqa: E402
+from splitlearn.api import protocol as P  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
+from splitlearn.api.wire import decode, encode  # noqa: E402
 
 SHAPES = {"u": ("1", "3"), "2-way": ("2",)}
 OPERATOR, FUZZER = "op-7d2c91e04b5a63f8", "fz-3a8e50c17d96b2e4"

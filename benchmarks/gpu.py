@@ -45,11 +45,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
-from splitlearn import protocol as P  # noqa: E402
-from splitlearn.checkpoint import make_optimizer  # noqa: E402
+from splitlearn.api import protocol as P  # noqa: E402
+from splitlearn.model.checkpoint import make_optimizer  # noqa: E402
 from splitlearn.client import SplitClient  # noqa: E402
 from splitlearn.hf.pipeline import Chooser  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
 from splitlearn.transport import Transport, TransportConfig  # noqa: E402
 
 from benchmarks import unix_transport  # noqa: E402

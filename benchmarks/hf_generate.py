@@ -123,7 +123,7 @@ def _child(conn, cfg: Config, mode: str) -> None:
         import splitlearn
         from splitlearn import load_model
         from splitlearn.client import SplitClient
-        from splitlearn.localserver import LocalServer
+        from splitlearn.procs.localserver import LocalServer
 
         from benchmarks.generation import hf_generate
 

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from splitlearn import load_model  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
 from benchmarks.timing import write_result  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu" / "hf_training.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 
 from splitlearn import ByteTokenizer, load_corpus
-from splitlearn.data import lm_batches
+from splitlearn.model.data import lm_batches
 
 from .config import BenchConfig
 

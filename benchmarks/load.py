@@ -44,8 +44,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from splitlearn import protocol as P  # noqa: E402
-from splitlearn.localserver import LocalServer, free_port  # noqa: E402
+from splitlearn.api import protocol as P  # noqa: E402
+from splitlearn.procs.localserver import LocalServer, free_port  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETUPS = {"one": "one server", "two": "two replicas (HAProxy)"}

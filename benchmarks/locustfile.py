@@ -8,7 +8,7 @@ User i takes line ``i mod N`` of the server's ``--token-file`` (docs/SECURITY.md
 <token>``) and the client id ``--client-ids[i mod N]`` (default ``owner``: a client id is
 scoped by its tenant). The users speak the raw protocol of docs/PROTOCOL.md with random
 activations (the server's work only: no client model runs here), tensors as safetensors
-(:func:`splitlearn.wire.encode`), and pick by weight between two tasks, back to back (no
+(:func:`splitlearn.api.wire.encode`), and pick by weight between two tasks, back to back (no
 think time: the load is as much as N owners can send):
 
 - ``generate`` (``--gen-weight``): ``POST /v1/sessions`` {rows 1, client_id} -> ``prefill``
@@ -34,8 +34,8 @@ import gevent
 import torch
 from locust import FastHttpUser, constant, events, task
 
-from splitlearn import protocol as P
-from splitlearn.wire import decode, encode, pack
+from splitlearn.api import protocol as P
+from splitlearn.api.wire import decode, encode, pack
 
 WIRE = "float32"
 OCTET = {"Content-Type": P.CONTENT_TYPE}

@@ -26,8 +26,8 @@ import time
 import torch
 
 import splitlearn as sl
-from splitlearn.checkpoint import make_optimizer
-from splitlearn.lora import LoraSpec, lora_scope
+from splitlearn.model.checkpoint import make_optimizer
+from splitlearn.model.lora import LoraSpec, lora_scope
 from splitlearn.server.engine.adapters import AdapterBank
 from splitlearn.server.engine.batching import DecodeItem, batched_decode
 

@@ -38,9 +38,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from splitlearn import protocol as P  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
-from splitlearn.wire import decode, encode, pack  # noqa: E402
+from splitlearn.api import protocol as P  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
+from splitlearn.api.wire import decode, encode, pack  # noqa: E402
 
 
 class Stepper:

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import splitlearn as sl
-from splitlearn.localserver import LocalServer
+from splitlearn.procs.localserver import LocalServer
 from splitlearn.offload import OffloadGPT2LMHeadModel
 
 STAT_KEYS = ("products", "requests", "rows", "mask_s", "unmask_s", "verify_s", "wait_s", "codec_s", "send_s",
@@ -90,8 +90,8 @@ def quantisation_error(model_name: str, ids: torch.Tensor) -> dict:
     """The masked scheme's logits against the model's, in-process: each linear layer replaced by
     ``sx sw (xq Wq) + b`` in float64 (what unmasking returns, exactly: tests/test_offload_field.py),
     no server. Max |logit difference| over the prompt, and whether greedy next tokens agree."""
-    from splitlearn.offload import field as F
-    from splitlearn.offload.layers import linear_weights
+    from splitlearn.offloadmath import field as F
+    from splitlearn.offloadmath.layers import linear_weights
 
     model = sl.load_model(model_name)
     want = model(ids).logits  # (1, T, V)

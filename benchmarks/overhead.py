@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from splitlearn import protocol as P
-from splitlearn.wire import decode, encode, pack
+from splitlearn.api import protocol as P
+from splitlearn.api.wire import decode, encode, pack
 
 from .config import BenchConfig
 from .timing import call_samples, p90

@@ -19,10 +19,10 @@ all of them), ``pinned_repeats`` rounds after one warm-up. Systems: ``unsplit (1
 the system's time. Also the decode-step overhead (round trip minus server compute, batch 1)
 with both sides pinned. Skipped on machines with fewer than two cores and on GPU runs.
 
-The split decodes on oneDNN prepacked weights on both sides (:mod:`splitlearn.packed`, the
+The split decodes on oneDNN prepacked weights on both sides (:mod:`splitlearn.model.packed`, the
 default); ``unsplit (1 core, packed)`` is the unsplit model on the same kernels, to show what
 the kernels give and what the split gives (the ratios are all over ``unsplit (1 core)``, the
-model as Hugging Face runs it). ``... poll-idle`` rows: the same, with :class:`~splitlearn.idlepoll.IdlePoller` on both cores
+model as Hugging Face runs it). ``... poll-idle`` rows: the same, with :class:`~splitlearn.procs.idlepoll.IdlePoller` on both cores
 (what ``--poll-idle`` on the server and ``SplitClient(poll_idle=True)`` start), resumed for
 those systems only and paused (SIGSTOP) for all the others, the unsplit reference included.
 """
@@ -44,8 +44,8 @@ def _child(conn, cfg: BenchConfig) -> None:
 
         from splitlearn import load_model
         from splitlearn.client import SplitClient
-        from splitlearn.idlepoll import IdlePoller, available
-        from splitlearn.packed import PackedLinears
+        from splitlearn.procs.idlepoll import IdlePoller, available
+        from splitlearn.model.packed import PackedLinears
 
         from .context import LocalServer
         from .generation import hf_generate, prompts

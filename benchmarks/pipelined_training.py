@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from splitlearn import load_model  # noqa: E402
 from splitlearn.client import SplitClient  # noqa: E402
 from benchmarks.timing import pinned_u_server  # noqa: E402
-from splitlearn.segments import labels_from_batch  # noqa: E402
+from splitlearn.model.segments import labels_from_batch  # noqa: E402
 
 
 def main(argv=None) -> int:

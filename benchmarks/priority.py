@@ -46,10 +46,10 @@ os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from splitlearn import protocol as P  # noqa: E402
+from splitlearn.api import protocol as P  # noqa: E402
 from splitlearn.client import SplitClient  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
-from splitlearn.wire import encode  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
+from splitlearn.api.wire import encode  # noqa: E402
 
 
 def gaps_of(client: SplitClient, tokens: int, seed: int) -> list[float]:

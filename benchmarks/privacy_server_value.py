@@ -28,10 +28,10 @@ import torch
 
 
 def main(argv=None) -> int:
-    from splitlearn.data import ByteTokenizer
-    from splitlearn.defensetrain import finetune_defense
-    from splitlearn.loading import load_model
-    from splitlearn.privacy.defenses import make_defense
+    from splitlearn.model.data import ByteTokenizer
+    from splitlearn.apps.defensetrain import finetune_defense
+    from splitlearn.model.loading import load_model
+    from splitlearn.defense.defenses import make_defense
     from splitlearn.privacy.meter import (perplexities, perplexity_mean_update,
                                           perplexity_without_server, private_windows)
     from splitlearn.privacy.reference import train_reference

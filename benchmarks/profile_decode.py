@@ -72,7 +72,7 @@ def client_profile(model_src: str, cuts: tuple[int, int], batch: int, prompt_len
     import io
 
     from splitlearn.client import SplitClient
-    from splitlearn.localserver import LocalServer
+    from splitlearn.procs.localserver import LocalServer
 
     os.sched_setaffinity(0, {cores[1]})  # the server inherits this core
     args = ["--model", model_src, "--torch-threads", "1", "--device", "cpu"] + \

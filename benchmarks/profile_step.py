@@ -17,7 +17,7 @@ The server is a process of its own (``python -m splitlearn.server``, TCP and ``u
   (the timings above are then the profiled ones).
 
 ``--model tiny-768``: one block of d=768 (the per-step fixed cost with almost no compute, the CPU
-bench of issue 42); any model spec of ``splitlearn.loading`` otherwise.
+bench of issue 42); any model spec of ``splitlearn.model.loading`` otherwise.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def in_process_server(argv: list[str], sock: str):
     from splitlearn.server.http.unixdoor import UnixDoor
 
     os.environ["SPLITLEARN_TOKEN"] = TOKEN
-    from splitlearn.localserver import free_port
+    from splitlearn.procs.localserver import free_port
     port = free_port()
     cfg = parse_args(argv + ["--port", str(port), "--listen", "unix://" + sock])
     app = create_app(cfg)
@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     a.add_argument("--cprofile", help="with --in-process: directory for cProfile tables (every thread)")
     args = a.parse_args(argv)
 
-    from splitlearn.checkpoint import make_optimizer
+    from splitlearn.model.checkpoint import make_optimizer
     from splitlearn.client import SplitClient
-    from splitlearn.loading import load_model
+    from splitlearn.model.loading import load_model
 
     from benchmarks.generation import prompts
     from benchmarks.config import BenchConfig
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     if args.in_process:
         urls, _keep = in_process_server(server_argv, sock)
     else:
-        from splitlearn.localserver import LocalServer
+        from splitlearn.procs.localserver import LocalServer
 
         extra_args = ["--listen", "unix://" + sock]
         if args.torch_profile:

@@ -63,7 +63,7 @@ def child(model: str, route: str, B: int, T: int, pad: bool) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from serverproc import TOKEN, auth, post_tensors
 
-    from splitlearn import protocol as P
+    from splitlearn.api import protocol as P
     from splitlearn.server.engine import budget as bm
     from splitlearn.server.http.app import create_app
     from splitlearn.server.config import ServerConfig

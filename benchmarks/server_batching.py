@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.transport import Transport, TransportConfig
-from splitlearn.wire import encode, pack
+from splitlearn.api.wire import encode, pack
 
 from .config import BenchConfig
 

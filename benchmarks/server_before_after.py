@@ -38,7 +38,7 @@ os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 import torch  # noqa: E402
 
 from benchmarks.timing import command_line, machine_info, write_result  # noqa: E402
-from splitlearn.localserver import free_port  # noqa: E402
+from splitlearn.procs.localserver import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "cpu" / "server_before_after.json"
 

@@ -33,10 +33,10 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from splitlearn import ByteTokenizer, load_corpus, load_model  # noqa: E402
-from splitlearn import protocol as P  # noqa: E402
+from splitlearn.api import protocol as P  # noqa: E402
 from splitlearn.client import SplitClient  # noqa: E402
-from splitlearn.data import lm_batches  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
+from splitlearn.model.data import lm_batches  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
 
 MODEL, CUTS = "tiny-demo", ("--cut", "2", "--cut", "4")
 PROMPTS = ["Once upon a time", "The little dog"]

@@ -118,7 +118,7 @@ def pinned_u_server(model: str, cuts: Sequence[int], client_core: int = 0, serve
     """Two emulated devices: a started ``LocalServer`` of ``model`` (U-shape, or 2-way for one
     cut) on ``server_core`` (it inherits the affinity, one torch thread), this process on
     ``client_core`` with one torch thread. The caller stops the server."""
-    from splitlearn.localserver import LocalServer
+    from splitlearn.procs.localserver import LocalServer
 
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {server_core})  # the server inherits it

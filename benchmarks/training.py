@@ -21,9 +21,9 @@ import statistics
 
 import torch
 
-from splitlearn.checkpoint import make_optimizer
+from splitlearn.model.checkpoint import make_optimizer
 from splitlearn.transport import WireStats
-from splitlearn.segments import labels_from_batch, loss_from_logits
+from splitlearn.model.segments import labels_from_batch, loss_from_logits
 
 from .config import BenchConfig
 from .generation import prompts

@@ -41,10 +41,10 @@ import time
 
 import torch
 
-from splitlearn import protocol as P
-from splitlearn.localserver import LocalServer
+from splitlearn.api import protocol as P
+from splitlearn.procs.localserver import LocalServer
 from splitlearn.transport import Transport, TransportConfig
-from splitlearn.wire import Encoded, pack
+from splitlearn.api.wire import Encoded, pack
 
 
 def decode_overheads(t: Transport, d: int, calls: int, seed: int = 0, device: str = "cpu") -> list[float]:
@@ -88,7 +88,7 @@ def bare_frame_overheads(socket_path: str, token: str, t: Transport, d: int, cal
     import socket as socketlib
 
     from splitlearn.transport import unixframe as F
-    from splitlearn.wire import encode
+    from splitlearn.api.wire import encode
 
     sid = t.post_json(P.SESSIONS, {"rows": 1})["session_id"]
     path = P.SESSION_STEP.format(session_id=sid)

@@ -74,8 +74,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from splitlearn import ByteTokenizer, load_corpus, load_model  # noqa: E402
-from splitlearn.data import lm_batches  # noqa: E402
-from splitlearn.localserver import LocalServer  # noqa: E402
+from splitlearn.model.data import lm_batches  # noqa: E402
+from splitlearn.procs.localserver import LocalServer  # noqa: E402
 from splitlearn.netem import relay_process  # noqa: E402
 from benchmarks.timing import write_result  # noqa: E402
 
@@ -189,7 +189,7 @@ def run(a, log=print) -> dict:
     else:
         source = a.model
         if a.width:  # the spec's shape at another width (the cell: 6 blocks, d=256)
-            from splitlearn.loading import load_config
+            from splitlearn.model.loading import load_config
 
             source = load_config(a.model)
             source.n_embd = a.width

@@ -19,7 +19,7 @@ import random
 import torch
 
 from splitlearn import SplitGPT2ForSequenceClassification, get_tokenizer
-from splitlearn.protocol import parse_token_line, read_token_file
+from splitlearn.api.protocol import parse_token_line, read_token_file
 
 LABELS = ("statement", "question", "exclamation")
 SUBJECTS = ("the cat", "my friend", "the old man", "a small dog", "the teacher", "her brother", "the bird",

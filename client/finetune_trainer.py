@@ -20,8 +20,8 @@ import os
 import torch
 
 from splitlearn import SplitGPT2LMHeadModel, get_tokenizer
-from splitlearn.data import CORPUS
-from splitlearn.protocol import parse_token_line, read_token_file
+from splitlearn.model.data import CORPUS
+from splitlearn.api.protocol import parse_token_line, read_token_file
 
 
 def parse_args(argv=None) -> argparse.Namespace:

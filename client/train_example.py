@@ -10,7 +10,7 @@ import torch
 
 from splitlearn import ByteTokenizer, load_corpus
 from splitlearn.client import SplitClient
-from splitlearn.data import lm_batches
+from splitlearn.model.data import lm_batches
 
 
 def main() -> None:

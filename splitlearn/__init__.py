@@ -4,18 +4,16 @@ Cut a GPT-2 at block boundaries (2-way or U-shape), prove the split equals the w
 pieces as separate processes over HTTP, and measure what each piece costs.
 """
 import importlib
-import sys
-import types
 
 # Every name is imported on first use (PEP 562), so `import splitlearn` (and so every
 # `python -m splitlearn.X --help`) costs no torch or transformers import: name -> its module.
 _LAZY = {
-    "ByteTokenizer": "data", "get_tokenizer": "data", "load_corpus": "data",
+    "ByteTokenizer": "model.data", "get_tokenizer": "model.data", "load_corpus": "model.data",
     "ConfigError": "errors", "SegmentFileError": "errors", "SplitLearnError": "errors",
-    "export_segments": "export", "load_segment": "export", "load_segments": "export",
-    "load_config": "loading", "load_model": "loading",
-    "Partition": "partition", "validate_cuts": "partition",
-    "Segment": "segments", "SegmentCache": "segments",
+    "export_segments": "model.export", "load_segment": "model.export", "load_segments": "model.export",
+    "load_config": "model.loading", "load_model": "model.loading",
+    "Partition": "model.partition", "partition": "model.partition", "validate_cuts": "model.partition",
+    "Segment": "model.segments", "SegmentCache": "model.segments",
     "SplitClient": "client",  # requests, imported on first use
     "OffloadGPT2LMHeadModel": "offload",  # masked offload (docs/OFFLOAD.md)
     "RemoteCache": "hf", "SplitGPT2LMHeadModel": "hf", "SplitGPT2ForSequenceClassification": "hf",
@@ -38,7 +36,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     else:
-        try:  # a submodule used as an attribute (`splitlearn.checkpoint` after `import splitlearn`)
+        try:  # a subpackage used as an attribute (`splitlearn.model` after `import splitlearn`)
             value = importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
             if e.name != f"{__name__}.{name}":
@@ -49,22 +47,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | {"partition"})
+    return sorted(set(globals()) | set(_LAZY))
 
-
-class _Facade(types.ModuleType):
-    """This package, with ``splitlearn.partition`` the function (as when it was imported eagerly),
-    never the submodule of the same name that the import system names on it."""
-
-    @property
-    def partition(self):
-        from .partition import partition
-
-        return partition
-
-    @partition.setter
-    def partition(self, _submodule) -> None:
-        pass
-
-
-sys.modules[__name__].__class__ = _Facade

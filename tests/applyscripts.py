@@ -67,7 +67,7 @@ def trainer(url: str, client_id: str, out: Path, server_dir: str) -> dict:
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from splitlearn import load_model
-    from splitlearn.checkpoint import read_weights
+    from splitlearn.model.checkpoint import read_weights
     from splitlearn.hf import SplitGPT2LMHeadModel
 
     server_before = read_weights(server_dir, "server")

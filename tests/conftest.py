@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from splitlearn import ByteTokenizer, load_model
-from splitlearn.segments import positions_from_mask
+from splitlearn.model.segments import positions_from_mask
 
 import forkserver
 

@@ -2,7 +2,7 @@
 
 A fresh ``python -m splitlearn.server`` spends ~9 CPU-seconds importing torch and transformers
 before it serves, and a test run starts dozens. :func:`install` (conftest.py calls it unless
-``SPLITLEARN_FORK_SERVERS=0``) makes :data:`splitlearn.localserver.launch` start a child
+``SPLITLEARN_FORK_SERVERS=0``) makes :data:`splitlearn.procs.localserver.launch` start a child
 ``[sys.executable, "-m", MODULE, ARGS...]`` from a process that imported the server package
 once (:data:`PRELOAD`): multiprocessing's "forkserver", one per process that uses it (one per
 pytest-xdist worker), started on first use, gone when that process exits. It is a fresh
@@ -42,7 +42,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from splitlearn import localserver
+from splitlearn.procs import localserver
 
 FORK_ENV = "SPLITLEARN_FORK_SERVERS"  # "0": the tests' servers start as plain subprocesses
 
@@ -51,8 +51,8 @@ FORK_ENV = "SPLITLEARN_FORK_SERVERS"  # "0": the tests' servers start as plain s
 # and its app). A module that fails to import is skipped by multiprocessing; a child then imports
 # it itself (slower, same result). The children run the code as it was when the fork server started: edits after
 # that go unseen.
-PRELOAD = ("splitlearn.localserver", "splitlearn.server.http.cli", "splitlearn.server.http.app",
-           "splitlearn.server.http.frontdoor", "splitlearn.idlepoll", "splitlearn.server.federation.fedserver",
+PRELOAD = ("splitlearn.procs.localserver", "splitlearn.server.http.cli", "splitlearn.server.http.app",
+           "splitlearn.server.http.frontdoor", "splitlearn.procs.idlepoll", "splitlearn.server.federation.fedserver",
            "splitlearn.server.http.fedapp")
 
 # Environment variables read when an interpreter or the preloaded libraries start (glibc's
@@ -95,7 +95,7 @@ def can_fork(cmd: Sequence[str], env: Optional[dict] = None, stdout=None) -> boo
 
 
 def launch(cmd: Sequence[str], env: Optional[dict] = None, stdout=None, stderr=None):
-    """:data:`splitlearn.localserver.launch` for the tests: forked where :func:`can_fork`, else
+    """:data:`splitlearn.procs.localserver.launch` for the tests: forked where :func:`can_fork`, else
     ``subprocess.Popen``."""
     if can_fork(cmd, env, stdout):
         return ForkedProcess(cmd, dict(os.environ if env is None else env), stdout=stdout, stderr=stderr)
@@ -304,7 +304,7 @@ class _ServerProcess(_ForkServerProcess):
 
 class ForkedProcess:
     """``cmd`` = ``[sys.executable, "-m", MODULE, ARGS...]`` forked from the fork server: the
-    parts of ``subprocess.Popen`` that :class:`~splitlearn.localserver.ChildServer` and its
+    parts of ``subprocess.Popen`` that :class:`~splitlearn.procs.localserver.ChildServer` and its
     users need.
 
     ``stdout``/``stderr``: None (this process's), ``subprocess.DEVNULL``, an fd or a file.

@@ -16,10 +16,10 @@ from typing import Optional
 import requests
 import torch
 
-from splitlearn import protocol as P
-from splitlearn.checkpoint import read_weights
-from splitlearn.localserver import LocalServer
-from splitlearn.wire import decode, encode
+from splitlearn.api import protocol as P
+from splitlearn.model.checkpoint import read_weights
+from splitlearn.procs.localserver import LocalServer
+from splitlearn.api.wire import decode, encode
 
 # two tenants; strong enough for the server (16+ characters, not a documentation example)
 TOKEN, OTHER = "tok-5c1f0e8b2a9d4e77", "other-93be41d06fa2c815"
@@ -154,7 +154,7 @@ class InprocServer:
     """The app that ``python -m splitlearn.server ARGS`` serves, built in this process and
     reached at an ``inproc://`` URL (splitlearn/transport/inproc.py) instead of a port: for
     tests of what the server answers, not of the process or the HTTP server in front of it.
-    The parts of :class:`~splitlearn.localserver.LocalServer` the tests use (``url``,
+    The parts of :class:`~splitlearn.procs.localserver.LocalServer` the tests use (``url``,
     ``token``, ``start``/``stop``, a context manager); ``app`` is the Flask app.
     """
 

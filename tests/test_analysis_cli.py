@@ -89,6 +89,6 @@ def test_help_imports_no_torch_and_shows_defaults():
 
 def test_the_cli_offers_the_wire_dtypes():
     from splitlearn.analysis.cli import WIRE_DTYPES
-    from splitlearn.wire import WIRE_DTYPE_NAMES
+    from splitlearn.api.wire import WIRE_DTYPE_NAMES
 
     assert tuple(WIRE_DTYPES) == tuple(WIRE_DTYPE_NAMES)

@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client.cli import main
 from splitlearn.analysis.diagnose import (BANDWIDTH_ADVICE, LATENCY_ADVICE, DiagnoseConfig, estimate, fit_link,
                                         step_traffic)
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import ConfigError, Unauthorized
-from splitlearn.localserver import free_port
+from splitlearn.procs.localserver import free_port
 
 from serverproc import TOKEN, ServerProcess
 

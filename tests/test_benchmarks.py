@@ -133,8 +133,8 @@ def test_pinned_two_device_mode(result):
         pytest.skip("the pinned mode needs cores 0 and 1")
     rows = _rows(result, "pinned")
     gen = [r for r in rows if r["unit"] == "tokens/s"]
-    from splitlearn.idlepoll import available
-    from splitlearn.packed import usable
+    from splitlearn.procs.idlepoll import available
+    from splitlearn.model.packed import usable
 
     systems = ["unsplit (1 core)", "splitlearn u float32"]
     systems += ["unsplit (1 core, packed)"] if usable(torch.nn.Linear(1, 1)) else []

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from splitlearn import partition
-from splitlearn.checkpoint import (has_state, latest, load_state, make_optimizer, read_extra, save_state,
+from splitlearn.model.checkpoint import (has_state, latest, load_state, make_optimizer, read_extra, save_state,
                                    unique_parameters)
 from splitlearn.errors import ConfigError, SegmentFileError
-from splitlearn.loading import load_model
-from splitlearn.segments import labels_from_batch, loss_from_logits
+from splitlearn.model.loading import load_model
+from splitlearn.model.segments import labels_from_batch, loss_from_logits
 
 
 def trained_parts(steps: int, optimizer: str = "adamw"):

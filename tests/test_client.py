@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from splitlearn import load_model
-from splitlearn.checkpoint import has_state
+from splitlearn.model.checkpoint import has_state
 from splitlearn.client import SplitClient
 from splitlearn.errors import Conflict
-from splitlearn.segments import labels_from_batch, positions_from_mask
+from splitlearn.model.segments import labels_from_batch, positions_from_mask
 
 from serverproc import TOKEN, InprocServerProcess, ServerProcess
 

@@ -8,7 +8,7 @@ import torch
 
 import splitlearn as sl
 from splitlearn.client.cli import main
-from splitlearn.localserver import LocalServer
+from splitlearn.procs.localserver import LocalServer
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +239,7 @@ def test_every_client_option_is_on_the_command_line_with_its_default(command):
     import dataclasses
 
     from splitlearn.client.config import ClientConfig, Optimizer
-    from splitlearn.clihelp import flag_of, with_default
+    from splitlearn.procs.clihelp import flag_of, with_default
 
     text = _help(command)
     assert "--server SERVER" in text
@@ -260,7 +260,7 @@ def test_every_client_option_is_on_the_command_line_with_its_default(command):
 def test_the_options_parse_into_a_client_config(tmp_path):
     from splitlearn.client.cli import build_parser
     from splitlearn.client.config import ClientConfig
-    from splitlearn.clihelp import options_of
+    from splitlearn.procs.clihelp import options_of
 
     token = tmp_path / "token"
     token.write_text("# a comment\nsecret\n")

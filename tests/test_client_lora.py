@@ -1,7 +1,7 @@
 """Per-client LoRA against a real ``python -m splitlearn.server --lora-r ...`` process.
 
 Exactness is against single-process peft (``get_peft_model`` on the unsplit tiny GPT-2) with
-the same adapter initialisation (:func:`splitlearn.lora.init_adapter_pair`), the same data and
+the same adapter initialisation (:func:`splitlearn.model.lora.init_adapter_pair`), the same data and
 optimizer: losses, and every adapter weight on both sides. Server weights are read from the
 checkpoint it writes on ``POST /v1/checkpoint``.
 """
@@ -12,13 +12,13 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 
 from splitlearn import load_model
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.hf.lora import adapter_tensors
 from splitlearn.errors import ConfigError
-from splitlearn.lora import LoraSpec, init_adapter_pair
-from splitlearn.segments import labels_from_batch, positions_from_mask
-from splitlearn.wire import decode
+from splitlearn.model.lora import LoraSpec, init_adapter_pair
+from splitlearn.model.segments import labels_from_batch, positions_from_mask
+from splitlearn.api.wire import decode
 
 from serverproc import OTHER, TOKEN, InprocServerProcess, auth, run_threads, same_weights, web
 from test_client import BATCHES, LR, train_whole

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.privacy import GaussianNoise, NoPeek
-from splitlearn.wire import decode
+from splitlearn.api.wire import decode
 
 from serverproc import TOKEN, InprocServerProcess
 
@@ -151,7 +151,7 @@ def test_model_classes_send_only_defended_activations(server, shape, tmp_path):
 def test_model_classes_add_the_nopeek_loss(server):
     """NoPeek on the model classes: the loss is the task loss + weight x dCor(embeddings, sent)."""
     from splitlearn.hf import SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel
-    from splitlearn.privacy.defenses import distance_correlation
+    from splitlearn.defense.defenses import distance_correlation
 
     ids = torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(1))
     plain = SplitGPT2LMHeadModel.from_pretrained("tiny", server=server.url, token=TOKEN).train()

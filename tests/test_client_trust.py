@@ -1,4 +1,4 @@
-"""The client trusts the server no further than it pins (splitlearn/trust.py; docs/SECURITY.md).
+"""The client trusts the server no further than it pins (splitlearn/api/trust.py; docs/SECURITY.md).
 
 A lying server: a real server process (U-shape (1, 3) and 2-way (2,)) behind an in-process
 proxy that records every request and rewrites the answers it is told to. The attacks:
@@ -18,12 +18,12 @@ import threading
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.errors import ConfigError, IntegrityError
 from splitlearn.hf import SplitGPT2LMHeadModel
-from splitlearn.trust import Pins, answer, check_info, grad_norm
-from splitlearn.wire import decode, encode
+from splitlearn.api.trust import Pins, answer, check_info, grad_norm
+from splitlearn.api.wire import decode, encode
 
 from serverproc import TOKEN, InprocServerProcess, web
 

@@ -28,15 +28,15 @@ import pytest
 import requests
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.hf.lora import adapter_tensors
 from splitlearn.cluster.config import ClusterConfig
 from splitlearn.cluster.haproxy import HAProxySettings, write_config
 from splitlearn.errors import ConfigError
-from splitlearn.localserver import ChildServer, free_port
-from splitlearn.lora import LoraSpec
-from splitlearn.wire import decode
+from splitlearn.procs.localserver import ChildServer, free_port
+from splitlearn.model.lora import LoraSpec
+from splitlearn.api.wire import decode
 
 from serverproc import OTHER, TOKEN, auth
 

@@ -26,10 +26,10 @@ import pytest
 import requests
 import torch
 
-from splitlearn import protocol as P
-from splitlearn.localserver import ChildServer, free_port
+from splitlearn.api import protocol as P
+from splitlearn.procs.localserver import ChildServer, free_port
 from splitlearn.server.federation.collective import weights_sha256
-from splitlearn.wire import decode
+from splitlearn.api.wire import decode
 
 from listening import of_pids, public_address
 from serverproc import TOKEN, auth
@@ -40,7 +40,7 @@ K = 3  # clients per round: a and b on replica 0, c on replica 1
 
 
 def _config(k=K, aggregation="fedavg", store=None, rank=0, world=1, timeout_s=5.0, lora=False):
-    from splitlearn.lora import LoraSpec
+    from splitlearn.model.lora import LoraSpec
     from splitlearn.server.config import ServerConfig
 
     extra = {} if store is None else dict(fed_store=store, fed_rank=rank, fed_world_size=world, fed_timeout_s=timeout_s)
@@ -289,8 +289,8 @@ def _splitfed_run(url: str, ids: list[str], liar: str) -> dict:
     """Every member trains one step, then syncs in the order of ``ids`` (the round closes at the
     last); ``liar`` first tries two bad syncs and claims 10**12 samples; then one step more each."""
     from splitlearn.client import SplitClient
-    from splitlearn.transport.fedsync import untied_weights
-    from splitlearn.wire import encode
+    from splitlearn.hf.fedsync import untied_weights
+    from splitlearn.api.wire import encode
 
     clients = {c: SplitClient(url, "tiny", token=TOKEN, optimizer="sgd", lr=0.1, device="cpu", client_id=c)
                for c in ids}

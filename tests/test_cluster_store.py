@@ -18,7 +18,7 @@ from ipaddress import ip_address
 import pytest
 
 from splitlearn.cluster.store import host_store
-from splitlearn.localserver import free_port
+from splitlearn.procs.localserver import free_port
 
 from listening import on_port, public_address
 

@@ -6,7 +6,7 @@ import multiprocessing
 
 import pytest
 
-from splitlearn.localserver import free_port
+from splitlearn.procs.localserver import free_port
 from splitlearn.server.federation.aggregate import capped_weights
 
 pytestmark = pytest.mark.slow

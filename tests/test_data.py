@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from splitlearn import ByteTokenizer, get_tokenizer, load_corpus
-from splitlearn.data import CORPUS, is_bytes, left_pad, lm_batches
+from splitlearn.model.data import CORPUS, is_bytes, left_pad, lm_batches
 
 
 def test_byte_tokenizer_round_trip():

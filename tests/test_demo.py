@@ -1,9 +1,10 @@
-"""``make demo`` (splitlearn/demo.py), shortened: the split model trains as the unsplit one (the
+"""``make demo`` (splitlearn/apps/demo.py), shortened: the split model trains as the unsplit one (the
 same sample for the same seed, on lines ``split:`` and ``unsplit:``) and its sample is made of
 words of the corpus."""
 import torch
 
-from splitlearn import demo, get_tokenizer, load_corpus, load_model
+from splitlearn.apps import demo
+from splitlearn import get_tokenizer, load_corpus, load_model
 
 PROMPT = "Once upon a time"
 

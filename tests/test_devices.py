@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from splitlearn.devices import dtype_name, resolve_device, resolve_dtype, synchronize
+from splitlearn.model.devices import dtype_name, resolve_device, resolve_dtype, synchronize
 from splitlearn.errors import ConfigError
 
 

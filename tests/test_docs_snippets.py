@@ -30,7 +30,7 @@ from typing import Optional
 import pytest
 import torch
 
-from splitlearn.localserver import LocalServer
+from splitlearn.procs.localserver import LocalServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted(ROOT.glob("docs/*.md")) + [ROOT / d / "README.md" for d in ("client", "models", "server")]
@@ -169,7 +169,7 @@ def values():
     """The placeholders' values, made once (the snippets get copies)."""
     import datasets
     import splitlearn
-    from splitlearn.data import lm_batches
+    from splitlearn.model.data import lm_batches
 
     tok = splitlearn.get_tokenizer("tiny-demo")
     ids = tok(splitlearn.load_corpus()[:4000], return_tensors="pt").input_ids[0]

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from conftest import all_cuts, hf_forward
 from test_generation import assert_same_choices
 from splitlearn import SegmentFileError, export_segments, load_segment, load_segments, partition
-from splitlearn.export import _sha256
-from splitlearn.segments import labels_from_batch, loss_from_logits
+from splitlearn.model.export import _sha256
+from splitlearn.model.segments import labels_from_batch, loss_from_logits
 
 ATOL = 1e-5
 

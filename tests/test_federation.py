@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
-from splitlearn.transport.fedsync import untied_weights
+from splitlearn.hf.fedsync import untied_weights
 from splitlearn.errors import Conflict
-from splitlearn.wire import decode, encode, pack
+from splitlearn.api.wire import decode, encode, pack
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, run_threads, web
 from test_client import BATCHES, LR, assert_both_sides_equal, unsplit_steps
@@ -280,7 +280,7 @@ def test_one_members_upload_moves_the_model_by_at_most_the_bound_whatever_it_sen
 
 def _federation(mode, k=2, timeout_s=60.0, **kw):
     from splitlearn import load_model, partition
-    from splitlearn.checkpoint import make_optimizer
+    from splitlearn.model.checkpoint import make_optimizer
     from splitlearn.server.federation.modes import Federation, Replica
 
     trunk = partition(load_model("tiny"), (1, 3)).trunk

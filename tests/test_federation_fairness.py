@@ -17,12 +17,12 @@ The rules themselves run in process on :class:`Federation` with a fake clock (no
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.errors import NotYourTurn, ServiceUnavailable
 from splitlearn.server.federation.fairness import Fairness
-from splitlearn.transport.fedsync import untied_weights
-from splitlearn.wire import decode, encode
+from splitlearn.hf.fedsync import untied_weights
+from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web
 from test_client import LR
@@ -182,7 +182,7 @@ class Clock:
 
 def federation(mode, k=2, timeout_s=300.0, **fair):
     from splitlearn import load_model, partition
-    from splitlearn.checkpoint import make_optimizer
+    from splitlearn.model.checkpoint import make_optimizer
     from splitlearn.server.federation.modes import Federation, Replica
 
     trunk = partition(load_model("tiny"), (1, 3)).trunk

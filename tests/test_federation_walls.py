@@ -14,10 +14,10 @@ import pytest
 import requests
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
-from splitlearn.transport.fedsync import untied_weights
-from splitlearn.wire import decode, encode
+from splitlearn.hf.fedsync import untied_weights
+from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, run_threads, web
 from test_client import LR

@@ -17,9 +17,9 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitlearn import protocol as P
-from splitlearn.loading import load_config
-from splitlearn.localserver import ChildServer
+from splitlearn.api import protocol as P
+from splitlearn.model.loading import load_config
+from splitlearn.procs.localserver import ChildServer
 from splitlearn.errors import ConfigError
 from splitlearn.server.tenants import Tenants
 from splitlearn.server.federation import tickets
@@ -27,7 +27,7 @@ from splitlearn.server.federation.clientside import ClientSide
 from splitlearn.server.federation.fedserver import FedConfig, FedRounds, FedServe
 from splitlearn.server.http.fedapp import create_fedavg_app, parse_args
 from splitlearn.server.federation.strategy import make_strategy
-from splitlearn.wire import encode
+from splitlearn.api.wire import encode
 
 from serverproc import OTHER, TENANTS, TOKEN, access_lines, assert_error, auth, logged_json
 

@@ -1,9 +1,9 @@
-"""The digest of tensors made where they lie (splitlearn/fingerprint.py): the same on any device,
+"""The digest of tensors made where they lie (splitlearn/api/fingerprint.py): the same on any device,
 changed by any byte, by bytes moved, by a name, a shape, a dtype or the metadata."""
 import pytest
 import torch
 
-from splitlearn.fingerprint import digest, digests, fingerprint
+from splitlearn.api.fingerprint import digest, digests, fingerprint
 
 
 def test_any_changed_or_moved_byte_changes_the_sums():
@@ -25,7 +25,7 @@ def test_any_changed_or_moved_byte_changes_the_sums():
 
 
 def test_chunks_do_not_change_the_sums(monkeypatch):
-    from splitlearn import fingerprint as fp
+    from splitlearn.api import fingerprint as fp
 
     x = torch.randn(1001, generator=torch.Generator().manual_seed(5))  # 4004 bytes: 501 words
     whole = fingerprint(x)

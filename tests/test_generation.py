@@ -2,8 +2,8 @@
 
 Generation is transformers' ``generate`` over ``RemoteCache`` (tests/test_hf_generation.py,
 tests/test_client_generation.py, the row groups included). What runs under it on the server, and
-in the export checks, is :class:`~splitlearn.segments.Segment` with its
-:class:`~splitlearn.segments.SegmentCache`, one position at a time: fed the tokens ``generate``
+in the export checks, is :class:`~splitlearn.model.segments.Segment` with its
+:class:`~splitlearn.model.segments.SegmentCache`, one position at a time: fed the tokens ``generate``
 chose (the prompt, then one token per step), every cut's segments must choose them too, for
 left-padded batches, without a mask, and for rows that finished (eos) while others go on.
 """

@@ -1,4 +1,4 @@
-"""splitlearn.headloss: the LM loss in chunks of positions equals the unchunked one, loss and
+"""splitlearn.model.headloss: the LM loss in chunks of positions equals the unchunked one, loss and
 gradients, for any chunk size, with ignored targets, scaled losses and a whole top segment."""
 import copy
 
@@ -7,8 +7,8 @@ import torch
 
 from conftest import hf_forward
 from splitlearn import load_model, partition
-from splitlearn.headloss import CHUNK_LOGITS_BYTES, chunk_rows, chunked_lm_loss, head_loss
-from splitlearn.segments import labels_from_batch, loss_from_logits
+from splitlearn.model.headloss import CHUNK_LOGITS_BYTES, chunk_rows, chunked_lm_loss, head_loss
+from splitlearn.model.segments import labels_from_batch, loss_from_logits
 
 V, D = 257, 32  # models/tiny.json
 

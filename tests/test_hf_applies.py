@@ -24,10 +24,10 @@ import forkserver
 from applyscripts import LR, batch
 from serverproc import TOKEN, InprocServerProcess, ServerProcess, web
 from splitlearn import load_model
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import ServiceUnavailable
 from splitlearn.server.engine.lease import StepLease
-from splitlearn.transport import fedsync
+from splitlearn.transport import busy
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +150,7 @@ def test_the_lease_names_its_holder_to_its_own_tenant_only():
 
 
 def test_a_client_waiting_for_the_segment_says_who_holds_it(monkeypatch, caplog):
-    monkeypatch.setattr(fedsync, "BUSY_LOG_S", 0.05)
+    monkeypatch.setattr(busy, "BUSY_LOG_S", 0.05)
     answers = iter([ServiceUnavailable("the segment is busy with step 3 of client 'owner'", retry_after=0.02)] * 12)
 
     def call():
@@ -159,7 +159,7 @@ def test_a_client_waiting_for_the_segment_says_who_holds_it(monkeypatch, caplog)
             raise e
         return "done"
 
-    with caplog.at_level(logging.WARNING, logger="splitlearn.transport.fedsync"):
-        assert fedsync.wait_while_busy(call, "the segment", 30.0) == "done"
+    with caplog.at_level(logging.WARNING, logger="splitlearn.transport.busy"):
+        assert busy.wait_while_busy(call, "the segment", 30.0) == "done"
     said = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
     assert said and all("client 'owner'" in m and "for the segment" in m for m in said), said

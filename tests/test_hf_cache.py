@@ -12,14 +12,14 @@ import torch
 from transformers import DynamicCache
 
 from splitlearn import partition
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import BadRequest, NotFound
 from splitlearn.hf.cache import RemoteCache
-from splitlearn.segments import positions_from_mask
+from splitlearn.model.segments import positions_from_mask
 from splitlearn.server.engine.batching import DecodeItem, batched_decode
 from splitlearn.server.engine.sessions import CacheOps, Session
-from splitlearn.wire import decode, encode
+from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web
 
@@ -72,7 +72,7 @@ def gen(*shape, seed=0, hi=None):
 
 
 class _View:
-    """A :class:`~splitlearn.segments.SegmentCache` over a Cache: a segment reads ``kv`` and the
+    """A :class:`~splitlearn.model.segments.SegmentCache` over a Cache: a segment reads ``kv`` and the
     length of its first layer."""
 
     def __init__(self, cache, seg):

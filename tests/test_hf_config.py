@@ -28,7 +28,7 @@ def keywords(func) -> set:
 
 
 def test_the_wire_dtypes_are_the_wires():
-    from splitlearn.wire import WIRE_DTYPE_NAMES
+    from splitlearn.api.wire import WIRE_DTYPE_NAMES
 
     assert tuple(WIRE_DTYPES) == tuple(WIRE_DTYPE_NAMES)
 

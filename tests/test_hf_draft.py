@@ -14,7 +14,7 @@ import torch
 
 from splitlearn import load_model
 from splitlearn.errors import ConfigError
-from splitlearn.data import lm_batches
+from splitlearn.model.data import lm_batches
 from splitlearn.hf.draft import (DEFAULT_RTT_MS, CountingRemoteCache, LinkAwarePolicy, best_draft_length,
                                  default_policy, distill_draft, expected_tokens, free_draft, link_aware,
                                  measured_rtt_ms)

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import ConfigError
 from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.hf.federation import client_weights

@@ -14,7 +14,8 @@ import torch
 from transformers import PreTrainedTokenizerFast, TextStreamer
 
 import splitlearn
-from splitlearn import get_tokenizer, protocol as P
+from splitlearn import get_tokenizer
+from splitlearn.api import protocol as P
 from splitlearn.hf import RemoteCache, SplitGPT2LMHeadModel
 
 from conftest import VARIED
@@ -232,7 +233,7 @@ def test_row_groups_follow_every_cache_operation(server, split_lm, tiny_model, p
     group) gives the unsplit model's logits; a map that moves rows between groups is refused."""
     from transformers import DynamicCache
 
-    from splitlearn.segments import positions_from_mask
+    from splitlearn.model.segments import positions_from_mask
 
     ids, mask = padded_batch
     dyn = DynamicCache(config=tiny_model.config)

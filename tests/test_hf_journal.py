@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import Conflict
 from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.hf.journal import RequestLog, Sent, digest
@@ -164,7 +164,7 @@ def test_a_logged_digest_of_either_kind_is_checked_on_any_device():
     """Answers on a GPU are logged with the digest of their sums (no host copy); the check
     (journal.matches) recomputes the kind it finds, on whatever device the answer is now: a log
     written on a GPU checks on the CPU after a crash, and a log of the BLAKE2b kind still checks."""
-    from splitlearn.fingerprint import digest as fingerprint_digest
+    from splitlearn.api.fingerprint import digest as fingerprint_digest
     from splitlearn.hf.journal import FINGERPRINT, bytes_digest, matches
 
     t = {"hidden": torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)}

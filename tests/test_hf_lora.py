@@ -6,10 +6,10 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import ConfigError
 from splitlearn.hf import SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel
-from splitlearn.wire import decode
+from splitlearn.api.wire import decode
 
 from serverproc import TOKEN, InprocServerProcess, auth, same_weights, web
 from test_client_lora import LORA_ARGS, peft_config, peft_model

@@ -16,12 +16,12 @@ from torch import nn
 from torch.optim import optimizer as optimizer_hooks
 
 from splitlearn import load_model
-from splitlearn import protocol as P
-from splitlearn.checkpoint import load_state
+from splitlearn.api import protocol as P
+from splitlearn.model.checkpoint import load_state
 from splitlearn.errors import BadRequest, ConfigError
 from splitlearn.hf import (SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel, SplitGPT2Model,
                            split_model)
-from splitlearn.partition import partition
+from splitlearn.model.partition import partition
 from transformers import GPT2ForSequenceClassification
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import ConfigError, IntegrityError
 from splitlearn.hf.applies import Applier, Outbox
 from splitlearn.hf.config import RemoteConfig

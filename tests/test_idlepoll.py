@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from splitlearn.idlepoll import IdlePoller, available
+from splitlearn.procs.idlepoll import IdlePoller, available
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs os.sched_setaffinity (Linux)")
 
@@ -45,7 +45,7 @@ def test_one_idle_poller_per_core_pinned_to_it_and_stopped():
 
 def test_pollers_exit_when_their_parent_is_killed():
     """kill -9 of the process that started them leaves no spinning core behind."""
-    code = ("import sys, time; from splitlearn.idlepoll import IdlePoller; "
+    code = ("import sys, time; from splitlearn.procs.idlepoll import IdlePoller; "
             "p = IdlePoller([min(__import__('os').sched_getaffinity(0))]).start(); "
             "print(p.procs[0].pid, flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -72,7 +72,7 @@ def test_a_server_and_a_client_with_poll_idle_serve_and_clean_up(tmp_path):
     import torch
 
     from splitlearn.client import SplitClient
-    from splitlearn.localserver import LocalServer
+    from splitlearn.procs.localserver import LocalServer
 
     with LocalServer(["--model", "tiny", "--cut", "1", "--cut", "3", "--poll-idle"]) as srv:
         with SplitClient(srv.url, "tiny", token=srv.token, poll_idle=True) as client:

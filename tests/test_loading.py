@@ -7,7 +7,7 @@ from torch import nn
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
 from splitlearn import ConfigError, load_config, load_model
-from splitlearn.loading import is_spec_source, list_specs, read_spec, specs_dir
+from splitlearn.model.loading import is_spec_source, list_specs, read_spec, specs_dir
 
 TINY = dict(vocab_size=257, n_positions=32, n_embd=16, n_layer=2, n_head=2)
 

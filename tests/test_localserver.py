@@ -13,9 +13,10 @@ import pytest
 
 import forkserver
 from forkserver import ForkedProcess, can_fork
-from splitlearn import localserver, protocol as P
+from splitlearn.procs import localserver
+from splitlearn.api import protocol as P
 from splitlearn.errors import TransportError
-from splitlearn.localserver import ChildServer, LocalServer, free_port
+from splitlearn.procs.localserver import ChildServer, LocalServer, free_port
 
 
 def http_server(port: int, **kw) -> ChildServer:
@@ -197,7 +198,7 @@ def test_python_command_runs_a_script_or_module_whose_servers_fork_too(tmp_path,
     """What a test runs in a subprocess that starts servers (the benchmarks) gets the launcher."""
     monkeypatch.delenv(forkserver.FORK_ENV, raising=False)
     (tmp_path / "probe_script.py").write_text(
-        "import sys\nfrom splitlearn import localserver\n"
+        "import sys\nfrom splitlearn.procs import localserver\n"
         "print(localserver.launch.__module__, sys.argv[1:], __name__)\n")
     for args in ((str(tmp_path / "probe_script.py"), "x"), ("-m", "probe_script", "x")):
         cmd = forkserver.python_command(*args)

@@ -1,4 +1,4 @@
-"""splitlearn.lora: the spec, the init, the router's deltas against peft, mixed-adapter batched decode."""
+"""splitlearn.model.lora: the spec, the init, the router's deltas against peft, mixed-adapter batched decode."""
 import copy
 
 import pytest
@@ -7,7 +7,7 @@ from peft import get_peft_model
 
 import splitlearn as sl
 from splitlearn.errors import ConfigError
-from splitlearn.lora import AdaptedSegment, LoraRouter, LoraSpec, init_adapter_pair, lora_scope
+from splitlearn.model.lora import AdaptedSegment, LoraRouter, LoraSpec, init_adapter_pair, lora_scope
 from splitlearn.server.engine.batching import DecodeItem, batched_decode
 from splitlearn.server.http.cli import main as server_main
 

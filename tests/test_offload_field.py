@@ -7,8 +7,8 @@ import torch
 
 import splitlearn as sl
 from splitlearn.errors import ConfigError, IntegrityError, ServiceUnavailable
-from splitlearn.offload import field as F
-from splitlearn.offload.layers import QuantisedLayers, layer_names
+from splitlearn.offloadmath import field as F
+from splitlearn.offloadmath.layers import QuantisedLayers, layer_names
 from splitlearn.offload.pads import PadPool, Refiller
 from splitlearn.offload.verify import Freivalds
 

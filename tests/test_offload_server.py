@@ -15,14 +15,14 @@ import torch
 
 import splitlearn as sl
 from splitlearn import OffloadGPT2LMHeadModel
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import ConfigError, IntegrityError
-from splitlearn.localserver import free_port
-from splitlearn.offload import field as F
-from splitlearn.offload.layers import QuantisedLayers
+from splitlearn.procs.localserver import free_port
+from splitlearn.offloadmath import field as F
+from splitlearn.offloadmath.layers import QuantisedLayers
 from splitlearn.server.config import ServerConfig
 from splitlearn.server.engine.offload import OffloadRuntime
-from splitlearn.wire import decode, encode
+from splitlearn.api.wire import decode, encode
 
 from serverproc import TOKEN, auth
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from serverproc import OTHER, TENANTS, TOKEN, ServerProcess, assert_error, auth, post_tensors
-from splitlearn import openapi
-from splitlearn import protocol as P
+from splitlearn.api import openapi
+from splitlearn.api import protocol as P
 from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 
@@ -18,7 +18,7 @@ SERVERS = {"u": dict(cuts=(1, 3)), "2-way": dict(cuts=(2,)), "offload": dict(off
 
 def app_of(kind: str):
     if kind == "fed":  # the fed server (python -m splitlearn.server.federation.fedserver)
-        from splitlearn.loading import load_config
+        from splitlearn.model.loading import load_config
         from splitlearn.server.federation.clientside import ClientSide
         from splitlearn.server.federation.fedserver import FedConfig, FedRounds
         from splitlearn.server.http.fedapp import create_fedavg_app

@@ -91,7 +91,7 @@ def imports():
     import splitlearn, splitlearn.hf
     from splitlearn import (SplitClient, SplitGPT2LMHeadModel, SplitGPT2ForSequenceClassification, RemoteCache,
                             OffloadGPT2LMHeadModel, split_model, partition, export_segments, load_model)
-    import splitlearn.client.cli, splitlearn.analysis.diagnose, splitlearn.privacy, splitlearn.localserver
+    import splitlearn.client.cli, splitlearn.analysis.diagnose, splitlearn.privacy, splitlearn.procs.localserver
     from splitlearn.privacy import GaussianNoise, NoPeek
     import transformers
     assert not transformers.utils.is_accelerate_available()
@@ -101,7 +101,7 @@ def run_module(name, *args):
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 def extras():
-    from splitlearn.privacy.accounting import gaussian_epsilon
+    from splitlearn.defense.accounting import gaussian_epsilon
     from splitlearn.analysis.plots import _pyplot
     for fn in (lambda: gaussian_epsilon(1.0, 1, 1e-5), _pyplot):
         try:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import splitlearn as sl
-from splitlearn.packed import PackedLinears, usable
+from splitlearn.model.packed import PackedLinears, usable
 
 
 @pytest.fixture()
@@ -30,7 +30,7 @@ class _AlwaysPacked(dict):
 
 
 def test_packed_outputs_equal_the_layers_own_within_float32_rounding(parts, monkeypatch):
-    import splitlearn.packed as packed_mod
+    import splitlearn.model.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "CHOICE", _AlwaysPacked())  # this host's choice aside
     g = torch.Generator().manual_seed(0)
@@ -107,7 +107,7 @@ def test_a_weight_collected_while_the_lock_is_held_does_not_deadlock():
     # hung server (a decode step that never answered). The lock must be re-entrant.
     import threading
 
-    from splitlearn import packed as pk
+    from splitlearn.model import packed as pk
 
     layer = torch.nn.Linear(4, 4)
     PackedLinears(layer)
@@ -126,7 +126,7 @@ def test_a_weight_collected_while_the_lock_is_held_does_not_deadlock():
 
 
 def test_each_shape_and_size_runs_where_it_measured_faster(monkeypatch):
-    import splitlearn.packed as packed_mod
+    import splitlearn.model.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "CHOICE", {(16, 8, 1): False, (16, 8, 4): True})
     layer = torch.nn.Linear(16, 8).eval()
@@ -148,7 +148,7 @@ def test_each_shape_and_size_runs_where_it_measured_faster(monkeypatch):
 def test_a_servers_packing_keeps_a_rows_answer_whoever_is_batched_beside_it(parts, monkeypatch):
     # the property a server batching several owners' decode steps needs: owner A's answer is the
     # same alone or beside owner B's rows; addmm's is not (another kernel for another row count)
-    import splitlearn.packed as packed_mod
+    import splitlearn.model.packed as packed_mod
 
     monkeypatch.setattr(packed_mod, "CHOICE", {})  # an adaptive packer would measure and may pick addmm
     trunk = parts.trunk.eval()

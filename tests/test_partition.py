@@ -13,8 +13,8 @@ from transformers import BertConfig, BertModel
 
 from conftest import N_LAYER, all_cuts, hf_forward
 from splitlearn import ConfigError, Partition, partition, validate_cuts
-from splitlearn.partition import whole
-from splitlearn.segments import labels_from_batch
+from splitlearn.model.partition import whole
+from splitlearn.model.segments import labels_from_batch
 
 ATOL = 1e-5
 

@@ -1,4 +1,4 @@
-"""Defense-aware fine-tuning (splitlearn.defensetrain) through the model classes and an in-process
+"""Defense-aware fine-tuning (splitlearn.apps.defensetrain) through the model classes and an in-process
 server; the meter's rows of fine-tuned models (the contract fields), the cache, the residual
 design, the recommended preset, bad input."""
 import json
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from splitlearn import load_model
-from splitlearn.data import ByteTokenizer
-from splitlearn.defensetrain import finetune_defense, finetune_info, main
+from splitlearn.model.data import ByteTokenizer
+from splitlearn.apps.defensetrain import finetune_defense, finetune_info, main
 from splitlearn.errors import ConfigError
 from splitlearn.privacy import GaussianNoise, NoPeek, recommended
 from splitlearn.privacy.cli import main as meter_main
-from splitlearn.privacy.defenses import GaussianNoPeek, parse_defense
+from splitlearn.defense.defenses import GaussianNoPeek, parse_defense
 from splitlearn.privacy.meter import median_token_norm, perplexities, split_corpus, windows
 from splitlearn.privacy.presets import Preset
 
@@ -46,7 +46,7 @@ def test_the_cache_is_reused(tmp_path, monkeypatch):
     d = NoPeek(weight=0.5)
     path = finetune_defense("tiny", 2, d, 2, cache_dir=tmp_path, **FT)
     stamp = (path / "finetune.json").stat().st_mtime_ns
-    import splitlearn.defensetrain as dt
+    import splitlearn.apps.defensetrain as dt
 
     def train_again(*a, **k):
         raise RuntimeError("trained again")
@@ -226,7 +226,7 @@ def test_perplexity_without_the_server(tiny_model):
     blocks by hand, and reported by measure_leakage."""
     from splitlearn.privacy import measure_leakage
     from splitlearn.privacy.meter import perplexity_without_server
-    from splitlearn.segments import loss_from_logits
+    from splitlearn.model.segments import loss_from_logits
 
     ids = public_windows(4)
     with torch.no_grad():

@@ -10,7 +10,7 @@ import torch
 
 from splitlearn.errors import ConfigError
 from splitlearn.privacy import GaussianNoise, gaussian_epsilon
-from splitlearn.privacy.defenses import parse_defense
+from splitlearn.defense.defenses import parse_defense
 
 CUT = (1, 3)
 
@@ -118,7 +118,7 @@ def _sent_gradients(model, ids):
 
 
 def _ids():
-    from splitlearn.data import ByteTokenizer
+    from splitlearn.model.data import ByteTokenizer
     from splitlearn.privacy.meter import split_corpus, windows
 
     return windows(ByteTokenizer(), split_corpus()[0], 16)[:4]  # (4, 16)
@@ -178,8 +178,8 @@ def test_the_gradient_defense_needs_a_u_shape(tiny_model):
 
 
 def test_training_still_learns_with_moderate_gradient_noise(tmp_path, tiny_model):
-    from splitlearn.data import ByteTokenizer
-    from splitlearn.defensetrain import finetune_defense, finetune_info
+    from splitlearn.model.data import ByteTokenizer
+    from splitlearn.apps.defensetrain import finetune_defense, finetune_info
     from splitlearn.privacy.meter import median_token_norm
 
     clip = median_token_norm(tiny_model, CUT, tokenizer=ByteTokenizer(), seq_len=16)

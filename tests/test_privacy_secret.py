@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from splitlearn import load_model
-from splitlearn.data import ByteTokenizer
-from splitlearn.defensetrain import finetune_defense, main
+from splitlearn.model.data import ByteTokenizer
+from splitlearn.apps.defensetrain import finetune_defense, main
 from splitlearn.errors import ConfigError
 from splitlearn.privacy import AttackConfig, GaussianNoise, measure_leakage
-from splitlearn.privacy.defenses import Defense
+from splitlearn.defense.defenses import Defense
 from splitlearn.privacy.meter import cut_gradients, median_token_norm, split_corpus, windows
 
 FAST = dict(attacks=("linear", "whitebox"), seq_len=16, max_private_tokens=128, config=AttackConfig(epochs=8))

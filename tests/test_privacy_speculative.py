@@ -1,5 +1,5 @@
 """The speculative-decoding releases as an attack (splitlearn.privacy.speculative, captured by
-splitlearn.defensetrain.speculative_releases over the model classes and an in-process server):
+splitlearn.apps.defensetrain.speculative_releases over the model classes and an in-process server):
 every position the server receives is recorded, rejected drafts included, the count is
 CountingRemoteCache's, the output is the unsplit model's greedy output, and the meter's attacks read
 the releases back — all of them undefended, far fewer with noise."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from splitlearn import load_model
-from splitlearn.data import ByteTokenizer
-from splitlearn.defensetrain import main, speculative_releases
+from splitlearn.model.data import ByteTokenizer
+from splitlearn.apps.defensetrain import main, speculative_releases
 from splitlearn.errors import ConfigError
 from splitlearn.privacy import AttackConfig, GaussianNoise
 from splitlearn.privacy.meter import median_token_norm, private_windows

@@ -1,9 +1,9 @@
-"""splitlearn.protocol: message fields survive the trip through string metadata; bad ones are refused."""
+"""splitlearn.api.protocol: message fields survive the trip through string metadata; bad ones are refused."""
 import pytest
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import BadRequest
-from splitlearn.wire import decode, encode
+from splitlearn.api.wire import decode, encode
 import torch
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from splitlearn import protocol as P
-from splitlearn.localserver import LocalServer
+from splitlearn.api import protocol as P
+from splitlearn.procs.localserver import LocalServer
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

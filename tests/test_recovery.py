@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.client import SplitClient
 from splitlearn.errors import TransportError
 
@@ -141,7 +141,7 @@ def cli_train(srv, steps, *extra, logs):
     CPU-seconds of imports each); its stdout and stderr go to the files ``logs``.out and .err."""
     import sys
 
-    from splitlearn import localserver
+    from splitlearn.procs import localserver
 
     env = {**os.environ, "SPLITLEARN_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     logs.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +194,6 @@ def requests_step(srv) -> int:
 
 
 def read_client(save):
-    from splitlearn.checkpoint import read_weights
+    from splitlearn.model.checkpoint import read_weights
 
     return read_weights(save, "client")

@@ -5,7 +5,7 @@ import torch
 from conftest import hf_forward
 import splitlearn as sl
 from splitlearn import Segment, SegmentCache, partition
-from splitlearn.segments import labels_from_batch, loss_from_logits, positions_from_mask
+from splitlearn.model.segments import labels_from_batch, loss_from_logits, positions_from_mask
 
 
 def test_positions_from_mask_match_generate():

@@ -6,13 +6,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import splitlearn as sl
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import NotFound
-from splitlearn.lora import LoraSpec
+from splitlearn.model.lora import LoraSpec
 from splitlearn.server.engine.adapters import GLOBAL, AdapterBank, LoraFederation
 from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
-from splitlearn.wire import decode
+from splitlearn.api.wire import decode
 
 from serverproc import TENANTS, OTHER, apply_step, assert_error, auth, post_tensors, same_weights, snapshot, tensors_of
 
@@ -20,7 +20,7 @@ SPEC = LoraSpec(r=2, alpha=4.0, targets=("c_attn", "c_fc"))
 
 
 def _bank(optimizer="adamw"):
-    from splitlearn.checkpoint import make_optimizer
+    from splitlearn.model.checkpoint import make_optimizer
 
     trunk = sl.partition(sl.load_model("tiny"), (1, 3)).trunk
     return trunk, AdapterBank(trunk, SPEC, 0, lambda ps: make_optimizer(ps, optimizer, 1e-2))

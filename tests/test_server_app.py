@@ -7,10 +7,10 @@ import io
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
-from splitlearn.wire import encode, pack
+from splitlearn.api.wire import encode, pack
 
 from serverproc import (TENANTS, OTHER, TOKEN, apply_step, assert_error, auth, post_tensors, same_weights,
                         segment_of, snapshot, tensors_of)

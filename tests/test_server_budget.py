@@ -16,16 +16,16 @@ import pytest
 import requests
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import ConfigError, PayloadTooLarge
-from splitlearn.loading import config_from_dict, load_model, read_spec
-from splitlearn.localserver import LocalServer
-from splitlearn.partition import partition
+from splitlearn.model.loading import config_from_dict, load_model, read_spec
+from splitlearn.procs.localserver import LocalServer
+from splitlearn.model.partition import partition
 from splitlearn.server.engine import budget as bm
 from splitlearn.server.http.app import create_app
 from splitlearn.server.http.cli import parse_args
 from splitlearn.server.config import ServerConfig
-from splitlearn.wire import decode, encode
+from splitlearn.api.wire import decode, encode
 
 from serverproc import (TENANTS, TOKEN, apply_step, assert_error, auth, post_tensors, same_weights, segment_of,
                         snapshot, tensors_of)
@@ -147,7 +147,7 @@ def test_derived_limit_is_half_of_what_the_training_state_leaves():
 def test_available_memory_honours_an_address_space_limit(tmp_path, monkeypatch):
     # a process of its own (the limit is its own), forked from the tests' preloaded interpreter
     # where it can be (tests/forkserver.py: not ~9 CPU-seconds of imports)
-    from splitlearn import localserver
+    from splitlearn.procs import localserver
 
     (tmp_path / "as_limit_probe.py").write_text(
         "import resource, torch; from splitlearn.server.engine import budget as b\n"

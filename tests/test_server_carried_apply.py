@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from splitlearn import protocol as P
-from splitlearn.wire import decode, encode
+from splitlearn.api import protocol as P
+from splitlearn.api.wire import decode, encode
 
 from serverproc import TOKEN, InprocServerProcess, auth, web
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 import requests
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.server.http.cli import parse_args
 
 from serverproc import TOKEN, ServerProcess, auth
@@ -125,7 +125,7 @@ def test_profile_dir_writes_the_compute_threads_profile_at_sigterm(tmp_path):
     import torch
 
     from splitlearn.transport import Transport, TransportConfig
-    from splitlearn.wire import pack
+    from splitlearn.api.wire import pack
 
     with ServerProcess((1, 3), extra=["--profile-dir", str(tmp_path)]) as srv:
         t = Transport(TransportConfig(srv.url, TOKEN))

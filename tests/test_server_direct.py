@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import NotFound, SplitLearnError
 from splitlearn.server.config import ServerConfig
 from splitlearn.server.http import routing
@@ -21,7 +21,7 @@ from splitlearn.server.http.routing import SERVED
 from splitlearn.server.http.unixdoor import UnixDoor
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.transport import unixframe as F
-from splitlearn.wire import decode, encode, pack
+from splitlearn.api.wire import decode, encode, pack
 
 from serverproc import OTHER, TENANTS, TOKEN, access_lines, auth
 

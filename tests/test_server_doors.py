@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from splitlearn import protocol as P
-from splitlearn.localserver import ChildServer, free_port
+from splitlearn.api import protocol as P
+from splitlearn.procs.localserver import ChildServer, free_port
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.transport import unixframe as F
 

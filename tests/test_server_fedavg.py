@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from splitlearn import SplitClient
-from splitlearn import protocol as P
-from splitlearn.transport.fedsync import untied_weights
+from splitlearn.api import protocol as P
+from splitlearn.hf.fedsync import untied_weights
 from splitlearn.hf.lora import adapter_tensors
 from splitlearn.errors import BadRequest, ConfigError, Conflict, Forbidden
-from splitlearn.loading import load_config
-from splitlearn.lora import LoraSpec
+from splitlearn.model.loading import load_config
+from splitlearn.model.lora import LoraSpec
 from splitlearn.server.federation import tickets
 from splitlearn.server.federation.clientside import ClientSide
 from splitlearn.server.config import ServerConfig
 from splitlearn.server.federation.fedserver import FedConfig, FedRounds
 from splitlearn.server.federation.strategy import make_strategy
-from splitlearn.wire import decode, encode
+from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocFedServer, InprocServerProcess, auth, run_threads, web
 from test_client import LR, assert_both_sides_equal, unsplit_steps

@@ -14,10 +14,10 @@ import requests
 import torch
 
 from splitlearn import SplitClient
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.errors import Unauthorized
-from splitlearn.localserver import ChildServer, free_port
+from splitlearn.procs.localserver import ChildServer, free_port
 from splitlearn.server.http.frontdoor import LINGER_S
 
 from serverproc import TOKEN, rss_mib

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 
 from serverproc import TOKEN, ServerProcess, auth
 

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import ConfigError
 from splitlearn.server.config import ServerConfig
 from splitlearn.server.engine.gradclip import NormClip

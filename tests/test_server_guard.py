@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.server.engine import guard
 from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 from splitlearn.errors import BadRequest
-from splitlearn.wire import pack
+from splitlearn.api.wire import pack
 
 from serverproc import TOKEN, apply_step, assert_error, post_tensors, same_weights, segment_of, snapshot, tensors_of
 

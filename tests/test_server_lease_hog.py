@@ -16,8 +16,8 @@ import requests
 import torch
 
 from splitlearn import SplitClient
-from splitlearn import protocol as P
-from splitlearn.wire import encode
+from splitlearn.api import protocol as P
+from splitlearn.api.wire import encode
 
 from serverproc import OTHER, TOKEN, ServerProcess, auth
 

@@ -10,11 +10,11 @@ import pytest
 import requests
 import torch
 
-from splitlearn import protocol as P
-from splitlearn.lora import LoraSpec
+from splitlearn.api import protocol as P
+from splitlearn.model.lora import LoraSpec
 from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
-from splitlearn.wire import decode, encode
+from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web
 

@@ -14,9 +14,9 @@ import pytest
 import requests
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.server.engine import budget as bm
-from splitlearn.wire import decode, encode
+from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TOKEN, ServerProcess, auth
 

@@ -15,15 +15,15 @@ import requests
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitlearn import protocol as P
-from splitlearn.localserver import free_port
+from splitlearn.api import protocol as P
+from splitlearn.procs.localserver import free_port
 from splitlearn.server.http import accesslog
 from splitlearn.server.http.app import create_app
 from splitlearn.server.http.cli import parse_args
 from splitlearn.server.config import ServerConfig
 from splitlearn.server.tenants import digest_of
 from splitlearn.errors import ConfigError
-from splitlearn.wire import encode
+from splitlearn.api.wire import encode
 
 from serverproc import (OTHER, TENANTS, TOKEN, ServerProcess, access_lines, apply_step, assert_error, auth, logged_json,
                         post_tensors, tensors_of)

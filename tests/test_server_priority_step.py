@@ -72,11 +72,11 @@ def test_an_optimizer_that_is_not_per_parameter_steps_at_once():
 
 
 def test_a_servers_prepacked_copies_are_not_repacked_by_decode_around_the_step():
-    # the prepacked copies (a server's decode products, splitlearn/packed.py) must neither be
+    # the prepacked copies (a server's decode products, splitlearn/model/packed.py) must neither be
     # packed again by the decode steps at the points (the old values are back) nor after the step
     # (the new values' copies are made ahead, at points): repacking GPT-2 small's trunk held a
     # decode step ~0.3 s
-    from splitlearn.packed import PackedLinears
+    from splitlearn.model.packed import PackedLinears
 
     m = _model_and_grads(3).eval()
     x = torch.randint(0, m.config.vocab_size, (1, 5))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitlearn import partition
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.server.http.app import create_app
 from splitlearn.server.config import ServerConfig
 

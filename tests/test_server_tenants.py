@@ -12,8 +12,8 @@ import requests
 import torch
 
 from splitlearn import SplitClient
-from splitlearn import protocol as P
-from splitlearn.wire import decode, encode
+from splitlearn.api import protocol as P
+from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TOKEN, ServerProcess, apply_step, auth
 

@@ -4,7 +4,7 @@ import torch
 
 from splitlearn.errors import BadRequest
 from splitlearn.server.http import validate
-from splitlearn.wire import pack
+from splitlearn.api.wire import pack
 
 D, MAX_B, MAX_T, V = 8, 4, 16, 257
 

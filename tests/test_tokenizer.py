@@ -1,4 +1,4 @@
-"""The specs' Hugging Face tokenizers, built offline (splitlearn/tokenizer.py, data.get_tokenizer):
+"""The specs' Hugging Face tokenizers, built offline (splitlearn/model/tokenizer.py, data.get_tokenizer):
 what transformers' pipeline, data collators and lm-eval take, for the specs every snippet uses."""
 import json
 
@@ -8,10 +8,10 @@ import transformers
 from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
 from splitlearn import ByteTokenizer, get_tokenizer, load_corpus, load_model
-from splitlearn.data import is_bytes
+from splitlearn.model.data import is_bytes
 from splitlearn.hf import SplitGPT2LMHeadModel
-from splitlearn.loading import list_specs, read_spec
-from splitlearn.tokenizer import TRAINED, shipped_path, train_bpe
+from splitlearn.model.loading import list_specs, read_spec
+from splitlearn.model.tokenizer import TRAINED, shipped_path, train_bpe
 
 from serverproc import TOKEN, InprocServerProcess
 

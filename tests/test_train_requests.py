@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from splitlearn import SplitClient
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.hf import SplitGPT2LMHeadModel
 
 from serverproc import TOKEN, InprocServerProcess

@@ -12,13 +12,13 @@ import tempfile
 import pytest
 import torch
 
-from splitlearn import protocol as P
-from splitlearn import wire
+from splitlearn.api import protocol as P
+from splitlearn.api import wire
 from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.transport import unixframe as F
 from splitlearn.transport.unix import Connection
-from splitlearn.wire import encode, pack
+from splitlearn.api.wire import encode, pack
 
 from conftest import VARIED
 from serverproc import TOKEN, ServerProcess

@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.transport import Transport, TransportConfig, shares_cores_with_server
-from splitlearn.wire import decode, encode, pack
+from splitlearn.api.wire import decode, encode, pack
 
 from serverproc import TOKEN, ServerProcess
 

@@ -4,11 +4,11 @@ statuses and messages, the token enforced; tensor calls are answered when they s
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import BadRequest, ConfigError, NotFound, TransportError, Unauthorized
 from splitlearn.transport import Transport, TransportConfig, shares_cores_with_server
 from splitlearn.transport.inproc import serve_inproc, unserve
-from splitlearn.wire import decode, encode, pack
+from splitlearn.api.wire import decode, encode, pack
 
 from serverproc import TOKEN, InprocServerProcess, ServerProcess, sgd_steps
 

@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from splitlearn import protocol as P
+from splitlearn.api import protocol as P
 from splitlearn.errors import BadRequest, ConfigError, NotFound, TransportError, Unauthorized
 from splitlearn.hf import SplitGPT2LMHeadModel
 from splitlearn.transport import Transport, TransportConfig
 from splitlearn.transport import unixframe as F
 from splitlearn.transport.unix import Connection, UnixLink
-from splitlearn import wire
-from splitlearn.wire import decode, encode, pack
+from splitlearn.api import wire
+from splitlearn.api.wire import decode, encode, pack
 
 from serverproc import TOKEN, ServerProcess, sgd_steps
 
@@ -526,7 +526,7 @@ def test_a_unix_only_server_serves_and_removes_its_socket_on_sigterm(tmp_path):
     import subprocess
     import sys
 
-    from splitlearn import localserver
+    from splitlearn.procs import localserver
 
     path = str(tmp_path / "only.sock")
     proc = localserver.launch([sys.executable, "-m", "splitlearn.server", "--model", "tiny", "--cut", "1", "--cut", "3",

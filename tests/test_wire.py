@@ -1,13 +1,13 @@
-"""splitlearn.wire: safetensors bytes in, the same tensors out; anything malformed is a BadRequest."""
+"""splitlearn.api.wire: safetensors bytes in, the same tensors out; anything malformed is a BadRequest."""
 import json
 import struct
 
 import pytest
 import torch
 
-from splitlearn import wire
+from splitlearn.api import wire
 from splitlearn.errors import BadRequest
-from splitlearn.wire import (check_wire_dtype, decode, encode, pack, quantize_int8, read_metadata,
+from splitlearn.api.wire import (check_wire_dtype, decode, encode, pack, quantize_int8, read_metadata,
                              unpack)
 
 

@@ -21,8 +21,8 @@ import torch
 
 from splitlearn import load_model, partition
 from splitlearn.errors import ConfigError
-from splitlearn.localserver import ChildServer, free_port
-from splitlearn.segments import Segment
+from splitlearn.procs.localserver import ChildServer, free_port
+from splitlearn.model.segments import Segment
 
 REPO = Path(__file__).resolve().parents[2]  # where `benchmarks` is importable from
 

@@ -42,8 +42,8 @@ import requests
 import torch
 from flask import Flask, jsonify, request
 
-from splitlearn.checkpoint import make_optimizer, unique_parameters
-from splitlearn.segments import Segment, loss_from_logits
+from splitlearn.model.checkpoint import make_optimizer, unique_parameters
+from splitlearn.model.segments import Segment, loss_from_logits
 
 from .common import (BaselineConfig, BaselineServer, BaselineSplit, check_generation_length, parse_config,
                      server_trunk)

@@ -56,8 +56,8 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
 
-from splitlearn.checkpoint import unique_parameters
-from splitlearn.segments import Segment, loss_from_logits
+from splitlearn.model.checkpoint import unique_parameters
+from splitlearn.model.segments import Segment, loss_from_logits
 
 from .common import (BaselineConfig, BaselineServer, BaselineSplit, check_generation_length, parse_config,
                      server_trunk)

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..clihelp import DefaultsHelpFormatter
+from ..procs.clihelp import DefaultsHelpFormatter
 from ..errors import SplitLearnError
 
 # torch and the analysis modules are imported by the functions that use them, so that --help
 # answers at once
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # splitlearn.wire.WIRE_DTYPE_NAMES (a test keeps them equal)
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # splitlearn.api.wire.WIRE_DTYPE_NAMES (a test keeps them equal)
 
 log = logging.getLogger(__name__)
 PROG = "analyze_model_performance"

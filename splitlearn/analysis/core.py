@@ -13,11 +13,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..devices import dtype_name, resolve_device, resolve_dtype
+from ..model.devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import ConfigError
-from ..loading import load_model
-from ..partition import Partition, partition, validate_cuts
-from ..segments import Segment, loss_from_logits
+from ..model.loading import load_model
+from ..model.partition import Partition, partition, validate_cuts
+from ..model.segments import Segment, loss_from_logits
 from . import memory, roofline, timing
 from .counting import SegmentRunner, count_segment
 from .traffic import cut_traffic, kv_cache_bytes, tied_parameters

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils import flop_counter as fc
 
-from ..segments import Segment
+from ..model.segments import Segment
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..errors import ConfigError, TransportError
-from ..wire import WIRE_DTYPE_NAMES, decode, encode, pack, unpack
+from ..api.wire import WIRE_DTYPE_NAMES, decode, encode, pack, unpack
 from ..transport import Transport
 
 log = logging.getLogger(__name__)

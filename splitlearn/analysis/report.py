@@ -5,7 +5,7 @@ import csv
 import io
 import json
 
-from ..wire import WIRE_DTYPE_NAMES
+from ..api.wire import WIRE_DTYPE_NAMES
 
 CSV_FIELDS = ("segment", "name", "parent", "blocks", "params", "macs", "flops",
               "latency_median_ms", "latency_p90_ms", "peak_memory_bytes", "output_bytes")

@@ -14,7 +14,7 @@ from torch.utils import flop_counter as fc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..devices import synchronize
+from ..model.devices import synchronize
 from .counting import _custom_mapping
 from ..errors import ConfigError
 

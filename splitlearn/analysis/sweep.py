@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
-from ..partition import whole
-from ..wire import WIRE_DTYPE_NAMES
+from ..model.partition import whole
+from ..api.wire import WIRE_DTYPE_NAMES
 from . import timing
 from .core import AnalysisConfig, check_shapes, make_run, named_submodules, segment_inputs
 from .counting import count_segment

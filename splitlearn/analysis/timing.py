@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..devices import synchronize
+from ..model.devices import synchronize
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)

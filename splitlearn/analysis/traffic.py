@@ -5,9 +5,9 @@ dtype: float32 4, bfloat16/float16 2, int8 1 per element + one float32 scale per
 (n + 4·B·S). KV cache: 2 · blocks · B · T · d elements. See docs/ANALYSIS.md."""
 from __future__ import annotations
 
-from ..partition import Partition
-from ..segments import Segment
-from ..wire import WIRE_DTYPE_NAMES, tensor_bytes
+from ..model.partition import Partition
+from ..model.segments import Segment
+from ..api.wire import WIRE_DTYPE_NAMES, tensor_bytes
 
 
 def wire_bytes(batch: int, tokens: int, width: int) -> dict[str, int]:

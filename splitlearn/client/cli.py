@@ -1,7 +1,7 @@
 """``python -m splitlearn.client {train,generate,info,diagnose}``: the client's command line.
 
 The options of :class:`~splitlearn.client.config.ClientConfig` (and the server's URL) are
-generated from its fields (:mod:`splitlearn.clihelp`): each is written once, with its default
+generated from its fields (:mod:`splitlearn.procs.clihelp`): each is written once, with its default
 and its help, in :mod:`splitlearn.client.config` and :mod:`splitlearn.hf.config`; the options
 written here are the commands' own (the data, the steps, the prompt...)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Optional
 
-from ..clihelp import DefaultsHelpFormatter, add_options, options_of
+from ..procs.clihelp import DefaultsHelpFormatter, add_options, options_of
 from ..errors import ConfigError, SplitLearnError
 from ..hf.config import ModelOptions, RemoteConfig
 from .config import ClientConfig, Compute, Optimizer
@@ -44,7 +44,7 @@ def _mb(n: int) -> str:
 
 
 def cmd_info(args) -> int:
-    from .. import protocol as P
+    from ..api import protocol as P
     from ..transport import Transport, TransportConfig
 
     t = Transport(TransportConfig(args.server, _token(args), retries=1))
@@ -71,7 +71,7 @@ def cmd_diagnose(args) -> int:
 def cmd_train(args) -> int:
     from tqdm import tqdm
 
-    from ..data import get_tokenizer, lm_batches, load_corpus
+    from ..model.data import get_tokenizer, lm_batches, load_corpus
     from .core import SplitClient
 
     tok = get_tokenizer(args.model)
@@ -134,7 +134,7 @@ def cmd_train(args) -> int:
 def _trained_client(directory: str) -> tuple[dict, dict]:
     """(counters, weights) of the client that ``train --save DIR`` left in ``directory``: its
     id, step and cuts, and the state dict of its model (LoRA: with its adapters)."""
-    from ..checkpoint import has_state, latest, read_extra, read_meta
+    from ..model.checkpoint import has_state, latest, read_extra, read_meta
 
     if not has_state(directory, "client"):
         raise ConfigError(f"--load {directory}: no trained client there (`train --save DIR` writes one)")
@@ -158,7 +158,7 @@ def _load_into(client, directory: str, counters: dict, weights: dict) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from ..data import get_tokenizer
+    from ..model.data import get_tokenizer
     from .core import SplitClient
 
     tok = get_tokenizer(args.model)

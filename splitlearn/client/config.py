@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..clihelp import opt
+from ..procs.clihelp import opt
 from ..errors import ConfigError
 from ..hf.config import Connection, ModelOptions
 
@@ -44,7 +44,7 @@ class Compute:
                                      "(CPU, float32); --no-packed-weights: on the weights themselves",
                                flag="--no-packed-weights")
     poll_idle: bool = opt(False, "keep this process's cores polling instead of sleeping between messages "
-                                 "(Linux; lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
+                                 "(Linux; lower latency per step for the cores' idle time: splitlearn/procs/idlepoll.py)")
 
 
 @dataclass(kw_only=True)

@@ -12,9 +12,9 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from .. import protocol as P
-from ..checkpoint import make_optimizer, unique_parameters
-from ..devices import resolve_device
+from ..api import protocol as P
+from ..model.checkpoint import make_optimizer, unique_parameters
+from ..model.devices import resolve_device
 from ..errors import ConfigError, ForwardLost, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights
 from ..hf.federation import federation_of
 from ..hf.lora import apply_lora, export_adapter
@@ -22,9 +22,9 @@ from ..hf.modeling import split_segments
 from ..hf.config import RemoteConfig
 from ..hf.remote import RemoteSegment
 from ..hf.streaming import stream_tokens
-from ..idlepoll import IdlePoller
-from ..transport.fedsync import wait_while_busy
-from ..segments import labels_from_batch, positions_from_mask
+from ..procs.idlepoll import IdlePoller
+from ..transport.busy import wait_while_busy
+from ..model.segments import labels_from_batch, positions_from_mask
 from .config import ClientConfig
 
 log = logging.getLogger(__name__)

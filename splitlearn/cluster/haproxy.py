@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -26,10 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Optional
 
-from .. import protocol as P
-from ..checkpoint import private_dir
+from ..api import protocol as P
+from ..model.checkpoint import private_dir
 from ..errors import ConfigError, TransportError
-from ..localserver import ChildServer, free_port
+from ..procs.localserver import ChildServer, free_port
 from . import haproxy
 from .config import ClusterConfig
 

@@ -44,7 +44,7 @@ import weakref
 from dataclasses import replace
 from typing import Optional
 
-from .. import protocol as P
+from ..api import protocol as P
 from .journal import RequestLog, Sent
 
 log = logging.getLogger(__name__)

@@ -67,10 +67,10 @@ from typing import Optional
 import torch
 from transformers import Cache, DynamicCache, PretrainedConfig
 
-from .. import protocol as P
-from .. import trust
+from ..api import protocol as P
+from ..api import trust
 from ..errors import NotFound
-from ..wire import check_wire_dtype, pack, unpack
+from ..api.wire import check_wire_dtype, pack, unpack
 from .ahead import SendAhead
 
 log = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ class RemoteCache(Cache, SendAhead):
         shape = (B, T, hidden.shape[-1]) if self.u_shape else \
             (B, T if keep == 0 else min(keep or 1, T), self.config.vocab_size)  # the server's rule (sessions.py)
         name, what = (P.HIDDEN, "trunk output") if self.u_shape else (P.LOGITS, "logits")
-        return trust.answer(out, name, shape, what).to(device=hidden.device, dtype=hidden.dtype)  # splitlearn.trust
+        return trust.answer(out, name, shape, what).to(device=hidden.device, dtype=hidden.dtype)  # splitlearn.api.trust
 
     def abandon(self) -> None:
         """Read and drop the answer of a step in flight (its connection can be reused)."""

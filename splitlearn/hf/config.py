@@ -4,7 +4,7 @@
 :class:`ModelOptions` (what a split model adds). A split model's ``from_pretrained`` takes
 exactly the fields of :class:`SplitOptions` (both) as keywords; ``ClientConfig``
 (:mod:`splitlearn.client.config`) extends them with the client's own, and the client's command
-line is generated from the fields (:mod:`splitlearn.clihelp`).
+line is generated from the fields (:mod:`splitlearn.procs.clihelp`).
 
 Nothing here imports torch at module level: the client's ``--help`` reads these fields.
 """
@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..clihelp import opt
+from ..procs.clihelp import opt
 from ..errors import ConfigError, SplitLearnError
 
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # splitlearn.wire.WIRE_DTYPE_NAMES (a test keeps them equal)
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # splitlearn.api.wire.WIRE_DTYPE_NAMES (a test keeps them equal)
 
 
 def token_of_file(path: str) -> str:
     """The token of a token file's first line (``--token-file``, ``--fed-token-file``)."""
-    from ..protocol import parse_token_line, read_token_file
+    from ..api.protocol import parse_token_line, read_token_file
 
     return parse_token_line(read_token_file(path)[0])[1]
 
@@ -70,8 +70,8 @@ class Connection(_Names):
                                      "machine)", choices=("u", "2way"))
 
     def __post_init__(self):
-        from .. import protocol as P
-        from ..wire import check_wire_dtype
+        from ..api import protocol as P
+        from ..api.wire import check_wire_dtype
 
         self.pins  # ConfigError now if malformed
         if self.client_id is not None and not P.valid_client_id(self.client_id):
@@ -90,9 +90,9 @@ class Connection(_Names):
 
     @property
     def pins(self):
-        """What this client accepts of a server's split (:class:`splitlearn.trust.Pins`), checked
+        """What this client accepts of a server's split (:class:`splitlearn.api.trust.Pins`), checked
         on its ``/v1/info`` before anything is sent."""
-        from ..trust import Pins
+        from ..api.trust import Pins
 
         return Pins(self.min_client_blocks, self.expected_cuts, self.shape)
 
@@ -139,13 +139,13 @@ class ModelOptions(_Names):
                        "weights); train: also of the batches")
     defense: Any = opt(None, "a splitlearn.privacy Defense (GaussianNoise, NoPeek) on every activation sent "
                              "(the command line: --noise-sigma, --nopeek)", cli=False)
-    lora: Any = opt(None, "per-client LoRA: a peft.LoraConfig, a splitlearn.lora.LoraSpec or \"server\" (the "
+    lora: Any = opt(None, "per-client LoRA: a peft.LoraConfig, a splitlearn.model.lora.LoraSpec or \"server\" (the "
                           "server's options; the command line: train --lora)", cli=False)
     micro_batches: int = opt(1, "split each training batch into this many micro-batches, pipelined with the "
                                 "server so that both compute at once (GPipe)")
 
     def __post_init__(self):
-        from .. import protocol as P
+        from ..api import protocol as P
 
         m = self.micro_batches
         if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= P.MAX_MICROS:

@@ -128,7 +128,7 @@ def distill_draft(teacher, batches, *, draft: Optional[GPT2LMHeadModel] = None, 
         forward runs under ``torch.no_grad()`` (the server evaluates; nothing changes there),
         so the data owner distils a draft without holding the server's weights.
     batches: an iterable of token id tensors (B, T) (or dicts with ``input_ids`` and an
-        optional ``attention_mask``), e.g. :func:`splitlearn.data.lm_batches` of private text.
+        optional ``attention_mask``), e.g. :func:`splitlearn.model.data.lm_batches` of private text.
     draft: the model to train (updated in place); default: a **copy** of the U-shape
         teacher's :func:`free_draft` (the client's own blocks, trunk skipped), so the split
         model itself is not changed. A 2-way teacher has no free draft: pass one.

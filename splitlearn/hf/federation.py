@@ -21,7 +21,7 @@ with :meth:`SplitMixin.sync <splitlearn.hf.mixin.SplitMixin.sync>`::
   the rows trained since the last sync; sequential gives the turn back; splitfed waits until
   the round's other members have synced and loads the average.
 
-The waiting and the version bookkeeping are :class:`splitlearn.transport.fedsync.FederationState`
+The waiting and the version bookkeeping are :class:`splitlearn.hf.fedsync.FederationState`
 (``SplitClient`` trains through these classes). With LoRA (``from_pretrained(..., lora=...)``)
 only the client's adapters are shared (SplitLoRA: every member starts from the same adapters,
 and a sync carries peft's names, :func:`splitlearn.hf.lora.adapter_tensors`). With a separate
@@ -59,9 +59,9 @@ def load_client_weights(model: nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 
 def federation_of(model: nn.Module):
-    """The model's :class:`~splitlearn.transport.fedsync.FederationState` (one ``GET
+    """The model's :class:`~splitlearn.hf.fedsync.FederationState` (one ``GET
     /v1/federation`` the first time), loading shared weights into ``model``."""
-    from ..transport.fedsync import FederationState
+    from .fedsync import FederationState
 
     remote = getattr(model, "transformer", model).remote
     if remote.federation is None:

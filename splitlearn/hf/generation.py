@@ -10,7 +10,7 @@ from typing import Optional
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..errors import ConfigError
-from ..packed import PackedLinears
+from ..model.packed import PackedLinears
 from ..transport import shares_cores_with_server
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class SplitGenerationMixin:
         return processors
 
     #: generate on oneDNN prepacked copies of the client's linear weights (CPU, float32, no
-    #: grad; :mod:`splitlearn.packed`), as ``SplitClient(packed_weights=True)`` does: 1.2-2.5x
+    #: grad; :mod:`splitlearn.model.packed`), as ``SplitClient(packed_weights=True)`` does: 1.2-2.5x
     #: faster few-row products (the LM head above all); set False on the model to turn it off
     packed_weights: bool = True
 

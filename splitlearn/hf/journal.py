@@ -35,7 +35,7 @@ anything to replay into: then nothing is kept (``enabled`` False).
 CLI's ``train --save DIR``), the same log survives a crash of the *client*. Every request is
 appended, with its whole answer, to ``DIR/wal/<step>-<seq>.safetensors`` (0600 in a 0700
 directory, fsynced, atomically renamed) before the next one goes; the client's own state (its
-weights, optimizer state and step) is a client checkpoint in ``DIR`` (:mod:`splitlearn.checkpoint`),
+weights, optimizer state and step) is a client checkpoint in ``DIR`` (:mod:`splitlearn.model.checkpoint`),
 rewritten when the server's durable step has moved past it, and the log keeps every step after
 the server's durable one. A caller may add its own records of a step (:meth:`RequestLog.note`:
 ``SplitClient`` notes each batch and its RNG state), never sent. After a client crash
@@ -58,17 +58,17 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import Conflict, SegmentFileError
-from ..fingerprint import digest as fingerprint_digest
+from ..api.fingerprint import digest as fingerprint_digest
 
 log = logging.getLogger(__name__)
 
 
-FINGERPRINT = b"F"  # the first of a 17-byte digest made of the tensors' sums (splitlearn.fingerprint)
+FINGERPRINT = b"F"  # the first of a 17-byte digest made of the tensors' sums (splitlearn.api.fingerprint)
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> bytes:
     """What names an answer in the log: for tensors on a GPU, ``FINGERPRINT`` + the digest of
-    their sums made there (:mod:`splitlearn.fingerprint`: no copy to host memory, no hash of
+    their sums made there (:mod:`splitlearn.api.fingerprint`: no copy to host memory, no hash of
     12.6 MB on one core per answer); for tensors in host memory, BLAKE2b-128 of their names,
     dtypes, shapes and bytes (:func:`bytes_digest`). :func:`matches` checks either kind."""
     if any(t.is_cuda for t in tensors.values()):
@@ -157,7 +157,7 @@ class RequestLog:
     def _write(self, step: int, sent: Sent, answer: dict, info: Optional[dict] = None) -> None:
         from safetensors.torch import save as st_save
 
-        from ..checkpoint import open_private, private_dir
+        from ..model.checkpoint import open_private, private_dir
 
         wal = private_dir(self.directory / "wal")  # 0700: the records hold the training data
         self._seq += 1

@@ -13,7 +13,7 @@ steps (``splitlearn/hf/remote.py``) run with this client's adapter, and ``POST
 /v1/train/apply`` steps it at the client's learning rate. Here, :func:`apply_lora` puts
 peft's LoRA layers on the client's own blocks (``peft.inject_adapter_in_model``), freezes every
 other client weight, and initialises every adapter as the server and ``SplitClient(lora=...)``
-do (:func:`splitlearn.lora.init_adapter_pair`, seeded by the seed, the client id and the
+do (:func:`splitlearn.model.lora.init_adapter_pair`, seeded by the seed, the client id and the
 module's Hugging Face name), so the split model trains exactly as single-process peft with
 that initialisation (tests/test_hf_lora.py). The server must agree: same r, alpha and targets,
 or ``lora="server"`` to take its options; a model without LoRA is refused by a LoRA server, and
@@ -30,7 +30,7 @@ import torch
 from .._extras import require
 
 from ..errors import ConfigError
-from ..lora import ADAPTER, PREFIX, LoraSpec, as_spec, check_server, inject_adapters, target_modules
+from ..model.lora import ADAPTER, PREFIX, LoraSpec, as_spec, check_server, inject_adapters, target_modules
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ def load_adapters(model, tensors: dict[str, torch.Tensor]) -> None:
 
 def fetch_server_adapter(transport, client_id: str) -> dict[str, torch.Tensor]:
     """``GET /v1/clients/<id>/adapter``: the server side's adapter (peft names)."""
-    from .. import protocol as P
-    from ..wire import decode
+    from ..api import protocol as P
+    from ..api.wire import decode
 
     tensors, _ = decode(transport.get_bytes(P.CLIENT_ADAPTER.format(client_id=client_id)))
     return tensors

@@ -153,7 +153,7 @@ class SplitMixin:
 
     @defense.setter
     def defense(self, defense) -> None:
-        from ..privacy.defenses import Defense
+        from ..defense.defenses import Defense
 
         if defense is not None and not isinstance(defense, Defense):
             raise ConfigError(f"defense must be a splitlearn.privacy Defense (GaussianNoise, NoPeek), "

@@ -47,8 +47,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 
 from ..errors import ConfigError
-from ..loading import load_model, name_causal_lm_loss
-from ..partition import partition
+from ..model.loading import load_model, name_causal_lm_loss
+from ..model.partition import partition
 from . import pipeline
 from .cache import _rows
 from .config import ModelOptions, RemoteConfig, SplitOptions, with_options
@@ -235,7 +235,7 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
 
     ``options``: :class:`~splitlearn.hf.config.RemoteConfig`'s fields (the connection), e.g.
     ``min_client_blocks`` (default 1), ``expected_cuts``, ``shape`` (``"u"``: the labels stay
-    here): the splits this client accepts (:class:`splitlearn.trust.Pins`); a server outside
+    here): the splits this client accepts (:class:`splitlearn.api.trust.Pins`); a server outside
     them is a ConfigError before anything is sent to it.
     """
     if remote is None:
@@ -286,7 +286,7 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
 
 
 def split_segments(source, remote: RemoteSegment, device=None, seed: int = 0) -> tuple:
-    """The client's :class:`~splitlearn.segments.Segment`\\ s of ``source`` (a
+    """The client's :class:`~splitlearn.model.segments.Segment`\\ s of ``source`` (a
     :func:`splitlearn.load_model` source, or a directory of exported segments) at ``remote``'s cuts
     (bottom; U-shape also top), and a :class:`SplitGPT2LMHeadModel` over ``remote`` whose modules
     are theirs (no copy) -> (model, segments)."""

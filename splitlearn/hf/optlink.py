@@ -108,7 +108,7 @@ class OptimizerLink:
         self._hook(optimizer)
         seg = self._segment
         if seg.journal.on_disk and seg.steps.pieces == 0:
-            from ..checkpoint import has_state
+            from ..model.checkpoint import has_state
 
             if not has_state(seg.log.directory, "client"):
                 seg.journal.persist(optimizer)  # where a resume starts if nothing later is durable

@@ -26,7 +26,7 @@ Tensor bodies are safetensors (``wire_dtype`` as chosen; the 2-way scalar gradie
 F32), never pickle. Pieces in flight together (micro-batch pipelining) go through
 :meth:`StepPieces.start` / :meth:`StepPieces.finish` on separate connections; one at a time,
 :meth:`StepPieces.send_forward` / :meth:`StepPieces.send_backward` (the autograd Functions of
-:mod:`.remote`). Every answer is checked (:mod:`splitlearn.trust`) before anything of it is kept;
+:mod:`.remote`). Every answer is checked (:mod:`splitlearn.api.trust`) before anything of it is kept;
 a refused answer drops the step on both sides (the next forward starts it afresh).
 """
 from __future__ import annotations
@@ -38,11 +38,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import protocol as P
-from .. import trust
+from ..api import protocol as P
+from ..api import trust
 from ..errors import (ConfigError, Conflict, ForwardLost, IntegrityError, NotYourTurn, ServiceUnavailable,
                       SplitLearnError, StaleWeights, TransportError)
-from ..wire import pack
+from ..api.wire import pack
 from .journal import Sent
 
 log = logging.getLogger(__name__)
@@ -271,7 +271,7 @@ class StepPieces:
         return kind, piece, out
 
     def _verified(self, kind: str, piece: tuple[int, int], sent: Sent, out: dict, info: dict) -> dict:
-        """The answer's tensors, unpacked, if they are what was asked for (:mod:`splitlearn.trust`):
+        """The answer's tensors, unpacked, if they are what was asked for (:mod:`splitlearn.api.trust`):
         a forward's trunk output (U-shape) of the hidden's shape, or its loss (2-way; a fused
         piece's also the gradient of the hidden and a finite ``grad_norm``); a backward's gradient
         of the piece's hidden and a finite ``grad_norm``. IntegrityError otherwise."""

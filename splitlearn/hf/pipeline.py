@@ -49,7 +49,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)

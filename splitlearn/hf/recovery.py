@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..errors import ConfigError, Conflict, NotYourTurn, StaleWeights, TransportError
 from .journal import LOCAL, RequestLog, Sent, digest, read_log
 
@@ -62,7 +62,7 @@ class Recovery:
 
     def send_once(self, sent: Sent) -> tuple[dict, dict]:
         """One request (waiting out a segment busy with another client's step) -> (tensors, info)."""
-        from ..transport.fedsync import wait_while_busy
+        from ..transport.busy import wait_while_busy
 
         seg = self._segment
         if sent.tensors is None:  # an apply: JSON both ways
@@ -148,7 +148,7 @@ class Recovery:
         """Write the model's weights, ``optimizer``'s state and the RNG state as the client
         checkpoint in ``directory`` (default: ``cfg.journal_dir``; between steps); drop the log
         the server's durable step and this checkpoint both hold."""
-        from ..checkpoint import save_state
+        from ..model.checkpoint import save_state
 
         seg = self._segment
         seg.applier.flush()  # the step this checkpoint holds is on the server (and in the log) first
@@ -173,7 +173,7 @@ class Recovery:
         ``optimizer`` (and the RNG state if ``rng``) -> its counters (``client_id``, ``step``,
         ``cuts``). ConfigError if there is none, or it is not at the server's cuts (or not
         ``client_id``'s, if given)."""
-        from ..checkpoint import has_state, load_state, read_extra
+        from ..model.checkpoint import has_state, load_state, read_extra
 
         seg = self._segment
         if directory is None or not has_state(directory, "client"):

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .. import protocol as P
-from .. import trust
+from ..api import protocol as P
+from ..api import trust
 from ..errors import ConfigError
 from .applies import LAST_CALL_S, Applier, Outbox, bounded, register
 from .config import RemoteConfig

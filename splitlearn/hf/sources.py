@@ -10,8 +10,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 from ..errors import ConfigError
-from ..export import load_segments
-from ..loading import _LOAD_LOCK, is_spec_source, load_model
+from ..model.export import load_segments
+from ..model.loading import _LOAD_LOCK, is_spec_source, load_model
 from .remote import RemoteSegment
 
 

@@ -16,8 +16,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block, GPT2PreTrainedMode
 from transformers.utils.deprecation import deprecate_kwarg
 
 from ..errors import ConfigError
-from ..partition import validate_cuts
-from ..segments import embed, run_blocks
+from ..model.partition import validate_cuts
+from ..model.segments import embed, run_blocks
 from .config import HEAD_OPTIONS, SplitOptions, with_options
 from .remote import RemoteSegment
 
@@ -101,7 +101,7 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         self.wte = new_embeddings
 
     def _run_blocks(self, start: int, end: int, hidden, attention_mask, cache, position_ids, embeds):
-        """Blocks ``[start, end)``: :func:`splitlearn.segments.run_blocks`, as a segment runs them."""
+        """Blocks ``[start, end)``: :func:`splitlearn.model.segments.run_blocks`, as a segment runs them."""
         return run_blocks([self.h[i] for i in range(start, end)], self.config, start, hidden, attention_mask, cache,
                           position_ids, embeds)
 

@@ -215,10 +215,10 @@ class DelayRelay:
 
 
 def relay_process(upstream_url: str, rtt_ms: float, rate_mbps: Optional[float] = None, **kwargs):
-    """A :class:`splitlearn.localserver.ChildServer` running ``python -m splitlearn.netem.relay``
+    """A :class:`splitlearn.procs.localserver.ChildServer` running ``python -m splitlearn.netem.relay``
     to the HTTP server at ``upstream_url`` on a free port; ready when ``/v1/health`` answers
     through it. Its ``url`` is what the client connects to."""
-    from ..localserver import ChildServer, free_port
+    from ..procs.localserver import ChildServer, free_port
 
     host, port = parse_hostport(upstream_url.split("://", 1)[-1].rstrip("/"))
     listen = free_port()

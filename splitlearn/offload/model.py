@@ -10,11 +10,11 @@ from typing import Optional
 
 from transformers import GPT2LMHeadModel
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..transport import Transport, TransportConfig
 from ..errors import ConfigError
-from ..loading import ModelSource, load_model
-from .layers import HEAD, SCHEMES, QuantisedLayers, linear_weights
+from ..model.loading import ModelSource, load_model
+from ..offloadmath.layers import HEAD, SCHEMES, QuantisedLayers, linear_weights
 from .pads import ON_EMPTY, PadPool, Refiller
 from .remote import OffloadChannel, RemoteLinear, _Layer
 from .verify import Freivalds

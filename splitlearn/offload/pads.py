@@ -21,8 +21,8 @@ from typing import Iterable, Optional
 import torch
 
 from ..errors import ConfigError, ServiceUnavailable
-from .field import PRIMES, field_matmul, uniform
-from .layers import QuantisedLayer
+from ..offloadmath.field import PRIMES, field_matmul, uniform
+from ..offloadmath.layers import QuantisedLayer
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..transport import Transport
 from ..errors import IntegrityError
-from ..wire import decode, encode
-from . import field
-from .layers import QuantisedLayer
+from ..api.wire import decode, encode
+from ..offloadmath import field
+from ..offloadmath.layers import QuantisedLayer
 from .pads import PadPool
 from .verify import Freivalds
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import IntegrityError
-from .field import P_COL, PRIMES, matmul_mod, uniform
-from .layers import QuantisedLayer
+from ..offloadmath.field import P_COL, PRIMES, matmul_mod, uniform
+from ..offloadmath.layers import QuantisedLayer
 
 CHECK_COLUMNS = 2  # k: independent secret columns per layer and prime
 

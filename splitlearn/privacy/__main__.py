@@ -1,5 +1,5 @@
 import sys
 
-from ..defensetrain import main
+from ..apps.defensetrain import main
 
 sys.exit(main())

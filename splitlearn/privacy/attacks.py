@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..segments import Segment
-from .defenses import Defense, GaussianNoise
+from ..model.segments import Segment
+from ..defense.defenses import Defense, GaussianNoise
 
 log = logging.getLogger(__name__)
 

@@ -7,13 +7,13 @@ defaults to the median per-token norm at the cut (and the U-shape ``recommended`
 clip to the median per-token norm of the gradient sent back at the second cut:
 :func:`~.meter.median_token_grad_norm`). With ``--defense-train-steps N`` every defended
 row is measured on the model fine-tuned N steps *with* its defense, over the split
-(:func:`splitlearn.defensetrain.finetune_defense`, cached), the attackers trained on that model's
+(:func:`splitlearn.apps.defensetrain.finetune_defense`, cached), the attackers trained on that model's
 activations. With ``--speculative-attack`` every row also attacks the positions an assisted
 (speculative) generation over the split releases, rejected drafts included (:mod:`.speculative`;
-the generation runs in :func:`splitlearn.defensetrain.speculative_releases`). Bad input: one line
+the generation runs in :func:`splitlearn.apps.defensetrain.speculative_releases`). Bad input: one line
 on stderr, exit 2.
 
-``python -m splitlearn.privacy`` runs :func:`main` with the fine-tuning (``splitlearn.defensetrain``,
+``python -m splitlearn.privacy`` runs :func:`main` with the fine-tuning (``splitlearn.apps.defensetrain``,
 which sits above this package); this module alone measures defenses at test time only."""
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import SplitLearnError
-from ..loading import is_spec_source, load_model
+from ..model.loading import is_spec_source, load_model
 from .attacks import ATTACKS, LEARNED, AttackConfig
-from .defenses import GaussianNoise, parse_defense
+from ..defense.defenses import GaussianNoise, parse_defense
 from .meter import (default_tokenizer, measure_leakage, median_token_grad_norm, median_token_norm, perplexities,
                     private_windows)
 from .presets import recommended
@@ -128,8 +128,8 @@ def _needs_clip(args) -> bool:
 
 def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
     """Measure every (cut, defense) of ``args``; returns {"model", "rows", "seconds", ...}.
-    ``finetune``: :func:`splitlearn.defensetrain.finetune_defense` (needed for fine-tuned rows);
-    ``speculate``: :func:`splitlearn.defensetrain.speculative_releases` (``--speculative-attack``)."""
+    ``finetune``: :func:`splitlearn.apps.defensetrain.finetune_defense` (needed for fine-tuned rows);
+    ``speculate``: :func:`splitlearn.apps.defensetrain.speculative_releases` (``--speculative-attack``)."""
     t0 = time.perf_counter()
     steps = args.defense_train_steps
     if steps is not None and (isinstance(steps, bool) or steps < 0):
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
     if spec_attack:
         if speculate is None:
             raise SplitLearnError("the speculative attack generates over the split through the model "
-                                  "classes: use python -m splitlearn.privacy (splitlearn.defensetrain)")
+                                  "classes: use python -m splitlearn.privacy (splitlearn.apps.defensetrain)")
         for name in ("speculative_prompts", "speculative_new_tokens", "speculative_draft_tokens"):
             if getattr(args, name) < 1:
                 raise SplitLearnError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
     model = load_model(source, seed=args.seed, device=args.device)
     tokenizer = None
     if trained is not None:  # a directory without tokenizer files: bytes, like the spec
-        from ..data import ByteTokenizer
+        from ..model.data import ByteTokenizer
         tokenizer = ByteTokenizer()
     config = AttackConfig(epochs=args.epochs, seed=args.seed)
     rows = []
@@ -187,8 +187,8 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
         if any(n for _, n, _ in plan):
             if finetune is None:
                 raise SplitLearnError("defense-aware fine-tuning runs through the model classes: use "
-                                      "python -m splitlearn.privacy (splitlearn.defensetrain)")
-            from ..data import is_bytes
+                                      "python -m splitlearn.privacy (splitlearn.apps.defensetrain)")
+            from ..model.data import is_bytes
             if not is_bytes(tokenizer or default_tokenizer(model, source)):
                 raise SplitLearnError("defense-aware fine-tuning trains on the corpus as bytes: a model "
                                       "with its own tokenizer is measured with the defense at test time "

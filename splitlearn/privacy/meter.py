@@ -10,14 +10,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..data import ByteTokenizer, get_tokenizer, is_bytes, load_corpus
+from ..model.data import ByteTokenizer, get_tokenizer, is_bytes, load_corpus
 from ..errors import ConfigError
-from ..loading import load_model
-from ..partition import partition, validate_cuts
-from ..segments import loss_from_logits
+from ..model.loading import load_model
+from ..model.partition import partition, validate_cuts
+from ..model.segments import loss_from_logits
 from .attacks import (ATTACKS, LEARNED, AttackConfig, bottom_activations, check_attacks, invert_learned,
                       invert_optimize, invert_whitebox, inverter_log_probs, recovery, train_inverter)
-from .defenses import Defense
+from ..defense.defenses import Defense
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +426,7 @@ def private_windows(tokenizer, texts: Optional[Sequence[str]] = None, seq_len: i
 def median_token_norm(model, cut: Union[int, Sequence[int]], *, texts: Optional[Sequence[str]] = None,
                       tokenizer=None, seq_len: int = 32) -> float:
     """Median L2 norm of the bottom's per-token output on public text: a natural ``clip``
-    for :class:`~.defenses.GaussianNoise` (half the tokens are clipped)."""
+    for :class:`~splitlearn.defense.defenses.GaussianNoise` (half the tokens are clipped)."""
     cut = validate_cuts(cut, model.config.n_layer)
     tokenizer = tokenizer or default_tokenizer(model)
     ids = windows(tokenizer, texts if texts is not None else split_corpus()[0], seq_len)
@@ -442,7 +442,7 @@ def median_token_grad_norm(model, cut: Union[int, Sequence[int]], *, texts: Opti
     """Median L2 norm of the per-token gradient the client sends back at the second cut of a
     U-shape (:func:`cut_gradients`: the language-model loss summed over the tokens, no defense) on
     public text, over the positions that predict a token: a natural ``grad_clip`` for
-    :class:`~.defenses.GaussianNoise` (half the tokens are clipped), as :func:`median_token_norm`
+    :class:`~splitlearn.defense.defenses.GaussianNoise` (half the tokens are clipped), as :func:`median_token_norm`
     is for ``clip``. Raises :class:`ConfigError` for a cut that is not a U-shape."""
     cut = validate_cuts(cut, model.config.n_layer)
     if len(cut) != 2:

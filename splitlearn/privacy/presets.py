@@ -2,7 +2,7 @@
 of docs/PRIVACY.md ('A default, and how it was chosen'); ``--defense recommended`` on the meter's
 command line.
 
-A preset names a defense by its command-line form (:func:`~.defenses.parse_defense`), with the
+A preset names a defense by its command-line form (:func:`~splitlearn.defense.defenses.parse_defense`), with the
 clips left to the model (the median per-token norm at the cut on public text, as the meter
 chooses it; for the U-shape's gradient defense, the median per-token norm of the gradient sent
 back at the second cut), and the defense-aware fine-tuning it was measured with."""
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from ..errors import ConfigError
-from .defenses import Defense, parse_defense
+from ..defense.defenses import Defense, parse_defense
 
 SHAPES = ("u", "2-way")
 
@@ -29,7 +29,7 @@ class Preset:
     measured: str  # the row it comes from, in words
 
     def defense(self, clip: Optional[float] = None, grad_clip: Optional[float] = None) -> Defense:
-        """The :class:`~.defenses.Defense`; ``clip``: the per-token clip in activation units (the
+        """The :class:`~splitlearn.defense.defenses.Defense`; ``clip``: the per-token clip in activation units (the
         median per-token norm at the cut: :func:`splitlearn.privacy.meter.median_token_norm`);
         needed by noise presets. ``grad_clip``: the per-token clip of the gradient sent back at the
         second cut (the median per-token gradient norm there:

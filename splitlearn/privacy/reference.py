@@ -11,9 +11,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..data import ByteTokenizer, lm_batches
+from ..model.data import ByteTokenizer, lm_batches
 from ..errors import ConfigError
-from ..loading import load_model
+from ..model.loading import load_model
 from .meter import split_corpus, windows
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def reference_info(path: Union[str, Path]) -> Optional[dict]:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-FINETUNE_JSON = "finetune.json"  # written next to a defense-fine-tuned model (splitlearn.defensetrain)
+FINETUNE_JSON = "finetune.json"  # written next to a defense-fine-tuned model (splitlearn.apps.defensetrain)
 
 
 def finetune_info(path: Union[str, Path]) -> Optional[dict]:

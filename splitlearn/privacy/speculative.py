@@ -4,7 +4,7 @@ With assisted decoding over the split (``generate(assistant_model=...)``, docs/W
 sends the server every drafted position of every verify round, accepted or not: the server sees
 the activations of draft tokens that are never emitted (``CountingRemoteCache.positions_sent``
 counts them). :func:`attack_releases` runs the meter's attacks on what a capture of such a
-generation recorded (:class:`Releases`, made by :func:`splitlearn.defensetrain.speculative_releases`,
+generation recorded (:class:`Releases`, made by :func:`splitlearn.apps.defensetrain.speculative_releases`,
 which drives the model classes and a server) and reports the fraction of the *released* tokens the
 server recovers — emitted, prompt and rejected drafts — and how many positions were released
 beyond those a plain greedy generation sends.
@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..partition import partition
+from ..model.partition import partition
 from .attacks import LEARNED, AttackConfig, bottom_activations, invert_learned, invert_whitebox, train_inverter
-from .defenses import Defense
+from ..defense.defenses import Defense
 from .meter import _vocab_size, split_corpus, windows
 
 SPECULATIVE_ATTACKS = ("linear", "mlp", "whitebox")  # per-vector or per-step: what fits the releases

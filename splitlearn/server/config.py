@@ -26,8 +26,8 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
-from ..lora import LoraSpec
-from ..protocol import read_token_file
+from ..model.lora import LoraSpec
+from ..api.protocol import read_token_file
 from .options import opt
 from .tenants import Tenants
 
@@ -304,7 +304,7 @@ class Scheduling:
                                      "of the weights (which are faster for a few rows and cost a second copy in "
                                      "memory)", flag="--no-packed-weights")
     poll_idle: bool = opt(False, "keep this server's cores polling instead of sleeping between requests (Linux; "
-                                 "lower latency per step for the cores' idle time: splitlearn/idlepoll.py)")
+                                 "lower latency per step for the cores' idle time: splitlearn/procs/idlepoll.py)")
     priority: str = opt("decode-first", "decode-first: a training step yields to queued decode steps between its "
                                         "linear layers (forward and backward); fifo: arrival order "
                                         "(splitlearn/server/engine/priority.py)", choices=("decode-first", "fifo"))

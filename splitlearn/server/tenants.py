@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from ..errors import ConfigError
-from ..protocol import parse_token_line as parse_line
+from ..api.protocol import parse_token_line as parse_line
 
 MIN_TOKEN_CHARS = 16  # secrets.token_urlsafe(12) gives 16; we generate 32
 # tokens that appear in docs, examples and tutorials: never accepted unless forced

@@ -1,7 +1,7 @@
-"""The transport layer: how a client reaches a server. Imports nothing above the core modules.
+"""The transport layer: how a client reaches a server. Imports only the root and :mod:`splitlearn.api`.
 
 - :mod:`.http`: :class:`Transport` (keep-alive HTTP, lanes, retries, :class:`WireStats`);
-- :mod:`.fedsync`: the client's side of the federation modes (turns, rounds, weight sync);
+- :mod:`.busy`: :func:`~.busy.wait_while_busy`, calling again while the server answers busy;
 - :mod:`.inproc`: ``inproc://`` URLs, a server app in this process reached without a socket
   (tests, experiments), through the scheme hook of :mod:`.http` (``register_scheme``);
 - :mod:`.unix`: ``unix:///path.sock`` URLs, a server on the same host over a Unix socket with

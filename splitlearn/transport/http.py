@@ -1,7 +1,7 @@
 """HTTP transport of the client: keep-alive connections, retries, statistics.
 
 Every tensor exchange goes through :meth:`Transport.call` (safetensors via
-:mod:`splitlearn.wire`, counted in :class:`WireStats`); JSON control calls use
+:mod:`splitlearn.api.wire`, counted in :class:`WireStats`); JSON control calls use
 :meth:`get_json` / :meth:`post_json`. Plain ``http://`` URLs without a proxy take a lean
 ``http.client`` path, one keep-alive connection per *lane*, at most one request in flight each
 (:meth:`Transport.start` returns a :class:`PendingCall`); a lean wait polls its socket around
@@ -26,9 +26,9 @@ from urllib.parse import urlsplit
 
 import requests
 
-from .. import protocol as P
+from ..api import protocol as P
 from ..errors import ConfigError, SplitLearnError, TransportError, from_payload
-from ..wire import DeviceBody, Encoded, decode
+from ..api.wire import DeviceBody, Encoded, decode
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class Transport:
         self.spin = (not shares_cores_with_server(cfg.url)) if cfg.spin is None else cfg.spin
 
     def set_route(self, key: Optional[str]) -> None:
-        """Send ``key`` in :data:`~splitlearn.protocol.ROUTE_HEADER` on every request (None:
+        """Send ``key`` in :data:`~splitlearn.api.protocol.ROUTE_HEADER` on every request (None:
         none), so a cluster's HAProxy pins this client to one replica (docs/CLUSTER.md)."""
         for headers in (self.http.headers, self._headers):
             if key is None:

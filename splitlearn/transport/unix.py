@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import torch
 
 from ..errors import ConfigError, TransportError
-from ..wire import DeviceBody, Encoded
+from ..api.wire import DeviceBody, Encoded
 from . import cudaregion
 from . import unixframe as F
 from .http import AnswerWait, register_scheme
@@ -147,7 +147,7 @@ class Connection(AnswerWait):
         return bool(self.reader.pending) or bool(select.select([self.sock], [], [], wait_s)[0])
 
     def send(self, method: str, path: str, headers: dict, body) -> None:
-        """Send a request; ``body``: bytes, or a :class:`~splitlearn.wire.Encoded` (written
+        """Send a request; ``body``: bytes, or a :class:`~splitlearn.api.wire.Encoded` (written
         straight into the region when it goes there: its device region if its tensors are on
         that device)."""
         meta = {"method": method, "path": path, "headers": headers}
@@ -175,7 +175,7 @@ class Connection(AnswerWait):
 
     def _read_answer(self, view: bool = False):
         """``(status, headers, content)``; ``view``: an answer in the region comes as a
-        ``memoryview`` of it (a :class:`~splitlearn.wire.DeviceBody` from the device region),
+        ``memoryview`` of it (a :class:`~splitlearn.api.wire.DeviceBody` from the device region),
         valid until this connection's next request (else copied out)."""
         meta, content = self._read_frame()
         try:

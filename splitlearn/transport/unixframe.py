@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Optional
 
-from ..wire import compact_json
+from ..api.wire import compact_json
 
 MAGIC = b"SLU1"
 HELLO, REQUEST, ANSWER = 1, 2, 3

@@ -1,7 +1,7 @@
 """Per-client LoRA adapters on the server: one frozen segment, an adapter + optimizer per client.
 
 Started with ``--lora-r R --lora-alpha A --lora-targets c_attn,...``, the server freezes its
-segment and trains adapters only (:mod:`splitlearn.lora`)::
+segment and trains adapters only (:mod:`splitlearn.model.lora`)::
 
     shared      each client id gets its own adapter and optimizer at its first training
                 step; a step changes that client's adapter only, so clients never wait for
@@ -13,7 +13,7 @@ segment and trains adapters only (:mod:`splitlearn.lora`)::
                 the rows trained: :mod:`splitlearn.server.federation.strategy`); the base is never copied
 
 The runtime's training paths get the client's copy from ``Federation.replica_for`` as
-always: :class:`LoraFederation` answers with an :class:`~splitlearn.lora.AdaptedSegment`
+always: :class:`LoraFederation` answers with an :class:`~splitlearn.model.lora.AdaptedSegment`
 (the shared segment with that adapter switched on) and an optimizer over the adapter alone.
 
 Ownership: adapters are keyed by the scoped key ``<tenant>:<client_id>``
@@ -25,7 +25,7 @@ against 680 MB for a full copy of the segment with AdamW state (benchmarks/lora.
 Checkpoints: every adapter and optimizer tensor (keyed ``<client>/<name>``) is the
 ``adapters`` tensor set of the server's checkpoint generation, the spec and optimizer
 settings its ``counters["adapters"]`` (JSON), so adapters and the step ledger are saved
-atomically together (:mod:`splitlearn.checkpoint`); no pickle.
+atomically together (:mod:`splitlearn.model.checkpoint`); no pickle.
 """
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ...checkpoint import has_state, latest, optimizer_state, read_extra, read_meta, restore_optimizer
+from ...model.checkpoint import has_state, latest, optimizer_state, read_extra, read_meta, restore_optimizer
 from ...errors import ConfigError, NotFound, SegmentFileError
-from ...lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec
-from ...segments import Segment
-from ...wire import encode
+from ...model.lora import AdaptedSegment, Adapter, LoraRouter, LoraSpec
+from ...model.segments import Segment
+from ...api.wire import encode
 from ..federation.modes import Federation, Replica
 from ..tenants import client_of
 

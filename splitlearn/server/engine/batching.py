@@ -10,7 +10,7 @@ server stacks their new rows and runs the weight-heavy parts of each block once:
                                                                                                    +-> ln_f, lm_head
 
 Attention stays per session: each keeps its own KV cache, positions and padding mask, built
-exactly as :class:`~splitlearn.segments.Segment` builds them, and calls the same attention
+exactly as :class:`~splitlearn.model.segments.Segment` builds them, and calls the same attention
 kernel; only the row-wise matrix products are shared. No request waits for others: a step
 queues, and the first step queued schedules one *drain* on the server's compute thread
 (:mod:`.compute`); when the drain runs it takes every step queued by then, so steps that
@@ -43,8 +43,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 
-from ...lora import lora_rows
-from ...segments import Segment, SegmentCache
+from ...model.lora import lora_rows
+from ...model.segments import Segment, SegmentCache
 from .compute import ComputeThread
 from .priority import DecodeBudget, fair_take
 
@@ -66,7 +66,7 @@ class DecodeItem:
     finish: Callable[[torch.Tensor], Any] = lambda out: out
     mask: Optional[torch.Tensor] = None
     future: Future = field(default_factory=Future)
-    adapter: Any = None  # the session's LoRA adapter (splitlearn.lora.Adapter), None: the base
+    adapter: Any = None  # the session's LoRA adapter (splitlearn.model.lora.Adapter), None: the base
     key: Any = None  # the session's id: which steps belong together across batches
     queued_at: float = 0.0  # time.monotonic() when it was queued
     owner: str = ""  # the session's tenant: batches take owners in turn (splitlearn/server/priority.py)
@@ -121,7 +121,7 @@ class DecodeBatcher:
     ``lock``, if given, is held while a batch runs (the runtime's state lock). ``wait_s``: how
     long a drain waits for the rest of the previous batch (see the module docstring).
     ``inference``: a context for the forward (the runtime's prepacked weights,
-    :mod:`splitlearn.packed`). ``max_rows``: rows of one batch at most, taken from the queued
+    :mod:`splitlearn.model.packed`). ``max_rows``: rows of one batch at most, taken from the queued
     steps one owner at a time (:func:`.priority.fair_take`); the rest wait for the next drain
     (queued behind the compute thread's other work) or preemption point. None: everything queued.
     """

@@ -45,7 +45,7 @@ GPT-2 block of transformers 5 (``saved_tensors_hooks``; equal for every shape tr
   backward. With attention dropout in training (GPT-2's configs: 0.1) the CPU kernel falls
   back to the math path, which keeps the scores, the softmax and the dropped-out softmax with
   its mask: the paper's 5·a·s/h term, at 3e + 1 bytes a score;
-- the head's loss is computed in chunks of c positions (:mod:`splitlearn.headloss`): one
+- the head's loss is computed in chunks of c positions (:mod:`splitlearn.model.headloss`): one
   chunk's logits, log-softmax and their gradients at a time, plus the gradients of x and W;
   a forward computes the last position's logits only.
 
@@ -112,8 +112,8 @@ import torch
 from torch import nn
 
 from ...errors import PayloadTooLarge
-from ...headloss import CHUNK_LOGITS_BYTES, chunk_rows
-from ...packed import usable
+from ...model.headloss import CHUNK_LOGITS_BYTES, chunk_rows
+from ...model.packed import usable
 from .memory import charge
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ def graph_bytes(m: Dims, B: int, T: int, padded: bool, loss: bool = False) -> in
     """What one training forward leaves waiting for its backward (:mod:`.memory` holds it):
     every block's kept tensors, its input and output and the answer sent (a tensor and its
     encoded bytes, float32 at most); ``loss``: a 2-way open-ended piece, whose chunked loss
-    keeps ln_f's tensors and the gradients of x and W (:mod:`splitlearn.headloss`)."""
+    keeps ln_f's tensors and the gradients of x and W (:mod:`splitlearn.model.headloss`)."""
     e, N = m.elem, B * T
     b = m.blocks * kept_per_block(m, B, T, T, padded) + 2 * e * N * m.d + 2 * 4 * N * m.d
     if loss:
@@ -276,7 +276,7 @@ def _slack(m: Dims, tensor_bytes: int) -> int:
 
 
 def _chunk(m: Dims, N: int, grads: bool) -> int:
-    """One chunk of the head's loss (splitlearn/headloss.py): its logits, their float32 copy
+    """One chunk of the head's loss (splitlearn/model/headloss.py): its logits, their float32 copy
     (16-bit compute), the log-softmax, and with ``grads`` the gradients of both."""
     c, e = min(m.chunk_rows, N), m.elem
     per = e + 4 + (4 if e < 4 else 0) + (8 + (e if e < 4 else 0) if grads else 0)

@@ -10,7 +10,7 @@ replica can read it, so a client whose replica dies continues on another::
     STATE_DIR/<tenant>:<client_id>/client-00000007/       adapter.safetensors, optim.safetensors,
                                                           state.json (ledger record, sha256s)
 
-Each directory is a :mod:`splitlearn.checkpoint` generation store (atomic, sha256-checked,
+Each directory is a :mod:`splitlearn.model.checkpoint` generation store (atomic, sha256-checked,
 0600 files, no pickle). A client's state is written every ``--checkpoint-every`` of *its own*
 steps and on SIGTERM, and its answers then say that step is ``durable``: the client's journal
 (the request log, :mod:`splitlearn.hf.journal`) keeps what came after, so a replica that loads the state
@@ -42,9 +42,9 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ...checkpoint import _tensors, latest, private_dir, read_meta, restore_optimizer, save_state
+from ...model.checkpoint import _tensors, latest, private_dir, read_meta, restore_optimizer, save_state
 from ...errors import ConfigError
-from ...lora import LoraSpec
+from ...model.lora import LoraSpec
 from .ledger import StepLedger
 
 log = logging.getLogger(__name__)

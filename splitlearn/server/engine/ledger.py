@@ -35,8 +35,8 @@ from typing import Any, Optional
 import torch
 
 from ...errors import Conflict, SplitLearnError
-from ...fingerprint import digests as fingerprint_digests
-from ...wire import Encoded, decode, encode
+from ...api.fingerprint import digests as fingerprint_digests
+from ...api.wire import Encoded, decode, encode
 from ..tenants import client_of, tenant_of
 
 
@@ -61,7 +61,7 @@ class Answer:
         return self._bytes
 
     def encoded(self, keep_device: bool = False):
-        """Its bytes if made already, else an :class:`~splitlearn.wire.Encoded` of the same
+        """Its bytes if made already, else an :class:`~splitlearn.api.wire.Encoded` of the same
         bytes, to be written where it goes (the unix door's shared memory; ``keep_device``: its
         CUDA tensors left on the device, for a device region)."""
         return self._bytes if self._bytes is not None else Encoded(self.tensors, self.meta, keep_device)
@@ -85,7 +85,7 @@ def answer_digests(answers: list[Answer]) -> list[bytes]:
     """What names each answer once its bytes are dropped (a retry's 409, the checkpoint).
     An answer in host memory (encoded already, or its tensors on the CPU): BLAKE2b-128 of its
     encoded bytes (:func:`digest_of`). An answer whose tensors are on a GPU is digested there
-    (:func:`splitlearn.fingerprint.digests`: BLAKE2b-128 of its names, dtypes, shapes, metadata
+    (:func:`splitlearn.api.fingerprint.digests`: BLAKE2b-128 of its names, dtypes, shapes, metadata
     and each tensor's sums, read back in one copy of 24 bytes a tensor). Encoding it would copy
     each tensor to host memory and hash it on the CPU (~40 ms a step of GPT-2 small's shape on
     an H100 host, two 12.6 MB answers): the cost issue 42 removed (docs/PERFORMANCE.md)."""

@@ -3,9 +3,9 @@ one-time-padded inputs, and nothing else.
 
 Where a split server runs blocks on activations it can read, this one only multiplies:
 it holds every block's four linear layers and the LM head in fixed point (``Wq``,
-:mod:`splitlearn.offload.layers`) and answers ``POST /v1/offload/linear`` with
+:mod:`splitlearn.offloadmath.layers`) and answers ``POST /v1/offload/linear`` with
 ``Zi = Xi~ Wq mod pi`` for inputs the client masked with one-time pads (Slalom, Tramer &
-Boneh, ICLR 2019; the arithmetic: :mod:`splitlearn.offload.field`). It never sees an
+Boneh, ICLR 2019; the arithmetic: :mod:`splitlearn.offloadmath.field`). It never sees an
 activation, a bias, an attention score or a layer norm. The route goes through the app's
 ``tensor_route``, so auth, tenants, body limits and JSON errors are those of every route::
 
@@ -14,7 +14,7 @@ activation, a bias, an attention score or a layer norm. The route goes through t
                      rows, every value in [0, pi), memory -> field_matmul per product -> answer
 
 A request carries up to ``MAX_PRODUCTS`` products (``x.0``, ``x.1``..., layers named in the
-``layers`` metadata; byte layout in :mod:`splitlearn.offload.layers`). ``scheme=plain``
+``layers`` metadata; byte layout in :mod:`splitlearn.offloadmath.layers`). ``scheme=plain``
 (float32, unmasked) is answered only by a server started with ``--offload-plain`` (the
 benchmark's baseline). The routes are :mod:`splitlearn.server.http.api_offload`'s.
 """
@@ -25,11 +25,11 @@ import threading
 
 import torch
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, PayloadTooLarge
-from ...loading import load_model
-from ...offload.field import PRIMES, field_matmul
-from ...offload.layers import MAX_PRODUCTS, SCHEMES, QuantisedLayers, layer_names, linear_weights
+from ...model.loading import load_model
+from ...offloadmath.field import PRIMES, field_matmul
+from ...offloadmath.layers import MAX_PRODUCTS, SCHEMES, QuantisedLayers, layer_names, linear_weights
 from .compute import ComputeThread
 from ..config import ServerConfig
 from .ledger import Answer

@@ -55,7 +55,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from ...packed import Restep
+from ...model.packed import Restep
 
 POLICIES = ("decode-first", "fifo")
 CLASSES = ("decode", "prefill", "training", "other")

@@ -21,24 +21,24 @@ from typing import Optional
 
 import torch
 
-from ... import protocol as P
-from ...checkpoint import has_state, load_state, make_optimizer, read_extra, save_state
-from ...devices import dtype_name, resolve_device, resolve_dtype
+from ...api import protocol as P
+from ...model.checkpoint import has_state, load_state, make_optimizer, read_extra, save_state
+from ...model.devices import dtype_name, resolve_device, resolve_dtype
 from ...errors import BadRequest
-from ...export import load_segment, read_segment_spec
-from ...headloss import head_loss
-from ...loading import load_model
-from ...packed import PackedLinears
-from ...partition import partition
-from ...segments import Segment
-from ...wire import WIRE_DTYPE_NAMES, pack
+from ...model.export import load_segment, read_segment_spec
+from ...model.headloss import head_loss
+from ...model.loading import load_model
+from ...model.packed import PackedLinears
+from ...model.partition import partition
+from ...model.segments import Segment
+from ...api.wire import WIRE_DTYPE_NAMES, pack
 from .batching import DecodeBatcher, DecodeItem
 from .priority import DecodeBudget, Preemptor, QueueWaits
 from .budget import kv_bytes, make_budget
 from .memory import TOTAL_FLAG, MemoryAccount, default_limits
 from .compute import ComputeThread
 from ..config import ServerConfig
-from ...lora import lora_scope
+from ...model.lora import lora_scope
 from .adapters import attach as attach_lora
 from .clientstate import ClientStates
 from ..federation.modes import Federation, Replica, federation_options
@@ -168,7 +168,7 @@ class SegmentRuntime:
 
     def inference(self):
         """Context of a generation step's forward: the segment's linear layers on prepacked
-        oneDNN weights (``--no-packed-weights``: as they are); see :mod:`splitlearn.packed`."""
+        oneDNN weights (``--no-packed-weights``: as they are); see :mod:`splitlearn.model.packed`."""
         return self._packed.active() if self._packed is not None else nullcontext()
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
@@ -329,7 +329,7 @@ class SegmentRuntime:
     def forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor], wire_dtype: str, all_logits: bool = False) -> Answer:
         """No-grad forward for evaluation: trunk output, or (top) the last position's logits and,
-        if labels are given, the loss, computed in chunks of positions (:mod:`splitlearn.headloss`):
+        if labels are given, the loss, computed in chunks of positions (:mod:`splitlearn.model.headloss`):
         the (B, T, V) logits never exist, unless ``all_logits`` asks for every position's (B, T, V)."""
         with self.lock:
             self.segment.eval()

@@ -42,9 +42,9 @@ from typing import Any, Optional
 import torch
 
 from ...errors import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
-from ...segments import SegmentCache
+from ...model.segments import SegmentCache
 
-REORDER = "reorder"  # the tensor name (splitlearn.protocol.REORDER)
+REORDER = "reorder"  # the tensor name (splitlearn.api.protocol.REORDER)
 
 
 @dataclass
@@ -154,7 +154,7 @@ def check_index(index: torch.Tensor, rows: int, why: str = "the session has {row
 
 
 def step_ops(tensors: dict, meta, sess: Session, max_rows: int) -> CacheOps:
-    """The cache operations of a step request (``meta``: its :class:`~splitlearn.protocol.
+    """The cache operations of a step request (``meta``: its :class:`~splitlearn.api.protocol.
     SessionStepMeta`); 400 for anything malformed. Runs on the request's thread, before anything
     is touched; whether they fit the session (indices below its rows, crop within its length) is
     checked by :meth:`Session.begin`, after a retry of an applied step has been answered."""

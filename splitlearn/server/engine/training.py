@@ -19,7 +19,7 @@ answers the loss (the graph waits); its backward carries the scalar gradient of 
     POST /v1/train/apply {client_id, step, pieces, lr, clip} -> x clip, guards, lr, optimizer step
 
 The apply may instead ride on the next step's first request(s): metadata ``apply``, the same
-JSON as the apply's body (:func:`splitlearn.protocol.carried_apply`), is applied first, exactly as
+JSON as the apply's body (:func:`splitlearn.api.protocol.carried_apply`), is applied first, exactly as
 ``POST /v1/train/apply`` would be (the same ledger record: a retry of the carrying request gets the
 stored apply; an apply of a step the ledger already has passed is a no-op), and the piece's answer
 carries the apply's answer as metadata ``apply`` (JSON). A 2-way piece may be **fused**
@@ -46,10 +46,10 @@ from typing import Optional
 
 import torch
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, Conflict, TooManyRequests
-from ...headloss import IGNORE, head_loss
-from ...wire import pack
+from ...model.headloss import IGNORE, head_loss
+from ...api.wire import pack
 from . import guard
 from ..federation.modes import Replica
 from .budget import graph_bytes, padded
@@ -210,7 +210,7 @@ class Training:
             self._hold(meta, st, 2 * (4 * hidden.numel() + 4), f"the answer of piece {meta.micro}")
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
-            # the logits (B, T, V) never exist whole: chunks of positions (splitlearn/headloss.py)
+            # the logits (B, T, V) never exist whole: chunks of positions (splitlearn/model/headloss.py)
             loss = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels,
                              grad_scale=meta.loss_scale)  # backpropagated with it just below
             guard.finite("loss", loss)

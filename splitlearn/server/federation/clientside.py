@@ -22,8 +22,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ...errors import BadRequest
-from ...lora import LoraSpec, hf_module_name, init_adapter_pair, target_modules
-from ...partition import partition
+from ...model.lora import LoraSpec, hf_module_name, init_adapter_pair, target_modules
+from ...model.partition import partition
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ class ClientSide:
         self._initial, self._tried = None, True
 
     def _build(self) -> Optional[dict[str, torch.Tensor]]:
-        from ...export import load_segments
-        from ...loading import load_model
+        from ...model.export import load_segments
+        from ...model.loading import load_model
 
         if self.model is not None:
             segs = _client_segments(load_model(self.model, seed=self.seed, device="cpu"), self.cuts)

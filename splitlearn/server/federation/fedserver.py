@@ -27,10 +27,10 @@ from typing import Optional
 
 import torch
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, ConfigError, Conflict, Forbidden, NotFound
-from ...lora import LoraSpec
-from ...protocol import read_token_file
+from ...model.lora import LoraSpec
+from ...api.protocol import read_token_file
 from ..config import MiB, Observability, StrategyOptions, check_secret, read_secret_file
 from ..options import opt
 from ..tenants import Tenants

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from ...errors import ConfigError
-from ...segments import Segment
+from ...model.segments import Segment
 from ..config import GroupSpec
 from .collective import ReplicaGroup, weights_sha256
 from .rounds import flatten, floating_keys, size_of, unflatten

@@ -20,7 +20,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from ...errors import BadRequest, Forbidden
-from ...protocol import MAX_TICKET_CHARS
+from ...api.protocol import MAX_TICKET_CHARS
 
 DOMAIN = b"splitlearn-fed/1\n"  # what the MAC covers starts with this: no other HMAC use collides
 

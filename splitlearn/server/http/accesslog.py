@@ -27,7 +27,7 @@ from typing import Optional
 from flask import g, request
 from flask.testing import FlaskClient
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import ConfigError
 from .metrics import ServerMetrics, route_of
 

@@ -7,9 +7,9 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest
-from ...wire import decode
+from ...api.wire import decode
 from .routing import served, tensor_body
 from .validate import json_object
 

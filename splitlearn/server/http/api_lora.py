@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import NotFound
 from .routing import client_key, served
 

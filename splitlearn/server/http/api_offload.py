@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flask import Blueprint
 
-from ... import protocol as P
+from ...api import protocol as P
 from ..engine.ledger import Answer
 from .routing import Served, tensor_route
 

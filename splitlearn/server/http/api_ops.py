@@ -8,7 +8,7 @@ import time
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, Forbidden, PayloadTooLarge
 from . import probes
 from .metrics import operator_exposition
@@ -61,10 +61,10 @@ def info():
 
 @bp.get(P.OPENAPI)
 def openapi_document():
-    """This server's routes as OpenAPI 3.1, built from the protocol module (splitlearn/openapi.py).
+    """This server's routes as OpenAPI 3.1, built from the protocol module (splitlearn/api/openapi.py).
     Without a token: the protocol's document, the same for every server of this kind (none of
     this server's cuts, sizes or limits), made once (docs/SECURITY.md, 'Outsiders')."""
-    from ...openapi import document
+    from ...api.openapi import document
     s = served()
     kind = "offload" if s.cfg.offload else "segment"
     if g.get("tenant") is None:
@@ -75,7 +75,7 @@ def openapi_document():
 @functools.lru_cache(maxsize=None)
 def public_document(kind: str) -> bytes:
     """The tokenless ``/v1/openapi.json`` of a server of ``kind``: the protocol's routes only."""
-    from ...openapi import document
+    from ...api.openapi import document
 
     return json.dumps(document({}, kind)).encode()
 

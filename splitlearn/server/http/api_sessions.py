@@ -7,7 +7,7 @@ from typing import Optional
 
 from flask import Blueprint, Response, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest
 from ..engine.priority import timed
 from ..engine.sessions import step_budget, step_ops

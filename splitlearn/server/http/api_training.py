@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from flask import Blueprint, jsonify, request
 
-from ... import protocol as P
-from ...lora import lora_scope
-from ...wire import check_wire_dtype
+from ...api import protocol as P
+from ...model.lora import lora_scope
+from ...api.wire import check_wire_dtype
 from ..engine.ledger import Answer
 from ..engine.priority import timed
 from ..engine.training import apply_json

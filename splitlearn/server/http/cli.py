@@ -44,7 +44,7 @@ def write_generated_token(cfg: ServerConfig) -> Path:
     """Write the token made up for this run to a new file only its owner can read; its path.
 
     The token itself never goes to the log (logs are collected, shipped and kept)."""
-    from ...checkpoint import open_private, private_dir
+    from ...model.checkpoint import open_private, private_dir
 
     path = Path(cfg.token_out or Path(cfg.checkpoint_dir or ".") / "splitlearn-token")
     try:
@@ -88,7 +88,7 @@ def write_profile(prof, rt, directory: Path) -> Path:
 
 def serve(cfg: ServerConfig) -> None:
     """Build the app and serve it until SIGTERM/SIGINT, checkpointing on the way out."""
-    from ...idlepoll import IdlePoller
+    from ...procs.idlepoll import IdlePoller
     from .app import create_app
     from .frontdoor import make_server
 

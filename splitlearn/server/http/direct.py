@@ -18,9 +18,9 @@ import secrets
 import time
 from typing import Callable, Optional
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import SplitLearnError
-from ...wire import DeviceBody, Encoded, decode
+from ...api.wire import DeviceBody, Encoded, decode
 from ..engine.memory import scope as memory_scope
 from ..tenants import Tenant
 from . import accesslog
@@ -62,7 +62,7 @@ class Direct:
                  lazy_above: Optional[int] = None, keep_device: bool = False, body_hold=None) -> Answer:
         """Serve one request (``headers`` with lower-case names) for ``tenant``, as the app
         would. ``body``: bytes, a memoryview of shared memory or a DeviceBody (decoded in place,
-        once); ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`
+        once); ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.api.wire.Encoded`
         (``keep_device``: its tensors left on the server's GPU); ``body_hold``: the door's
         reservation of an inline body (taken over by the route's)."""
         started = time.perf_counter()

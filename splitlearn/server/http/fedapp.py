@@ -13,9 +13,9 @@ import sys
 
 from flask import Flask, Response, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, SplitLearnError
-from ...wire import decode, encode
+from ...api.wire import decode, encode
 from ..config import LoraOptions
 from ..federation.clientside import ClientSide
 from ..federation.fedserver import CLOSE_REASONS, FedConfig, FedRounds, FedServe
@@ -99,7 +99,7 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = T
 
     @app.get(P.OPENAPI)
     def openapi_document():
-        from ...openapi import document
+        from ...api.openapi import document
         return jsonify(document({}, "fed"))
 
     @app.get(P.FEDERATION)
@@ -143,7 +143,7 @@ def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
 
 
 def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True) -> Flask:
-    from ...loading import load_config
+    from ...model.loading import load_config
 
     side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
     return create_fedavg_app(FedRounds(cfg, side, strategy_of(cfg)), tenants, request_log=request_log)

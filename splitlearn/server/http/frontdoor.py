@@ -44,7 +44,7 @@ from waitress.server import create_server
 from waitress.task import ErrorTask, WSGITask
 from waitress.utilities import Error, build_http_date
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import SplitLearnError, from_status
 from ..engine.memory import Hold, MemoryAccount
 from ..config import LINGER_S, MAX_HEADER_BYTES, DoorLimits

@@ -11,7 +11,7 @@ import secrets
 from flask import Flask, g, request
 from werkzeug.exceptions import HTTPException
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, NotFound, PayloadTooLarge, SplitLearnError, Unauthorized, UnsupportedMediaType
 from .frontdoor import TENANT_KEY
 from .routing import error_response, internal_error

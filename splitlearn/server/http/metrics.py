@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import ConfigError, Forbidden
 
 log = logging.getLogger(__name__)

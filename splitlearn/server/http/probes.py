@@ -15,7 +15,7 @@ from typing import Optional
 
 from flask import jsonify
 
-from ... import protocol as P
+from ...api import protocol as P
 
 
 def writable(directory: Optional[str]) -> Optional[bool]:

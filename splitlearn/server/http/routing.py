@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, PayloadTooLarge, SplitLearnError, UnsupportedMediaType
-from ...wire import decode
+from ...api.wire import decode
 from ..engine.memory import MemoryAccount, scope as memory_scope
 from ..engine.priority import timed
 from ..tenants import Tenant
@@ -223,7 +223,7 @@ def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: i
           keep_device: bool = False, body_hold=None) -> tuple[bytes, str]:
     """Run ``route`` for ``tenant`` (Flask's view, or the unix door's direct dispatch): the
     answer's bytes and its ``X-Server-Time-Ms``. SplitLearnError for a bad request.
-    ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.wire.Encoded`,
+    ``lazy_above``: an answer larger than this comes as a :class:`~splitlearn.api.wire.Encoded`,
     written by the caller where it goes (shared memory; ``keep_device``: a device region).
     ``body_hold``: the door's reservation of the body (:mod:`.frontdoor`, :mod:`.unixdoor`),
     taken over by ``held``."""

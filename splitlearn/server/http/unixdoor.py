@@ -39,11 +39,11 @@ from urllib.parse import unquote, unquote_to_bytes
 
 import torch
 
-from ... import protocol as P
+from ...api import protocol as P
 from ...errors import BadRequest, ConfigError, PayloadTooLarge, RequestTimeout, SplitLearnError, Unauthorized
 from ...transport import cudaregion
 from ...transport import unixframe as F
-from ...wire import MAX_HEADER, DeviceBody, Encoded
+from ...api.wire import MAX_HEADER, DeviceBody, Encoded
 from .direct import Direct
 from ..config import DoorLimits
 from .frontdoor import TENANT_KEY

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ...errors import BadRequest, PayloadTooLarge
-from ...wire import unpack
+from ...api.wire import unpack
 
 MAX_JSON_BYTES = 4096  # bytes of a JSON control message (a few fields); larger ones are refused unparsed
 

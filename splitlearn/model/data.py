@@ -9,7 +9,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "tiny_stories.txt"
 
@@ -48,7 +48,7 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> dict:
 
 def get_tokenizer(source: Optional[str] = None):
     """A ``transformers.PreTrainedTokenizerFast`` for ``source``, offline for every spec: the
-    spec's own (``models/NAME.json``'s ``"tokenizer"``, :mod:`splitlearn.tokenizer`), else UTF-8
+    spec's own (``models/NAME.json``'s ``"tokenizer"``, :mod:`splitlearn.model.tokenizer`), else UTF-8
     bytes (ids of :class:`ByteTokenizer`) for spec names, ``random:`` sources, JSON configs and
     checkpoints without tokenizer files; the tokenizer of a local directory or hub id that has one.
     Left padding, and a pad token (the eos where the tokenizer has none)."""

@@ -29,7 +29,7 @@ from transformers import DynamicCache, GPT2Config
 from transformers.masking_utils import create_causal_mask
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 KINDS = ("bottom", "trunk", "top", "full")
 
@@ -196,7 +196,7 @@ class Segment(nn.Module):
         logits_to_keep: with the head, compute logits for the last this many positions only
             (0: all), as Hugging Face's ``logits_to_keep``; generation needs just the last.
         head: False: a top stops before ``ln_f`` and returns its last block's output (B, T, d),
-            for a loss computed in chunks (:mod:`splitlearn.headloss`) or a few positions' logits.
+            for a loss computed in chunks (:mod:`splitlearn.model.headloss`) or a few positions' logits.
         Returns hidden states (B, T, d), or logits (B, T, V) for a top/full segment
         ((B, logits_to_keep, V) if that is given).
         """

@@ -1,4 +1,4 @@
-"""The server's API as an OpenAPI 3.1 document, built from :mod:`splitlearn.protocol`.
+"""The server's API as an OpenAPI 3.1 document, built from :mod:`splitlearn.api.protocol`.
 
 ``GET /v1/openapi.json`` answers :func:`document` of the server that serves it ("segment" or
 "offload"), with the limits of its ``/v1/info``. What the document holds: docs/PROTOCOL.md,
@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from . import errors as E
+from .. import errors as E
 from . import protocol as P
 
 OPENAPI_VERSION = "3.1.0"
@@ -76,7 +76,7 @@ CLIENT_ID = {"type": "string", "pattern": "^" + P._CLIENT_ID.pattern + "$",
 
 
 def apply_schema() -> dict:
-    """``POST /v1/train/apply`` from :class:`~splitlearn.protocol.ApplyRequest` and its limits."""
+    """``POST /v1/train/apply`` from :class:`~splitlearn.api.protocol.ApplyRequest` and its limits."""
     props = {"client_id": CLIENT_ID,
              "step": {"type": "integer", "minimum": 1, "maximum": 1 << 62},
              "pieces": {"type": "integer", "minimum": 0, "maximum": P.MAX_PIECES},

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 TARGETS = ("c_attn", "c_proj", "c_fc")  # GPT-2's Conv1D layers (c_proj: attention and MLP)
 
@@ -278,7 +278,7 @@ def as_spec(lora) -> LoraSpec:
         return lora
     if type(lora).__name__ == "LoraConfig":
         return LoraSpec.from_peft(lora)
-    raise ConfigError(f"lora must be a peft.LoraConfig or a splitlearn.lora.LoraSpec, got {type(lora).__name__}")
+    raise ConfigError(f"lora must be a peft.LoraConfig or a splitlearn.model.lora.LoraSpec, got {type(lora).__name__}")
 
 def check_server(info: dict, spec: Optional[LoraSpec]) -> None:
     """Refuse a LoRA client on a server without LoRA, the reverse, and different LoRA options."""

@@ -22,8 +22,8 @@ import time
 import urllib.request
 from typing import IO, Optional, Sequence
 
-from . import protocol as P
-from .errors import TransportError
+from ..api import protocol as P
+from ..errors import TransportError
 
 
 def free_port() -> int:

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from . import get_tokenizer, load_corpus, load_model, partition
-from .client import SplitClient
-from .data import lm_batches
-from .localserver import LocalServer
+from .. import get_tokenizer, load_corpus, load_model, partition
+from ..client import SplitClient
+from ..model.data import lm_batches
+from ..procs.localserver import LocalServer
 
 MODEL, CUTS = "tiny-stories", (2, 4)
 # the server's options: one tenant, so no clip of its steps by the shared segment's running norm
@@ -158,7 +158,7 @@ def federated(a, data: list[int], held_out) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m splitlearn.demo", allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="python -m splitlearn.apps.demo", allow_abbrev=False,
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="training steps")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .segments import Segment, SegmentCache, labels_from_batch, loss_from_logits
 
 

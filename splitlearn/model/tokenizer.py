@@ -4,7 +4,7 @@ A spec in ``models/`` names its tokenizer in ``"tokenizer"``:
 
 =================  ===================================================================
 (absent)           UTF-8 bytes: byte b is token b, 256 is ``<|endoftext|>`` (vocab 257),
-                   the ids of :class:`splitlearn.data.ByteTokenizer`
+                   the ids of :class:`splitlearn.model.data.ByteTokenizer`
 ``tiny-stories``   a byte-level BPE of 1024 tokens trained on the shipped corpus
                    (``corpus/tiny-stories.tokenizer.json``; ``<|endoftext|>`` is 0)
 =================  ===================================================================
@@ -12,7 +12,7 @@ A spec in ``models/`` names its tokenizer in ``"tokenizer"``:
 Both are ``transformers.PreTrainedTokenizerFast`` (GPT-2's byte alphabet, so any text encodes),
 with ``<|endoftext|>`` as eos, bos and pad and left padding: ``pipeline("text-generation")``,
 ``Trainer`` with a data collator and lm-evaluation-harness take them as they take GPT-2's.
-``python -m splitlearn.tokenizer`` trains the BPE again and rewrites the shipped file (the
+``python -m splitlearn.model.tokenizer`` trains the BPE again and rewrites the shipped file (the
 trainer is deterministic: the same text gives the same file)."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 EOS = "<|endoftext|>"
 BYTES = "splitlearn/bytes"  # the byte tokenizer's name_or_path: how ``data.is_bytes`` knows it

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2LMHeadModel
 
 from .devices import dtype_name, resolve_device, resolve_dtype
-from .errors import SegmentFileError
+from ..errors import SegmentFileError
 from .loading import config_from_dict
 from .partition import Partition, partition
 from .segments import KINDS, Segment

@@ -5,7 +5,7 @@ from typing import Optional, Union
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import protocol as P
-from .errors import BadRequest, ConfigError, IntegrityError
+from ..errors import BadRequest, ConfigError, IntegrityError
 from .wire import unpack
 
 SHAPES = ("u", "2way")  # Pins.shape: U-shape (the server holds a trunk) or 2-way (it holds the top and the loss)
@@ -79,7 +79,7 @@ def check_info(info: dict, pins: Pins, server: str = "the server") -> tuple[int,
 
 
 def answer(tensors: dict, name: str, shape: Sequence[int], what: str) -> torch.Tensor:
-    """Tensor ``name`` of a server's answer (dequantised as :func:`splitlearn.wire.unpack` does),
+    """Tensor ``name`` of a server's answer (dequantised as :func:`splitlearn.api.wire.unpack` does),
     if it has ``shape`` and every value is finite; IntegrityError otherwise."""
     try:
         x = unpack(tensors, name)

@@ -82,7 +82,7 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     """Causal-LM loss of ``logits = x @ weight^T`` without materialising the logits.
 
     x: (B, T, d) after ``ln_f``; weight: (V, d), no bias; labels: (B, T), -100 ignored. Shifts
-    and averages as :func:`~splitlearn.segments.loss_from_logits`. ``rows``: positions per chunk
+    and averages as :func:`~splitlearn.model.segments.loss_from_logits`. ``rows``: positions per chunk
     (default :func:`chunk_rows`); ``grad_scale``: the s of ``(loss * s).backward()``, for exact
     gradients."""
     xs = x[:, :-1, :].reshape(-1, x.shape[-1])  # (B*(T-1), d)

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from .devices import resolve_device, resolve_dtype
-from .errors import ConfigError
+from ..errors import ConfigError
 from .partition import check_gpt2
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ _LOAD_LOCK = threading.RLock()
 
 def specs_dir() -> Path:
     """Where the shipped model specs live (``models/`` of the checkout, or the installed copy)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # splitlearn/
     for candidate in (here.parent / "models", here / "_models"):
         if candidate.is_dir():
             return candidate

@@ -7,7 +7,7 @@ client adds the biases)::
     h.{i}.attn.c_proj   (d -> d)       h.{i}.mlp.c_proj    (4d -> d)
     lm_head             (d -> V)       W = wte^T, no bias
 
-Wire (``POST /v1/offload/linear``, one safetensors body, :mod:`splitlearn.wire`)::
+Wire (``POST /v1/offload/linear``, one safetensors body, :mod:`splitlearn.api.wire`)::
 
     request   __metadata__ {"layers": "h.0.mlp.c_fc,h.1.mlp.c_fc", "scheme": "masked"}
               x.0  I32 [2, n0, in0]   masked input of the first layer, one slice per prime

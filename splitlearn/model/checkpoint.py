@@ -30,7 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import ConfigError, SegmentFileError
+from ..errors import ConfigError, SegmentFileError
 from .segments import Segment
 
 

@@ -28,13 +28,13 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .data import ByteTokenizer, lm_batches
-from .errors import ConfigError
-from .loading import load_model
-from .partition import validate_cuts
-from .privacy.defenses import Defense
-from .privacy.meter import split_corpus
-from .privacy.reference import FINETUNE_JSON, default_cache_dir, finetune_info  # noqa: F401 (re-export)
+from ..model.data import ByteTokenizer, lm_batches
+from ..errors import ConfigError
+from ..model.loading import load_model
+from ..model.partition import validate_cuts
+from ..defense.defenses import Defense
+from ..privacy.meter import split_corpus
+from ..privacy.reference import FINETUNE_JSON, default_cache_dir, finetune_info  # noqa: F401 (re-export)
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +98,10 @@ def finetune_defense(source: Union[str, Path], cut: Union[int, Sequence[int]], d
 
 def _train(source, cut, defense, steps, batch_size, seq_len, lr, seed, ids, progress):
     """The training run: (task losses per step, client state dict, server state dict (HF names))."""
-    from .hf.modeling import SplitGPT2LMHeadModel
-    from .server.config import ServerConfig
-    from .server.http.app import create_app
-    from .transport.inproc import serve_inproc, unserve
+    from ..hf.modeling import SplitGPT2LMHeadModel
+    from ..server.config import ServerConfig
+    from ..server.http.app import create_app
+    from ..transport.inproc import serve_inproc, unserve
 
     token = secrets.token_hex(16)
     cfg = ServerConfig(model=str(source), cuts=tuple(cut), optimizer="adamw", lr=lr, weight_decay=0.01,
@@ -179,12 +179,12 @@ def speculative_releases(source: Union[str, Path], cut: Union[int, Sequence[int]
     (every step's hidden states as sent, accepted or later rejected, with the tokens they encode),
     for :func:`~splitlearn.privacy.speculative.attack_releases` (docs/PRIVACY.md, 'Speculative
     decoding'). ``positions_sent`` is :class:`~splitlearn.hf.draft.CountingRemoteCache`'s count."""
-    from .hf.draft import CountingRemoteCache, LinkAwarePolicy, free_draft, link_aware
-    from .hf.modeling import SplitGPT2LMHeadModel
-    from .privacy.speculative import Releases
-    from .server.config import ServerConfig
-    from .server.http.app import create_app
-    from .transport.inproc import serve_inproc, unserve
+    from ..hf.draft import CountingRemoteCache, LinkAwarePolicy, free_draft, link_aware
+    from ..hf.modeling import SplitGPT2LMHeadModel
+    from ..privacy.speculative import Releases
+    from ..server.config import ServerConfig
+    from ..server.http.app import create_app
+    from ..transport.inproc import serve_inproc, unserve
 
     if draft not in ("free", "lookup"):
         raise ConfigError(f"draft is free or lookup, got {draft!r}")
@@ -260,6 +260,6 @@ def speculative_releases(source: Union[str, Path], cut: Union[int, Sequence[int]
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m splitlearn.privacy``: :func:`splitlearn.privacy.cli.main` with the fine-tuning."""
-    from .privacy.cli import main as meter_main
+    from ..privacy.cli import main as meter_main
 
     return meter_main(argv, finetune=finetune_defense, speculate=speculative_releases)

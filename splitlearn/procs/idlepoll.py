@@ -12,7 +12,7 @@ import sys
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _POLLER = r"""
 import os, sys

@@ -1,6 +1,6 @@
 """Routes, message fields and the protocol version, shared by client and server.
 
-Bodies with tensors are safetensors (:mod:`splitlearn.wire`); their ``__metadata__`` holds
+Bodies with tensors are safetensors (:mod:`splitlearn.api.wire`); their ``__metadata__`` holds
 the string fields below. JSON is used only for small control messages (info, health,
 sessions, errors). ``docs/PROTOCOL.md`` describes every route with its bytes.
 
@@ -11,7 +11,7 @@ route                          method   what
 /v1/ready                      GET      readiness: model loaded, compute thread alive, checkpoint dir writable (503 if not); without a token
 /metrics                       GET      Prometheus text format; operator token (or --metrics-port, loopback, no token)
 /v1/info                       GET      model config, cuts, segment held, dtypes, limits
-/v1/openapi.json               GET      OpenAPI 3.1 document of these routes (splitlearn/openapi.py)
+/v1/openapi.json               GET      OpenAPI 3.1 document of these routes (splitlearn/api/openapi.py)
 /v1/clients/<client_id>        GET      the last training step applied for a client
 /v1/train/step                 POST     2-way: hidden + labels + loss_scale -> loss + grad (a fused piece)
 /v1/train/forward              POST     U-shape: hidden -> trunk output (graph kept)
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
 
-from .errors import BadRequest, ConfigError
+from ..errors import BadRequest, ConfigError
 from .wire import check_wire_dtype
 
 PROTOCOL_VERSION = 1
@@ -54,7 +54,7 @@ READY = "/v1/ready"  # readiness probe, no token (splitlearn/server/http/probes.
 METRICS = "/metrics"  # Prometheus text format, operator only (splitlearn/server/http/metrics.py)
 REQUEST_ID_HEADER = "X-Request-Id"  # a request's id in the access log; a client's own is kept if it fits [A-Za-z0-9_.:-]{1,64}
 INFO = "/v1/info"
-OPENAPI = "/v1/openapi.json"  # OpenAPI 3.1 document of the server's routes (splitlearn/openapi.py)
+OPENAPI = "/v1/openapi.json"  # OpenAPI 3.1 document of the server's routes (splitlearn/api/openapi.py)
 CLIENT_STATE = "/v1/clients/{client_id}"
 TRAIN_STEP = "/v1/train/step"
 TRAIN_FORWARD = "/v1/train/forward"
@@ -73,7 +73,7 @@ FEDERATION_CLOSE = "/v1/federation/close"  # fed server: the segment server's si
 MAX_SAMPLES = 1 << 40  # rows one member may report for a round: far beyond any real one
 MAX_TICKET_CHARS = 2048  # a signed ticket is ~250 characters
 CLIENT_ADAPTER = "/v1/clients/{client_id}/adapter"
-OFFLOAD_LINEAR = "/v1/offload/linear"  # masked offload (splitlearn/offload/layers.py: the bytes)
+OFFLOAD_LINEAR = "/v1/offload/linear"  # masked offload (splitlearn/offloadmath/layers.py: the bytes)
 
 # tensor names in bodies
 MAX_MICROS = 64  # micro-batches in flight: a client's pipeline depth, graphs waiting for their backward
