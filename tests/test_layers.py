@@ -1,6 +1,9 @@
-"""The layers of docs/ARCHITECTURE.md, read from the source: nothing imports a layer above its own.
+"""The layers of docs/ARCHITECTURE.md, read from the source: nothing imports a layer above its own,
+no modules import each other, and inside ``splitlearn/server`` every import points down a wing.
 
-Every ``import`` counts, function-local ones too (they hide loops rather than remove them).
+Every ``import`` counts, function-local ones too (they hide loops rather than remove them); only
+a command's entry, the body of ``if __name__ == "__main__":``, may start any layer (as a
+``__main__`` module may).
 """
 import ast
 from pathlib import Path
@@ -31,14 +34,6 @@ LAYERS = {
     "main": 8,         # every package's __main__.py: a command, imported by nothing
 }
 
-#: module pairs that import each other inside one package, kept known until they are untied (the
-#: test fails on a new one, not on one of these that is gone)
-KNOWN_LOOPS = {
-    # strategy.py's function-local `from .rounds import aggregate`; server/ is being reorganised
-    ("splitlearn.server.federation.rounds", "splitlearn.server.federation.strategy"),
-}
-
-
 def unit_of(module: str) -> str:
     """'splitlearn.hf.remote' -> 'hf'; 'splitlearn.errors' -> 'core'; 'splitlearn' -> 'facade'."""
     parts = module.split(".")
@@ -50,22 +45,41 @@ def unit_of(module: str) -> str:
     return name if (ROOT / name).is_dir() else "core"
 
 
+def _is_main_guard(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``"""
+    t = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(t, ast.Compare) and isinstance(t.left, ast.Name)
+            and t.left.id == "__name__" and len(t.comparators) == 1
+            and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value == "__main__")
+
+
 def imports(path: Path, pkg: list[str] = None) -> list[str]:
-    """The splitlearn modules ``path`` (in package ``pkg``, by default where it lies) imports, as
-    absolute names, at module level or inside functions."""
+    """What ``path`` (in package ``pkg``, by default where it lies) imports of splitlearn, as
+    absolute names, at module level or inside functions (not under a ``__main__`` guard): each
+    name of a ``from`` import as ``module.name`` (a submodule, or a name in that module:
+    :func:`graph` takes the deepest module)."""
     pkg = pkg or list(path.relative_to(ROOT.parent).parts[:-1])
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+
+    def visit(node: ast.AST) -> None:
+        if _is_main_guard(node):
+            return
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg[:len(pkg) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
-                names = [] if node.module else [a.name for a in node.names]
-                out += [f"{target}.{n}" for n in names] or [target]
             elif node.module and node.module.startswith("splitlearn"):
-                out.append(node.module)
+                target = node.module
+            else:
+                target = None
+            if target is not None:
+                out.extend([f"{target}.{a.name}" for a in node.names if a.name != "*"] or [target])
         elif isinstance(node, ast.Import):
-            out += [a.name for a in node.names if a.name.startswith("splitlearn")]
+            out.extend(a.name for a in node.names if a.name.startswith("splitlearn"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
     return out
 
 
@@ -76,6 +90,37 @@ def modules() -> dict[str, Path]:
         rel = path.relative_to(ROOT.parent).with_suffix("")
         found[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
     return found
+
+
+def loops(g: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles (strongly connected components of more than one module; Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            connect(v)
+    return sorted(found)
 
 
 def module_edges() -> set[tuple[str, str]]:
@@ -125,11 +170,13 @@ def test_no_two_packages_import_each_other():
     assert not loops, f"packages that import each other: {loops}"
 
 
-def test_no_two_modules_import_each_other():
-    """Within a package too: a loop of two modules is one module in two files (or a layer missing)."""
-    pairs = module_edges()
-    loops = {tuple(sorted(p)) for p in pairs if (p[1], p[0]) in pairs}
-    assert loops <= KNOWN_LOOPS, f"modules that import each other: {sorted(loops - KNOWN_LOOPS)}"
+def test_no_modules_import_each_other():
+    """Within a package too, and round a loop of any length: a loop is one module in several
+    files (or a layer missing)."""
+    g = {}
+    for src, dst in module_edges():
+        g.setdefault(src, set()).add(dst)
+    assert not loops(g), f"modules that import each other (directly or round a loop): {loops(g)}"
 
 
 def test_the_root_holds_no_layer_of_its_own():
@@ -150,5 +197,135 @@ def test_the_checker_sees_a_lie(tmp_path):
     f = tmp_path / "remote.py"
     f.write_text("import torch\n\ndef f():\n    from ..client.core import SplitClient\n    from . import cache\n")
     found = imports(f, ["splitlearn", "hf"])  # as if it lay in splitlearn/hf/
-    assert found == ["splitlearn.client.core", "splitlearn.hf.cache"]
+    assert found == ["splitlearn.client.core.SplitClient", "splitlearn.hf.cache"]
     assert [unit_of(t) for t in found] == ["client", "hf"] and LAYERS["client"] > LAYERS["hf"]
+
+
+# -- the server's wings: inside splitlearn/server every import points down a wing --------------
+#
+#    5  __main__                    python -m splitlearn.server (imported by nothing)
+#    4  splitlearn.server           the package's facade (create_app, ServerConfig, SegmentRuntime)
+#    3  http/                       the apps, the doors, the routes, the CLI; the fed server's app
+#    2  engine/                     the segment and everything that touches it
+#    1  federation/                 the modes, the rounds, the strategies; the fed server's state
+#    0  config, options, tenants    plain data the wings read, and pure code
+
+SERVER = ROOT / "server"
+
+#: a wing of splitlearn.server -> its layer; a module may import its own layer and those below
+WINGS = {"base": 0, "federation": 1, "engine": 2, "http": 3, "facade": 4, "main": 5}
+BASE = {"config", "options", "tenants"}  # splitlearn/server/<name>.py: plain data and pure code
+
+
+def wing_of(module: str) -> str:
+    """'splitlearn.server.http.app' -> 'http'; 'splitlearn.server.config' -> 'base';
+    'splitlearn.server' -> 'facade'; 'splitlearn.server.__main__' -> 'main'."""
+    parts = module.split(".")
+    assert parts[:2] == ["splitlearn", "server"], module
+    if len(parts) == 2:
+        return "facade"
+    if parts[2] == "__main__":
+        return "main"
+    if (SERVER / parts[2]).is_dir():
+        return parts[2]
+    return "base" if parts[2] in BASE else f"unknown:{parts[2]}"
+
+
+def server_modules() -> dict[str, Path]:
+    """Every module of splitlearn/server by its dotted name (a package by its own)."""
+    found = {}
+    for path in SERVER.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
+        found[".".join(parts)] = path
+    return found
+
+
+def graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of splitlearn/server it imports (``from .x import name``: module x)."""
+    def resolve(target: str) -> str:
+        while target not in mods and "." in target:
+            target = target.rpartition(".")[0]
+        return target
+
+    out = {}
+    for name, path in mods.items():
+        targets = {resolve(t) for t in imports(path) if t == "splitlearn.server" or t.startswith("splitlearn.server.")}
+        out[name] = targets - {name}
+    return out
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import that reaches up a wing, as 'importer (wing) -> imported (wing)'."""
+    return sorted(f"{src} ({wing_of(src)}) -> {dst} ({wing_of(dst)})" for src, dsts in g.items() for dst in dsts
+                  if WINGS.get(wing_of(dst), 99) > WINGS.get(wing_of(src), -1))
+
+
+@pytest.fixture(scope="module")
+def server_graph():
+    return graph(server_modules())
+
+
+def test_every_module_has_a_wing():
+    assert {wing_of(m) for m in server_modules()} <= set(WINGS), "give the new top-level module of splitlearn/server a wing"
+
+
+def test_no_import_reaches_up_a_wing(server_graph):
+    assert not upward(server_graph), "imports that reach up a wing:\n" + "\n".join(upward(server_graph))
+
+
+def test_no_server_modules_import_each_other(server_graph):
+    assert not loops(server_graph), f"modules that import each other (directly or round a loop): {loops(server_graph)}"
+
+
+def test_config_is_plain_data_the_wings_read(server_graph):
+    """The config imports no wing: the wings read it (and what is built of it is built in them)."""
+    assert {wing_of(m) for m in server_graph["splitlearn.server.config"]} <= {"base"}
+
+
+def test_the_wing_checker_sees_a_lie(tmp_path):
+    """An upward edge (federation importing engine, in a function), a pair of modules importing
+    each other, and a command's entry (which may start any wing) as the checker reads them."""
+    f = tmp_path / "modes.py"
+    f.write_text("import torch\nfrom . import tickets\n\ndef f():\n    from ..engine.tenants import client_of\n\n"
+                 "if __name__ == '__main__':\n    from ..http.fedapp import main\n")
+    found = imports(f, ["splitlearn", "server", "federation"])  # as if it lay in splitlearn/server/federation/
+    assert found == ["splitlearn.server.federation.tickets", "splitlearn.server.engine.tenants.client_of"]
+    g = {"splitlearn.server.federation.modes": {"splitlearn.server.engine.tenants", "splitlearn.server.config"},
+         "splitlearn.server.engine.tenants": set(), "splitlearn.server.config": set()}
+    assert upward(g) == ["splitlearn.server.federation.modes (federation) -> splitlearn.server.engine.tenants (engine)"]
+    assert not loops(g)
+    g["splitlearn.server.engine.tenants"] = {"splitlearn.server.federation.modes"}  # a pair: each imports the other
+    assert loops(g) == [["splitlearn.server.engine.tenants", "splitlearn.server.federation.modes"]]
+    assert wing_of("splitlearn.server") == "facade" and wing_of("splitlearn.server.__main__") == "main"
+    assert wing_of("splitlearn.server.tenants") == "base" and wing_of("splitlearn.server.wings") == "unknown:wings"
+
+
+# -- rooms of one concept ---------------------------------------------------------------------
+
+def test_no_class_over_400_lines_and_no_file_over_600():
+    """One concept per module: a class past 400 lines, or a file past 600, holds several."""
+    big = []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 600:
+            big.append(f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines")
+        big += [f"{path.relative_to(ROOT.parent)}: class {n.name}, {n.end_lineno - n.lineno + 1} lines"
+                for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno >= 400]
+    assert not big, big
+
+
+def private_reads(path: Path) -> list[str]:
+    """``x._name`` where ``x`` is not ``self`` or ``cls``: a read of another object's insides."""
+    return [f"{path.name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+
+
+def test_the_client_drives_the_engine_through_its_public_api(tmp_path):
+    """``SplitClient`` uses the engine's rooms as a user's loop does: no private reads (it once
+    read ``remote._snap_step`` and switched the engine into a second mode)."""
+    assert not [r for p in (ROOT / "client").glob("*.py") for r in private_reads(p)]
+    lie = tmp_path / "core.py"
+    lie.write_text("def load(self, remote):\n    return self._model.remote._snap_step\n")
+    assert private_reads(lie) == ["core.py:2 self._model.remote._snap_step"]

@@ -10,6 +10,8 @@ from transformers import GPT2Model
 from ..errors import ConfigError, NotYourTurn, StaleWeights
 from .config import SplitOptions, with_options
 from .remote import RemoteSegment
+from .sources import from_source
+from .trunk import SplitGPT2Model
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,6 @@ class SplitMixin:
 
     @micro_batches.setter
     def micro_batches(self, m: int) -> None:
-        from .modeling import SplitGPT2LMHeadModel
         from .pipeline import check_micro_batches
 
         check_micro_batches(m)
@@ -108,7 +109,7 @@ class SplitMixin:
         if m > 1 and getattr(self.defense, "defends_gradient", False):
             raise ConfigError("a defense of the gradient channel trains whole batches (micro_batches=1: "
                               "its clip is per token of the whole batch's loss)")
-        if m > 1 and not isinstance(self, SplitGPT2LMHeadModel):
+        if m > 1 and not self.causal_lm:
             raise ConfigError(f"micro_batches works with SplitGPT2LMHeadModel (a causal-LM loss); "
                               f"{type(self).__name__} trains whole batches")
         self.__dict__["_micro_batches"] = m
@@ -182,6 +183,9 @@ class SplitMixin:
     # -- construction --------------------------------------------------------------------
 
     HF_CLASS: type = GPT2Model
+    #: its forward computes a causal-LM loss (``SplitGPT2LMHeadModel``): micro-batches and the
+    #: decode's row groups run through it
+    causal_lm = False
 
     @classmethod
     @with_options(*SplitOptions.names())
@@ -203,10 +207,9 @@ class SplitMixin:
         ``pad_token_id=...``). Only the client's weights are kept; eval mode, as
         ``from_pretrained`` leaves any model."""
         from .lora import apply_lora
-        from .modeling import _from_pretrained
 
         options = SplitOptions.take(kwargs)
-        model = _from_pretrained(cls.HF_CLASS, source, options, **kwargs)
+        model = from_source(cls.HF_CLASS, source, options, cls, SplitGPT2Model, **kwargs)
         try:
             if options.defense is not None:
                 model.defense = options.defense

@@ -35,7 +35,6 @@ run by ``SplitGPT2LMHeadModel``'s forward one group at a time, both in flight
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional, Union
 
 import torch
@@ -47,7 +46,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2PreTrainedModel
 from transformers.utils.deprecation import deprecate_kwarg
 
 from ..errors import ConfigError
-from ..model.loading import load_model, name_causal_lm_loss
+from ..model.loading import load_model
 from ..model.partition import partition
 from . import pipeline
 from .cache import _rows
@@ -55,14 +54,15 @@ from .config import ModelOptions, RemoteConfig, SplitOptions, with_options
 from .generation import SplitGenerationMixin
 from .mixin import SplitMixin
 from .remote import RemoteSegment
-from .sources import _check_config, _client_segments, _hf_from_segments, _is_export, _load_hf
-from .trunk import CUTS_KEY, SplitGPT2Model
+from .sources import _check_config, _client_segments, _hf_from_segments, _is_export, need_u_shape, split_into
+from .trunk import SplitGPT2Model
 
 
 class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
     """``GPT2LMHeadModel`` split across this process and a splitlearn server (either shape)."""
 
     HF_CLASS = GPT2LMHeadModel
+    causal_lm = True
 
     def __init__(self, config: GPT2Config):
         GPT2PreTrainedModel.__init__(self, config)
@@ -186,19 +186,12 @@ class SplitGPT2ForSequenceClassification(SplitMixin, GPT2ForSequenceClassificati
         GPT2PreTrainedModel.__init__(self, config)
         self.num_labels = config.num_labels
         self.transformer = SplitGPT2Model(config)
-        _need_u_shape(self.transformer, type(self).__name__)
+        need_u_shape(self.transformer, type(self).__name__)
         self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
         self.post_init()
 
     def forward(self, *args, **kwargs):
         return self._add_defense_loss(super().forward(*args, **kwargs))
-
-
-def _need_u_shape(trunk: SplitGPT2Model, what: str) -> None:
-    if not trunk.u_shape:
-        raise ConfigError(f"{what} needs a U-shape server (two cuts: it holds only the trunk); this one "
-                          f"holds the top with the LM head (cut {trunk.cuts[0]}), which serves "
-                          f"SplitGPT2LMHeadModel only")
 
 
 _SPLIT_CLASSES = {GPT2LMHeadModel: SplitGPT2LMHeadModel,
@@ -251,38 +244,8 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
     if not isinstance(trunk_hf, GPT2Model) or getattr(model.config, "add_cross_attention", False):
         raise ConfigError(f"split_model splits Hugging Face GPT-2 models (a GPT2Model under .transformer, "
                           f"no cross-attention); got {type(model).__name__}")
-    _check_config(model.config, remote.info)
-    config = copy.deepcopy(model.config)
-    setattr(config, CUTS_KEY, list(remote.cuts))
-    if config.pad_token_id is None and config.eos_token_id is not None and not isinstance(model, GPT2LMHeadModel):
-        # a head that pools the last token (sequence classification) refuses a batch of more than
-        # one row without a pad token: GPT-2 has none, and transformers advises its eos
-        config.pad_token_id = config.eos_token_id
-    with torch.device("meta"):
-        trunk = SplitGPT2Model(config)
-    trunk.wte, trunk.wpe, trunk.drop = trunk_hf.wte, trunk_hf.wpe, trunk_hf.drop
-    for a, b in trunk.client_blocks:
-        for i in range(a, b):
-            trunk.h[i] = trunk_hf.h[i]
-    if trunk.u_shape:
-        trunk.ln_f = trunk_hf.ln_f
-    trunk.remote = remote
-    if isinstance(model, GPT2Model):
-        _need_u_shape(trunk, "SplitGPT2Model")
-        remote.link.bind(trunk)
-        return trunk
-    cls = _split_class(type(model))
-    if not trunk.u_shape and not issubclass(cls, GPT2LMHeadModel):
-        _need_u_shape(trunk, cls.__name__)
-    model.transformer = trunk
-    model.config = config
-    if not trunk.u_shape:  # the server holds ln_f and the LM head
-        model.lm_head = None
-        model._tied_weights_keys = {}
-    model.__class__ = cls
-    name_causal_lm_loss(model)  # a language model's loss, named: no transformers warning at every loss
-    remote.link.bind(model)
-    return model
+    cls = SplitGPT2Model if isinstance(model, GPT2Model) else _split_class(type(model))
+    return split_into(model, remote, cls, SplitGPT2Model)
 
 
 def split_segments(source, remote: RemoteSegment, device=None, seed: int = 0) -> tuple:
@@ -298,18 +261,3 @@ def split_segments(source, remote: RemoteSegment, device=None, seed: int = 0) ->
         parts = partition(m, remote.cuts)  # the server's segment dies with `m` and `parts`
         segments = [parts.bottom, parts.top] if remote.u_shape else [parts.bottom]
     return split_model(_hf_from_segments(GPT2LMHeadModel, segments), remote=remote), segments
-
-
-def _from_pretrained(hf_cls: type, source, options: SplitOptions, **kwargs):
-    """``kwargs``: the head's config (``num_labels=3``)."""
-    seed = options.seed
-    remote = RemoteSegment(options.remote_config)
-    try:
-        if _is_export(source):  # export_segments' directory: the client's segments, as SplitClient takes it
-            hf = _hf_from_segments(hf_cls, _client_segments(source, remote), seed, **kwargs)
-        else:
-            hf = _load_hf(hf_cls, source, seed, **kwargs)
-        return split_model(hf, remote=remote).eval()
-    except BaseException:
-        remote.close()
-        raise

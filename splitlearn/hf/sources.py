@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 from ..errors import ConfigError
 from ..model.export import load_segments
-from ..model.loading import _LOAD_LOCK, is_spec_source, load_model
+from ..model.loading import _LOAD_LOCK, is_spec_source, load_model, name_causal_lm_loss
 from .remote import RemoteSegment
 
 
@@ -98,3 +98,70 @@ def _load_hf(hf_cls: type, source, seed: int = 0, **config_kwargs):
     if hasattr(model, "lm_head") and getattr(model, "lm_head", None) is not None:
         model.lm_head.weight.data.copy_(lm.lm_head.weight.data)
     return model
+
+
+CUTS_KEY = "splitlearn_cuts"  # the config attribute naming the server's cuts
+
+
+def need_u_shape(trunk, what: str) -> None:
+    if not trunk.u_shape:
+        raise ConfigError(f"{what} needs a U-shape server (two cuts: it holds only the trunk); this one "
+                          f"holds the top with the LM head (cut {trunk.cuts[0]}), which serves "
+                          f"SplitGPT2LMHeadModel only")
+
+
+def split_into(model: nn.Module, remote: RemoteSegment, cls: type, trunk_cls: type) -> nn.Module:
+    """Make the Hugging Face GPT-2 ``model`` (checked by :func:`splitlearn.hf.modeling.split_model`)
+    the split class ``cls`` over a ``trunk_cls`` (``SplitGPT2Model``) at ``remote``'s cuts, in
+    place: its server-side blocks dropped, its own modules kept (no copy). A ``GPT2Model``
+    becomes the trunk itself. Returns the model."""
+    trunk_hf = model if isinstance(model, GPT2Model) else model.transformer
+    _check_config(model.config, remote.info)
+    config = copy.deepcopy(model.config)
+    setattr(config, CUTS_KEY, list(remote.cuts))
+    if config.pad_token_id is None and config.eos_token_id is not None and not isinstance(model, GPT2LMHeadModel):
+        # a head that pools the last token (sequence classification) refuses a batch of more than
+        # one row without a pad token: GPT-2 has none, and transformers advises its eos
+        config.pad_token_id = config.eos_token_id
+    with torch.device("meta"):
+        trunk = trunk_cls(config)
+    trunk.wte, trunk.wpe, trunk.drop = trunk_hf.wte, trunk_hf.wpe, trunk_hf.drop
+    for a, b in trunk.client_blocks:
+        for i in range(a, b):
+            trunk.h[i] = trunk_hf.h[i]
+    if trunk.u_shape:
+        trunk.ln_f = trunk_hf.ln_f
+    trunk.remote = remote
+    if isinstance(model, GPT2Model):
+        need_u_shape(trunk, trunk_cls.__name__)
+        remote.link.bind(trunk)
+        return trunk
+    if not trunk.u_shape and not issubclass(cls, GPT2LMHeadModel):
+        need_u_shape(trunk, cls.__name__)
+    model.transformer = trunk
+    model.config = config
+    if not trunk.u_shape:  # the server holds ln_f and the LM head
+        model.lm_head = None
+        model._tied_weights_keys = {}
+    model.__class__ = cls
+    name_causal_lm_loss(model)  # a language model's loss, named: no transformers warning at every loss
+    remote.link.bind(model)
+    return model
+
+
+def from_source(hf_cls: type, source, options, cls: type, trunk_cls: type, **kwargs) -> nn.Module:
+    """``cls.from_pretrained``: ``source`` (a :func:`splitlearn.load_model` source or an export
+    directory) as ``hf_cls``, split into ``cls`` over ``trunk_cls`` against a new
+    :class:`RemoteSegment` of ``options`` (a :class:`~splitlearn.hf.config.SplitOptions`).
+    ``kwargs``: the head's config (``num_labels=3``)."""
+    seed = options.seed
+    remote = RemoteSegment(options.remote_config)
+    try:
+        if _is_export(source):  # export_segments' directory: the client's segments, as SplitClient takes it
+            hf = _hf_from_segments(hf_cls, _client_segments(source, remote), seed, **kwargs)
+        else:
+            hf = _load_hf(hf_cls, source, seed, **kwargs)
+        return split_into(hf, remote, cls, trunk_cls).eval()
+    except BaseException:
+        remote.close()
+        raise

@@ -20,8 +20,8 @@ from ..model.partition import validate_cuts
 from ..model.segments import embed, run_blocks
 from .config import HEAD_OPTIONS, SplitOptions, with_options
 from .remote import RemoteSegment
+from .sources import CUTS_KEY, from_source
 
-CUTS_KEY = "splitlearn_cuts"  # the config attribute naming the server's cuts
 
 
 class ServerBlock(nn.Module):
@@ -75,9 +75,7 @@ class SplitGPT2Model(GPT2PreTrainedModel):
     def from_pretrained(cls, source, *model_args, **kwargs):
         """The trunk alone (``GPT2Model``'s output, U-shape servers): see :meth:`SplitMixin.from_pretrained`
         (its options less a head's: ``defense``, ``lora``, ``micro_batches``)."""
-        from .modeling import _from_pretrained
-
-        return _from_pretrained(GPT2Model, source, SplitOptions.take(kwargs, skip=HEAD_OPTIONS), **kwargs)
+        return from_source(GPT2Model, source, SplitOptions.take(kwargs, skip=HEAD_OPTIONS), cls, cls, **kwargs)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.remote.link.attach(optimizer)
