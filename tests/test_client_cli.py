@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import splitlearn as sl
+from splitlearn.model.checkpoint import has_state
 from splitlearn.client.cli import main
 from splitlearn.procs.localserver import LocalServer
 
@@ -70,7 +71,7 @@ def _train_and_resume(env, tmp_path, capsys):
     assert summary["steps"] == 3 and summary["stats"]["calls"] == 6  # forward + backward per step
     assert summary["stats"]["bytes_sent"] > 3 * 2 * 16 * 32 * 4  # at least the activations
     assert "trained 3 steps" in out.err
-    assert sl.checkpoint.has_state(tmp_path / "ck", "client")
+    assert has_state(tmp_path / "ck", "client")
     # resuming at the saved step with --steps equal to it has nothing to do
     assert main(["train", "--server", env.url, "--model", "tiny", "--device", "cpu", "--data", str(corpus),
                  "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--resume", str(tmp_path / "ck"),
