@@ -204,11 +204,11 @@ def test_a_deferred_apply_stuck_on_a_dead_server_does_not_hold_up_another_segmen
 
     release, sent = threading.Event(), {}
 
-    class Applier:  # what the flusher reads and calls: deferred, idle_flush(req)
+    class Applier:  # what the flusher reads and calls: deferred, segment, idle_flush(req, segment)
         def __init__(self, blocks: bool, deferred: str):
-            self.blocks, self.deferred = blocks, deferred
+            self.blocks, self.deferred, self.segment = blocks, deferred, self
 
-        def idle_flush(self, req):
+        def idle_flush(self, req, segment):
             if self.blocks:
                 release.wait(30)  # the dead server's reconnect window
             sent[req] = time.monotonic()

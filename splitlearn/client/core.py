@@ -39,9 +39,13 @@ class SplitClient:
 
     model: the server's model source (spec name, directory, JSON, hub id, a ``GPT2LMHeadModel``)
         or a directory of exported segments.
-    config / keyword options: :class:`~splitlearn.client.config.ClientConfig`'s fields, each with
-        its help there (a keyword overrides the config's field); bad ones raise ``ConfigError``
-        before any call.
+    config / keyword options: :class:`~splitlearn.client.config.ClientConfig`'s fields (a keyword
+        overrides the config's field); bad ones raise ``ConfigError`` before any call. The
+        connection (``token``, ``timeout_s``, ``retries``, ``wait_timeout_s``,
+        ``reconnect_timeout_s``), the optimizer (``optimizer``, ``lr``, ``weight_decay``),
+        ``device``, ``wire_dtype``, ``client_id``, ``seed``, the model's features (``defense``,
+        ``micro_batches``, ``lora``, ``fed_url``/``fed_token``, ``packed_weights``), ``journal_dir``,
+        ``poll_idle`` and the pins (``min_client_blocks``, ``expected_cuts``, ``shape``).
     """
 
     def __init__(self, url: str, model, config: Optional[ClientConfig] = None, **options):

@@ -90,6 +90,7 @@ class Applier:
 
     def __init__(self, segment, outbox: Outbox, idle_s: float):
         self._segment = weakref.proxy(segment)
+        self._segment_ref = weakref.ref(segment)  # (the idle flusher holds it while it sends)
         self.outbox = outbox
         self.idle_s = idle_s
         self.carry = True  # False: every apply is a POST /v1/train/apply of its own
@@ -101,6 +102,11 @@ class Applier:
     def deferred(self) -> Optional[P.ApplyRequest]:
         """The last step's apply, carried by the next step's first forwards (or sent alone)."""
         return self.outbox.req
+
+    @property
+    def segment(self):
+        """The segment, if it is alive (None once collected)."""
+        return self._segment_ref()
 
     def carried_by(self, step: int) -> Optional[str]:
         """A forward of ``step`` is being sent: the deferred apply of the step before as its
@@ -146,8 +152,10 @@ class Applier:
             self.answered(req, answer)
             return answer
 
-    def idle_flush(self, req: P.ApplyRequest) -> None:
-        """The idle flusher's call: send ``req`` unless a forward carries it or it was answered."""
+    def idle_flush(self, req: P.ApplyRequest, segment=None) -> None:
+        """The idle flusher's call: send ``req`` unless a forward carries it or it was answered
+        (``segment``: the segment, held alive while its apply is sent; a collected one's apply
+        is its finalizer's to send)."""
         with self.outbox.lock:
             if self.outbox.req is not req or self.outbox.carrying:
                 return
@@ -299,9 +307,11 @@ class IdleFlusher:
                     self._cond.wait(None if not self._due else self._due[0][0] - time.monotonic())
                 _, _, ref, req = heapq.heappop(self._due)
             applier = ref()
-            if applier is not None and applier.deferred is req:  # (not carried meanwhile: no thread)
-                threading.Thread(target=applier.idle_flush, args=(req,), name="splitlearn-idle-apply-send",
+            segment = applier.segment if applier is not None else None
+            if segment is not None and applier.deferred is req:  # (not carried meanwhile: no thread)
+                threading.Thread(target=applier.idle_flush, args=(req, segment), name="splitlearn-idle-apply-send",
                                  daemon=True).start()
+            del applier, segment  # (this thread holds neither while it waits)
 
 
 IDLE = IdleFlusher()
