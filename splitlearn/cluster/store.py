@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (a private network's)")
     p.add_argument("--port", type=int, default=29500)
     a = p.parse_args(argv)
-    store = host_store(a.host, a.port)
-    stop = threading.Event()
+    stop = threading.Event()  # the handlers first: a SIGTERM as soon as the port is open ends it cleanly
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    store = host_store(a.host, a.port)
     print(f"splitlearn fed store on {a.host}:{store.port}", file=sys.stderr, flush=True)
     stop.wait()
     return 0
