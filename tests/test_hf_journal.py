@@ -61,9 +61,9 @@ def run(cuts, tmp, kill_at=None, restart_from=None, micro_batches=1):
                     and json.loads(meta["apply"])["step"] == kill_at[0]:  # the next step's first forward carries it
                 crash()
 
-        def call_meta(path, tensors, meta=None):
+        def call_meta(path, tensors, meta=None, lane=0):
             kill_before(path, meta)
-            return real[0](path, tensors, meta)
+            return real[0](path, tensors, meta, lane)
 
         def start_call(path, tensors, meta=None, lane=0):  # pipelined pieces
             kill_before(path, meta)

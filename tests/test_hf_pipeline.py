@@ -159,3 +159,15 @@ def test_the_chooser_keeps_the_count_it_measured_faster(server, faster):
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     assert (model.remote.stats.calls - calls) // 2 == M
     model.remote.close()
+
+
+def test_by_default_the_chooser_measures_on_a_gpu_only(server):
+    """``choose_micro_batches = "auto"`` by default: a CPU model keeps its M from the first
+    step (no trial steps with whole batches), and no chooser is made for it."""
+    from splitlearn.hf import pipeline
+
+    model = split_lm(server, micro_batches=M)
+    assert model.choose_micro_batches == "auto"
+    assert [pipeline.micro_count(model) for _ in range(12)] == [M] * 12
+    assert "_micro_chooser" not in model.__dict__
+    model.remote.close()

@@ -42,7 +42,7 @@ class Journal:
     def answers(self, step):
         return False
 
-    def call(self, step, sent):
+    def call(self, step, sent, lane=0):
         return {}, self.segment.transport.post_json(sent.path, sent.meta)
 
     def logged(self, step, sent, out, info):

@@ -599,3 +599,69 @@ def test_a_lane_whose_connection_was_lost_is_resent_on_a_new_one(server):
         assert torch.equal(first[P.HIDDEN], again[P.HIDDEN]) and t.link._lanes[0] is not lost
     finally:
         t.close()
+
+
+# -- lanes: one request in flight each -------------------------------------------------------
+
+def test_a_lane_with_an_unread_answer_takes_no_second_request(server):
+    """A second request on a lane would be answered with the first one's answer (one connection,
+    answers in order): the link refuses it, and the first answer is still read as sent."""
+    t = Transport(TransportConfig(server.unix_url, TOKEN))
+    first = t.start_call(P.FORWARD, _hidden(0), {"wire_dtype": "float32"}, lane=3)
+    with pytest.raises(RuntimeError, match="lane 3 .* already has a request in flight"):
+        t.start_call(P.FORWARD, _hidden(1, 4, 7), {"wire_dtype": "float32"}, lane=3)
+    out = t.finish_call(first)
+    assert out[P.HIDDEN].shape == (2, 5, D)  # the first request's answer, not another's
+    again = t.finish_call(t.start_call(P.FORWARD, _hidden(1, 4, 7), {"wire_dtype": "float32"}, lane=3))
+    assert again[P.HIDDEN].shape == (4, 7, D)
+    t.close()
+
+
+def test_a_pipelined_piece_sent_again_goes_on_its_own_lane(server, monkeypatch):
+    """Issue 42's H100 run: a SplitClient with micro_batches=4 (backwards sent during the
+    forwards, 1F1B) got "the server's trunk output is not usable: the body has no tensor
+    'hidden' (it has ['grad'])". A forward piece whose answer failed (503 busy, a dropped
+    connection) was sent again as a lone call on lane 0, where the first piece's backward was
+    still out: it read that backward's answer. Here piece 1's first answer is a 503 while
+    piece 0's backward is unread; the step's loss and gradients are the unpiped step's."""
+    from splitlearn.errors import ServiceUnavailable
+    from splitlearn.hf import pipeline
+
+    def model():
+        torch.manual_seed(0)
+        m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=server.unix_url, token=TOKEN,
+                                                 micro_batches=4).train()
+        m.loss_gradient = 1.0  # the backwards go out while the forwards come back (1F1B)
+        return m
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (8, 10), generator=g)
+    whole = model()
+    whole.micro_batches = 1
+    ref = whole(input_ids=ids, labels=ids).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in whole.named_parameters() if p.grad is not None}
+    whole.remote.steps.discard()  # nothing applied: the server's weights stay as they are
+
+    piped = model()
+    transport, fired = piped.remote.transport, []
+    real = transport.finish_call_meta
+
+    def flaky(pending):
+        out = real(pending)
+        if pending.path == P.TRAIN_FORWARD and pending.lane == 1 and not fired:
+            fired.append(pending.lane)
+            raise ServiceUnavailable("the segment is busy")  # its answer read, then lost
+        return out
+
+    monkeypatch.setattr(transport, "finish_call_meta", flaky)
+    monkeypatch.setattr(pipeline._Lanes, "ready", lambda self, key: key in self.answers)  # b(0) stays out
+    loss = piped(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert fired and float(loss) == pytest.approx(float(ref), rel=1e-5)
+    for n, p in piped.named_parameters():
+        if n in ref_grads:
+            assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), n
+    piped.remote.steps.discard()
+    whole.remote.close()
+    piped.remote.close()

@@ -88,10 +88,9 @@ class SplitMixin:
         return status
 
     #: measure ``micro_batches`` against whole batches over the first training steps and keep the
-    #: faster (:class:`splitlearn.hf.pipeline.Chooser`): "auto" on a CUDA device, True anywhere, False
-    #: never (the default until a GPU run passes: on an H100, SplitClient with micro_batches=4 and
-    #: "auto" got a backward's answer to a forward, refused as IntegrityError; cause not found)
-    choose_micro_batches = False
+    #: faster (:class:`splitlearn.hf.pipeline.Chooser`): "auto" (the default) on a CUDA device, True
+    #: anywhere, False never (always ``micro_batches``)
+    choose_micro_batches = "auto"
 
     @property
     def micro_batches(self) -> int:

@@ -217,7 +217,7 @@ class StepPieces:
                 raise ConfigError(f"the loss received the gradient {float(tensors[P.GRAD]):g} where "
                                   f"{promised:g} was promised (loss_gradient): the server has already done "
                                   f"this piece's backward")
-            return kind, piece, None, None
+            return kind, piece, None, None, lane or 0
         path = (P.TRAIN_STEP if scale is not None else P.TRAIN_FORWARD) if kind == "f" else P.TRAIN_BACKWARD
         sent = Sent(path, tensors, self.meta(*piece, kind, scale))
         pending = None
@@ -226,15 +226,19 @@ class StepPieces:
                 pending = seg.transport.start_call(sent.path, tensors, sent.meta, lane=lane)
             except (TransportError, ServiceUnavailable, Conflict):
                 pass  # finish sends it again, waiting and recovering as a lone call does
-        return kind, piece, sent, pending
+        return kind, piece, sent, pending, lane or 0
 
     def finish(self, call) -> tuple[str, tuple[int, int], dict]:
         """The answer to :meth:`start`'s call -> (kind, piece, tensors: ``hidden``, ``loss``,
         ``grad`` as the server answered them, unpacked). A busy segment, a dropped connection or
         a restarted server: sent again as a lone call would be (waits, replay of what the server
         lost; the numbers make it exactly once). A backward whose forward the server no longer
-        has: :class:`~splitlearn.errors.ForwardLost` (the step must run again from the start)."""
-        kind, piece, sent, pending = call
+        has: :class:`~splitlearn.errors.ForwardLost` (the step must run again from the start).
+
+        Sent again on the call's own lane, never on another: the pieces in flight together hold
+        the other lanes, and a second request on a lane whose answer is unread would be answered
+        with that answer (a forward given a backward's gradient: the H100 run of issue 42)."""
+        kind, piece, sent, pending, lane = call
         if sent is None:  # a fused 2-way piece's backward: the gradient came with the forward
             return kind, piece, {P.GRAD: self._fused.pop(piece)[1]}
         journal = self._segment.journal
@@ -249,7 +253,7 @@ class StepPieces:
                 out = None
         if out is None:
             try:
-                out, info = journal.call(piece[0], sent)
+                out, info = journal.call(piece[0], sent, lane)
             except (StaleWeights, NotYourTurn):
                 raise  # federation: the caller fetches the shared weights or the turn and redoes the step
             except Conflict as e:

@@ -199,11 +199,12 @@ class Chooser:
     training steps measure both: ``WARMUP`` + ``TRIALS`` steps with M, the same whole; a step's
     time is the time from its training forward to the next (forward, backward, the optimizer's
     step and whatever the loop does between: the same for both). The faster count's median
-    wins and is kept (logged once at INFO). ``model.choose_micro_batches``: ``"auto"`` (measure
-    on a CUDA device only, where the GPU issue measured the loss), ``True`` (measure on any
-    device), ``False`` (always M; the default for now: its one H100 run, SplitClient with M = 4,
-    met a forward answered with a backward's tensors, refused by the answer checks, cause not
-    found; on the CPU both switches are tested)."""
+    wins and is kept (logged once at INFO). ``model.choose_micro_batches``: ``"auto"`` (the
+    default: measure on a CUDA device only, where the GPU issue measured the loss), ``True``
+    (measure on any device), ``False`` (always M). (Off for a while after its one H100 run met a
+    forward answered with a backward's tensors: a piece sent again went on lane 0, where another
+    piece's request was still out; :meth:`.pieces.StepPieces.finish` now resends on the piece's
+    own lane.)"""
 
     WARMUP, TRIALS = 1, 3
 

@@ -60,19 +60,21 @@ class Recovery:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send_once(self, sent: Sent) -> tuple[dict, dict]:
-        """One request (waiting out a segment busy with another client's step) -> (tensors, info)."""
+    def send_once(self, sent: Sent, lane: int = 0) -> tuple[dict, dict]:
+        """One request (waiting out a segment busy with another client's step) -> (tensors, info);
+        a tensor request on transport ``lane``."""
         from ..transport.busy import wait_while_busy
 
         seg = self._segment
         if sent.tensors is None:  # an apply: JSON both ways
             return {}, seg.transport.post_json(sent.path, sent.meta)
-        return wait_while_busy(lambda: seg.transport.call_meta(sent.path, sent.tensors, sent.meta),
+        return wait_while_busy(lambda: seg.transport.call_meta(sent.path, sent.tensors, sent.meta, lane),
                                "the segment", seg.cfg.wait_timeout_s)
 
-    def call(self, step: int, sent: Sent) -> tuple[dict, dict]:
-        """Send one training request; log it for a replay; if the server crashed and restarted
-        behind this client, wait for it, replay what it lost, and send it again."""
+    def call(self, step: int, sent: Sent, lane: int = 0) -> tuple[dict, dict]:
+        """Send one training request (on transport ``lane``: a piece's own); log it for a
+        replay; if the server crashed and restarted behind this client, wait for it, replay what
+        it lost, and send it again."""
         if step in self._redo:  # resume(): a step the server has applied, answered from the journal
             return self._redone(step, sent)
         cfg, transport = self._segment.cfg, self._segment.transport
@@ -80,7 +82,7 @@ class Recovery:
         conflicts = 0
         while True:
             try:
-                out, info = self.send_once(sent)
+                out, info = self.send_once(sent, lane)
                 break
             except TransportError as e:
                 if not self.log.enabled:
@@ -94,7 +96,7 @@ class Recovery:
                 if not self.log.enabled or conflicts > 1:
                     raise
             try:
-                self.catch_up()
+                self.catch_up(lane)
             except TransportError:
                 if time.monotonic() > deadline:
                     raise
@@ -115,17 +117,18 @@ class Recovery:
 
     # -- a crash of the server ---------------------------------------------------------------
 
-    def catch_up(self) -> None:
+    def catch_up(self, lane: int = 0) -> None:
         """Bring a restarted server back to this client's step: replay the logged requests of the
         steps it lost and of the step in progress (a server that lost nothing answers them from
-        its ledger)."""
+        its ledger), one after another on transport ``lane`` (the caller's: pieces in flight hold
+        the others)."""
         seg = self._segment
         state = seg.transport.get_json(P.CLIENT_STATE.format(client_id=seg.client_id))
         server = int(state["step"])
         if server >= seg.steps.step:  # it applied the step in progress: the apply's retry gets its answer
             return
         self.log.durable(min(int(state.get("durable", 0)), server))
-        self.log.replay(server, seg.steps.step, lambda r: self.send_once(r)[0])
+        self.log.replay(server, seg.steps.step, lambda r: self.send_once(r, lane)[0])
 
     def recover(self) -> int:
         """Bring a server that restarted from its checkpoint back to this client's step (training

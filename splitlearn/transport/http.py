@@ -429,9 +429,9 @@ class Transport:
     def finish_call(self, pending: PendingCall) -> dict:
         return self.finish_call_meta(pending)[0]
 
-    def call_meta(self, path: str, tensors: dict, meta: Optional[dict] = None) -> tuple[dict, dict]:
-        """:meth:`call`, also returning the answer's string metadata."""
-        return self.finish_call_meta(self.start_call(path, tensors, meta))
+    def call_meta(self, path: str, tensors: dict, meta: Optional[dict] = None, lane: int = 0) -> tuple[dict, dict]:
+        """:meth:`call` (on ``lane``), also returning the answer's string metadata."""
+        return self.finish_call_meta(self.start_call(path, tensors, meta, lane))
 
     def finish_call_meta(self, pending: PendingCall) -> tuple[dict, dict]:
         answer = self._finish(pending, view=True)  # shared memory (unix://): read in place, once

@@ -266,7 +266,8 @@ class UnixLink:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._lanes: dict[int, Connection] = {}  # a Transport's lanes (one thread uses a Transport's lanes)
-        self._sent: dict[int, tuple[str, str]] = {}  # a lane's request in flight: (method, path), for errors
+        self._sent: dict[int, tuple[str, str]] = {}  # a lane's last request: (method, path), for errors
+        self._out: set[int] = set()  # lanes whose answer is not read yet
 
     def _path(self, path: str) -> str:
         if path.startswith(self.path):  # the Transport puts the URL's path (the socket's) in front
@@ -281,6 +282,9 @@ class UnixLink:
 
     def send(self, lane: int, method: str, path: str, headers: dict, body: Optional[bytes]) -> None:
         path = self._path(path)
+        if lane in self._out:  # its answer would be read as this request's
+            raise RuntimeError(f"lane {lane} of {self.url} already has a request in flight ({self._what(lane)}): "
+                               f"read its answer first")
         conn = self._lanes.get(lane)
         device = body.device if isinstance(body, Encoded) else None
         if conn is None or (device is not None and conn.device_region is None and not conn.device_tried):
@@ -291,6 +295,7 @@ class UnixLink:
         self._sent[lane] = (method, path)
         try:
             conn.send(method, path, headers, body)
+            self._out.add(lane)
         except socket.timeout:
             self.drop(lane)
             raise TransportError(f"{self._what(lane)}: the server did not take the request in time") from None
@@ -308,6 +313,7 @@ class UnixLink:
             if spin:
                 conn.await_answer()
             answer = conn._read_answer(view=True)  # a lane's answer is read before its next request
+            self._out.discard(lane)
             conn.answered()
             return answer
         except socket.timeout:
@@ -325,6 +331,7 @@ class UnixLink:
         return conn is None or conn.readable()
 
     def drop(self, lane: int) -> None:
+        self._out.discard(lane)
         conn = self._lanes.pop(lane, None)
         if conn is not None:
             conn.close()
@@ -357,6 +364,7 @@ class UnixLink:
             conns, self._idle = self._idle, []
         conns += list(self._lanes.values())
         self._lanes.clear()
+        self._out.clear()
         for c in conns:
             c.close()
 
