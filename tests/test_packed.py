@@ -142,7 +142,7 @@ def test_each_shape_and_size_runs_where_it_measured_faster(monkeypatch):
         assert weight.packed is not None
         layer(torch.randn(1, 2, 16, generator=g))  # 2 rows: never measured, so measured now
     assert set(packed_mod.CHOICE) == {(16, 8, 1), (16, 8, 2), (16, 8, 4)}
-    assert isinstance(packed_mod.CHOICE[(16, 8, 2)], bool)
+    assert packed_mod.CHOICE[(16, 8, 2)] in (True, False, packed_mod.COLUMNS)
 
 
 def test_a_servers_packing_keeps_a_rows_answer_whoever_is_batched_beside_it(parts, monkeypatch):
@@ -160,3 +160,33 @@ def test_a_servers_packing_keeps_a_rows_answer_whoever_is_batched_beside_it(part
         alone = [layer(x[i:i + 1]) for i in range(4)]
     assert all(torch.equal(together[i:i + 1], alone[i]) for i in range(4))
     assert packed_mod.CHOICE == {}  # nothing was measured: every product went packed
+
+
+def test_a_linear_layers_in_out_copy_gives_its_products_and_follows_the_weight(monkeypatch):
+    """The third choice (an ``nn.Linear``'s weight copied (in, out), MKL's fast few-row path):
+    its products are the layer's within float32 rounding, it is made again after an optimizer
+    step, and it is not kept where no size of the shape chose it."""
+    import splitlearn.model.packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "CHOICE", {(16, 40, 1): packed_mod.COLUMNS, (16, 40, 4): True})
+    layer = torch.nn.Linear(16, 40).eval()
+    packed = PackedLinears(torch.nn.Sequential(layer))
+    columns = packed._weights[0].columns()
+    g = torch.Generator().manual_seed(5)
+    x1 = torch.randn(1, 1, 16, generator=g)
+    with torch.no_grad(), packed.active():
+        torch.testing.assert_close(layer(x1), torch.nn.functional.linear(x1, layer.weight, layer.bias))
+        assert columns.copy is not None and columns.copy.shape == (16, 40)
+        with torch.no_grad():
+            layer.weight.mul_(-2.0)  # what an optimizer step does: the version counter moves
+        torch.testing.assert_close(layer(x1), torch.nn.functional.linear(x1, layer.weight, layer.bias))
+        torch.testing.assert_close(columns.copy, layer.weight.t())
+    # a shape measured now (CHOICE empty) keeps the copy only if some size chose it
+    monkeypatch.setattr(packed_mod, "CHOICE", {})
+    other = torch.nn.Linear(8, 24).eval()
+    packed = PackedLinears(torch.nn.Sequential(other))
+    with torch.no_grad(), packed.active():
+        y = other(torch.randn(1, 8, generator=g))
+    choice = packed_mod.CHOICE[(8, 24, 1)]
+    assert choice in (True, False, packed_mod.COLUMNS) and y.shape == (1, 24)
+    assert (packed._weights[0].columns().copy is not None) == (choice == packed_mod.COLUMNS)

@@ -1,11 +1,13 @@
 """``PackedLinears``: few-row inference on oneDNN prepacked weights (CPU, float32).
 
 Inside ``with packed.active():`` the no-grad forwards of every ``Conv1D`` and ``nn.Linear`` of
-a module run on a prepacked copy of their weight (repacked after the weight changes) where
-that measured faster on this host for the product's shape and rows (:data:`CHOICE`, measured
-on first use); with gradients on they run as before. Off (``PackedLinears.usable`` False) without oneDNN, off the
-CPU and for dtypes other than float32. Why, the measured speed-up and the memory cost:
-docs/INTERNALS.md, 'Small-batch matrix products on CPU'."""
+a module run where that measured faster on this host for the product's shape and rows
+(:data:`CHOICE`, measured on first use): on a prepacked copy of their weight (repacked after
+the weight changes), on the layer's own product, or, for an ``nn.Linear`` (the LM head), on a
+copy of its weight laid out (in, out), which MKL multiplies a few rows by faster than the (out,
+in) weight ``F.linear`` reads; with gradients on they run as before. Off (``PackedLinears.usable``
+False) without oneDNN, off the CPU and for dtypes other than float32. Why, the measured speed-up
+and the memory cost: docs/INTERNALS.md, 'Small-batch matrix products on CPU'."""
 from __future__ import annotations
 
 import threading
@@ -33,6 +35,13 @@ class _Packed:
         self._weight, self.transposed = weakref.ref(weight), transposed
         self.key: Optional[tuple] = None
         self.packed: Optional[torch.Tensor] = None
+        self._columns: Optional["_Columns"] = None
+
+    def columns(self) -> "_Columns":
+        """The weight's (in, out) copy (an ``nn.Linear``'s), shared like the packed one."""
+        if self._columns is None:
+            self._columns = _Columns(self.weight)
+        return self._columns
 
     @property
     def weight(self) -> torch.Tensor:
@@ -50,6 +59,28 @@ class _Packed:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self.key = key
         return self.packed
+
+
+class _Columns:
+    """An ``nn.Linear`` weight's copy laid out (in, out) (held weakly, made again after the weight
+    changes): ``torch.mm`` of a few rows by it is MKL's fast path where ``F.linear`` on the (out,
+    in) weight is not (GPT-2 small's LM head, one row: 20.5 against 27.1 ms on this project's
+    Intel VM, loaded; docs/INTERNALS.md)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self._weight, self.key, self.copy = weakref.ref(weight), None, None
+
+    def current(self) -> torch.Tensor:
+        weight = self._weight()
+        key = _key(weight)
+        if key != self.key:
+            with torch.no_grad():
+                self.copy = weight.detach().t().contiguous()  # (in, out)
+            self.key = key
+        return self.copy
+
+    def drop(self) -> None:
+        self.copy, self.key = None, None
 
 
 def _key(weight: torch.Tensor) -> tuple:
@@ -171,9 +202,11 @@ class PackedLinears:
                         del layer.forward
 
 
-#: ``(in, out, rows bucket) -> True`` where the packed weight is the faster, measured on first use
-#: (:func:`_faster_packed`); tests may fill it to fix the choice
-CHOICE: dict[tuple[int, int, int], bool] = {}
+#: ``(in, out, rows bucket) -> True`` where the packed weight is the faster, False where the layer's
+#: own product is, :data:`COLUMNS` where an ``nn.Linear``'s (in, out) copy is; measured on first use
+#: (:func:`_fastest`); tests may fill it to fix the choice
+CHOICE: dict[tuple[int, int, int], object] = {}
+COLUMNS = "columns"
 _TRIES = 3  # products timed of each kind, on first use of a (shape, rows bucket)
 
 
@@ -185,12 +218,13 @@ def _bucket(rows: int) -> int:
     return b
 
 
-def _faster_packed(x2: torch.Tensor, original, packed: "_Packed", bias) -> tuple[bool, torch.Tensor]:
-    """Time ``_TRIES`` products each way on ``x2`` (the call's own rows): whether the packed
-    weight was the faster, and one output. Hosts differ: on the AMD EPYC VM of
-    docs/INTERNALS.md the packed weight won from one row; on an Intel Xeon VM ``addmm`` won the
-    768 x 3072 products at 1-8 rows and the 768 x 50257 LM head at one row (8.0 against 11.9 ms),
-    the packed weight the head from 2 rows (13.8 against 20.2 ms at 4)."""
+def _fastest(x2: torch.Tensor, original, packed: "_Packed", bias, columns: Optional[_Columns]):
+    """Time ``_TRIES`` products each way on ``x2`` (the call's own rows): the choice that was the
+    fastest (True: packed, False: the layer's own, :data:`COLUMNS`: the (in, out) copy, tried for
+    an ``nn.Linear`` only), and one output. Hosts differ: on the AMD EPYC VM of docs/INTERNALS.md
+    the packed weight won from one row; on an Intel Xeon VM ``addmm`` won the 768 x 3072
+    products at 1-8 rows and the 768 x 50257 LM head at one row (8.0 against 11.9 ms), the packed
+    weight the head from 2 rows (13.8 against 20.2 ms at 4)."""
     import time
 
     w = packed.current()
@@ -204,14 +238,24 @@ def _faster_packed(x2: torch.Tensor, original, packed: "_Packed", bias) -> tuple
         return min(times), out
 
     t_packed, out = best(lambda: torch.ops.mkldnn._linear_pointwise(x2, w, bias, "none", [], ""))
-    t_own, _ = best(lambda: original(x2))
-    return t_packed < t_own, out
+    timed = {True: t_packed, False: best(lambda: original(x2))[0]}
+    if columns is not None:
+        cw = columns.current()
+        timed[COLUMNS] = best(lambda: _columns_product(x2, cw, bias))[0]
+    return min(timed, key=timed.get), out
+
+
+def _columns_product(x2: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
+    """(rows, in) @ (in, out) [+ bias]."""
+    return torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)
 
 
 def _packed_forward(layer: nn.Module, packed: _Packed, adaptive: bool = True):
     original = type(layer).forward.__get__(layer)
     bias = layer.bias
     n_in, n_out = (layer.weight.shape if packed.transposed else layer.weight.shape[::-1])
+    # an nn.Linear's (in, out) copy: a client's candidate only (a server's products stay packed)
+    columns = packed.columns() if adaptive and not packed.transposed else None
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -219,13 +263,20 @@ def _packed_forward(layer: nn.Module, packed: _Packed, adaptive: bool = True):
         x2 = x.reshape(-1, x.shape[-1])
         key = (n_in, n_out, _bucket(x2.shape[0]))
         choice = CHOICE.get(key) if adaptive else True
-        if choice is None:  # first product of this shape and size: measure both, keep the faster
-            choice, y = _faster_packed(x2, original, packed, bias)
+        if choice is None:  # first product of this shape and size: measure them, keep the fastest
+            choice, y = _fastest(x2, original, packed, bias, columns)
             CHOICE[key] = choice
+            if columns is not None and COLUMNS not in {v for k, v in CHOICE.items() if k[:2] == key[:2]}:
+                columns.drop()  # no size of this shape takes it: not kept
             return y.view(*x.shape[:-1], y.shape[-1])
-        if not choice:
+        if choice is False:
             return original(x)
-        y = torch.ops.mkldnn._linear_pointwise(x2, packed.current(), bias, "none", [], "")
+        if choice == COLUMNS and columns is not None:
+            y = _columns_product(x2, columns.current(), bias)
+        elif choice == COLUMNS:
+            return original(x)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, packed.current(), bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
     return forward
