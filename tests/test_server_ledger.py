@@ -174,3 +174,22 @@ def test_an_answer_on_the_gpu_is_digested_there_and_names_its_tensors():
     assert all(a._bytes is None for a in on_gpu)  # never encoded (no copy to host memory)
     cpu = Answer({"hidden": h.cpu()}, {"step": "1"})
     assert answer_digests([cpu]) == [digest_of(cpu.encode())]
+
+
+def test_an_answers_socket_body_is_its_encoded_bytes():
+    """Over TCP a host answer goes out as its encoded (and kept) bytes."""
+    h = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(1))
+    a = Answer({"hidden": h}, {"step": "1"})
+    body = a.host_body()
+    assert isinstance(body, bytes) and body is a._bytes and Answer.decode(body).tensors["hidden"].equal(h)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_answers_socket_body_is_one_pinned_copy():
+    """Issue 42: a CUDA answer over TCP is copied once, device to pinned host memory, into the
+    body's own buffer (not to pageable memory and then joined); the bytes are encode()'s."""
+    h = torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16)
+    a = Answer({"hidden": h}, {"step": "1"})
+    body = a.host_body()
+    assert isinstance(body, memoryview) and a._bytes is None  # not kept: the ledger digests it on the device
+    assert bytes(body) == Answer({"hidden": h.cpu()}, {"step": "1"}).encode()

@@ -66,6 +66,14 @@ class Answer:
         CUDA tensors left on the device, for a device region)."""
         return self._bytes if self._bytes is not None else Encoded(self.tensors, self.meta, keep_device)
 
+    def host_body(self):
+        """Its bytes for a socket: CUDA tensors copied once, device to pinned host memory, into
+        the body's own buffer (a ``memoryview``; not kept: a retry encodes the same bytes again);
+        host tensors as :meth:`encode`."""
+        if self._bytes is not None or not any(t.is_cuda for t in self.tensors.values()):
+            return self.encode()
+        return Encoded(self.tensors, self.meta, keep_device=True).host_body()
+
     @classmethod
     def decode(cls, body: bytes) -> "Answer":
         tensors, meta = decode(body)

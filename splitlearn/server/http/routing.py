@@ -126,11 +126,13 @@ class _Views:
 
 
 def bytes_response(content: bytes) -> Response:
-    """A 200 safetensors answer; a large one handed to the WSGI server as a file of views of
-    its bytes (:class:`_Views`), which waitress sends without copying."""
+    """A 200 safetensors answer (bytes, or a ``memoryview`` of pinned host memory: a CUDA
+    answer's, :meth:`~splitlearn.server.engine.ledger.Answer.host_body`); a large one handed to
+    the WSGI server as a file of views of its bytes (:class:`_Views`), which waitress sends
+    without copying."""
     wrapper = request.environ.get("wsgi.file_wrapper")
     if wrapper is None or len(content) <= PASSTHROUGH_BYTES:
-        return Response(content, status=200, mimetype=P.CONTENT_TYPE)
+        return Response(bytes(content), status=200, mimetype=P.CONTENT_TYPE)  # (a memoryview: a CUDA answer's)
     file = _Views(content)
     resp = Response(wrapper(file, 1 << 20), status=200, mimetype=P.CONTENT_TYPE, direct_passthrough=True)
     resp.headers["Content-Length"] = str(len(content))
@@ -247,7 +249,7 @@ def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: i
         answer = s.rt.compute.run(timed(s.rt.waits, route.cls, work))
     if isinstance(answer, Future):  # a decode step waits for its batch
         answer = answer.result()
-    content = answer.encoded(keep_device) if lazy_above is not None else answer.encode()
+    content = answer.encoded(keep_device) if lazy_above is not None else answer.host_body()
     if not isinstance(content, bytes) and len(content) <= lazy_above:
         content = bytes(content)
     return content, f"{(time.perf_counter() - started) * 1e3:.3f}"
