@@ -135,9 +135,7 @@ class StepMeta:
 
     @classmethod
     def from_meta(cls, meta: dict) -> "StepMeta":
-        client_id = meta.get("client_id", "")
-        if not _CLIENT_ID.fullmatch(client_id):
-            raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+        client_id = checked_client_id(meta)
         version = _int_field(meta, "fed_version", 0) if "fed_version" in meta else None
         if meta.get("micros") != "0":  # closed steps (micros >= 1, absent: 1) are gone
             raise BadRequest(f"closed training steps (micros >= 1) are gone: send micros=0 (an open-ended "
@@ -319,9 +317,7 @@ class SyncMeta:
 
     @classmethod
     def from_meta(cls, meta: dict) -> "SyncMeta":
-        client_id = meta.get("client_id", "")
-        if not _CLIENT_ID.fullmatch(client_id):
-            raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+        client_id = checked_client_id(meta)
         raw = str(meta.get("samples", ""))
         if len(raw) > 20:  # int() of a 10^400 string works, and FedAvg's float(sum) overflowed
             raise BadRequest(f"metadata field 'samples' must be in 1..{MAX_SAMPLES}")
@@ -336,6 +332,14 @@ class SyncMeta:
 
 def valid_client_id(client_id: str) -> bool:
     return bool(_CLIENT_ID.fullmatch(client_id))
+
+
+def checked_client_id(meta: dict) -> str:
+    """The metadata's ``client_id``; 400 unless it is 1-64 characters of [A-Za-z0-9_.-]."""
+    client_id = meta.get("client_id", "")
+    if not isinstance(client_id, str) or not _CLIENT_ID.fullmatch(client_id):
+        raise BadRequest("metadata field 'client_id' must be 1-64 characters of [A-Za-z0-9_.-]")
+    return client_id
 
 
 # Transport diagnostics (``python -m splitlearn.client diagnose``): the body comes back
