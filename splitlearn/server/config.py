@@ -312,6 +312,9 @@ class Scheduling:
                                     "on their way (0: never wait; see splitlearn/server/engine/batching.py)")
     decode_rows: int = opt(256, "rows of one decode batch at most, taken from the tenants' queued steps in turn "
                                 "(the rest wait for the next batch; splitlearn/server/engine/priority.py)")
+    decode_graphs: int = opt(0, "CUDA: replay the row-wise parts of the batched decode (layer norms, matrix "
+                                "products, MLP) as CUDA graphs for up to this many batch sizes (0: off; not yet "
+                                "measured on a GPU: splitlearn/server/engine/graphs.py)")
     decode_share: float = opt(0.5, "decode-first: seconds of decode per second of training that a training step's "
                                    "preemption points may run (bounds how much decode steps slow a training step)")
 
@@ -475,6 +478,8 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
         if self.decode_rows < 1 or not self.decode_share > 0:
             raise ConfigError(f"--decode-rows must be >= 1 and --decode-share > 0, got "
                               f"{self.decode_rows} and {self.decode_share}")
+        if not 0 <= self.decode_graphs <= 64:
+            raise ConfigError(f"--decode-graphs must be in 0..64, got {self.decode_graphs}")
         if not 0 <= self.batch_wait_ms <= 1000:
             raise ConfigError(f"--batch-wait-ms must be in 0..1000, got {self.batch_wait_ms}")
         if self.max_request_memory_bytes is not None and self.max_request_memory_bytes < MiB:

@@ -46,6 +46,7 @@ from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 from ...model.lora import lora_rows
 from ...model.segments import Segment, SegmentCache
 from .compute import ComputeThread
+from .graphs import DecodeGraphs, post, pre
 from .priority import DecodeBudget, fair_take
 
 
@@ -73,10 +74,11 @@ class DecodeItem:
 
 
 @torch.no_grad()
-def batched_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tensor]:
+def batched_decode(segment: Segment, items: list[DecodeItem], graphs: Optional[DecodeGraphs] = None) -> list[torch.Tensor]:
     """Run one new position of every item through ``segment``; outputs in item order.
 
     Outputs are hidden states (B_i, 1, d), or logits (B_i, 1, V) for a segment with the head.
+    ``graphs``: the row-wise parts replayed as CUDA graphs where they may be (:mod:`.graphs`).
     """
     rows = [it.hidden.shape[0] for it in items]
     x = torch.cat([it.hidden for it in items], dim=0)  # (N, 1, d)
@@ -85,21 +87,10 @@ def batched_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tens
     masks = [create_causal_mask(config=cfg, inputs_embeds=it.hidden, attention_mask=it.mask,
                                 cache=it.cache.kv, layer_idx=segment.start)
              for it in items] if len(segment.h) else []
-    with lora_rows(segment, [(n, it.adapter) for it, n in zip(items, rows)]):  # per-row adapters
-        x = _blocks(segment, items, rows, masks, attend, x)  # (N, 1, d)
-    for it in items:
-        it.cache.length += 1
-    if segment.has_head:
-        x = segment.lm_head(segment.ln_f(x))  # (N, 1, V)
-    return list(x.split(rows, dim=0))
 
-
-def _blocks(segment: Segment, items: list[DecodeItem], rows: list[int], masks: list, attend, x: torch.Tensor) -> torch.Tensor:
-    """The blocks of :func:`batched_decode`: shared row-wise products, attention per session."""
-    for block in segment.h:
+    def attention(block, qkv: torch.Tensor) -> torch.Tensor:  # (N, 1, 3d) -> (N, 1, d), per session
         attn = block.attn
-        a = block.ln_1(x)  # (N, 1, d)
-        q, k, v = attn.c_attn(a).split(attn.split_size, dim=2)  # 3 x (N, 1, d)
+        q, k, v = qkv.split(attn.split_size, dim=2)  # 3 x (N, 1, d)
         heads = lambda t: t.view(t.shape[0], 1, -1, attn.head_dim).transpose(1, 2)  # (N, H, 1, hd)
         q, k, v = heads(q), heads(k), heads(v)
         outs, start = [], 0
@@ -109,9 +100,20 @@ def _blocks(segment: Segment, items: list[DecodeItem], rows: list[int], masks: l
             o, _ = attend(attn, q[sl], keys, values, mask, dropout=0.0, scaling=attn.scaling)
             outs.append(o.reshape(n, 1, -1))  # (n, 1, d)
             start += n
-        x = x + attn.c_proj(torch.cat(outs, dim=0))  # (N, 1, d)
-        x = x + block.mlp(block.ln_2(x))  # (N, 1, d)
-    return x
+        return torch.cat(outs, dim=0)
+
+    cap = graphs.get(x.shape[0], x) if graphs is not None and graphs.usable(items, x) else None
+    if cap is not None:
+        x = graphs.run(cap, x, lambda i, qkv: attention(segment.h[i], qkv))  # (N, 1, d|V)
+    else:
+        with lora_rows(segment, [(n, it.adapter) for it, n in zip(items, rows)]):  # per-row adapters
+            for block in segment.h:
+                x = post(block, x, attention(block, pre(block, x)))  # (N, 1, d)
+        if segment.has_head:
+            x = segment.lm_head(segment.ln_f(x))  # (N, 1, V)
+    for it in items:
+        it.cache.length += 1
+    return list(x.split(rows, dim=0))
 
 
 class DecodeBatcher:
@@ -129,8 +131,9 @@ class DecodeBatcher:
     def __init__(self, segment: Segment, compute: ComputeThread, lock: Optional[threading.RLock] = None,
                  batching: bool = True, wait_s: float = 0.0, inference: Callable[[], Any] = nullcontext,
                  on_wait: Callable[[float], None] = lambda seconds: None, max_rows: Optional[int] = None,
-                 budget: Optional[DecodeBudget] = None):
+                 budget: Optional[DecodeBudget] = None, graphs: Optional[DecodeGraphs] = None):
         self.segment = segment
+        self.graphs = graphs  # CUDA graphs of the row-wise parts (.graphs), None: eager
         self.max_rows = max_rows
         self.budget = budget  # decode-first: batches spend it; a drain with it spent yields to waiting work
         self._turn: Optional[str] = None  # the owner served last (the next batch starts after it)
@@ -264,7 +267,7 @@ class DecodeBatcher:
                 if self.segment.training:  # eval() walks every submodule: 0.16 ms for 8 blocks
                     self.segment.eval()
                 with self.inference(), self._on_stream():
-                    outputs = batched_decode(self.segment, ready)
+                    outputs = batched_decode(self.segment, ready, self.graphs)
                 if self._stream is not None:
                     self._stream.synchronize()  # the answers are read on the CPU next
                 self.batches += 1

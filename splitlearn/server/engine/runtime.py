@@ -29,6 +29,7 @@ from ...model.export import load_segment, read_segment_spec
 from ...model.headloss import head_loss
 from ...model.loading import load_model
 from ...model.packed import PackedLinears
+from .graphs import DecodeGraphs
 from ...model.partition import partition
 from ...model.segments import Segment
 from ...api.wire import WIRE_DTYPE_NAMES, pack
@@ -151,6 +152,8 @@ class SegmentRuntime:
                                     f"{'the' if self.budget.total else 'twice the'} per-request limit; "
                                     f"{TOTAL_FLAG} sets it")
         self.ledger.account = self.memory
+        if cfg.decode_graphs and self.device.type == "cuda" and self.adapters is None:
+            self.batcher.graphs = DecodeGraphs(self.segment, cfg.decode_graphs, self.memory)
         self.sessions.account, self.sessions.kv_bytes = self.memory, lambda n: kv_bytes(self.budget.dims, n)
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
@@ -217,7 +220,10 @@ class SegmentRuntime:
                          "decode_rows": c.decode_rows, "decode_share": c.decode_share},
             "generation": {"batching": c.batching, "batch_wait_ms": c.batch_wait_ms,
                            "packed_weights": c.packed_weights, "sessions": len(self.sessions),
-                           "decode_steps": self.batcher.items, "decode_forwards": self.batcher.batches},
+                           "decode_steps": self.batcher.items, "decode_forwards": self.batcher.batches,
+                           "decode_graphs": {"max_batch_sizes": c.decode_graphs,
+                                             "captured": sorted(g.graphs) if (g := self.batcher.graphs) else [],
+                                             "replays": g.replays if g else 0}},
         }
 
     def client_step(self, client_id: str) -> int:
