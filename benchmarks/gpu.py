@@ -32,6 +32,7 @@ import datetime as dt
 import gc
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -98,8 +99,9 @@ class Servers:
     """One server process per (model, cuts, dtype), listening on TCP and ``unix://``, kept until
     :meth:`stop` (a model's phase ends with it: the GPU's memory goes to the next)."""
 
-    def __init__(self, ctx: BenchContext):
+    def __init__(self, ctx: BenchContext, extra: Optional[list] = None):
         self.ctx, self.dir, self.started = ctx, tempfile.mkdtemp(prefix="sl-gpu-"), 0
+        self.extra = list(extra or [])  # --server-args: flags for every server
         self.running: dict[tuple, tuple[LocalServer, str]] = {}
 
     def urls(self, model: str, cuts: tuple[int, ...], dtype: str) -> tuple[dict, str]:
@@ -107,7 +109,7 @@ class Servers:
         if key not in self.running:
             self.started += 1
             sock = os.path.join(self.dir, f"s{self.started}.sock")  # a fresh name: never a stale socket's
-            args = self.ctx.server_args("u", model=model, cuts=tuple(cuts)) + ["--listen", "unix://" + sock]
+            args = self.ctx.server_args("u", model=model, cuts=tuple(cuts)) + ["--listen", "unix://" + sock] + self.extra
             args[args.index("--dtype") + 1] = dtype
             self.ctx.log(f"  starting server: {model} {cuts} {dtype}")
             self.running[key] = (LocalServer(args, env=self.ctx.env).start(), sock)
@@ -269,14 +271,14 @@ def run(args, out: Optional[Path] = None) -> dict:
         import transformers
         return {"device": device_name(cfg.device), "device_type": cfg.device,
                 "date": started.isoformat(timespec="seconds"), "seconds": round(time.perf_counter() - t0, 1),
-                "command": command_line(), "smoke": smoke, "torch": torch.__version__,
+                "command": command_line(), "smoke": smoke, "server_args": args.server_args or "", "torch": torch.__version__,
                 "transformers": transformers.__version__, "rows": rows}
 
     def done() -> None:
         if out is not None:
             write(result(), out)
     with BenchContext(cfg) as ctx:
-        servers = Servers(ctx)
+        servers = Servers(ctx, shlex.split(args.server_args or ""))
         try:
             # generation first, on servers no training step has changed: the split's tokens are
             # the unsplit model's (same_tokens); each phase's servers go before the next (GPU memory)
@@ -354,6 +356,7 @@ def main(argv=None) -> int:
     a.add_argument("--no-compile", action="store_true", help="without the static cache + torch.compile reference")
     a.add_argument("--phases", help="comma-separated subset of seed001,greedy,decode,train-small,train-xl "
                    "(default: all)")
+    a.add_argument("--server-args", help='flags added to every server, e.g. "--decode-graphs 4"')
     a.add_argument("--out", help="results directory (default: benchmarks/results/gpu; --smoke: a temporary one)")
     args = a.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The one prepared script for a session lent a GPU: benchmarks/gpu.py (the table of issue 42), the
 # CUDA tests, then where a step's time goes (benchmarks/profile_step.py, both processes under
-# torch.profiler), in ~6.5 minutes on an H100. Prepare the wheels here first (once; .whl/ is
+# torch.profiler), in ~9 minutes on an H100. Prepare the wheels here first (once; .whl/ is
 # gitignored), then run it through the device tool from the repository root, carrying them:
 #
 #   make gpu-wheels
-#   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=420)
+#   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
 #
 # The GPU image has torch 2.11+cu130 and an older transformers and reaches no registry: the
 # wheels go to /tmp/site, on PYTHONPATH with the source tree. What comes back under $OUT (at most
-# 8 files): device.txt, gpu.log, latest.json, latest.md, the run's dated JSON, tests.log and
-# profile.txt; copy the JSON and .md to benchmarks/results/gpu/ and commit them. GPU_ARGS adds
+# 10 files): device.txt, gpu.log, latest.json, latest.md, the run's dated JSON, graphs.log and
+# graphs.json (the greedy rows with --decode-graphs 4), tests.log and profile.txt; copy the JSON and .md to benchmarks/results/gpu/ and commit them. GPU_ARGS adds
 # arguments to gpu.py (default: 3 rounds, 1 repeat, 32 new tokens: the session's device time is
 # short). Exit status: non-zero if the benchmark or the tests failed.
 set -uo pipefail
@@ -31,10 +31,19 @@ cp benchmarks/results/gpu/latest.json benchmarks/results/gpu/latest.md "$OUT/" 2
 dated=$(ls -t benchmarks/results/gpu/20*.json 2>/dev/null | head -1)
 [ -n "$dated" ] && cp "$dated" "$OUT/"
 
-# the CUDA tests: the device region (0 host bytes), pinned TCP, the device digest, the memory model
-timeout 70 python3 -m pytest -p no:cacheprovider -q -rs -x tests/test_transport_cuda.py \
+# the greedy rows again with the decode's CUDA graphs (--decode-graphs, off by default until measured)
+timeout "${GRAPHS_TIMEOUT:-100}" python3 benchmarks/gpu.py --phases greedy,decode --rounds 1 --repeats 1 --new-tokens 32 \
+    --no-compile --server-args "--decode-graphs 4" --out /tmp/graphs 2>&1 | grep -v "Loading weights" \
+    | tail -20 | tee "$OUT/graphs.log"
+cp /tmp/graphs/latest.json "$OUT/graphs.json" 2>/dev/null
+
+# the CUDA tests: the device region (0 host bytes), pinned TCP, the device digest, the memory model,
+# the decode graphs' tokens, the server's host waits per route
+timeout 120 python3 -m pytest -p no:cacheprovider -q -rs tests/test_transport_cuda.py tests/test_server_graphs.py \
     "tests/test_server_ledger.py::test_an_answer_on_the_gpu_is_digested_there_and_names_its_tensors" \
-    "tests/test_server_budget.py::test_on_cuda_the_price_is_within_1_5x_of_the_measured_peak" 2>&1 | tee "$OUT/tests.log"
+    "tests/test_server_ledger.py::test_a_gpu_answers_socket_body_is_one_pinned_copy" \
+    "tests/test_server_budget.py::test_on_cuda_the_price_is_within_1_5x_of_the_measured_peak" \
+    "tests/test_transport_unix.py::test_a_pipelined_piece_sent_again_goes_on_its_own_lane" 2>&1 | tee "$OUT/tests.log"
 tests=$?
 
 # where a unix:// training step's time goes: this process and the server's (--profile-dir)
