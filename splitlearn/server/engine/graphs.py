@@ -64,7 +64,9 @@ class Stage:
 
 
 def capture_cuda(fn: Callable[[], tuple], pool) -> Stage:
-    """Warm ``fn`` up on a side stream (cuBLAS handles, the allocator), then capture it."""
+    """Warm ``fn`` up on a side stream (cuBLAS handles, the allocator), then capture it. Only
+    this thread's calls are checked during the capture (``thread_local``): the WSGI threads
+    copy other answers to the host meanwhile, on their own streams."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -72,7 +74,7 @@ def capture_cuda(fn: Callable[[], tuple], pool) -> Stage:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = fn()
     return Stage(graph.replay, outputs)
 
