@@ -190,3 +190,35 @@ def test_a_linear_layers_in_out_copy_gives_its_products_and_follows_the_weight(m
     choice = packed_mod.CHOICE[(8, 24, 1)]
     assert choice in (True, False, packed_mod.COLUMNS) and y.shape == (1, 24)
     assert (packed._weights[0].columns().copy is not None) == (choice == packed_mod.COLUMNS)
+
+
+class _AlwaysOwn(dict):
+    def get(self, key, default=None):
+        return False
+
+
+@pytest.mark.parametrize("tenants", [1, 2])
+def test_a_one_tenant_servers_decode_takes_the_fastest_product_and_a_shared_ones_the_packed(tenants, monkeypatch):
+    """Batch invariance protects one owner's answers from the others batched beside it: a
+    server of several tenants packs every decode product; with one tenant there is no other
+    owner, and each product runs where it measured fastest (here: forced to the layer's own,
+    the unsplit model's bits)."""
+    import splitlearn.model.packed as packed_mod
+    from serverproc import TENANTS
+    from splitlearn.server import ServerConfig, create_app
+
+    monkeypatch.setattr(packed_mod, "CHOICE", _AlwaysOwn())
+    rt = create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS[:tenants])).extensions["splitlearn"]
+    assert rt._packed.adaptive == (tenants == 1)
+    trunk = rt.segment.eval()
+    x = torch.randn(1, 1, trunk.config.n_embd, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        plain = trunk(x, None, trunk.new_cache())
+        with rt.inference():
+            served = trunk(x, None, trunk.new_cache())
+    packed_any = any(p.packed is not None for p in rt._packed._weights)
+    assert packed_any == (tenants > 1)  # one tenant: the layers' own products, as forced
+    if tenants == 1:
+        assert torch.equal(served, plain)
+    else:
+        torch.testing.assert_close(served, plain, atol=1e-5, rtol=1e-5)

@@ -161,7 +161,7 @@ class PackedLinears:
         server): every product on the packed weight, whose result for a row does not depend on
         the rows batched beside it (``addmm``'s does: one row runs another kernel than two), so
         an owner's decode answer is the same whoever else is in the server's batch."""
-        self.module = module
+        self.module, self.adaptive = module, adaptive
         self.usable = usable(module)
         self._layers: list[tuple[nn.Module, Optional[_Packed]]] = []
         for layer in module.modules():
