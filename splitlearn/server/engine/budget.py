@@ -14,18 +14,22 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
                                + e·B·T·K                                 padded: sdpa's float mask
                                + N·d·(2e + 2)                            residual dropout
                                + B·a·T·K·(3e + 1)                        scores materialised (CPU)
-                  on CUDA      e·N·(5I + 7d + 4) + 4·N·a [+ 1 KiB]       fused sdpa: float32 lse, RNG state
+                  on CUDA      e·N·(5I + 8d) + 16·N + 4·N·a              the output; float32 LN stats, lse
+                               [+ 2·N·d + 1 KiB]                         dropout: bool masks, RNG state
     block workspace            e·N·(4I + 6d) [+ (1 + e)·B·T·K masked] [+ 3e·B·a·T·K scores]
                                [+ 4·N·(d + a) on CUDA]                   the fused backward's accumulators
     head, training             4·e·N·d + 4·V·d + c·V·16                  x, grad of x; grad of W; a chunk
+                  on CUDA      3·e·N·d + 4·V·d + c·V·16                  ln_f's input is in kept
     head, evaluation           B·V·(e + 4) [+ 2·e·N·d + c·V·8 with labels]
     update (training)          grads + 2·largest parameter               AdamW's temporaries (CPU)
-                  on CUDA      grads + grads                             AdamW's foreach temporaries
+                  on CUDA      grads + max(grads, 4·grads/e if e < 4)    foreach temporaries, or the norm's copies
     KV cache                   2·L·tokens·d·e
     in and out                 16·N·d                                    body, decoded, answer, encoded
+                  on CUDA      (3e + 8)·N·d                              bodies in host memory
 
     training step    (L·kept + workspace + head + update + in/out) x 1.25
-           on CUDA   (max(L·kept + workspace + head + grads, update) + in/out) x 1.1
+           on CUDA   (max(L·kept + max(head, backward), update) + in/out) x 1.1
+                     backward = workspace + grads [+ e·N·d, the head's grad of x]
     forward          (e·N·d + workspace + head + in/out) x 1.25
     session step     (KV(rows·K) + one block's K, V copy + workspace + last logits + in/out) x 1.25
     session open     KV(min(rows·n_positions, --max-tokens-per-client))
@@ -49,7 +53,7 @@ GPT-2 block of transformers 5 (``saved_tensors_hooks``; equal for every shape tr
   chunk's logits, log-softmax and their gradients at a time, plus the gradients of x and W;
   a forward computes the last position's logits only.
 
-On a CUDA device (``Dims.of(..., device)``) two things differ, and the model follows
+On a CUDA device (``Dims.of(..., device)``) these things differ, and the model follows
 (``Dims.cuda_kernels``, ``Dims.cuda``):
 
 - sdpa runs the flash or memory-efficient kernel (16-bit compute, or float32 for the
@@ -59,17 +63,36 @@ On a CUDA device (``Dims.of(..., device)``) two things differ, and the model fol
   value whatever e is) and the dropout's RNG state (a seed and an offset, priced as two of
   the caching allocator's 512-byte blocks). Its backward's float32 accumulator for the
   gradient of q and the (B, a, T) softmax sums join the block's workspace (4·N·(d + a));
+- the residual dropout is CUDA's fused kernel, whose mask is bool (the CPU's keeps a mask in
+  the compute dtype), and layer norm keeps its mean and 1/std in float32; the block's output,
+  which the next block's ln_1, ln_f or the answer keeps, is counted in the block;
 - AdamW takes torch's foreach path (its default for CUDA tensors), which makes one
   temporary of every parameter's size at once (``torch._foreach_sqrt`` of the second
-  moments): the update is priced at the gradients twice, not the gradients and twice the
+  moments), after the step's norm has freed its float32 copies of 16-bit gradients: the
+  update is the gradients and the larger of the two, not the gradients and twice the
   largest parameter;
-- the caching allocator hands the blocks the backward freed to the update's tensors, where
-  glibc keeps a freed heap in the RSS: a training step is priced at the larger of its
-  backward (kept activations, workspace, head, the gradients) and its update, not their sum,
-  with a slack of 1.1 (``CUDA_SLACK``) instead of 1.25.
+- the caching allocator hands the blocks a phase freed to the next one, where glibc keeps a
+  freed heap in the RSS: a training step is priced at the largest of its phases, not their
+  sum: the head's forward (the kept activations, then the chunked loss with its gradients,
+  :mod:`splitlearn.model.headloss`), the backward (the kept activations, one block's
+  workspace, the gradients) and the update; with a slack of 1.1 (``CUDA_SLACK``), not 1.25;
+- the request bodies and the encoded answers are host memory; on the device are the input,
+  the gradient of the input and the output or the gradient coming back (a U-shape backward
+  holds all three until it returns), and the answers' tensors in float32 until the apply.
+
+Measured: the GPU test's 2-way step (d = 768, 3 blocks + GPT-2's head, bfloat16, 8 x 1024,
+GPT-2's dropouts) peaked on an H100 at 1.43 GiB of ``torch.cuda.max_memory_allocated()``:
+the head's forward: 1.02 GiB of kept activations + 0.05 GiB of (B, T, d) tensors (the input,
+ln_f's output, the shifted copy, grad of x) + 0.14 GiB for grad of W in float32 + 0.22 GiB
+for one chunk of the loss (14 bytes a logit at once in bfloat16) = 1.430 GiB, the tensors
+the same route keeps on the CPU (``tests/tensorpeak.py``: live storages of the operators'
+outputs; a 2 x 256 step, per position) with CUDA's bool masks and float32 statistics.
+Adding the backward's workspace, every gradient and the host-memory bodies to that peak
+priced it at 2.25 GiB (1.57x); by phase it is 1.75 GiB (1.23x; the chunk still priced at 20
+bytes a logit).
 
 So GPT-2 XL, 2-way, 8 x 1024 positions, bfloat16 is priced at 134.83 GiB on the CPU (46 blocks
-of 1.47 GB of scores each) and under a third of that on CUDA.
+of 1.47 GB of scores each) and 39.79 GiB on CUDA.
 
 The 1.25 is the allocator's slack (``ALLOCATOR_SLACK``): glibc serves the (B, T, d) tensors of
 moderate batches from heaps that fragment. The totals are checked against peaks measured on
@@ -128,8 +151,8 @@ MIN_DERIVED = 64 << 20  # the derived limit never goes below this (a warning say
 ALLOCATOR_SLACK = 1.25
 # On CUDA the caching allocator rounds to 512 B blocks and splits its segments, and freed blocks
 # serve the next tensors of the same process: a smaller slack, and a step's phases priced as the
-# larger one rather than their sum. Not yet measured on a GPU (the CUDA test in
-# tests/test_server_budget.py: within 1.5x of torch.cuda.max_memory_allocated()).
+# largest one rather than their sum. A GPT-2-shaped 2-way step on an H100 peaked at 1.43 GiB of
+# torch.cuda.max_memory_allocated(), what its tensors count at that peak (module docstring).
 CUDA_SLACK = 1.1
 
 
@@ -195,19 +218,26 @@ def fused_sdpa(dtype: torch.dtype, head_dim: int) -> bool:
 
 LSE_BYTES = 4  # CUDA's fused kernels keep their log-sum-exp in float32
 RNG_STATE_BYTES = 2 * 512  # their dropout's seed and offset: two of the caching allocator's blocks
+LN_STATS_BYTES = 4  # CUDA's layer norm keeps its mean and 1/std in float32 (the compute dtype's accumulator)
 
 
 def kept_per_block(m: Dims, B: int, T: int, K: int, padded: bool) -> int:
     """Bytes one block keeps for the backward in training: B rows, T positions, K keys."""
     e, N = m.elem, B * T
-    b = e * N * (5 * m.inner + 7 * m.d + 4)
+    b = e * N * (5 * m.inner + 7 * m.d)
+    if m.cuda:  # ln_1's and ln_2's mean and 1/std; the block's output, kept by what reads it next
+        b += 2 * 2 * LN_STATS_BYTES * N + e * N * m.d
+    else:
+        b += e * N * 4
     b += N * m.heads * (LSE_BYTES if m.cuda_kernels else e)  # sdpa's log-sum-exp, (B, a, T)
     if m.cuda_kernels and m.attn_dropout:
         b += RNG_STATE_BYTES  # the kernel replays its dropout from the RNG state: no mask kept
     if padded:
         b += e * B * T * K  # the float mask sdpa makes of the boolean one, kept by the kernel
-    if m.dropout:
-        b += N * m.d * (2 * e + 2)  # two residual dropouts: outputs and masks
+    if m.dropout and m.cuda:
+        b += 2 * N * m.d  # two residual dropouts' masks, bool on CUDA (the output is counted above)
+    elif m.dropout:
+        b += N * m.d * (2 * e + 2)  # two residual dropouts: masks in the compute dtype, and the output
     if m.scores:
         b += B * m.heads * T * K * (3 * e + 1)  # scores, softmax, dropped-out softmax + mask
     return b
@@ -228,7 +258,14 @@ def block_workspace(m: Dims, B: int, T: int, K: int, masked: bool, scores: bool)
 
 
 def io_bytes(m: Dims, B: int, T: int) -> int:
-    """The request's activations and the answer, each twice (bytes and tensor), float32 at most."""
+    """The request's activations and the answer, each twice (bytes and tensor), float32 at most.
+    On CUDA the bodies and the encoded answers are host memory: the device holds three
+    (B, T, d) tensors in the compute dtype (the input, the gradient of the input, and the output
+    or the gradient coming back: a U-shape backward holds all of them until it returns) and two
+    answers' tensors in float32 at most (the output, the gradient of the input), kept until
+    the step is applied."""
+    if m.cuda:
+        return (3 * m.elem + 2 * 4) * B * T * m.d
     return 4 * 4 * B * T * m.d
 
 
@@ -242,21 +279,31 @@ def update_bytes(m: Dims) -> int:
     single-tensor AdamW (CPU tensors take no foreach path) makes two of each parameter's size in
     turn (``exp_avg_sq.sqrt()``, then divided), so twice the largest; its foreach path (CUDA)
     one of every parameter's size at once (``torch._foreach_sqrt``); 16-bit gradients are
-    copied to float32 for the step's norm (:mod:`.guard`)."""
-    temporaries = m.grads if m.cuda else 2 * m.largest
-    return m.grads + temporaries + (m.grads * 4 // m.elem if m.elem < 4 else 0)
+    copied to float32 for the step's norm (:mod:`.guard`), all at once. On CUDA the norm's
+    copies are freed before the optimizer steps (the caching allocator reuses their blocks):
+    the larger of the two, not their sum."""
+    norm_copies = m.grads * 4 // m.elem if m.elem < 4 else 0
+    if m.cuda:
+        return m.grads + max(m.grads, norm_copies)
+    return m.grads + 2 * m.largest + norm_copies
 
 
 def train_cost(m: Dims, B: int, T: int, padded: bool) -> int:
     """A training step's forward and backward and its update: ``/v1/train/step`` (a top, with
     the loss) or ``/v1/train/forward`` + its ``/v1/train/backward``, whose graph waits between."""
     e, N = m.elem, B * T
-    b = m.blocks * kept_per_block(m, B, T, T, padded) + block_workspace(m, B, T, T, padded, m.scores)
-    if m.head:  # ln_f's input and output, the shifted copy, grad of x; grad of W; one chunk
-        b += 4 * e * N * m.d + 4 * m.vocab * m.d + _chunk(m, N, grads=True)
-    if m.cuda:  # the update runs once the backward has freed the activations, in their blocks
-        return _slack(m, max(b + m.grads, update_bytes(m)) + io_bytes(m, B, T))
-    return _slack(m, b + update_bytes(m) + io_bytes(m, B, T))
+    kept = m.blocks * kept_per_block(m, B, T, T, padded)
+    workspace = block_workspace(m, B, T, T, padded, m.scores)
+    # the head's loss, its gradients made in the forward: ln_f's input (on CUDA: the last block's
+    # output, counted in kept) and output, the shifted copy, grad of x; grad of W; one chunk
+    head = 0
+    if m.head:
+        head = (3 if m.cuda else 4) * e * N * m.d + 4 * m.vocab * m.d + _chunk(m, N, grads=True)
+    if m.cuda:  # phases: the head's forward, then the backward (from the head's grad of x), then the
+        # update once the backward has freed the activations; each in the blocks the last freed
+        backward = workspace + m.grads + (e * N * m.d if m.head else 0)
+        return _slack(m, max(kept + max(head, backward), update_bytes(m)) + io_bytes(m, B, T))
+    return _slack(m, kept + workspace + head + update_bytes(m) + io_bytes(m, B, T))
 
 
 def graph_bytes(m: Dims, B: int, T: int, padded: bool, loss: bool = False) -> int:
