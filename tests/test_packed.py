@@ -222,3 +222,19 @@ def test_a_one_tenant_servers_decode_takes_the_fastest_product_and_a_shared_ones
         assert torch.equal(served, plain)
     else:
         torch.testing.assert_close(served, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decode_products_benchmark_runs_both_rules(tmp_path):
+    """``benchmarks/decode_products.py --quick``: the unsplit step and both servers' rules, timed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "dp.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "decode_products.py"), "--quick", "--out", str(out)],
+                   check=True, cwd=root, timeout=120, capture_output=True)
+    res = json.loads(out.read_text())
+    assert set(res["median_ms"]) == {"unsplit", "shared", "one tenant"} and all(v > 0 for v in res["median_ms"].values())
+    assert res["head_choice"]["shared"] in ("True", "False")  # the earlier rule has no (in, out) copy
