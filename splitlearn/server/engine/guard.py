@@ -19,7 +19,11 @@ bounded by the learning rate (Loshchilov & Hutter 2019, Algorithm 2), and SGD's 
 On a GPU every host read of a device value (``bool(t)``, ``float(t)``, ``.cpu()``) waits for the
 device's queue to drain, and every op is a kernel launch. So the checks of a step are flags left
 on the device and read back together with the values the host needs (the norm, the loss, the
-tokens trained), one small tensor, once: :func:`settle`. The norm is one ``_foreach_norm`` over
+tokens trained), one small tensor, once: :func:`settle`. A piece reads twice: its request's
+checks before the segment runs (a refused request must not draw dropout's random numbers, open
+the step or add to its gradients), then (1)-(3) after its backward. A fused 2-way step
+(``/v1/train/step``) therefore backpropagates a loss that is not finite before refusing it; the
+refusal aborts the whole step (its gradients zeroed), as a refused piece always did. The norm is one ``_foreach_norm`` over
 all the gradients (in float32 whatever their dtype): a constant number of ops, whatever the
 number of parameters (tests/test_server_syncs.py counts both).
 """
