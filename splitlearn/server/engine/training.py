@@ -42,7 +42,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -73,13 +73,15 @@ class StepInFlight:
     tokens: dict[int, int] = field(default_factory=dict)  # micro -> target tokens trained (FedAvg weight)
 
 
-def target_tokens(shape: torch.Size, mask: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> int:
+def target_tokens(shape: torch.Size, mask: Optional[torch.Tensor],
+                  labels: Optional[torch.Tensor]) -> Union[int, torch.Tensor]:
     """A piece's FedAvg weight: its tokens that carry a target (counted once its backward is in).
-    2-way: the labels kept after the causal shift (not -100); U-shape, where the labels never leave
-    the client: each row's real positions but its last (which predicts nothing). A 1-token row
-    counts 0, so rows of nothing buy no weight."""
+    2-way: the labels kept after the causal shift (not -100), a 0-dim tensor on the labels'
+    device (read back with the piece's checks, :func:`.guard.settle`); U-shape, where the labels
+    never leave the client: each row's real positions but its last (which predicts nothing; the
+    mask is in host memory). A 1-token row counts 0, so rows of nothing buy no weight."""
     if labels is not None:
-        return int((labels[:, 1:] != IGNORE).sum())
+        return (labels[:, 1:] != IGNORE).sum()
     if mask is None:
         return shape[0] * (shape[1] - 1)
     return int((mask.sum(dim=1) - 1).clamp(min=0).sum())
@@ -158,13 +160,16 @@ class Training:
         if st.leased:
             self.rt.lease.release(meta.client_id)
 
-    def _piece_done(self, meta: P.StepMeta, st: StepInFlight, answer: Answer) -> Answer:
+    @staticmethod
+    def _settle(st: StepInFlight, flags: list, values: list = ()) -> list:
+        """A piece's checks (``flags``, :func:`.guard.settle`), its ``values`` and the norm of the
+        gradients accumulated so far, read back in one copy after its backward: the values, then
+        the norm (400 if it is not finite). The caller aborts the step on a refusal."""
+        *read, norm = guard.settle(flags, [*values, guard.norm_tensor(st.rep.segment.parameters())])
+        return [*read, guard.checked_norm(0.0 if norm is None else norm)]
+
+    def _piece_done(self, meta: P.StepMeta, st: StepInFlight, answer: Answer, norm: float) -> Answer:
         """Accumulated: the client learns the norm so far (a global clip)."""
-        try:
-            norm = guard.grad_norm(p for p in st.rep.segment.parameters() if p.grad is not None)
-        except Exception:
-            self.abort(meta, st)
-            raise
         st.answers[meta.micro] = answer
         answer.meta["grad_norm"] = repr(norm)
         answer.meta["accumulated"] = str(len(st.answers))  # the pieces that norm covers
@@ -213,16 +218,21 @@ class Training:
             # the logits (B, T, V) never exist whole: chunks of positions (splitlearn/model/headloss.py)
             loss = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels,
                              grad_scale=meta.loss_scale)  # backpropagated with it just below
-            guard.finite("loss", loss)
+            # the loss's check is read back with the gradients' (one read, guard.settle): a loss
+            # that is not finite is refused after its backward, and the abort below zeroes
+            # what that accumulated (a refused piece always dropped its whole step)
             (loss * meta.loss_scale).backward()
-            guard.finite("the gradient sent back to the client", h.grad)
+            value, tokens, norm = self._settle(
+                st, [(guard.finite_flag(loss), guard.refusal("loss")),
+                     (guard.finite_flag(h.grad), guard.refusal("the gradient sent back to the client"))],
+                [loss.detach().float(), target_tokens(h.shape, mask, labels)])
         except Exception:
             self.abort(meta, st)
             raise
         answer = Answer({**pack(P.GRAD, h.grad, meta.wire_dtype),
-                         P.LOSS: loss.detach().float().reshape(1).cpu()}, meta.to_meta())
-        st.tokens[meta.micro] = target_tokens(h.shape, mask, labels)
-        return self._piece_done(meta, st, self.with_apply(answer, applied))
+                         P.LOSS: torch.tensor([value], dtype=torch.float32)}, meta.to_meta())
+        st.tokens[meta.micro] = int(tokens)
+        return self._piece_done(meta, st, self.with_apply(answer, applied), norm)
 
     def forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor] = None) -> Answer:
@@ -251,9 +261,11 @@ class Training:
                                              loss=labels is not None), f"the graph of piece {meta.micro}")
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
-            if labels is not None:  # 2-way: the loss (chunked head), graph kept
+            tokens = target_tokens(h.shape, mask, labels)
+            if labels is not None:  # 2-way: the loss (chunked head), graph kept; one read
                 out = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels)  # ()
-                guard.finite("loss", out)
+                value, tokens = guard.settle([(guard.finite_flag(out), guard.refusal("loss"))],
+                                             [out.detach().float(), tokens])
             else:
                 out = st.rep.segment(h, mask)  # (B, T, d)
                 guard.finite("the trunk's output for these activations", out)
@@ -263,12 +275,12 @@ class Training:
                 self.abort(meta, st)
             raise
         if labels is not None:
-            answer = Answer({P.LOSS: out.detach().float().reshape(1).cpu()}, meta.to_meta())
+            answer = Answer({P.LOSS: torch.tensor([value], dtype=torch.float32)}, meta.to_meta())
         else:
             answer = Answer(pack(P.HIDDEN, out, meta.wire_dtype), meta.to_meta())
         self.with_apply(answer, applied)
         st.forwards[meta.micro] = (h, out, answer)
-        st.waiting[meta.micro] = target_tokens(h.shape, mask, labels)
+        st.waiting[meta.micro] = int(tokens)
         return answer
 
     def backward(self, meta: P.StepMeta, grad: torch.Tensor) -> Answer:
@@ -296,9 +308,10 @@ class Training:
         if grad.shape != outputs.shape:
             raise BadRequest(f"grad has shape {list(grad.shape)}, the forward of step "
                              f"{meta.step} produced {list(outputs.shape) or [1]}")
-        try:
+        try:  # the check of the gradient sent back and the norm so far: one read
             outputs.backward(rt.to_model(grad))
-            guard.finite("the gradient sent back to the client", inputs.grad)
+            (norm,) = self._settle(st, [(guard.finite_flag(inputs.grad),
+                                         guard.refusal("the gradient sent back to the client"))])
         except Exception:
             self.abort(meta, st)
             raise
@@ -308,7 +321,7 @@ class Training:
             held = st.held[meta.micro]  # (never more than the graph's price: shrinking cannot fail)
             held.resize(min(held.nbytes, answer_bytes(fwd) + 2 * answer_bytes(answer)))
         st.tokens[meta.micro] = st.waiting.pop(meta.micro, 0)  # trained: it counts now
-        return self._piece_done(meta, st, answer)
+        return self._piece_done(meta, st, answer, norm)
 
     def apply(self, key: str, req: P.ApplyRequest) -> Answer:
         """``POST /v1/train/apply``: the optimizer step of step ``req.step`` of client

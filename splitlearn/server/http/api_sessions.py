@@ -67,10 +67,11 @@ def session_step(s: Served, t: dict, meta: dict, session_id: str, owner: Tenant)
     m = P.SessionStepMeta.from_meta(meta)
     ops = step_ops(t, m, sess, cfg.max_batch)  # reorder rows / crop first (sessions.py); 400 if bad
     rows = sess.rows if ops.index is None else int(ops.index.numel())
-    h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=rows)
+    checks = validate.Checks()  # the values' checks and the mask: one read (validate.py)
+    h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=rows, checks=checks)
     if m.position + h.shape[1] > npos:
-        raise BadRequest(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
-    mask = validate.attention_mask(t, P.MASK, rows, h.shape[1], npos)  # new positions only
+        checks.refuse(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
+    mask = checks.verify(validate.attention_mask(t, P.MASK, rows, h.shape[1], npos, checks=checks))  # new positions only
     step_budget(rt.budget, rows, m.position, h.shape[1], mask, m.logits, rt.segment.has_head,
                 grows=rows > sess.rows, max_tokens=min(rows * npos, cfg.max_tokens_per_client))
     args = (sess, m.position, h, mask, m.wire_dtype, ops, m.step, m.logits)

@@ -18,29 +18,32 @@ from .validate import json_object
 bp = Blueprint("training", __name__)
 
 
-def _hidden_any_padding(s: Served, t: dict):
-    """A piece's hidden and mask: any 0/1 padding (a Trainer's collator pads on the right)."""
-    h = validate.hidden(t, P.HIDDEN, s.dims[0], s.cfg.max_batch, s.dims[1])
-    return h, validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], s.dims[1], left_padded=False)
+def _piece(s: Served, t: dict, labels: bool):
+    """A piece's hidden, mask (any 0/1 padding: a Trainer's collator pads on the right) and, if
+    ``labels``, its labels; their values checked and the mask brought to host memory in one read
+    (:class:`.validate.Checks`: a GPU server waits for its device once)."""
+    checks = validate.Checks()
+    h = validate.hidden(t, P.HIDDEN, s.dims[0], s.cfg.max_batch, s.dims[1], checks=checks)
+    mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], s.dims[1], left_padded=False,
+                                   checks=checks)
+    y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], s.dims[2], checks=checks) if labels else None
+    return h, checks.verify(mask), y
 
 
 @tensor_route(bp, P.TRAIN_STEP, owner=True, cls="training")
 def train_step(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
-    rt, vocab = s.rt, s.dims[2]
+    rt = s.rt
     m = scoped(P.StepMeta.from_meta(meta), owner)
-    h, mask = _hidden_any_padding(s, t)  # a fused piece: loss_scale = its loss's gradient
-    y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab)
+    h, mask, y = _piece(s, t, labels=True)  # a fused piece: loss_scale = its loss's gradient
     rt.budget.train(h.shape[0], h.shape[1], mask)  # 413 before allocating
     return rt.train_step(m, h, y, mask)
 
 
 @tensor_route(bp, P.TRAIN_FORWARD, owner=True, cls="training")
 def train_forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
-    rt, vocab = s.rt, s.dims[2]
+    rt = s.rt
     m = scoped(P.StepMeta.from_meta(meta), owner)
-    h, mask = _hidden_any_padding(s, t)
-    # 2-way: the server computes the loss
-    y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+    h, mask, y = _piece(s, t, labels=P.LABELS in t)  # labels: 2-way, the server computes the loss
     rt.budget.train_forward(h.shape[0], h.shape[1], mask, loss=y is not None)  # its graph waits for the backward
     return rt.train_forward(m, h, mask, y)
 
@@ -69,13 +72,12 @@ def train_apply():
 
 @tensor_route(bp, P.FORWARD, owner=True)
 def forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
-    rt, cfg, (d, npos, vocab) = s.rt, s.cfg, s.dims
+    rt, cfg, vocab = s.rt, s.cfg, s.dims[2]
     if meta.get("padding") == "any":  # no cache here: padding on either side (splitlearn.hf)
-        h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos)
-        mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], npos, left_padded=False)
+        h, mask, y = _piece(s, t, labels=P.LABELS in t)
     else:
         h, mask = hidden_and_mask(s, t)
-    y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+        y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
     rt.budget.forward(h.shape[0], h.shape[1], mask, labels=y is not None)
     adapter = None
     if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter

@@ -166,9 +166,10 @@ def client_key(client_id: str) -> str:
 def hidden_and_mask(s: Served, t: dict, name: str = P.HIDDEN):
     """A left-padded ``(B, T, d)`` input and its mask, validated against the served model."""
     d, npos, _ = s.dims
-    h = validate.hidden(t, name, d, s.cfg.max_batch, npos)
+    checks = validate.Checks()  # the values' checks and the mask: one read (validate.py)
+    h = validate.hidden(t, name, d, s.cfg.max_batch, npos, checks=checks)
     B, T, _ = h.shape
-    return h, validate.attention_mask(t, P.MASK, B, T, npos)
+    return h, checks.verify(validate.attention_mask(t, P.MASK, B, T, npos, checks=checks))
 
 
 @dataclasses.dataclass(frozen=True)
