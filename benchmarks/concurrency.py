@@ -55,8 +55,8 @@ def _worker(conn, model_src: str, seed: int, device: str) -> None:
 class ClientPool:
     """``n`` client processes, each with its own copy of the model."""
 
-    def __init__(self, n: int, model_src: str, seed: int, device: str):
-        ctx = mp.get_context("spawn")
+    def __init__(self, n: int, model_src: str, seed: int, device: str, context: str = "spawn"):
+        ctx = mp.get_context(context)
         self.conns, self.procs = [], []
         for _ in range(n):
             parent, child = ctx.Pipe()
@@ -96,7 +96,7 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
     new = cfg.concurrency_new_tokens
     repeats = max(1, min(cfg.repeats, 2))
     ctx.log(f"  concurrency: starting {most} client processes")
-    pool = ClientPool(most, cfg.model, cfg.seed, cfg.device)
+    pool = ClientPool(most, cfg.model, cfg.seed, cfg.device, cfg.mp_context)
     rows = []
     try:
         for shape in ("2-way", "u"):

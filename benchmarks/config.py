@@ -34,6 +34,11 @@ class BenchConfig:
     # stop every server and baseline between workloads, so one workload's memory does not weigh
     # on the next; the quick smoke test keeps them (process start-up is most of its time)
     restart_between_workloads: bool = True
+    # how the harness starts its client processes (concurrency's clients, the pinned client):
+    # "spawn", a fresh interpreter each; "forkserver", forked from a preloaded one (multiprocessing's
+    # fork server; the tests' quick run, whose fork server has torch imported); either way each
+    # sets its own torch threads (1) and loads its own model
+    mp_context: str = "spawn"
     # generation
     prompt_len: int = 32
     new_tokens: int = 64
@@ -82,6 +87,8 @@ class BenchConfig:
             raise ValueError(f"unknown wire dtypes {sorted(bad)}; choose from {', '.join(WIRE_DTYPES)}")
         if self.repeats < 1 or self.warmup < 0 or self.threads < 1:
             raise ValueError("repeats and threads must be >= 1, warmup >= 0")
+        if self.mp_context not in ("spawn", "forkserver"):
+            raise ValueError(f"mp_context must be spawn or forkserver, got {self.mp_context!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.two_way_cut < 1 or not 0 < self.u_cuts[0] < self.u_cuts[1]:

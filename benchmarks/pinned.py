@@ -133,4 +133,4 @@ def run(cfg: BenchConfig, ctx) -> list[dict]:
         return []
     ctx.log(f"  pinned: client on core {cfg.pinned_cores[0]}, server on core {cfg.pinned_cores[1]}, "
             f"one torch thread each")
-    return run_in_child(_child, (cfg,), "the pinned measurement", ONE_THREAD_ENV)
+    return run_in_child(_child, (cfg,), "the pinned measurement", ONE_THREAD_ENV, context=cfg.mp_context)

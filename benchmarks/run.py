@@ -45,13 +45,16 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path]:
     p.add_argument("--warmup", type=int, help="untimed runs first")
     p.add_argument("--threads", type=int, help="torch threads per process (default: all cores)")
     p.add_argument("--out", help="results directory (default: benchmarks/results/<device>)")
+    p.add_argument("--mp-context", choices=["spawn", "forkserver"],
+                   help="how client processes start (default spawn: a fresh interpreter each)")
     a = p.parse_args(argv)
     device = a.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
-    over = {k: v for k, v in dict(model=a.model, repeats=a.repeats, warmup=a.warmup, threads=a.threads).items()
+    over = {k: v for k, v in dict(model=a.model, repeats=a.repeats, warmup=a.warmup, threads=a.threads,
+                                          mp_context=a.mp_context).items()
             if v is not None}
     over.update(workloads=tuple(w for w in a.workloads.split(",") if w),
                 wire_dtypes=tuple(w for w in a.wire_dtypes.split(",") if w),

@@ -81,14 +81,16 @@ ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # read by a p
 
 
 def run_in_child(target: Callable, args: Sequence, what: str, env: Optional[dict] = None,
-                 timeout_s: float = 3600.0):
+                 timeout_s: float = 3600.0, context: str = "spawn"):
     """Run ``target(conn, *args)`` in a fresh ("spawn") process started with ``env`` added to
     this process's environment (restored right after the start); ``target`` sends one
     ``("ok", value)`` or ``("error", message)`` on ``conn``. Returns the value, raises
-    ``RuntimeError`` naming ``what`` on an error or after ``timeout_s`` without an answer."""
+    ``RuntimeError`` naming ``what`` on an error or after ``timeout_s`` without an answer.
+    ``context="forkserver"``: forked from multiprocessing's fork server instead, whose environment
+    the child gets (``env`` does not reach it: a target that needs it sets it itself)."""
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(context)
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args))
     saved = {k: os.environ.get(k) for k in (env or {})}

@@ -6,6 +6,7 @@ codec round trips are exact and carry raw bytes plus a small header, the report 
 """
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from benchmarks import report
 from benchmarks.run import parse_args
 
-from forkserver import python_command
+from forkserver import FORK_ENV, python_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,10 +26,12 @@ def out_dir(tmp_path_factory):
     # A process of its own, as `make bench` runs it; its servers forked as the tests' own are
     # (tests/forkserver.py). Without the torch.distributed.rpc baseline: a child process per
     # measurement (~56 s of this run's ~100 s on 2 cores, spinning both cores while it runs);
-    # tests/test_benchmarks_baselines.py checks that baseline itself.
+    # tests/test_benchmarks_baselines.py checks that baseline itself. Its client processes (the
+    # concurrency clients, the pinned client) fork from that fork server too (--mp-context).
     out = tmp_path_factory.mktemp("bench")
+    forked = ["--mp-context", "forkserver"] if os.environ.get(FORK_ENV, "1") == "1" else []
     proc = subprocess.run(python_command("benchmarks/run.py", "--quick", "--wire-dtypes", "float32,int8",
-                                         "--baselines", "naive",
+                                         "--baselines", "naive", *forked,
                                          "--out", str(out)), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "wrote " in proc.stdout
@@ -114,6 +117,9 @@ def test_cli_refuses_bad_arguments(capsys):
     assert "unknown baselines ['grpc']" in capsys.readouterr().err
     cfg, out = parse_args(["--quick", "--device", "cpu", "--workloads", "codec"])
     assert cfg.workloads == ("codec",) and out.name == "cpu" and cfg.baselines == ("naive", "rpc")
+    assert cfg.mp_context == "spawn" and parse_args(["--mp-context", "forkserver"])[0].mp_context == "forkserver"
+    with pytest.raises(SystemExit):
+        parse_args(["--mp-context", "fork"])
     assert parse_args(["--baselines", ""])[0].baselines == ()
 
 
@@ -127,8 +133,6 @@ def test_server_batching_replays_sessions_without_client_compute(result):
 
 
 def test_pinned_two_device_mode(result):
-    import os
-
     if not {0, 1} <= set(os.sched_getaffinity(0)):
         pytest.skip("the pinned mode needs cores 0 and 1")
     rows = _rows(result, "pinned")

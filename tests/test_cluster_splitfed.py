@@ -1,7 +1,7 @@
 """SplitFed across replicas (splitlearn/server/federation/collective.py): rounds over every replica's members,
 closed with torch.distributed (gloo) so every replica continues from the same weights.
 
-In-process first (no HAProxy): server runtimes in 2 spawned processes, a TCPStore hosted by the
+In-process first (no HAProxy): server runtimes in 2 child processes, a TCPStore hosted by the
 test, members on both; the round's result is bit-identical on both replicas and to one runtime
 that has all the members (FedAvg with the syncs in replica order, and the median); a replica
 killed mid-round: the survivor closes the round without it, the restarted one takes the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import shutil
 import socket
@@ -31,6 +30,7 @@ from splitlearn.procs.localserver import ChildServer, free_port
 from splitlearn.server.federation.collective import weights_sha256
 from splitlearn.api.wire import decode
 
+from forkserver import process_context
 from listening import of_pids, public_address
 from serverproc import TOKEN, auth
 
@@ -105,6 +105,7 @@ def _replica(rank, port, world, out, keys, aggregations, die_after_sync, linger,
     step of ``keys``, sync them, wait for the round to close and write its weights and status to
     ``out``; ``linger``: then stay in the group until the file ``out/stop`` appears."""
     os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)  # (torch is imported already: the module's import, the fork server's)
     from safetensors.torch import save_file
 
     from splitlearn.server.engine.runtime import SegmentRuntime
@@ -133,7 +134,7 @@ def _replica(rank, port, world, out, keys, aggregations, die_after_sync, linger,
 
 
 def _spawn(*args):
-    p = multiprocessing.get_context("spawn").Process(target=_replica, args=args, daemon=True)
+    p = process_context().Process(target=_replica, args=args, daemon=True)  # forked: torch imported
     p.start()
     return p
 

@@ -2,9 +2,9 @@
 weights against the whole round's counts, so every replica computes the weights one server
 would (two gloo processes on loopback)."""
 import json
-import multiprocessing
-
 import pytest
+
+from forkserver import process_context
 
 from splitlearn.procs.localserver import free_port
 from splitlearn.server.federation.aggregate import capped_weights
@@ -33,7 +33,7 @@ def _replica(rank: int, port: int, out: str) -> None:
 
 
 def test_every_replica_caps_against_the_whole_round(tmp_path):
-    port, ctx = free_port(), multiprocessing.get_context("spawn")
+    port, ctx = free_port(), process_context()  # forked: torch imported
     procs = [ctx.Process(target=_replica, args=(r, port, str(tmp_path / f"{r}.json"))) for r in (0, 1)]
     for p in procs:
         p.start()

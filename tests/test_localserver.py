@@ -208,3 +208,27 @@ def test_python_command_runs_a_script_or_module_whose_servers_fork_too(tmp_path,
         assert out.stdout.split("\n")[0] == "forkserver ['x'] __main__"
     monkeypatch.setenv(forkserver.FORK_ENV, "0")
     assert forkserver.python_command("-m", "probe_script", "x") == [sys.executable, "-m", "probe_script", "x"]
+
+
+
+def _report(conn) -> None:
+    """A test's own child process (a target): who started it."""
+    conn.send(os.getppid())
+
+
+def test_process_context_forks_a_tests_target_from_the_fork_server(monkeypatch):
+    """forkserver.process_context(): a target's process is forked by the fork server (its parent),
+    not spawned by this process; with the tests' forking switched off, it is spawned."""
+    monkeypatch.delenv(forkserver.FORK_ENV, raising=False)
+    ctx = forkserver.process_context()
+    assert ctx.get_start_method() == "forkserver"
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_report, args=(child,), daemon=True)
+    p.start()
+    child.close()
+    assert parent.poll(120)
+    ppid = parent.recv()
+    p.join(60)
+    assert p.exitcode == 0 and ppid not in (os.getpid(), 1)
+    monkeypatch.setenv(forkserver.FORK_ENV, "0")
+    assert forkserver.process_context().get_start_method() == "spawn"

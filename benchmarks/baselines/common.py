@@ -96,8 +96,9 @@ def check_generation_length(bottom: Segment, input_ids: torch.Tensor, max_new_to
 class BaselineServer(ChildServer):
     """``python -m MODULE cfg.argv()`` from this repository: a baseline's server as a child process.
 
-    The child gets ``REPO`` on its PYTHONPATH and, with ``cfg.torch_threads``, as many OpenMP/MKL
-    threads; its stdout goes to ``stdout`` and its stderr is kept for the errors of ``start()``.
+    The child gets ``REPO`` on its PYTHONPATH (unless it runs there) and, with
+    ``cfg.torch_threads``, as many OpenMP/MKL threads; its stdout goes to ``stdout`` and its
+    stderr is kept for the errors of ``start()``.
     """
 
     def __init__(self, module: str, cfg: BaselineConfig, *, health: str = "/health",
@@ -105,9 +106,13 @@ class BaselineServer(ChildServer):
                  stdout: Optional[int] = subprocess.DEVNULL):
         threads = {} if cfg.torch_threads is None else {
             "OMP_NUM_THREADS": str(cfg.torch_threads), "MKL_NUM_THREADS": str(cfg.torch_threads)}
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        # `python -m` puts the working directory first on sys.path: run from REPO (as `make bench`
+        # and the tests are), the child imports `benchmarks` from there, and an environment left
+        # as it is lets the tests fork the child (tests/forkserver.py) instead of exec'ing it
+        path = {} if Path.cwd().resolve() == REPO else {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         super().__init__([sys.executable, "-m", module, *cfg.argv()], cfg.port, health=health,
-                         startup_timeout_s=startup_timeout_s, env={**threads, "PYTHONPATH": path, **(env or {})},
+                         startup_timeout_s=startup_timeout_s, env={**threads, **path, **(env or {})},
                          stdout=stdout, capture_stderr=True)
 
 
