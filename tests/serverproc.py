@@ -27,6 +27,18 @@ TOKEN, OTHER = "tok-5c1f0e8b2a9d4e77", "other-93be41d06fa2c815"
 TENANTS = (f"alice {TOKEN} operator", f"mallory {OTHER}")
 
 
+def tenants_flag(directory) -> list:
+    """``--token-file`` of :data:`TENANTS` written in ``directory``: a server of several tenants,
+    whose decode products are batch-invariant (splitlearn/model/packed.py; with one tenant each
+    product runs where it measured fastest, and answers may depend on what is batched beside them)."""
+    import os
+
+    path = os.path.join(str(directory), "tokens")
+    with open(path, "w") as f:
+        f.write("\n".join(TENANTS) + "\n")
+    return ["--token-file", path]
+
+
 def auth(token: Optional[str] = TOKEN) -> dict:
     return {"Authorization": f"Bearer {token}"} if token else {}
 

@@ -178,11 +178,11 @@ def test_restart_between_forward_and_backward_redoes_the_forward(tmp_path):
             real_call = client.transport.call_meta
             restarted = []
 
-            def call(path, tensors, meta=None):
+            def call(path, tensors, meta=None, lane=0):
                 if path.endswith("/backward") and not restarted:
                     restarted.append(path)
                     srv.restart()  # the pending forward is gone with the old process
-                return real_call(path, tensors, meta)
+                return real_call(path, tensors, meta, lane)
 
             client.transport.call_meta = call
             for ids, mask in BATCHES[1:3]:

@@ -47,11 +47,11 @@ def run(cuts, tmp, *, every=5, kill_after=None, kill_in_backward=False, reconnec
         if kill_in_backward:
             real = client.transport.call_meta
 
-            def call(path, tensors, meta=None):
+            def call(path, tensors, meta=None, lane=0):
                 if path == P.TRAIN_BACKWARD and client.step == kill_after and not crashed:
                     crashed.append(1)
                     crash()
-                return real(path, tensors, meta)
+                return real(path, tensors, meta, lane)
 
             crashed = []
             client.transport.call_meta = call

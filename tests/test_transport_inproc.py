@@ -10,15 +10,17 @@ from splitlearn.transport import Transport, TransportConfig, shares_cores_with_s
 from splitlearn.transport.inproc import serve_inproc, unserve
 from splitlearn.api.wire import decode, encode, pack
 
-from serverproc import TOKEN, InprocServerProcess, ServerProcess, sgd_steps
+from serverproc import TOKEN, InprocServerProcess, ServerProcess, sgd_steps, tenants_flag
 
 D = 32  # models/tiny.json
 
 
 @pytest.fixture(scope="module")
-def servers():
-    """The same server twice: a process on a port, and its app in this process."""
-    with ServerProcess((1, 3)) as http, InprocServerProcess((1, 3)) as inproc:
+def servers(tmp_path_factory):
+    """The same server twice: a process on a port, and its app in this process; several tenants,
+    so their decode answers are the same bits (the products batch-invariant, not measured per process)."""
+    flag = tenants_flag(tmp_path_factory.mktemp("inproc"))
+    with ServerProcess((1, 3), extra=flag) as http, InprocServerProcess((1, 3), extra=flag) as inproc:
         assert http.url.startswith("http://") and inproc.url.startswith("inproc://")
         yield http, inproc
 

@@ -23,7 +23,7 @@ from splitlearn.transport.unix import Connection, UnixLink
 from splitlearn.api import wire
 from splitlearn.api.wire import decode, encode, pack
 
-from serverproc import TOKEN, ServerProcess, sgd_steps
+from serverproc import TOKEN, ServerProcess, sgd_steps, tenants_flag
 
 D = 32  # models/tiny.json
 
@@ -33,7 +33,8 @@ def server():
     """One server process: HTTP on a port and the same app on a Unix socket."""
     d = tempfile.mkdtemp(prefix="sl-unix-")
     path = os.path.join(d, "server.sock")
-    with ServerProcess((1, 3), optimizer="sgd", lr=0.1, extra=["--listen", "unix://" + path]) as srv:
+    # several tenants: decode answers batch-invariant, whichever steps share a batch (packed.py)
+    with ServerProcess((1, 3), optimizer="sgd", lr=0.1, extra=["--listen", "unix://" + path, *tenants_flag(d)]) as srv:
         srv.unix_path, srv.unix_url = path, "unix://" + path
         yield srv
 
