@@ -245,6 +245,20 @@ def test_a_u_shape_forward_is_not_charged_for_its_graph_twice():
 _XL_SHAPED = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=4, n_head=12)
 
 
+def _train_step(client, cuts, n: int, B: int, T: int, d: int, vocab: int, g: torch.Generator) -> None:
+    """Step ``n`` of client c1 through the routes: 2-way ``/v1/train/step``, U-shape forward and
+    backward; then its apply."""
+    h = torch.randn(B, T, d, generator=g)  # (B, T, d)
+    meta = P.StepMeta("c1", n).to_meta()
+    if len(cuts) == 1:
+        y = torch.randint(0, vocab, (B, T), generator=g)
+        tensors_of(post_tensors(client, P.TRAIN_STEP, {P.HIDDEN: h, P.LABELS: y}, meta))
+    else:
+        tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: h}, meta))
+        tensors_of(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: torch.randn(B, T, d, generator=g)}, meta))
+    assert apply_step(client, "c1", n).status_code == 200
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cuts", [(1,), (1, 3)], ids=["2-way", "U"])
 def test_on_cuda_the_price_is_within_1_5x_of_the_measured_peak(cuts, tmp_path):
@@ -262,15 +276,7 @@ def test_on_cuda_the_price_is_within_1_5x_of_the_measured_peak(cuts, tmp_path):
     g = torch.Generator().manual_seed(0)
 
     def step(n):
-        h = torch.randn(B, T, d, generator=g)  # (B, T, d)
-        meta = P.StepMeta("c1", n).to_meta()
-        if len(cuts) == 1:
-            y = torch.randint(0, _XL_SHAPED["vocab_size"], (B, T), generator=g)
-            tensors_of(post_tensors(client, P.TRAIN_STEP, {P.HIDDEN: h, P.LABELS: y}, meta))
-        else:
-            tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: h}, meta))
-            tensors_of(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: torch.randn(B, T, d, generator=g)}, meta))
-        assert apply_step(client, "c1", n).status_code == 200
+        _train_step(client, cuts, n, B, T, d, _XL_SHAPED["vocab_size"], g)
 
     step(1)  # AdamW's moments exist from here on
     torch.cuda.synchronize()
@@ -329,15 +335,7 @@ def test_on_cuda_each_phase_is_priced_over_what_a_cpu_step_keeps(cuts, tmp_path,
     g = torch.Generator().manual_seed(0)
 
     def step(n):
-        meta = P.StepMeta("c1", n).to_meta()
-        h = torch.randn(B, T, d, generator=g)  # (B, T, d)
-        if len(cuts) == 1:
-            y = torch.randint(0, _PHASED["vocab_size"], (B, T), generator=g)
-            tensors_of(post_tensors(client, P.TRAIN_STEP, {P.HIDDEN: h, P.LABELS: y}, meta))
-        else:
-            tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: h}, meta))
-            tensors_of(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: torch.randn(B, T, d, generator=g)}, meta))
-        assert apply_step(client, "c1", n).status_code == 200
+        _train_step(client, cuts, n, B, T, d, _PHASED["vocab_size"], g)
 
     tp.on(rt.compute)
     try:
