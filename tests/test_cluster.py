@@ -258,11 +258,20 @@ def test_the_cluster_serves_haproxys_metrics_and_each_replicas_on_loopback(tmp_p
 
 
 def free_ports_in_a_row(n: int) -> int:
-    """The first of ``n`` consecutive loopback ports free now."""
+    """The first of ``n`` consecutive loopback ports free now, below the kernel's ephemeral range
+    (net.ipv4.ip_local_port_range): a port in that range that is free now can be taken by any
+    outgoing connection before the cluster binds it (one run: a replica's --metrics-port, "Address
+    already in use", while the other test worker made connections); below it only an explicit bind
+    takes a port."""
+    import random
     import socket
 
-    for _ in range(50):
-        base = free_port()
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        base = random.randrange(max(1024, low - 12000), low - n)
         socks = []
         try:
             for p in range(base, base + n):
@@ -286,7 +295,7 @@ class ClusterProcess(ChildServer):
 
     def __init__(self, run_dir: Path, replicas: int = 2):
         self.run_dir = run_dir
-        port = free_port()
+        port = free_ports_in_a_row(1)  # HAProxy's
         tokens = run_dir.parent / "tokens"
         tokens.write_text(f"alice {TOKEN} operator\nmallory {OTHER}\n")
         self.metrics_port = free_ports_in_a_row(replicas + 1)  # HAProxy's exporter, then each replica's
