@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import torch
+import splitlearn  # noqa: F401  first: its OpenMP spin (splitlearn/procs/openmp.py) before torch loads libgomp
+import torch  # noqa: E402
 
 from splitlearn.analysis.timing import percentile
 

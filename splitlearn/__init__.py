@@ -5,6 +5,10 @@ pieces as separate processes over HTTP, and measure what each piece costs.
 """
 import importlib
 
+from .procs.openmp import default_spin as _default_spin
+
+_default_spin()  # idle OpenMP threads sleep sooner, if torch is not loaded yet (procs/openmp.py)
+
 # Every name is imported on first use (PEP 562), so `import splitlearn` (and so every
 # `python -m splitlearn.X --help`) costs no torch or transformers import: name -> its module.
 _LAZY = {

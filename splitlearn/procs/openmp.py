@@ -1,0 +1,48 @@
+"""How long an idle OpenMP thread of this process spins before it sleeps (``GOMP_SPINCOUNT``).
+
+PyTorch's CPU wheels run their intra-op threads on GNU OpenMP (libgomp). After each parallel
+operator libgomp's workers spin, waiting for the next one, for ``GOMP_SPINCOUNT`` iterations
+(300,000 by default: milliseconds) before they sleep. A split decode step hands the cores from
+one process to the other several times a token: the client's bottom, the server's trunk, the
+client's top. Where client and server share cores, the process that has just handed over keeps
+spinning on the cores the other now needs, and every operator of the other waits at its barrier
+for a thread that is not running. Measured (docs/PERFORMANCE.md, 'Client and server on the same
+cores'): GPT-2 small U (2, 10), greedy batch 1, both processes on the same two cores, two torch
+threads each, transformers' ``generate()`` over HTTP: 0.835x the unsplit model with libgomp's
+default, 1.086x with ``GOMP_SPINCOUNT=20000`` in both processes.
+
+:data:`SPINCOUNT` iterations are a fraction of a millisecond: longer than the gaps between one
+step's operators (so a step's own hand-offs stay spins), shorter than a network round trip (so a
+process waiting for the other's answer sleeps). libgomp reads the variable once, when torch
+loads it, so :func:`default_spin` only acts before ``import torch``. ``import splitlearn`` calls
+it, so every process splitlearn starts (``python -m splitlearn.server``, ``python -m
+splitlearn.client``, the demo) and every script that imports splitlearn before torch spins
+briefly; a script that imports torch first keeps libgomp's default unless it sets the variable
+(docs/PERFORMANCE.md). A value the user set (``GOMP_SPINCOUNT``, or ``OMP_WAIT_POLICY``, which libgomp
+lets decide the spin when no count is given) is kept."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import MutableMapping, Optional
+
+SPINCOUNT = "20000"  # iterations of libgomp's wait loop before a worker sleeps
+_USER_SET = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def spin_env(env: Optional[MutableMapping[str, str]] = None) -> MutableMapping[str, str]:
+    """``env`` (default: this process's ``os.environ``) with ``GOMP_SPINCOUNT`` set to
+    :data:`SPINCOUNT` unless the user chose a spin there; returned."""
+    env = os.environ if env is None else env
+    if not any(k in env for k in _USER_SET):
+        env["GOMP_SPINCOUNT"] = SPINCOUNT
+    return env
+
+
+def default_spin() -> bool:
+    """Set the spin for this process's OpenMP threads, if torch is not loaded yet (whether it
+    could: after ``import torch`` libgomp has read its environment)."""
+    if "torch" in sys.modules:
+        return False
+    spin_env()
+    return True
