@@ -42,7 +42,7 @@ import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from splitlearn.procs import localserver
+from splitlearn.procs import localserver, openmp
 
 FORK_ENV = "SPLITLEARN_FORK_SERVERS"  # "0": the tests' servers start as plain subprocesses
 
@@ -137,6 +137,10 @@ def install() -> None:
     """Every ChildServer (LocalServer, the relay, ...) of this process starts through :func:`launch`."""
     for k, v in IMPORT_ENV.items():
         os.environ.setdefault(k, v)
+    # `import splitlearn` before torch sets libgomp's spin in os.environ (splitlearn/procs/openmp.py):
+    # the fork server's preload does; this process, whose torch came first, did not. Unequal, every
+    # forked child exec'd afresh (a suite run took 1130 s instead of ~500 s).
+    openmp.spin_env()
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and (cache := _inductor_cache_dir()) is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     localserver.launch = launch
