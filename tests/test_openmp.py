@@ -9,7 +9,8 @@ from splitlearn.procs import openmp
 READ = "import os; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
 
 
-def _python(code: str, **env) -> str:
+def _python(code: str, **env) -> list[str]:
+    """What ``python -c code`` prints, split, in this environment without a spin of its own plus ``env``."""
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     return subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                           check=True, timeout=120).stdout.split()

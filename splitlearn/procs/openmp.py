@@ -8,8 +8,8 @@ client's top. Where client and server share cores, the process that has just han
 spinning on the cores the other now needs, and every operator of the other waits at its barrier
 for a thread that is not running. Measured (docs/PERFORMANCE.md, 'Client and server on the same
 cores'): GPT-2 small U (2, 10), greedy batch 1, both processes on the same two cores, two torch
-threads each, transformers' ``generate()`` over HTTP: 0.835x the unsplit model with libgomp's
-default, 1.086x with ``GOMP_SPINCOUNT=20000`` in both processes.
+threads each, transformers' ``generate()`` over HTTP: 0.80x the unsplit model with libgomp's
+default, 1.04x with :data:`SPINCOUNT` in both processes.
 
 :data:`SPINCOUNT` iterations are a fraction of a millisecond: longer than the gaps between one
 step's operators (so a step's own hand-offs stay spins), shorter than a network round trip (so a
