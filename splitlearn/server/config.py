@@ -50,6 +50,9 @@ DEFAULT_MAX_MEMBER_SHARE = 0.5
 MIN_SECRET_BYTES = 32  # the fed secret's (federation/tickets.py)
 LINGER_S = 2.0  # after a refusal, what the client still sends is dropped this long, then we close (http/frontdoor.py)
 MAX_HEADER_BYTES = 64 << 10  # a request line + headers (waitress's default: 256 KiB)
+# connection slots beyond --max-connections that no tenant may hold: a tokenless probe (HAProxy's
+# GET /v1/ready) always finds one, the oldest tokenless connection making room (http/frontdoor.py)
+PROBE_SLOTS = 4
 
 
 def check_bounds(max_update_norm: Optional[float], max_share: Optional[float]) -> None:
@@ -112,10 +115,13 @@ class DoorLimits:
     request_timeout_s: float = 10.0  # headers complete by then; bodies and answers get this plus size / min rate
     min_rate_kib_s: float = 256.0  # KiB/s: a body's bytes are due at this rate as they come; an answer is read at it on average
     idle_timeout_s: float = 300.0  # a keep-alive connection with a valid token may idle this long
+    max_tenant_connections: Optional[int] = None  # connections one tenant may hold (None: an equal share)
 
     def __post_init__(self):
         if self.max_connections < 1:
             raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.max_tenant_connections is not None and self.max_tenant_connections < 1:
+            raise ConfigError(f"--max-tenant-connections must be >= 1, got {self.max_tenant_connections}")
         if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):
             raise ConfigError("--request-timeout, --min-rate-kib and --idle-timeout must be > 0")
 
@@ -127,8 +133,16 @@ class DoorLimits:
         """Seconds a transfer of ``nbytes`` may take: the grace plus the bytes at the minimum rate."""
         return self.request_timeout_s + self.at_min_rate_s(nbytes)
 
+    def tenant_connections(self, tenants: int) -> int:
+        """Connections one of ``tenants`` tenants may hold at once: ``max_tenant_connections``
+        (at most ``max_connections``), else ``max_connections`` shared equally (at least 1)."""
+        if self.max_tenant_connections is not None:
+            return min(self.max_tenant_connections, self.max_connections)
+        return max(1, self.max_connections // max(1, tenants))
+
     def as_info(self) -> dict:
-        return {**asdict(self), "max_header_bytes": MAX_HEADER_BYTES, "linger_s": LINGER_S}
+        return {**asdict(self), "max_header_bytes": MAX_HEADER_BYTES, "linger_s": LINGER_S,
+                "probe_slots": PROBE_SLOTS}
 
 
 def parse_store(addr: str) -> tuple[str, int]:
@@ -246,6 +260,9 @@ class Door:
     max_body_bytes: int = opt(256 * MiB, "larger request bodies get 413 (MiB)", flag="--max-body-mb", unit=MiB)
     max_echo_bytes: int = opt(4 * MiB, "larger POST /v1/echo bodies get 413 (MiB)", flag="--max-echo-mb", unit=MiB)
     max_connections: int = opt(256, "open connections at once")
+    max_tenant_connections: Optional[int] = opt(
+        None, "open connections one tenant may hold (429 beyond, at its token); default: --max-connections "
+              "shared equally between the tenants")
     request_timeout_s: float = opt(10.0, "seconds for a request's headers; its body, and the reading of an answer, "
                                          "get this plus their size at --min-rate-kib "
                                          "(docs: splitlearn/server/http/frontdoor.py)")
@@ -262,7 +279,8 @@ class Door:
 
     def door_limits(self):
         """The connection limits as the doors take them (:mod:`splitlearn.server.http.frontdoor`)."""
-        return DoorLimits(self.max_connections, self.request_timeout_s, self.min_rate_kib_s, self.idle_timeout_s)
+        return DoorLimits(self.max_connections, self.request_timeout_s, self.min_rate_kib_s, self.idle_timeout_s,
+                          self.max_tenant_connections)
 
 
 @dataclass(kw_only=True)
@@ -451,6 +469,8 @@ class ServerConfig(Observability, OffloadOptions, StrategyOptions, FederationOpt
                               f"got {self.max_turn_steps}, {self.max_turn_s} and {self.fair_wait_s}")
         if self.max_echo_bytes < 1 or self.max_connections < 1:
             raise ConfigError("--max-echo-mb and --max-connections must be > 0")
+        if self.max_tenant_connections is not None and self.max_tenant_connections < 1:
+            raise ConfigError(f"--max-tenant-connections must be >= 1, got {self.max_tenant_connections}")
         if not (self.request_timeout_s > 0 and self.min_rate_kib_s > 0 and self.idle_timeout_s > 0):
             raise ConfigError("--request-timeout, --min-rate-kib and --idle-timeout must be > 0")
         if not (self.round_timeout_s > 0 and self.lease_timeout_s > 0):

@@ -12,6 +12,13 @@ All on waitress's event loop (no WSGI thread, no body buffer):
   connection lingers as after a 401); a chunked body grows its reservation as it arrives. The
   route's own reservation of the body takes it over (:func:`.routing.serve`); it is released
   when the request ends, answered, refused or cut off.
+- **Connection slots**: a tenant holds at most its own cap of connections (``DoorLimits.
+  tenant_connections``: ``--max-tenant-connections``, default ``--max-connections`` shared
+  equally), counted from the request whose token names it (429 at that request's headers
+  beyond, ``Connection: close``), and all tenants together at most ``--max-connections`` (503).
+  The server accepts :data:`~..config.PROBE_SLOTS` connections beyond that, which only
+  tokenless connections can hold, the oldest of them making room when a newcomer waits: a
+  health check (HAProxy's ``GET /v1/ready``) always finds a slot, whatever tenants hold.
 - **Deadlines in**: headers by ``request_timeout_s`` after the first byte, the body's k-th byte
   by ``request_timeout_s + k / min_rate`` (a body announced and not sent holds its reservation
   ``request_timeout_s`` at most); a connection without a valid token may idle
@@ -33,8 +40,9 @@ import json
 import logging
 import select
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Optional
 
@@ -45,9 +53,9 @@ from waitress.task import ErrorTask, WSGITask
 from waitress.utilities import Error, build_http_date
 
 from ...api import protocol as P
-from ...errors import SplitLearnError, from_status
+from ...errors import ServiceUnavailable, SplitLearnError, TooManyRequests, from_status
 from ..engine.memory import Hold, MemoryAccount
-from ..config import LINGER_S, MAX_HEADER_BYTES, DoorLimits
+from ..config import LINGER_S, MAX_HEADER_BYTES, PROBE_SLOTS, DoorLimits
 from ..tenants import Tenants
 from .routing import BODY_HOLD_KEY, SERVED
 
@@ -149,8 +157,8 @@ class DoorParser(HTTPRequestParser):
             return consumed if self.error is None else self._refuse(data)
         if not (self.headers_finished or self.completed) or self.empty:
             return consumed
-        if self.error is None and not self.channel.admit(self):
-            self.error = _Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+        if self.error is None:
+            self.error = self.channel.admit(self)
         if self.error is None and self.tenant is not None and (self.content_length or self.chunked):
             self.error = self.channel.reserve(self, self.content_length)  # before a byte of it is buffered
         if self.error is None:
@@ -185,6 +193,7 @@ class DoorChannel(HTTPChannel):
     task_class = DoorTask
     error_task_class = JsonErrorTask
     authenticated = False  # a request with a valid token came on this connection
+    owner: Optional[str] = None  # the tenant whose slot this connection holds (its last request's)
     linger_until: Optional[float] = None  # refused: dropping input until then
     linger_left = 0  # ... or until the announced body has been dropped
     out_deadline: Optional[float] = None  # the answer now waiting must be read by then
@@ -197,18 +206,22 @@ class DoorChannel(HTTPChannel):
         super().__init__(server, sock, addr, adj, map)
         self.parser_class = functools.partial(DoorParser, channel=self)
 
-    def admit(self, req: DoorParser) -> bool:
-        """Whether ``req`` (headers complete) may send its body: a valid token, or a bodiless health
-        or readiness check or a read of the protocol's OpenAPI document."""
+    def admit(self, req: DoorParser) -> Optional[_DoorError]:
+        """None if ``req`` (headers complete) may send its body: a valid token whose tenant has a
+        connection slot (this one, or one free under its cap), or a bodiless health or readiness
+        check or a read of the protocol's OpenAPI document; else the refusal."""
         req.tenant = self.door.tenants.authenticate(req.headers.get("AUTHORIZATION"))
         if req.tenant is not None:
+            refused = self.door.take_slot(self, req.tenant.name)
+            if refused is not None:
+                return _Refused(refused)
             self.authenticated = True
-            return True
+            return None
         if (req.path in (P.HEALTH, P.READY, P.OPENAPI) and req.command in ("GET", "HEAD") and not req.chunked
                 and req.content_length == 0):
             req.headers["CONNECTION"] = "close"  # one tokenless answer, then the slot is free
-            return True
-        return False
+            return None
+        return _Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
 
     def reserve(self, req: DoorParser, nbytes: int) -> Optional[_DoorError]:
         """Reserve (or grow to) ``nbytes`` of ``req``'s body for its tenant in the memory
@@ -288,6 +301,7 @@ class DoorChannel(HTTPChannel):
 
     def handle_close(self) -> None:
         super().handle_close()
+        self.door.give_slot(self)
         req, self.request = self.request, None
         if req is not None:
             req.close()  # a body half received: its buffer goes now, not at the next garbage collection
@@ -334,27 +348,72 @@ class DoorChannel(HTTPChannel):
 
 @dataclass
 class Door:
-    """What the door checks against; hung on the waitress server for its channels."""
+    """What the door checks against; hung on the waitress server for its channels. Counts the
+    connections each tenant holds (a connection is its last authenticated request's tenant's)."""
 
     tenants: Tenants
     limits: DoorLimits
-    memory: Optional[MemoryAccount] = None  # where tenants' bodies are reserved (None: nowhere; the fed server)
+    memory: Optional[MemoryAccount] = None  # where tenants' bodies are reserved (None: nowhere)
+    held: dict = field(default_factory=dict)  # tenant -> connections it holds now
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def tenant_cap(self) -> int:
+        return self.limits.tenant_connections(len(self.tenants))
+
+    def take_slot(self, channel: "DoorChannel", tenant: str) -> Optional[SplitLearnError]:
+        """Count ``channel`` as ``tenant``'s (moved from the tenant of its last request, if
+        another's); the refusal if the tenant holds its cap already (429), or all tenants
+        together ``--max-connections`` (503): the connection is then answered and closed."""
+        with self._lock:
+            if channel.owner == tenant:
+                return None
+            mine, cap = self.held.get(tenant, 0), self.tenant_cap
+            if mine >= cap:
+                return TooManyRequests(
+                    f"this tenant holds {mine} open connections, its cap (--max-tenant-connections {cap}): "
+                    f"send on those (keep-alive) or close one", retry_after=1.0)
+            total = sum(self.held.values()) - (channel.owner is not None)
+            if total >= self.limits.max_connections:
+                return ServiceUnavailable(
+                    f"tenants hold {total} open connections, this server's --max-connections: try again later",
+                    retry_after=1.0)
+            self._drop(channel)
+            self.held[tenant] = mine + 1
+            channel.owner = tenant
+            return None
+
+    def give_slot(self, channel: "DoorChannel") -> None:
+        """``channel`` closed: its tenant's slot is free."""
+        with self._lock:
+            self._drop(channel)
+
+    def _drop(self, channel: "DoorChannel") -> None:
+        owner, channel.owner = channel.owner, None
+        if owner is not None:
+            left = self.held.get(owner, 0) - 1
+            if left > 0:
+                self.held[owner] = left
+            else:
+                self.held.pop(owner, None)
 
 
 def make_server(app, tenants: Tenants, *, host: str, port: int, threads: int, max_body_bytes: int,
-                limits: DoorLimits = DoorLimits(), ident: str = "splitlearn"):
+                limits: DoorLimits = DoorLimits(), ident: str = "splitlearn", memory: Optional[MemoryAccount] = None):
     """A waitress server for ``app`` behind the door; ``.run()`` serves, ``.close()`` stops.
-    Tenants' bodies are reserved in the app's memory account (a segment server's; the fed
-    server has none) as they are announced."""
+    Tenants' bodies are reserved, as they are announced, in ``memory`` (the fed server's),
+    else the app's memory account (a segment or offload server's)."""
     server = create_server(
         app, host=host, port=port, threads=threads,
         inbuf_overflow=max_body_bytes, outbuf_overflow=max_body_bytes, max_request_body_size=max_body_bytes,
         recv_bytes=RECV_BYTES, max_request_header_size=MAX_HEADER_BYTES,
         channel_timeout=max(1, int(round(limits.idle_timeout_s))), connection_limit=limits.max_connections,
         cleanup_interval=1, ident=ident)
-    # --max-connections counts clients: the listener and waitress's wake-up pipe are in its map too
-    server.adj.connection_limit = limits.max_connections + len(server._map)
-    memory = getattr(app.extensions.get(SERVED), "memory", None) if hasattr(app, "extensions") else None
+    # --max-connections counts clients (the listener and waitress's wake-up pipe are in the map too),
+    # plus the probes' slots, which no tenant holds (Door.take_slot)
+    server.adj.connection_limit = limits.max_connections + PROBE_SLOTS + len(server._map)
+    if memory is None and hasattr(app, "extensions"):
+        memory = getattr(app.extensions.get(SERVED), "memory", None)
     server.door = Door(tenants, limits, memory)
     server.channel_class = DoorChannel
     idle_check = server.maintenance  # waitress's: keep-alive connections idle past channel_timeout
@@ -381,7 +440,7 @@ def make_server(app, tenants: Tenants, *, host: str, port: int, threads: int, ma
         if any(c.expired for c in strangers):
             return True  # one already goes this turn
         if not strangers:
-            return False  # full of tenants' connections: the newcomer waits in the backlog
+            return False  # tenants hold at most --max-connections: the rest are tokenless answers in flight
         oldest = min(strangers, key=lambda c: c.creation_time)
         log.info("connection limit reached: %s (no token) makes room for a new connection", oldest.addr)
         oldest.expired = True  # closed in its readable(), this turn, before the accept
