@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from splitlearn.errors import Conflict, TooManyRequests
-from splitlearn.server.engine.ledger import APPLIED, CHECKPOINT_ANSWER_BYTES, Answer, Pending, StepLedger, digest_of
+from splitlearn.server.engine.ledger import APPLIED, CHECKPOINT_ANSWER_BYTES, DIGEST_BYTES, Answer, Pending, StepLedger, digest_of
 from splitlearn.server.engine.memory import MemoryAccount
 
 
@@ -91,7 +91,7 @@ def test_an_open_ended_steps_pieces_are_kept_as_digests_and_a_retry_is_409_never
     led.applied("t:a", 1, apply_answer(1), pieces, {i: big(-i) for i in range(8)})
     rec = led.clients["t:a"]
     assert all(k.body is None for k in rec.kept()[1:]) and rec.answer.body is not None
-    assert led.account.reserved == len(rec.answer.body)  # only the apply's answer is held
+    assert led.account.reserved == len(rec.answer.body) + 16 * DIGEST_BYTES  # the apply's answer; digests
     with pytest.raises(Conflict, match=f"piece 3 of step 1 was applied.*{digest_of(bodies[3]).hex()}"):
         led.replay("t:a", 1, 3)
     with pytest.raises(Conflict, match="the forward of piece 2 of step 1 was applied"):
@@ -113,7 +113,7 @@ def test_the_applies_answers_are_kept_reserved_and_evicted_to_digests_when_room_
     for i, c in enumerate("abc"):  # 1 MiB each; the pieces' and forwards' answers: digests
         led.applied(f"t:{c}", 1, big(i, 1 << 18), {0: big(10 + i)}, {0: big(20 + i)})
     kept = lambda: [led.clients[f"t:{c}"].answer for c in "abc"]  # noqa: E731
-    assert account.reserved == sum(len(k.body) for k in kept())  # the applies' bytes, reserved
+    assert account.reserved == sum(len(k.body) for k in kept()) + 6 * DIGEST_BYTES  # the applies' bytes; digests
     assert torch.equal(led.replay_apply("t:b", 1).tensors["grad"], big(1, 1 << 18).tensors["grad"])
     # another reservation needs the room: the oldest stored answers go (digests stay)
     hold = account.reserve("t", 2 << 20, "a waiting graph")
@@ -124,7 +124,7 @@ def test_the_applies_answers_are_kept_reserved_and_evicted_to_digests_when_room_
         led.replay_apply("t:a", 1)
     hold.release()
     led.applied("t:c", 2, big(5))  # the next step gives the last one's memory back
-    assert account.reserved == sum(len(k.body) for k in kept() if k.body is not None)
+    assert account.reserved == sum(len(k.body) for k in kept() if k.body is not None) + 4 * DIGEST_BYTES  # a's, b's
     for c in "abc":
         led.forget(f"t:{c}")
     assert account.reserved == 0 and account.tenants == {}

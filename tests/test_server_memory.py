@@ -16,6 +16,7 @@ import torch
 
 from splitlearn.api import protocol as P
 from splitlearn.server.engine import budget as bm
+from splitlearn.server.engine.ledger import DIGEST_BYTES
 from splitlearn.api.wire import decode, encode
 
 from serverproc import OTHER, TOKEN, ServerProcess, auth
@@ -176,7 +177,8 @@ def test_pieces_then_an_apply_leave_only_digests_and_a_retry_is_409(server):
     body = {"client_id": "p", "step": 1, "pieces": 300, "lr": 1e-3}
     first = apply(server, body)
     assert first.status_code == 200 and first.json()["applied"] is True, first.text
-    assert memory(server)["tenant_reserved_bytes"] < 4096  # the apply's answer only
+    digests = 2 * 300 * DIGEST_BYTES  # the pieces' and forwards' digests, kept (issue 50, item 10)
+    assert digests <= memory(server)["tenant_reserved_bytes"] < 4096 + digests  # and the apply's answer
     again = apply(server, body)
     assert again.json() == first.json()
     r = post(server, P.TRAIN_BACKWARD, {P.GRAD: torch.zeros(1, 16, D)}, piece("p", 1, 7))

@@ -137,7 +137,7 @@ from torch import nn
 from ...errors import PayloadTooLarge
 from ...model.headloss import CHUNK_LOGITS_BYTES, chunk_rows
 from ...model.packed import usable
-from .memory import charge
+from .memory import HOST_SHARE, TOTAL_FLAG, MemoryAccount, body_limits, charge
 
 log = logging.getLogger(__name__)
 
@@ -464,6 +464,20 @@ def available_memory(device: torch.device) -> tuple[int, str]:
     if soft != resource.RLIM_INFINITY and size is not None:
         found.append((soft - size, "RLIMIT_AS"))
     return min(found)
+
+
+def body_account(tenants: int, total: Optional[int] = None, per_tenant: Optional[int] = None) -> MemoryAccount:
+    """The memory account of a server that holds request bodies only (the fed server, the
+    offload server): ``total`` / ``per_tenant`` bytes as configured, else derived from the
+    memory this process can still get (:func:`.memory.body_limits`)."""
+    if total is not None:
+        source = TOTAL_FLAG
+    else:
+        avail, what = available_memory(torch.device("cpu"))
+        source = f"derived at start: {HOST_SHARE:g} of {what} ({avail / GiB:.2f} GiB); {TOTAL_FLAG} sets it"
+        total = body_limits(avail, tenants)[0]
+    total, per_tenant = body_limits(0, tenants, total, per_tenant)
+    return MemoryAccount(total, per_tenant, source)
 
 
 def derived_limit(available: int, state_bytes: int, halve: bool = True) -> int:

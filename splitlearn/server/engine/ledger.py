@@ -42,6 +42,10 @@ from ..tenants import client_of, tenant_of
 
 APPLIED = "applied"  # metadata of an apply's answer: "1"
 CHECKPOINT_ANSWER_BYTES = 1 << 20  # encoded answer bytes of one client in a checkpoint's state.json (the rest: digests)
+# bytes one kept digest of a piece's answer costs in memory, reserved for its tenant while kept: a
+# Kept, its __dict__, the 16-byte digest and its dict slot measured 211 B (tracemalloc, CPython
+# 3.12; tests/test_server_ledger_digests.py), rounded up. Up to 2 x 4096 a client.
+DIGEST_BYTES = 256
 
 
 @dataclass
@@ -157,6 +161,7 @@ class ClientRecord:
     forwards: dict[int, Kept] = field(default_factory=dict)  # piece -> its forward answer's digest
     pending: Optional[Pending] = None
     live: Optional[tuple] = field(default=None, repr=False)  # (answer, pieces, forwards) until sealed
+    digests_hold: Any = field(default=None, repr=False)  # the memory account's Hold of its digests
 
     def kept(self) -> list[Kept]:
         return [k for k in (self.answer, *self.pieces.values(), *self.forwards.values()) if k is not None]
@@ -272,6 +277,7 @@ class StepLedger:
             return
         rec.answer, rec.pieces, rec.forwards = _sealed(rec, final=True)
         rec.live = None
+        self._hold_digests(client_id, rec)
         for k in reversed(rec.kept()):  # the last answer reserved last: the last one evicted
             self._hold(client_id, k)
 
@@ -285,7 +291,19 @@ class StepLedger:
                 kept.evict()
         return kept
 
+    def _hold_digests(self, client_id: str, rec: ClientRecord) -> None:
+        """Reserve what the record's digests cost in memory (:data:`DIGEST_BYTES` each), made
+        already: counted even past the tenant's share (``force``), so the tenant's next
+        reservations are refused until the record's next step or its forgetting frees it."""
+        n = sum(1 for k in (*rec.pieces.values(), *rec.forwards.values()) if k.body is None and k.digest is not None)
+        if self.account is not None and n and rec.digests_hold is None:
+            rec.digests_hold = self.account.reserve(tenant_of(client_id), n * DIGEST_BYTES,
+                                                    "a step's answer digests", force=True)
+
     def _release(self, rec: ClientRecord) -> None:
+        if self.account is not None:
+            self.account.release(rec.digests_hold)
+        rec.digests_hold = None
         for k in rec.kept():
             if k.hold is not None and self.account is not None:
                 self.account.release(k.hold)
@@ -300,6 +318,7 @@ class StepLedger:
     def adopt(self, client_id: str, rec: ClientRecord) -> None:
         """Take a record loaded from a checkpoint, its kept answers reserved (or digests)."""
         self.forget(client_id)
+        self._hold_digests(client_id, rec)
         for k in rec.kept():
             self._hold(client_id, k)
         self.clients[client_id] = rec
@@ -344,6 +363,7 @@ class StepLedger:
     def hold_all(self) -> None:
         """Reserve every kept answer (after :meth:`from_counters`, once ``account`` is set)."""
         for c, r in self.clients.items():
+            self._hold_digests(c, r)
             for k in r.kept():
                 if k.hold is None:
                     self._hold(c, k)

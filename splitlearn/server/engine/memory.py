@@ -45,6 +45,9 @@ from ...errors import ServiceUnavailable, TooManyRequests
 
 GiB = 1 << 30
 TOTAL_FLAG, TENANT_FLAG = "--max-memory-gb", "--max-tenant-memory-gb"
+# The default total: this fraction of the memory left at start (less the training state on a
+# segment server's CPU); the rest is the host's headroom (docs/OPERATIONS.md, 'Memory defaults')
+HOST_SHARE = 0.75
 
 
 @dataclass(eq=False)
@@ -84,13 +87,21 @@ class MemoryAccount:
     # -- reserving ------------------------------------------------------------------------
 
     def reserve(self, tenant: str, nbytes: int, what: str, shared: bool = True,
-                evict: Optional[Callable[[], None]] = None) -> Hold:
+                evict: Optional[Callable[[], None]] = None, force: bool = False) -> Hold:
         """Reserve ``nbytes`` for ``tenant`` (429 past its share, 503 past the total).
         ``evict``: the hold is a stored answer, dropped (the callback, then released) when a
-        later reservation needs the room."""
+        later reservation needs the room. ``force``: what is made already and cannot be
+        refused (a step's answer digests, made as its answers' larger holds go): stored answers
+        are evicted for it as for any other, and it is counted even if it does not fit, so
+        later reservations are refused until it is released."""
         nbytes = max(0, int(nbytes))
         with self._lock:
-            self._make_room(tenant, nbytes, shared, what)
+            try:
+                self._make_room(tenant, nbytes, shared, what)
+            except (TooManyRequests, ServiceUnavailable):
+                if not force:
+                    raise
+                self.refusals -= 1  # counted, not refused
             hold = Hold(self, tenant, nbytes, what, shared, evict)
             self._add(hold, nbytes)
             if evict is not None:
@@ -241,6 +252,17 @@ def default_limits(request_limit: int, tenants: int, total: Optional[int] = None
     total = total if total is not None else 2 * request_limit
     if per_tenant is None:
         per_tenant = total if tenants <= 1 else min(total, request_limit)
+    return total, per_tenant
+
+
+def body_limits(available: int, tenants: int, total: Optional[int] = None,
+                per_tenant: Optional[int] = None) -> tuple[int, int]:
+    """(total, per tenant) in bytes of a server that holds request bodies only (the fed and
+    offload servers): as configured, else ``HOST_SHARE`` of ``available`` (the memory left at
+    start), and with several tenants half of that a tenant."""
+    total = total if total is not None else max(1, int(HOST_SHARE * available))
+    if per_tenant is None:
+        per_tenant = total if tenants <= 1 else total // 2
     return total, per_tenant
 
 

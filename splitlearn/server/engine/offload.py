@@ -30,9 +30,11 @@ from ...errors import BadRequest, PayloadTooLarge
 from ...model.loading import load_model
 from ...offloadmath.field import PRIMES, field_matmul
 from ...offloadmath.layers import MAX_PRODUCTS, SCHEMES, QuantisedLayers, layer_names, linear_weights
+from .budget import body_account
 from .compute import ComputeThread
 from ..config import ServerConfig
 from .ledger import Answer
+from .memory import charge
 from .priority import QueueWaits
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,9 @@ class OffloadRuntime:
                       if cfg.offload_plain else None)
         self.max_rows = cfg.max_batch * self.config.n_positions
         self.memory = cfg.max_request_memory_bytes or DEFAULT_MEMORY
+        # tenants' bodies (reserved by the door as they are announced) and each request's products,
+        # per tenant and in total, as on a segment server (--max-memory-gb, --max-tenant-memory-gb)
+        self.account = body_account(len(cfg.tenants), cfg.max_memory_bytes, cfg.max_tenant_memory_bytes)
         log.info("offload: %d linear layers of %s in fixed point (digest %s)", len(self.layers),
                  cfg.model, self.digest[:16])
 
@@ -125,6 +130,7 @@ class OffloadRuntime:
         if cost > self.memory:
             raise PayloadTooLarge(f"these products need ~{cost >> 20} MiB; this server allows "
                                   f"{self.memory >> 20} MiB per request")
+        charge(cost, "these products")  # in the memory account until the answer is built (503 past it)
         return scheme, items
 
     # -- compute --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from ...api import protocol as P
 from ...errors import BadRequest, ConfigError, Conflict, Forbidden, NotFound
 from ...model.lora import LoraSpec
 from ...api.protocol import read_token_file
-from ..config import MiB, Observability, StrategyOptions, check_secret, read_secret_file
+from ..config import GiB, MiB, Observability, StrategyOptions, check_secret, read_secret_file
 from ..options import opt
 from ..tenants import Tenants
 from . import tickets
@@ -80,8 +80,18 @@ class FedServe(Observability):
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8001, "port to listen on")
     max_body_bytes: int = opt(2048 * MiB, "larger request bodies get 413 (MiB)", flag="--max-body-mb", unit=MiB)
+    max_memory_bytes: Optional[int] = opt(
+        None, "memory (GiB) the request bodies of all tenants may hold at once (503 beyond, at their headers); "
+              "default: 0.75 of the memory available at start (splitlearn/server/engine/memory.py)",
+        flag="--max-memory-gb", unit=GiB)
+    max_tenant_memory_bytes: Optional[int] = opt(
+        None, "what one tenant's bodies may hold of it (429 beyond); default: all with one tenant, else half",
+        flag="--max-tenant-memory-gb", unit=GiB)
 
     def __post_init__(self):
+        for name in ("max_memory_bytes", "max_tenant_memory_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name[:-6].replace('_', '-')}-gb must be > 0")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.metrics_port is not None and not (0 < self.metrics_port < 65536 and self.metrics_port != self.port):

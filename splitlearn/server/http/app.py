@@ -37,8 +37,9 @@ def create_app(config: Optional[ServerConfig] = None, runtime=None) -> Flask:
     app = Flask("splitlearn.server", static_folder=None)  # no /static/<path> route: every route is in openapi.py
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes  # 413 from Content-Length, unread
     app.extensions["splitlearn"] = rt
-    memory = getattr(rt, "memory", None)  # what the server holds per tenant (memory.py); none: offload
-    memory = memory if isinstance(memory, MemoryAccount) else None  # an offload runtime's is its request limit
+    memory = getattr(rt, "memory", None)  # what the server holds per tenant (memory.py)
+    if not isinstance(memory, MemoryAccount):  # an offload runtime's is its request limit; its bodies' account:
+        memory = getattr(rt, "account", None)
     metrics = ServerMetrics(rt, memory)  # this app's own registry (GET /metrics, --metrics-port)
     app.extensions["splitlearn.metrics"] = metrics
     app.extensions[SERVED] = Served(rt, memory, metrics)

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 from flask import Flask, Response, g, jsonify, request
 
 from ...api import protocol as P
 from ...errors import BadRequest, SplitLearnError
+from ..engine.budget import body_account
+from ..engine.memory import MemoryAccount, scope as memory_scope
 from ...api.wire import decode, encode
 from ..config import LoraOptions
 from ..federation.clientside import ClientSide
@@ -25,7 +29,8 @@ from ..tenants import Tenants
 from . import accesslog, probes
 from .frontdoor import make_server
 from .hooks import install_auth, install_errors
-from .metrics import ServerMetrics, operator_exposition
+from .metrics import ServerMetrics, _StateCollector, operator_exposition
+from .routing import BODY_HOLD_KEY
 from .validate import json_object
 
 
@@ -33,8 +38,8 @@ class FedCollector:
     """The fed server's rounds as ``splitlearn_fed_*`` metric families, read at each scrape under
     the rounds' lock (families: docs/OPERATIONS.md, 'The fed server')."""
 
-    def __init__(self, rounds: FedRounds):
-        self.rounds = rounds
+    def __init__(self, rounds: FedRounds, memory: MemoryAccount | None = None):
+        self.rounds, self.memory = rounds, memory
 
     def describe(self):
         return []
@@ -71,14 +76,33 @@ class FedCollector:
                                 value=last.get("members", 0))
         yield GaugeMetricFamily("splitlearn_fed_last_round_samples", "Samples (target tokens) of the last round",
                                 value=last.get("samples", 0))
+        if self.memory is not None:  # the bodies' account, as the segment server's families
+            yield from _StateCollector._memory(self.memory)
 
 
-def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = True) -> Flask:
+MEMORY = "splitlearn.fedavg.memory"  # app.extensions: the MemoryAccount of the tenants' bodies
+BODY_COPIES = 3  # a body held at once: waitress's buffer, the bytes read of it, the tensors decoded
+
+
+@contextmanager
+def held_body(memory: MemoryAccount | None, what: str) -> Iterator[bytes]:
+    """The request's body, held in ``memory`` while the route uses it: the door's reservation
+    (made at its headers, before a byte was buffered) grown to :data:`BODY_COPIES` times its
+    size (429 past the tenant's share, 503 past the total, before it is read)."""
+    with memory_scope(memory, g.tenant.name) as held:
+        held.hold(BODY_COPIES * (request.content_length or 0), what, adopt=request.environ.get(BODY_HOLD_KEY))
+        yield request.get_data(cache=False)
+
+
+def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = True,
+                      memory: MemoryAccount | None = None) -> Flask:
     """The fed server's routes around ``rounds``; ``tenants``: its own tokens; ``request_log``:
-    count requests in ``/metrics`` and log their access lines (as the segment server)."""
+    count requests in ``/metrics`` and log their access lines (as the segment server);
+    ``memory``: the account the door reserves tenants' bodies in (:func:`app_of` makes it)."""
     app = Flask("splitlearn.fedavg", static_folder=None)  # every route is in openapi.py
     app.extensions["splitlearn.fedavg"] = rounds
-    metrics = ServerMetrics(None, state=FedCollector(rounds))  # this app's own registry
+    app.extensions[MEMORY] = memory
+    metrics = ServerMetrics(None, state=FedCollector(rounds, memory))  # this app's own registry
     app.extensions["splitlearn.metrics"] = metrics
     install_errors(app)  # the segment server's error answers (.hooks)
     if request_log:  # first of the hooks: the clock and the request id (.accesslog)
@@ -110,13 +134,16 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = T
     def sync():
         if request.mimetype != P.CONTENT_TYPE:
             raise BadRequest(f"send the weights as {P.CONTENT_TYPE} (safetensors)")
-        tensors, meta = decode(request.get_data(cache=False))
-        return jsonify(rounds.upload(g.tenant.name, P.SyncMeta.from_meta(meta), tensors))
+        with held_body(memory, "an upload") as data:
+            tensors, meta = decode(data)
+            del data
+            return jsonify(rounds.upload(g.tenant.name, P.SyncMeta.from_meta(meta), tensors))
 
     @app.post(P.FEDERATION_CLOSE)
     def close():
         shape = '{"record": "<the last_close of the segment server>"}'
-        payload = json_object(request.get_data(cache=False), shape)  # 400/413, never a 500
+        with held_body(memory, "a close record") as data:
+            payload = json_object(data, shape)  # 400/413, never a 500
         if set(payload) != {"record"}:
             raise BadRequest('the body must be JSON {"record": "<the last_close of the segment server>"}')
         return jsonify(rounds.close(g.tenant.name, payload["record"]))
@@ -142,16 +169,20 @@ def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
     return serve, cfg
 
 
-def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True) -> Flask:
+def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True, memory: MemoryAccount | None = None) -> Flask:
     from ...model.loading import load_config
 
     side = ClientSide(load_config(cfg.model), cfg.cuts, model=cfg.model, seed=cfg.seed, lora=cfg.lora)
-    return create_fedavg_app(FedRounds(cfg, side, strategy_of(cfg)), tenants, request_log=request_log)
+    return create_fedavg_app(FedRounds(cfg, side, strategy_of(cfg)), tenants, request_log=request_log,
+                             memory=memory)
 
 
 def app_of(serve: FedServe, cfg: FedConfig) -> Flask:
-    """The fed server's app as ``python -m ...fedserver`` serves it: its tenants, its body limit."""
-    app = build(cfg, serve.tenants(), request_log=serve.request_log)
+    """The fed server's app as ``python -m ...fedserver`` serves it: its tenants, its body limit,
+    the memory account its bodies are reserved in (:func:`..engine.budget.body_account`)."""
+    tenants = serve.tenants()
+    memory = body_account(len(tenants), serve.max_memory_bytes, serve.max_tenant_memory_bytes)
+    app = build(cfg, tenants, request_log=serve.request_log, memory=memory)
     app.config["MAX_CONTENT_LENGTH"] = serve.max_body_bytes
     return app
 
@@ -167,7 +198,8 @@ def main(argv=None) -> int:
         return 2
     # the same front door as the segment server (header-time auth, deadlines): :mod:`.frontdoor`
     server = make_server(app, serve.tenants(), host=serve.host, port=serve.port, threads=8,
-                         max_body_bytes=serve.max_body_bytes, ident="splitlearn-fedavg")
+                         max_body_bytes=serve.max_body_bytes, ident="splitlearn-fedavg",
+                         memory=app.extensions[MEMORY])
     print(f"splitlearn fed server ({cfg.mode}) at http://{serve.host}:{serve.port} (ready)", file=sys.stderr, flush=True)
     try:
         server.run()
