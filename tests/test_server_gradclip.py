@@ -29,7 +29,9 @@ WARM, AFTER, LONG = 40, 200, 1500  # alice's steps before the attack, after it; 
 
 
 def app_of(**kw):
-    return create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS, lr=LR, torch_threads=1, **kw))
+    app = create_app(ServerConfig(model="tiny", cuts=(1, 3), tokens=TENANTS, lr=LR, torch_threads=1, **kw))
+    app.extensions["splitlearn"].lease.grace_s = 0.0  # no segment kept for alice between her steps: mallory steps at once
+    return app
 
 
 DATA = [(torch.randn(4, 8, D, generator=g), torch.randn(4, 8, D, generator=g))

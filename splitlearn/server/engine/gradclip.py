@@ -1,4 +1,4 @@
-"""A default bound on what one training step does to state that tenants share.
+"""A default bound on what one training step, and one tenant, do to state that tenants share.
 
 On the shared segment (``--federation shared`` and ``sequential``) every tenant's step goes
 through one optimizer: the weights *and* AdamW's moments are everyone's. The lr cap bounds
@@ -10,24 +10,39 @@ every tenant is ~1e6 times too small (issue 40 measured ~1,400x on ``tiny-demo``
 
 So each step on shared state has its global gradient norm clipped (Pascanu et al. 2013) to
 
-    bound = factor * exp(mean of log(norm) over the steps before it)
+    bound = factor * exp(L)
 
-a running geometric mean, an EMA with window ``window`` steps (weight ``1/window``), bias-
-corrected as Adam corrects its moments so that the first steps weigh equally, and updated with
-the norm *as applied* (clipped). O(1) per step: one log, one exp. During the first ``warmup``
-steps the factor is squared: a young statistic is a mean of few norms, and the first steps of a
-training vary most (honest steps 3-7 of the test suite's runs reached 2.9x the mean before them;
-later ones 1.5x). What it bounds:
+``L`` the mean over tenants of each tenant's typical log-norm (issue 50):
+
+- each tenant ``t`` has its own statistic ``X_t``: the mean of ``log(norm)`` over its own
+  steps, an EMA with window ``window`` steps, bias-corrected as Adam corrects its moments (so
+  its first steps weigh equally), updated with the norm *as applied* (clipped), each step
+  weighted by the fraction ``r`` of the server's lr it was applied at; a step that moves no
+  weight (lr 0, or below ``MIN_SHARE`` of it) is not applied at all (:mod:`.training`). A
+  tenant's ``X_t`` moves only with its own steps: it stays where it was while the tenant is
+  idle;
+- each log-norm enters ``X_t`` clamped to ``L +- c``, ``c = log(reach)`` (reach 2), so every
+  ``X_t`` stays within ``c`` of the estimate;
+- ``L`` is the mean of the ``X_t``, one vote a tenant (not a step). With ``X_m >= L - c``
+  whatever tenant ``m`` sends, ``L >= mean of the others - c / (N - 1)`` (and ``<= + c /
+  (N - 1)``): with two tenants, one moves the bound by a factor ``reach`` (2) up or down at
+  most, for however long the other is idle; with three, ``sqrt(2)``. A norm of 1e-12 (``"clip":
+  1e-12``, or a tiny gradient) pulls the bound down to half, never to 1e-11; ``x1e6`` raises it
+  twice at most. One tenant alone (the only one that ever stepped) is its own estimate: the
+  running geometric mean of its norms, each within ``reach`` of the mean before it.
+
+What it does not keep: the clamp is symmetric, so while another tenant holds ``L`` a factor
+``reach`` below a tenant's ``X_t``, that tenant's norms above its own mean enter clamped, and its
+``X_t`` crawls down (``s`` the spread of its log-norms: by at most ``0.4 s / window`` a step,
+``0.08 s / window`` once ``s`` below its norms' mean, ``0.009 s / window`` once ``2 s``).
+
+O(tenants) a step. During the first ``warmup`` steps the factor is squared: a young statistic
+is a mean of few norms, and the first steps of a training vary most (honest steps 3-7 of the
+test suite's runs reached 2.9x the mean before them; later ones 1.5x). What it bounds:
 
 - a step's norm is at most ``factor`` times the typical one, so its share of ``v`` is at most
   ``factor**2`` times an honest step's, and of ``m`` ``factor`` times: ``x1e6`` is worth no
-  more than ``x factor``, an honest step's spike;
-- the statistic moves by at most ``log(factor) / n`` per step, ``n`` the steps in it up to
-  ``window``: a tenant alone raises an old bound by ``factor**(1/window)`` per step
-  (``3**0.01``: 1.1%; a young one faster: it is a mean of fewer norms), and a tenant with a fraction
-  ``f`` of the steps holds it at most ``factor**(f / (1 - f))`` above the honest steps' (a
-  geometric mean: the honest steps pull back in proportion; an arithmetic one would be
-  ratcheted without bound by half of the steps);
+  more than ``x factor * reach``, an honest step's spike;
 - an honest step below the bound is applied untouched: bit-identical to the unsplit model.
 
 The first step of a fresh server has no statistic to clip against, and whoever takes the first
@@ -43,6 +58,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+REACH = 2.0  # the factor by which one tenant (of two) can move the bound, up or down
+# an apply on state shared between tenants below this fraction of the server's lr moves no weight
+# (AdamW moves one by at most 3.16 lr; float32 resolves 2**-24 of it): it is applied as lr 0,
+# which steps nothing and moves no statistic (the clip's, AdamW's moments and step count)
+MIN_SHARE = 2.0 ** -20
 
 
 @dataclass
@@ -63,24 +84,26 @@ class Clipped:
 
 
 class NormClip:
-    """The bound of a step's gradient norm: fixed (``fixed``), or ``factor`` times the running
-    geometric mean of the norms applied before (``factor`` None and no ``fixed``: no bound)."""
+    """The bound of a step's gradient norm: fixed (``fixed``), or ``factor`` times the geometric
+    mean over tenants of each tenant's running geometric mean of the norms it applied (``factor``
+    None and no ``fixed``: no bound)."""
 
-    def __init__(self, factor: Optional[float], window: int, warmup: int = 0, fixed: Optional[float] = None):
-        self.factor, self.warmup, self.fixed = factor, warmup, fixed
-        self.keep = 1.0 - 1.0 / window  # the EMA's weight of the past
-        self.log_ema = 0.0  # EMA of log(norm), not bias-corrected
-        self.weight = 0.0  # 1 - keep**steps: the bias correction (Kingma & Ba 2015, section 3)
-        self.steps = 0  # norms in the statistic
+    def __init__(self, factor: Optional[float], window: int, warmup: int = 0, fixed: Optional[float] = None,
+                 reach: float = REACH):
+        self.factor, self.warmup, self.fixed, self.window = factor, warmup, fixed, window
+        self.c = math.log(reach)  # how far from L a log-norm enters a tenant's statistic
+        self.tenants: dict[str, list[float]] = {}  # tenant -> [EMA of log(norm) (not bias-corrected), its weight]
+        self.steps = 0  # norms in the statistic, all tenants'
+        self.log_mean: Optional[float] = None  # L (None: no norm yet)
 
     def bound(self, shared: bool = True) -> Optional[float]:
         """The bound of a step on shared state (``shared``), or on a client's own (fixed only)."""
         if self.fixed is not None:
             return self.fixed
-        if not shared or self.factor is None or self.steps == 0:
+        if not shared or self.factor is None or self.log_mean is None:
             return None
         factor = self.factor ** 2 if self.steps < self.warmup else self.factor
-        return factor * math.exp(self.log_ema / self.weight)
+        return factor * math.exp(self.log_mean)
 
     def clip(self, params: list[torch.nn.Parameter], norm: float, shared: bool = True) -> Clipped:
         """Scale the gradients of ``params`` (global norm ``norm``) down to the bound; what it did."""
@@ -89,18 +112,39 @@ class NormClip:
             torch._foreach_mul_([p.grad for p in params], c.bound / norm)
         return c
 
-    def applied(self, c: Clipped) -> None:
-        """A step with ``c`` was applied: its norm joins the statistic (a zero norm says nothing)."""
-        if c.applied > 0.0:
-            self.log_ema = self.keep * self.log_ema + (1.0 - self.keep) * math.log(c.applied)
-            self.weight = self.keep * self.weight + (1.0 - self.keep)
-            self.steps += 1
+    def applied(self, c: Clipped, tenant: str = "", share: float = 1.0) -> None:
+        """A step of ``tenant`` with ``c`` was applied at ``share`` (0..1] of the server's lr: its
+        norm joins the tenant's statistic with that weight (a zero norm, or lr, says nothing)."""
+        if not c.applied > 0.0 or not share > 0.0:
+            return
+        w = min(share, 1.0) / self.window  # the EMA's weight of this step
+        x = math.log(c.applied)
+        if self.log_mean is not None:  # within a factor reach of the estimate, either way
+            x = min(max(x, self.log_mean - self.c), self.log_mean + self.c)
+        ema = self.tenants.setdefault(tenant, [0.0, 0.0])
+        ema[0] = (1.0 - w) * ema[0] + w * x
+        ema[1] = (1.0 - w) * ema[1] + w  # the bias correction (Kingma & Ba 2015, section 3)
+        self.steps += 1
+        self._estimate()
+
+    def means(self) -> dict[str, float]:
+        """Each tenant's statistic: the (bias-corrected) mean of its log-norms."""
+        return {t: e / w for t, (e, w) in self.tenants.items() if w > 0.0}
+
+    def _estimate(self) -> None:
+        means = list(self.means().values())
+        self.log_mean = sum(means) / len(means) if means else None
 
     def state(self) -> dict:
         """The statistic, JSON-able (a checkpoint's counters)."""
-        return {"log_ema": self.log_ema, "weight": self.weight, "steps": self.steps}
+        return {"tenants": {t: list(v) for t, v in self.tenants.items()}, "steps": self.steps}
 
     def restore(self, state: dict) -> None:
-        if state:
-            self.log_ema, self.weight = float(state["log_ema"]), float(state["weight"])
-            self.steps = int(state["steps"])
+        if not state:
+            return
+        if "tenants" in state:
+            self.tenants = {str(t): [float(e), float(w)] for t, (e, w) in state["tenants"].items()}
+        else:  # a checkpoint of one statistic for all (before issue 50): one voter
+            self.tenants = {"": [float(state["log_ema"]), float(state["weight"])]}
+        self.steps = int(state["steps"])
+        self._estimate()

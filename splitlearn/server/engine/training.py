@@ -53,6 +53,7 @@ from ...api.wire import pack
 from . import guard
 from ..federation.modes import Replica
 from .budget import graph_bytes, padded
+from .gradclip import MIN_SHARE
 from .priority import step_in_parts
 from .ledger import APPLIED, Answer, Pending, answer_bytes
 from ..tenants import SEP, client_of, tenant_of
@@ -323,6 +324,22 @@ class Training:
         st.tokens[meta.micro] = st.waiting.pop(meta.micro, 0)  # trained: it counts now
         return self._piece_done(meta, st, answer, norm)
 
+    def _step(self, opt: torch.optim.Optimizer, st: StepInFlight, lr: float, saved: list) -> None:
+        """The optimizer's step at ``lr`` (its own lr restored after)."""
+        rt = self.rt
+        for g in opt.param_groups:
+            g["lr"] = lr
+        try:
+            # decode-first with generation sessions open: the step yields to decode between
+            # parts of the parameters; decode reads the weights before the step (priority.py)
+            if rt.preemptor is not None and st.rep.segment is rt.segment and rt.sessions.count():
+                step_in_parts(opt, rt.preemptor.point)
+            else:
+                opt.step()
+        finally:
+            for g, own in zip(opt.param_groups, saved):
+                g["lr"] = own
+
     def apply(self, key: str, req: P.ApplyRequest) -> Answer:
         """``POST /v1/train/apply``: the optimizer step of step ``req.step`` of client
         ``key``, at ``req.lr`` (capped at the server's own lr on state shared between tenants:
@@ -366,24 +383,21 @@ class Training:
             # state shared between tenants (the segment in shared/sequential mode, a turn's adapter)
             # steps at most at the server's own lr; the client's lr rules only its own copy/adapter
             lr = min(req.lr, *saved) if st.leased else req.lr
-            for g in opt.param_groups:
-                g["lr"] = lr
-            try:
-                # decode-first with generation sessions open: the step yields to decode between
-                # parts of the parameters; decode reads the weights before the step (priority.py)
-                if rt.preemptor is not None and st.rep.segment is rt.segment and rt.sessions.count():
-                    step_in_parts(opt, rt.preemptor.point)
-                else:
-                    opt.step()
-            finally:
-                for g, own in zip(opt.param_groups, saved):
-                    g["lr"] = own
+            share = lr / max(saved) if st.leased and max(saved) > 0 else 1.0  # of the server's lr
+            walls = st.leased and len(rt.cfg.tenants) > 1  # other tenants' training to protect
+            if walls and share < MIN_SHARE:  # moves no weight: moves no statistic (gradclip.py)
+                lr, share = 0.0, 0.0
+            elif walls and share < 1.0 and params and "betas" in opt.param_groups[0]:
+                # AdamW's moments hear a step in proportion to how far it may move the weights
+                torch._foreach_mul_([p.grad for p in params], share)
+            if lr > 0.0 or not walls:
+                self._step(opt, st, lr, saved)
             opt.zero_grad(set_to_none=True)
         except Exception:
             self.abort(meta, st)
             raise
         if st.leased:
-            rt.grad_clip.applied(clipped)
+            rt.grad_clip.applied(clipped, tenant_of(key), share)
             rt.lease.release(key)
         answer = Answer({}, {"client_id": req.client_id, "step": str(req.step), APPLIED: "1",
                              "pieces": str(req.pieces), "lr": repr(lr), "grad_norm": repr(clipped.norm),
