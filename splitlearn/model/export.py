@@ -10,12 +10,13 @@ The spec::
 
     {"format": "splitlearn-segment", "version": 1,
      "kind": "top", "blocks": [4, 12], "cuts": [2, 4],
-     "config": {...GPT2Config...}, "dtype": "float32",
+     "config": {...the model's config, model_type included...}, "dtype": "float32",
      "tensors": {"transformer.h.4.ln_1.weight": {"shape": [768], "dtype": "float32"}, ...},
      "sha256": "<hex digest of the .safetensors file>",
      "tied_lm_head": "copy"}
 
-An exported top holds its own copy of the tied ``wte``/``lm_head`` weight;
+Any family the adapter knows (docs/MODELS.md). An exported top holds its own copy of a tied
+embedding/head weight;
 :func:`load_segments` re-ties bottom and top. Loading checks the hash, the tensor names and
 every shape first; a mismatch raises :class:`SegmentFileError`."""
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2LMHeadModel
+from torch import nn
 
 from .devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import SegmentFileError
@@ -46,7 +47,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def export_segments(model: Union[GPT2LMHeadModel, Partition], cuts: Optional[Sequence[int]] = None,
+def export_segments(model: Union[nn.Module, Partition], cuts: Optional[Sequence[int]] = None,
                     out_dir: Union[str, Path] = ".") -> list[Path]:
     """Write each segment of ``partition(model, cuts)`` to ``out_dir``; return the spec paths."""
     parts = model if isinstance(model, Partition) else partition(model, cuts)
@@ -103,10 +104,10 @@ def load_segment(path: Union[str, Path], *, device: Union[str, torch.device, Non
         raise SegmentFileError(f"{weights} does not match its spec: sha256 {digest[:12]}... "
                                f"!= {spec['sha256'][:12]}... (corrupted or replaced file)")
     config = config_from_dict(spec["config"])
-    config._attn_implementation = "sdpa"
     start, end = spec["blocks"]
     with torch.device("meta"):
         seg = Segment(config, spec["kind"], start, end)
+    _buffers_off_meta(seg)
     expected = {k: list(v.shape) for k, v in seg.hf_state_dict().items()}
     tensors = load_file(str(weights))
     _check_tensors(weights, spec, expected, tensors)
@@ -116,6 +117,22 @@ def load_segment(path: Union[str, Path], *, device: Union[str, torch.device, Non
     seg = seg.to(device=resolve_device(device or "cpu"), dtype=torch_dtype) if torch_dtype else \
         seg.to(resolve_device(device or "cpu"))
     return seg.eval()
+
+
+def _buffers_off_meta(seg: Segment) -> None:
+    """Non-persistent buffers (rotary frequencies, Gemma's embedding scale) are in no file: a
+    segment built on meta computes them as the family's own initialisation does, before its
+    parameters are assigned (so that initialisation touches no loaded weight)."""
+    owners = [m for m in seg.modules() if any(b.is_meta for b in m.buffers(recurse=False))]
+    if not owners:
+        return
+    with torch.device("meta"):
+        origin = seg.arch.new_model(seg.config)  # for its _init_weights
+    for m in owners:
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device="cpu")
+        origin._init_weights(m)
 
 
 def _check_tensors(weights: Path, spec: dict, expected: dict, tensors: dict) -> None:
@@ -135,5 +152,6 @@ def load_segments(out_dir: Union[str, Path], kinds: Iterable[str], **kw) -> list
     segs = [load_segment(Path(out_dir) / k, **kw) for k in kinds]
     by_kind = {s.kind: s for s in segs}
     if "bottom" in by_kind and "top" in by_kind and by_kind["top"].config.tie_word_embeddings:
-        by_kind["top"].lm_head.weight = by_kind["bottom"].wte.weight
+        bottom = by_kind["bottom"]
+        by_kind["top"].head_module.weight = getattr(bottom, bottom.arch.embed_names[0]).weight
     return segs

@@ -1,7 +1,7 @@
 """The causal-LM loss of a top segment computed in chunks of positions, so the (B, T, V) logits
 never exist at once::
 
-    x = ln_f(h)                                               # (B, T, d), as the segment does
+    x = norm(h)                                               # (B, T, d), as the segment does
     loss = sum over chunks c of CE_sum(x[c] @ W^T, y[c]) / n  # logits (rows_c, V), one chunk at a time
 
 ``n``: the targets that are not ``-100``. With gradients, each chunk's gradients of ``x`` and
@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from .segments import loss_from_logits
 
 IGNORE = -100
 # Bytes of one chunk's float32 logits: above glibc's largest mmap threshold (32 MiB) on purpose
@@ -99,9 +101,14 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 def head_loss(top: nn.Module, h: torch.Tensor, labels: torch.Tensor,
               rows: Optional[int] = None, grad_scale: float = 1.0) -> torch.Tensor:
-    """The loss of a top (or full) segment from its last block's output ``h`` (B, T, d): ``ln_f``
-    then :func:`chunked_lm_loss` on ``lm_head``'s weight (a LoRA segment's head is its base's)."""
+    """The loss of a top (or full) segment from its last layer's output ``h`` (B, T, d): the final
+    norm then :func:`chunked_lm_loss` on the head's weight (a LoRA segment's head is its base's).
+    A head the chunks cannot express (a final logit softcap, Gemma 2's) computes its logits whole."""
     top = getattr(top, "base", top)
-    if getattr(top.lm_head, "bias", None) is not None:
-        raise ValueError("the chunked head loss needs an LM head without bias (GPT-2's has none)")
-    return chunked_lm_loss(top.ln_f(h), top.lm_head.weight, labels, rows, grad_scale)
+    x = top.head_hidden(h)  # (B, T, d)
+    if top.arch.softcap is not None:
+        return loss_from_logits(top.arch.logits(top.head_module, x), labels)
+    head = top.head_module
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the chunked head loss needs an LM head without bias")
+    return chunked_lm_loss(x, head.weight, labels, rows, grad_scale)

@@ -1,11 +1,12 @@
-"""Cut a GPT-2 at block boundaries: ``partition(model, cuts)``::
+"""Cut a decoder-only model at layer boundaries: ``partition(model, cuts)``::
 
-    2-way:    client [bottom: emb + h[0:c]]  ->  server [top: h[c:n] + ln_f + lm_head]
-    U-shape:  client [bottom: emb + h[0:c1]] ->  server [trunk: h[c1:c2]]
-              -> client [top: h[c2:n] + ln_f + lm_head]
+    2-way:    client [bottom: emb + layers[0:c]]  ->  server [top: layers[c:n] + norm + head]
+    U-shape:  client [bottom: emb + layers[0:c1]] ->  server [trunk: layers[c1:c2]]
+              -> client [top: layers[c2:n] + norm + head]
 
-Every ``0 <= c1 < c2 <= n_layer`` is valid. The segments share the model's modules (no copy;
-the tied ``wte``/``lm_head`` stays one tensor in one process): README.md, 'Cut a model, in one
+Every ``0 <= c1 < c2 <= num_hidden_layers`` is valid; any family the adapter
+(:mod:`splitlearn.model.arch`, docs/MODELS.md) knows. The segments share the model's modules (no
+copy; a tied embedding/head stays one tensor in one process): README.md, 'Cut a model, in one
 process'."""
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import PretrainedConfig
 
 from ..errors import ConfigError
+from .arch import arch_of, check_causal_lm
 from .segments import Segment, SegmentCache, labels_from_batch, loss_from_logits
 
 
@@ -45,14 +47,10 @@ def validate_cuts(cuts: Sequence[int] | int, n_layer: int) -> tuple[int, ...]:
     return cuts
 
 
-def check_gpt2(model: nn.Module) -> GPT2LMHeadModel:
-    """Refuse anything that is not a Hugging Face ``GPT2LMHeadModel``."""
-    if not isinstance(model, GPT2LMHeadModel):
-        raise ConfigError(f"splitlearn cuts GPT-2 models (transformers.GPT2LMHeadModel); "
-                          f"got {type(model).__name__}")
-    if getattr(model.config, "add_cross_attention", False):
-        raise ConfigError("GPT-2 with cross-attention is not supported")
-    return model
+def check_gpt2(model: nn.Module) -> nn.Module:
+    """Refuse anything the adapter cannot cut (kept under its old name: any family now,
+    :func:`splitlearn.model.arch.check_causal_lm`)."""
+    return check_causal_lm(model)
 
 
 def segment_ranges(cuts: tuple[int, ...], n_layer: int) -> list[tuple[str, int, int]]:
@@ -66,7 +64,7 @@ def segment_ranges(cuts: tuple[int, ...], n_layer: int) -> list[tuple[str, int, 
 class Partition:
     """The segments of one split model, in order; iterate, index, or use the names."""
 
-    config: GPT2Config
+    config: PretrainedConfig
     cuts: tuple[int, ...]
     segments: list[Segment]
 
@@ -99,11 +97,13 @@ class Partition:
         return [s.new_cache() for s in self.segments]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                caches: Optional[list[SegmentCache]] = None) -> torch.Tensor:
-        """Chain all segments in this process: input_ids (B, T) -> logits (B, T, V)."""
+                caches: Optional[list[SegmentCache]] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Chain all segments in this process: input_ids (B, T) -> logits (B, T, V). Every
+        segment gets the first one's ``position_ids`` (default: from the mask)."""
         x = input_ids
         for i, seg in enumerate(self.segments):
-            x = seg(x, attention_mask, caches[i] if caches is not None else None)
+            x = seg(x, attention_mask, caches[i] if caches is not None else None, position_ids)
         return x
 
     __call__ = forward
@@ -114,29 +114,24 @@ class Partition:
         return loss_from_logits(logits, labels_from_batch(input_ids, attention_mask))
 
 
-def partition(model: GPT2LMHeadModel, cuts: Sequence[int] | int) -> Partition:
-    """Cut ``model`` (any ``GPT2LMHeadModel``) at ``cuts``: ``c`` (bottom, top) or ``c1 < c2``
-    (bottom, trunk, top). Returns a :class:`Partition` of ``nn.Module`` segments sharing the
-    model's parameters."""
-    check_gpt2(model)
+def partition(model: nn.Module, cuts: Sequence[int] | int) -> Partition:
+    """Cut ``model`` (a decoder-only transformers ``*ForCausalLM``) at ``cuts``: ``c`` (bottom,
+    top) or ``c1 < c2`` (bottom, trunk, top). Returns a :class:`Partition` of ``nn.Module``
+    segments sharing the model's parameters."""
+    check_causal_lm(model)
     cfg = model.config
-    cuts = validate_cuts(cuts, cfg.n_layer)
-    tr = model.transformer
+    arch = arch_of(cfg)
+    cuts = validate_cuts(cuts, arch.n_layers)
+    parts = arch.parts(model)
     segments = []
-    for kind, start, end in segment_ranges(cuts, cfg.n_layer):
-        modules = {"h": list(tr.h[start:end])}
-        if kind == "bottom":
-            modules.update(wte=tr.wte, wpe=tr.wpe, drop=tr.drop)
-        if kind == "top":
-            modules.update(ln_f=tr.ln_f, lm_head=model.lm_head)
+    for kind, start, end in segment_ranges(cuts, arch.n_layers):
+        modules = {**parts, "layers": list(parts["layers"][start:end])}
         segments.append(Segment(cfg, kind, start, end, modules))
     return Partition(cfg, cuts, segments)
 
 
-def whole(model: GPT2LMHeadModel) -> Segment:
+def whole(model: nn.Module) -> Segment:
     """The whole model as one ``full`` segment (shares parameters); handy for baselines."""
-    check_gpt2(model)
-    tr = model.transformer
-    return Segment(model.config, "full", 0, model.config.n_layer,
-                   dict(wte=tr.wte, wpe=tr.wpe, drop=tr.drop, h=list(tr.h), ln_f=tr.ln_f,
-                        lm_head=model.lm_head))
+    check_causal_lm(model)
+    arch = arch_of(model.config)
+    return Segment(model.config, "full", 0, arch.n_layers, arch.parts(model))

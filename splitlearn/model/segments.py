@@ -1,17 +1,18 @@
-"""A GPT-2 segment: a contiguous run of blocks, with the embeddings and/or the LM head.
+"""A segment: a contiguous run of a decoder-only model's layers, with the embeddings and/or the
+LM head, for any family the adapter (:mod:`splitlearn.model.arch`) knows. A cut at layer
+boundaries gives at most three kinds of segment::
 
-A GPT-2 cut at block boundaries gives at most three kinds of segment::
-
-    bottom = wte + wpe + blocks[0:c1]           input_ids (B, T)   -> hidden (B, T, d)
-    trunk  = blocks[c1:c2]                      hidden (B, T, d)   -> hidden (B, T, d)
-    top    = blocks[c2:n] + ln_f + lm_head      hidden (B, T, d)   -> logits (B, T, V)
+    bottom = embeddings + layers[0:c1]          input_ids (B, T)   -> hidden (B, T, d)
+    trunk  = layers[c1:c2]                      hidden (B, T, d)   -> hidden (B, T, d)
+    top    = layers[c2:n] + final norm + head   hidden (B, T, d)   -> logits (B, T, V)
 
 (``full`` holds everything and exists for tests and single-process use.)
 
 Every segment takes the 2-D ``attention_mask`` of the whole sequence so far, (B, past + T), 1
 for real tokens and 0 for (left) padding, builds its 4-D causal mask against a cache slot it
-holds (docs/INTERNALS.md, "transformers 5 and segments") and derives positions from the mask
-(cumsum - 1) as ``generate()`` does. Blocks keep their global ``layer_idx``, so one
+holds (docs/INTERNALS.md, "transformers 5 and segments"; one mask per layer type) and derives
+positions from the mask (cumsum - 1) as ``generate()`` does, or takes the first segment's
+``position_ids`` (rotary is recomputed on each side from them: docs/MODELS.md). Blocks keep their global ``layer_idx``, so one
 :class:`SegmentCache` per segment lets each side decode token by token on its own.
 
 One block runner: :func:`run_blocks` (the causal mask against a slot the blocks hold, then the
@@ -25,11 +26,10 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import DynamicCache, GPT2Config
-from transformers.masking_utils import create_causal_mask
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers import DynamicCache, PretrainedConfig
 
 from ..errors import ConfigError
+from .arch import Arch, arch_of
 
 KINDS = ("bottom", "trunk", "top", "full")
 
@@ -43,7 +43,7 @@ class SegmentCache(DynamicCache):
     operate on it under that name).
     """
 
-    def __init__(self, config: GPT2Config):
+    def __init__(self, config: PretrainedConfig):
         super().__init__(config=config)
         self.length = 0  # tokens already processed, padding included
 
@@ -58,8 +58,8 @@ class SegmentCache(DynamicCache):
 def embed(wte: nn.Module, wpe: nn.Module, drop: nn.Module, position_ids: torch.Tensor,
           input_ids: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
           token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """GPT-2's embeddings, as ``GPT2Model`` computes them: ``wte(ids)`` (or ``inputs_embeds``)
-    + ``wpe(position_ids)`` (+ ``wte(token_type_ids)``), then dropout. (B, T, d)."""
+    """Learned-position embeddings (the split GPT-2 classes'): ``tok(ids)`` (or ``inputs_embeds``)
+    + ``pos(position_ids)`` (+ ``tok(token_type_ids)``), then dropout. (B, T, d)."""
     if inputs_embeds is None:
         inputs_embeds = wte(input_ids)
     h = inputs_embeds + wpe(position_ids).to(inputs_embeds.device)
@@ -68,25 +68,20 @@ def embed(wte: nn.Module, wpe: nn.Module, drop: nn.Module, position_ids: torch.T
     return drop(h)
 
 
-def run_blocks(blocks, config: GPT2Config, layer_idx: int, hidden: torch.Tensor,
+def run_blocks(blocks, config: PretrainedConfig, layer_idx: int, hidden: torch.Tensor,
                attention_mask: Optional[torch.Tensor] = None, cache=None,
                position_ids: Optional[torch.Tensor] = None,
-               inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Run ``blocks`` (consecutive ``GPT2Block``\\ s, the first with global ``layer_idx``) on the
-    new positions ``hidden`` (B, T, d): one 4-D causal mask from the 2-D ``attention_mask``
-    (B, past + T) or None, sized against slot ``layer_idx`` of ``cache`` (a transformers
-    ``Cache`` with a slot per model layer, read and extended, or None), then the blocks.
-    ``position_ids``: as ``GPT2Model`` passes them (the mask's packed-sequence check without a
-    cache). ``inputs_embeds``: what the mask takes its dtype from (default ``hidden``)."""
+               inputs_embeds: Optional[torch.Tensor] = None, rotary: Optional[nn.Module] = None,
+               arch: Optional[Arch] = None) -> torch.Tensor:
+    """Run ``blocks`` (consecutive layers, the first with global ``layer_idx``) on the new
+    positions ``hidden`` (B, T, d): :meth:`splitlearn.model.arch.Arch.run_layers` (masks per layer
+    type from the 2-D ``attention_mask`` (B, past + T) or None, sized against ``cache``'s slots;
+    rotary from ``position_ids`` when ``rotary`` is given), then the layers.
+    ``inputs_embeds``: what the masks take their dtype from (default ``hidden``)."""
     if not len(blocks):
         return hidden
-    mask = create_causal_mask(config=config, inputs_embeds=hidden if inputs_embeds is None else inputs_embeds,
-                              attention_mask=attention_mask, cache=cache, position_ids=position_ids,
-                              layer_idx=layer_idx)
-    kw = {} if position_ids is None else {"position_ids": position_ids}
-    for block in blocks:
-        hidden = block(hidden, cache, mask, use_cache=cache is not None, **kw)  # (B, T, d)
-    return hidden
+    return (arch or arch_of(config)).run_layers(blocks, layer_idx, hidden, attention_mask, cache, position_ids,
+                                                rotary, inputs_embeds)
 
 
 def positions_from_mask(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -100,7 +95,7 @@ def positions_from_mask(attention_mask: torch.Tensor, new_tokens: int) -> torch.
 
 
 def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Causal-LM loss exactly as ``GPT2LMHeadModel`` computes it (shift by one, ignore -100).
+    """Causal-LM loss exactly as transformers' ``ForCausalLM`` loss computes it (shift by one, ignore -100).
 
     logits: (B, T, V); labels: (B, T). Returns the mean over non-ignored targets.
     """
@@ -117,49 +112,61 @@ def labels_from_batch(input_ids: torch.Tensor, attention_mask: Optional[torch.Te
 
 
 class Segment(nn.Module):
-    """Blocks ``[start, end)`` of a GPT-2, with embeddings if ``start == 0`` (bottom) and
-    ``ln_f`` + ``lm_head`` if ``end == n_layer`` (top).
+    """Layers ``[start, end)`` of a decoder-only model, with its embeddings if ``start == 0``
+    (bottom) and its final norm + LM head if ``end == num_hidden_layers`` (top).
 
     Build one with :func:`splitlearn.partition` (sharing the model's parameters) or
-    :func:`splitlearn.load_segment` (from an exported file). Submodules are named like the
-    Hugging Face model's (``wte``, ``wpe``, ``h``, ``ln_f``, ``lm_head``) and
-    :meth:`hf_state_dict` gives the Hugging Face parameter names.
+    :func:`splitlearn.load_segment` (from an exported file). Submodules keep the family's own
+    names (``arch.embed_names``, ``arch.layers_name``, ``arch.norm_names``, ``arch.head_name``,
+    and ``rotary_emb`` where the family has one); :meth:`hf_state_dict` gives the
+    ``*ForCausalLM``'s parameter names. Family-neutral views: :attr:`layers_list`,
+    :attr:`head_module`, :meth:`head_hidden`, :meth:`logits`.
     """
 
-    def __init__(self, config: GPT2Config, kind: str, start: int, end: int,
+    def __init__(self, config: PretrainedConfig, kind: str, start: int, end: int,
                  modules: Optional[dict] = None):
         super().__init__()
         if kind not in KINDS:
             raise ConfigError(f"segment kind must be one of {KINDS}, got {kind!r}")
         self.config = config
+        self.arch = arch = arch_of(config)
         self.kind = kind
         self.start, self.end = start, end
         self.has_embeddings = kind in ("bottom", "full")
         self.has_head = kind in ("top", "full")
-        m = modules or {}
-
-        def take(name, build):  # the model's own module when partitioning, else a new one
-            return m[name] if m.get(name) is not None else build()
-
+        if modules is None:  # new modules: the model's own classes (on meta in load_segment)
+            modules = arch.parts(arch.new_model(config))
+            modules = {**modules, "layers": list(modules["layers"][start:end])}
         if self.has_embeddings:
-            self.wte = take("wte", lambda: nn.Embedding(config.vocab_size, config.n_embd))
-            self.wpe = take("wpe", lambda: nn.Embedding(config.n_positions, config.n_embd))
-            self.drop = take("drop", lambda: nn.Dropout(config.embd_pdrop))
-        self.h = nn.ModuleList(take("h", lambda: [GPT2Block(config, layer_idx=i)
-                                                  for i in range(start, end)]))
+            for name, m in modules["embed"].items():
+                setattr(self, name, m)
+        setattr(self, arch.layers_name, nn.ModuleList(modules["layers"]))
+        if modules.get("rotary") is not None and len(modules["layers"]):
+            self.rotary_emb = modules["rotary"]
         if self.has_head:
-            self.ln_f = take("ln_f", lambda: nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon))
-            self.lm_head = take("lm_head", lambda: nn.Linear(config.n_embd, config.vocab_size, bias=False))
+            for name, m in modules["norm"].items():
+                setattr(self, name, m)
+            setattr(self, arch.head_name, modules["head"])
 
     # -- description -------------------------------------------------------------------
 
     @property
     def blocks(self) -> tuple[int, int]:
-        """The global block range ``[start, end)`` this segment holds."""
+        """The global layer range ``[start, end)`` this segment holds."""
         return (self.start, self.end)
 
+    @property
+    def layers_list(self) -> nn.ModuleList:
+        """The segment's layers (the family's name for them: ``layers``, ``h``)."""
+        return getattr(self, self.arch.layers_name)
+
+    @property
+    def head_module(self) -> nn.Module:
+        """The LM head (a top's)."""
+        return getattr(self, self.arch.head_name)
+
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, blocks=[{self.start}, {self.end})"
+        return f"kind={self.kind}, blocks=[{self.start}, {self.end}), family={self.arch.model_type}"
 
     def input_kind(self) -> str:
         """``"ids"`` for a segment that takes token ids, ``"hidden"`` for activations."""
@@ -169,19 +176,18 @@ class Segment(nn.Module):
         return SegmentCache(self.config)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers under the names ``GPT2LMHeadModel`` gives them."""
-        out = {}
-        for name, t in self.state_dict().items():
-            if name.startswith("h."):
-                local, rest = name[2:].split(".", 1)
-                out[f"transformer.h.{self.start + int(local)}.{rest}"] = t
-            elif name.startswith(("wte.", "wpe.", "ln_f.")):
-                out[f"transformer.{name}"] = t
-            else:
-                out[name] = t  # lm_head.weight
-        return out
+        """Parameters and buffers under the names the family's ``*ForCausalLM`` gives them."""
+        return {self.arch.hf_name(name, self.start): t for name, t in self.state_dict().items()}
 
     # -- computation -------------------------------------------------------------------
+
+    def head_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm (and any projection after it): what the head multiplies. (B, T, d)."""
+        return self.arch.head_hidden({n: getattr(self, n, None) for n in self.arch.norm_names}, x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output (B, T, d) -> logits (B, T, V): final norm, head (and softcap)."""
+        return self.arch.logits(self.head_module, self.head_hidden(x))
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[SegmentCache] = None,
@@ -192,11 +198,12 @@ class Segment(nn.Module):
         x: input_ids (B, T) for a bottom/full segment, else hidden states (B, T, d).
         attention_mask: (B, past + T) 0/1 for the whole sequence so far, or None (no padding).
         cache: this segment's :class:`SegmentCache` to read and extend, or None (no cache).
-        position_ids: (B, T) to override the positions derived from the mask (bottom only).
+        position_ids: (B, T) or (1, T): the positions the first segment used (default: derived
+            from the mask, ``generate()``'s rule, or counted from the cache without one).
         logits_to_keep: with the head, compute logits for the last this many positions only
             (0: all), as Hugging Face's ``logits_to_keep``; generation needs just the last.
-        head: False: a top stops before ``ln_f`` and returns its last block's output (B, T, d),
-            for a loss computed in chunks (:mod:`splitlearn.model.headloss`) or a few positions' logits.
+        head: False: a top stops before the final norm and returns its last layer's output
+            (B, T, d), for a loss computed in chunks (:mod:`splitlearn.model.headloss`).
         Returns hidden states (B, T, d), or logits (B, T, V) for a top/full segment
         ((B, logits_to_keep, V) if that is given).
         """
@@ -206,27 +213,19 @@ class Segment(nn.Module):
             raise ConfigError(
                 f"attention_mask covers {attention_mask.shape[-1]} positions but the segment has "
                 f"seen {past} and is given {T} new ones")
+        if position_ids is None:
+            position_ids = self.arch.positions(attention_mask, past, T, x.device)  # (B|1, T)
         if self.has_embeddings:
-            x = self._embed(x, attention_mask, past, position_ids)  # (B, T, d)
-        x = run_blocks(self.h, self.config, self.start, x, attention_mask,
-                       cache.kv if cache is not None else None)  # (B, T, d)
+            self.arch.check_positions(position_ids)
+            x = self.arch.embed({n: getattr(self, n, None) for n in self.arch.embed_names}, position_ids,
+                                input_ids=x, attention_mask=attention_mask, past=past)  # (B, T, d)
+        x = run_blocks(self.layers_list, self.config, self.start, x, attention_mask,
+                       cache.kv if cache is not None else None, position_ids,
+                       rotary=getattr(self, "rotary_emb", None), arch=self.arch)  # (B, T, d)
         if cache is not None:
             cache.length = past + T
         if self.has_head and head:
             if logits_to_keep:
-                x = x[:, -logits_to_keep:]  # (B, k, d): ln_f and lm_head act per position
-            x = self.lm_head(self.ln_f(x))  # (B, T or k, V)
+                x = x[:, -logits_to_keep:]  # (B, k, d): the norm and head act per position
+            x = self.logits(x)  # (B, T or k, V)
         return x
-
-    def _embed(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], past: int,
-               position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        T = input_ids.shape[1]
-        if position_ids is None:
-            if attention_mask is not None:
-                position_ids = positions_from_mask(attention_mask, T)  # (B, T)
-            else:
-                position_ids = torch.arange(past, past + T, device=input_ids.device)[None]  # (1, T)
-        if int(position_ids.max()) >= self.config.n_positions:
-            raise ConfigError(f"position {int(position_ids.max())} is past n_positions="
-                             f"{self.config.n_positions}")
-        return embed(self.wte, self.wpe, self.drop, position_ids, input_ids)  # (B, T, d)
