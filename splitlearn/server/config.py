@@ -293,7 +293,8 @@ class Limits:
         flag="--max-request-memory-gb", unit=GiB)
     max_memory_bytes: Optional[int] = opt(
         None, "memory (GiB) the server may hold for its tenants in all: request bodies and prices, waiting "
-              "graphs, stored answers, generation caches (503 beyond); default: twice --max-request-memory-gb "
+              "graphs, stored answers, generation caches (503 beyond); default: 0.75 of the memory free at start "
+              "less the training state, or twice --max-request-memory-gb when it is given "
               "(splitlearn/server/engine/memory.py)", flag="--max-memory-gb", unit=GiB)
     max_tenant_memory_bytes: Optional[int] = opt(
         None, "what one tenant may hold of it (429 beyond); default: all with one tenant, else "

@@ -274,6 +274,20 @@ def kv_bytes(m: Dims, tokens: int) -> int:
     return 2 * m.blocks * tokens * m.d * m.elem
 
 
+# What an open generation session costs the host, per byte of :func:`kv_bytes`. Its cache's tensors
+# are kv_bytes exactly (tests/test_server_memory_defaults.py), but they are allocated among the
+# step's temporaries, and glibc keeps the heap pages around a long-lived tensor when those are
+# freed: the RSS of 16 sessions held open on tiny-demo U (2, 4) grew 1.27x to 2.08x of kv_bytes
+# (benchmarks/session_memory.py; docs/OPERATIONS.md, 'Memory defaults'). This covers that.
+SESSION_SLACK = 2.25
+
+
+def session_bytes(m: Dims, tokens: int) -> int:
+    """What a session whose cache holds ``tokens`` positions is reserved for (:mod:`.memory`):
+    its KV cache times ``SESSION_SLACK`` (on CUDA the caching allocator's ``CUDA_SLACK``: its
+    freed blocks serve the next tensors)."""
+    return int(kv_bytes(m, tokens) * (CUDA_SLACK if m.cuda else SESSION_SLACK))
+
 def update_bytes(m: Dims) -> int:
     """A training step's gradients, and the optimizer's temporaries on top of them: torch's
     single-tensor AdamW (CPU tensors take no foreach path) makes two of each parameter's size in
@@ -364,6 +378,11 @@ class Budget:
     dims: Dims
     source: str = FLAG  # where the limit comes from: the flag, or how it was derived
     total: Optional[int] = None  # bytes: the memory account's default total (None: twice the limit)
+    total_source: Optional[str] = None  # how ``total`` was derived
+
+    def account_source(self) -> str:
+        """Where the memory account's default total comes from (its refusals name it)."""
+        return self.total_source or f"twice the per-request limit; {TOTAL_FLAG} sets it"
 
     def check(self, what: str, need: int, held: int = 0) -> None:
         """413 if ``need`` bytes exceed the limit; the message names the limit and the flag.
@@ -510,4 +529,11 @@ def make_budget(segment: nn.Module, dtype: torch.dtype, device: torch.device,
     if limit == MIN_DERIVED:
         log.warning("little memory left for requests (%s): each may use %.2f GiB", source, limit / GiB)
     log.info("each request may use %.2f GiB of memory (%s)", limit / GiB, source)
-    return Budget(limit, dims, source, total=limit if gpu else None)
+    if gpu:
+        return Budget(limit, dims, source, total=limit, total_source=f"the per-request limit; {TOTAL_FLAG} sets it")
+    # the host keeps (1 - HOST_SHARE) of what the training state leaves: the interpreter, the
+    # allocator's slack beyond what is priced, other processes (docs/OPERATIONS.md, 'Memory defaults')
+    total = max(limit, int(HOST_SHARE * (avail - state)))
+    return Budget(limit, dims, source, total=total,
+                  total_source=f"derived at start: {HOST_SHARE:g} of {what} ({avail / GiB:.2f} GiB) less the "
+                               f"training state ({state / GiB:.2f} GiB); {TOTAL_FLAG} sets it")

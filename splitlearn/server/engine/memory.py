@@ -27,11 +27,16 @@ price counts in the total only, not in its tenant's share: the compute thread ru
 request at a time, so a tenant's share bounds what it *holds* (bodies waiting, graphs,
 answers, caches) beside what it computes.
 
-Defaults (``ServerConfig.max_memory_bytes``, ``max_tenant_memory_bytes``): the total is twice
-the per-request limit (with the derived per-request limit: the memory free at start less
-the training state, the budget's "other half" included; on a GPU the derived limit is that
-whole rest and the total the same bytes, :mod:`.budget`); a tenant's share is the total on
-a one-tenant server, else the per-request limit.
+Defaults (``ServerConfig.max_memory_bytes``, ``max_tenant_memory_bytes``): with the derived
+per-request limit on the CPU (half of the memory free at start less the training state), the
+total is ``HOST_SHARE`` (0.75) of that rest, the host keeping the other quarter; with
+``--max-request-memory-gb`` given, twice it; on a GPU the derived limit is the whole rest and
+the total the same bytes (:mod:`.budget`). A tenant's share is the total on a one-tenant
+server, else the per-request limit (2/3 of the derived total: less would refuse with 429 a
+step the budget admits). A generation session is reserved at ``budget.SESSION_SLACK`` times
+its cache (what its RSS was measured to grow by). The fed and offload servers hold bodies
+only: their total is ``HOST_SHARE`` of the memory free at start, a tenant's half of it with
+several tenants (:func:`body_limits`). docs/OPERATIONS.md, 'Memory defaults'.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from ...model.segments import Segment
 from ...api.wire import WIRE_DTYPE_NAMES, pack
 from .batching import DecodeBatcher, DecodeItem
 from .priority import DecodeBudget, Preemptor, QueueWaits
-from .budget import kv_bytes, make_budget
+from .budget import make_budget, session_bytes
 from .memory import TOTAL_FLAG, MemoryAccount, default_limits
 from .compute import ComputeThread
 from ..config import ServerConfig
@@ -152,12 +152,11 @@ class SegmentRuntime:
         total, per_tenant = default_limits(self.budget.limit, len(cfg.tenants),
                                            cfg.max_memory_bytes or self.budget.total, cfg.max_tenant_memory_bytes)
         self.memory = MemoryAccount(total, per_tenant, TOTAL_FLAG if cfg.max_memory_bytes else
-                                    f"{'the' if self.budget.total else 'twice the'} per-request limit; "
-                                    f"{TOTAL_FLAG} sets it")
+                                    self.budget.account_source())
         self.ledger.account = self.memory
         if cfg.decode_graphs and self.device.type == "cuda" and self.adapters is None:
             self.batcher.graphs = DecodeGraphs(self.segment, cfg.decode_graphs, self.memory)
-        self.sessions.account, self.sessions.kv_bytes = self.memory, lambda n: kv_bytes(self.budget.dims, n)
+        self.sessions.account, self.sessions.kv_bytes = self.memory, lambda n: session_bytes(self.budget.dims, n)
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)
