@@ -22,7 +22,7 @@ from splitlearn.errors import BadRequest, ConfigError
 from splitlearn.hf import (SplitGPT2ForSequenceClassification, SplitGPT2LMHeadModel, SplitGPT2Model,
                            split_model)
 from splitlearn.model.partition import partition
-from transformers import GPT2ForSequenceClassification
+from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
 from serverproc import OTHER, TENANTS, TOKEN, InprocServerProcess, auth, web
 
@@ -299,6 +299,8 @@ def test_trainer_equals_unsplit(server, tmp_path, micro):
 
     model = split_lm(server, micro_batches=micro)  # 2: each batch of 2 rows in two pieces in flight
     ref, state = reference(server)
+    # the stock class's loss_type (load_model names its own): Trainer counts the targets by it
+    ref.loss_type = GPT2LMHeadModel(ref.config).loss_type
     losses, norms = run(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), tmp_path / "split")
     ref_losses, ref_norms = run(ref, adamw_with(ref, state), tmp_path / "ref")
     assert len(losses) == 2
@@ -325,7 +327,12 @@ def test_sequence_classification_equals_unsplit(server):
     torch.manual_seed(0)
     ref = GPT2ForSequenceClassification(cfg)
     ref.transformer.load_state_dict(ref_lm.transformer.state_dict())
-    model = split_model(copy.deepcopy(ref), server=server.url, token=TOKEN).train()
+    src = copy.deepcopy(ref)  # its server-side blocks as the server loaded them (compared at session start)
+    at_load = load_model("tiny").transformer.state_dict()
+    src.transformer.load_state_dict({k: v for k, v in at_load.items()
+                                     if k.split(".")[0] == "h" and int(k.split(".")[1]) in range(*server.cuts)},
+                                    strict=False)
+    model = split_model(src, server=server.url, token=TOKEN).train()
     ref.train()
     assert type(model) is SplitGPT2ForSequenceClassification
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0), adamw_with(ref, state)

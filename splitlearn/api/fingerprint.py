@@ -71,3 +71,81 @@ def digests(items: list[tuple[dict[str, torch.Tensor], Optional[dict]]]) -> list
 def digest(tensors: dict[str, torch.Tensor], meta: Optional[dict] = None) -> bytes:
     """:func:`digests` of one."""
     return digests([(tensors, meta)])[0]
+
+
+# -- the model a session starts from (issue 51, item 4) -----------------------------------------
+#
+# Client and server compare, at session start, the checkpoint each loaded: its config, field by
+# field, and its weights *at load* (before any training or checkpoint restored), part by part. The
+# server publishes a digest of each part it holds (``/v1/info`` "fingerprint"); the client makes
+# the same digests of its own copy of those parts, which it holds when it loads the whole model.
+# A part is a layer (``transformer.h.3``, ``model.layers.3``: the names up to the first number) or a
+# module outside the layers (``transformer.wte``, ``lm_head``). Digests are made in the server's
+# compute dtype (a float32 client copy cast as the server cast its own at load: bit-equal).
+
+#: config fields that do not change what the weights compute: names, runtime switches, heads'
+#: labels, token ids of the tokenizer, initialisation, dropout (each side trains with its own),
+#: tying (a 2-way server keeps its own copy of the head), splitlearn's own keys
+IGNORED_CONFIG_FIELDS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "num_labels",
+    "problem_type", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
+    "initializer_range", "chunk_size_feed_forward", "tie_word_embeddings", "task_specific_params",
+    "prefix", "finetuning_task", "tokenizer_class", "_commit_hash", "_attn_implementation",
+    "_experts_implementation", "use_return_dict", "torchscript",
+})
+
+
+def _ignored(key: str) -> bool:
+    return (key in IGNORED_CONFIG_FIELDS or key.startswith(("splitlearn", "summary_", "_attn_implementation"))
+            or "dropout" in key or key.endswith("pdrop"))
+
+
+def config_differences(mine: dict, theirs: dict) -> list[str]:
+    """The fields (``config.to_dict()``'s, as JSON) in which two models' configs differ, each as
+    ``"name: mine X, theirs Y"``, sorted; fields that do not change what the weights compute
+    (:data:`IGNORED_CONFIG_FIELDS`, dropouts, heads' summaries) are left out. Empty: the same model."""
+    a, b = json.loads(json.dumps(mine, default=str)), json.loads(json.dumps(theirs, default=str))
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if _ignored(key) or a.get(key) == b.get(key):
+            continue
+        if key not in a or key not in b:  # a field one transformers version writes and the other not
+            if a.get(key, b.get(key)) is None:
+                continue
+        out.append(f"{key}: this side {a.get(key, '(absent)')!r}, the server {b.get(key, '(absent)')!r}")
+    return out
+
+
+def part_of(name: str) -> str:
+    """The part a parameter belongs to: its name up to the first number (a layer:
+    ``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else its module
+    (``transformer.wte.weight`` -> ``transformer.wte``, ``lm_head.weight`` -> ``lm_head``)."""
+    words = name.split(".")
+    for i, w in enumerate(words):
+        if w.isdigit():
+            return ".".join(words[:i + 1])
+    return ".".join(words[:-1]) or name
+
+
+def weight_parts(state: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = None,
+                 parts: Optional[set] = None) -> dict[str, str]:
+    """``{part: 32 hex}``: the digest (:func:`digests`) of each part's tensors (Hugging Face
+    names), cast to ``dtype`` first where given; only the parts in ``parts`` where given. Tensors on
+    the meta device (weights this side never had) leave their part out."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in state.items():
+        part = part_of(name)
+        if (parts is None or part in parts) and isinstance(t, torch.Tensor) and t.is_floating_point():
+            groups.setdefault(part, {})[name] = t
+    groups = {p: g for p, g in groups.items() if not any(t.is_meta for t in g.values())}
+    if dtype is not None:
+        groups = {p: {n: t.detach().to(dtype) for n, t in g.items()} for p, g in groups.items()}
+    names = sorted(groups)
+    return {p: d.hex() for p, d in zip(names, digests([(groups[p], None) for p in names]))}
+
+
+def weight_differences(mine: dict[str, str], theirs: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(the parts both sides have whose digests differ, the parts only ``theirs`` has)."""
+    differ = sorted(p for p in theirs if p in mine and mine[p] != theirs[p])
+    return differ, sorted(p for p in theirs if p not in mine)

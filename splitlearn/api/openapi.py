@@ -174,6 +174,11 @@ def operations(info: dict) -> list[Op]:
         Op("CLIENT_ADAPTER", "get", "LoRA: the server side's adapter of a client", path_params=cid, errors=(400, 404),
            answer=Tensors({"base_model.model.transformer.h.<i>.<module>.lora_A.weight": "(r, in)",
                            "...lora_B.weight": "(out, r)"}, {"lora": "the adapter spec, JSON"})),
+        Op("CLIENT_WEIGHTS", "get", "the segment's weights now and the client's own LoRA adapter (403 unless the "
+           "operator allows it: --allow-weight-export)", path_params=cid, errors=(400, 403),
+           answer=Tensors({"<Hugging Face name>": "the segment's parameters, its compute dtype",
+                           "base_model.model.<module>.lora_{A,B}.weight": "LoRA servers: this client's adapter"},
+                          {"lora": "the adapter spec, JSON (with an adapter)", "steps_applied": "integer"})),
         Op("TRAIN_STEP", "post", "2-way: hidden + labels -> loss + grad (a fused piece, loss_scale its "
            "loss's gradient)", errors=tensor_errors,
            body=Tensors({P.HIDDEN: hidden, P.LABELS: labels, P.MASK: mask}, step_meta),

@@ -30,6 +30,8 @@ route                          method   what
 /v1/federation/weights         GET      the shared client-side weights (meta: version)
 /v1/federation/close           POST     fed server: {"record"} the segment server signed -> status
 /v1/clients/<cid>/adapter      GET      LoRA: the server side's adapter of a client (its token only)
+/v1/clients/<cid>/weights      GET      the segment's weights now (+ the client's own LoRA adapter);
+                                        only where the operator allows it (--allow-weight-export)
 /v1/offload/linear             POST     --offload servers only: masked products of linear layers (docs/OFFLOAD.md)
 ============================  =======  ==========================================================
 """
@@ -73,6 +75,7 @@ FEDERATION_CLOSE = "/v1/federation/close"  # fed server: the segment server's si
 MAX_SAMPLES = 1 << 40  # rows one member may report for a round: far beyond any real one
 MAX_TICKET_CHARS = 2048  # a signed ticket is ~250 characters
 CLIENT_ADAPTER = "/v1/clients/{client_id}/adapter"
+CLIENT_WEIGHTS = "/v1/clients/{client_id}/weights"  # safetensors: the segment (HF names) + the client's adapter (peft names)
 OFFLOAD_LINEAR = "/v1/offload/linear"  # masked offload (splitlearn/offloadmath/layers.py: the bytes)
 
 # tensor names in bodies

@@ -121,11 +121,34 @@ class SplitMixin:
         remote = self.transformer.remote
         return None if remote is None else remote.flush()
 
-    def save_pretrained(self, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, **kwargs):
         """``PreTrainedModel.save_pretrained`` of the client's side, the last optimizer step's
-        apply sent first (:meth:`flush`): what is saved and what the server holds are one step."""
+        apply sent first (:meth:`flush`): what is saved and what the server holds are one step.
+        The folder holds the client's weights only: this split class's ``from_pretrained`` loads it
+        back (the fingerprint of the weights first loaded kept in its config), and
+        ``AutoModelForCausalLM.from_pretrained`` refuses it with a message (its ``config.json``
+        names the model type ``splitlearn-split-client``; :mod:`splitlearn.hf.unsplit`). For the
+        whole model: ``model.merge_and_unload().save_pretrained(dir)``."""
+        from .unsplit import mark_split_folder
+
         self.flush()
-        return super().save_pretrained(*args, **kwargs)
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            mark_split_folder(save_directory, self.config, self.transformer.cuts)
+        return out
+
+    def merge_and_unload(self):
+        """The whole model, out (peft's word for the same act): the family's plain transformers
+        model (``GPT2LMHeadModel``; another head: its plain class) holding the client's weights,
+        the server's as they are now (this model's last step applied first) and every LoRA
+        adapter merged (both sides'), so that ``unsplit.save_pretrained(dir)`` then
+        ``AutoModelForCausalLM.from_pretrained(dir)`` gives this model's logits. The server
+        answers only where its operator allows it (``--allow-weight-export``; by default a server
+        with one tenant does): else ``Forbidden`` (403), saying so. This split model is left as
+        it was. See :mod:`splitlearn.hf.unsplit`."""
+        from .unsplit import merge_and_unload
+
+        return merge_and_unload(self)
 
     @property
     def loss_gradient(self):

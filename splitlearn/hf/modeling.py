@@ -54,7 +54,8 @@ from .config import ModelOptions, RemoteConfig, SplitOptions, with_options
 from .generation import SplitGenerationMixin
 from .mixin import SplitMixin
 from .remote import RemoteSegment
-from .sources import _check_config, _client_segments, _hf_from_segments, _is_export, need_u_shape, split_into
+from .sources import (KEPT_ATTR, _client_segments, _hf_from_segments, _is_export, check_same_model,
+                      fingerprint_at_load, need_u_shape, split_into)
 from .trunk import SplitGPT2Model
 
 
@@ -257,7 +258,11 @@ def split_segments(source, remote: RemoteSegment, device=None, seed: int = 0) ->
         segments = [s.to(device) for s in _client_segments(source, remote)]
     else:
         m = load_model(source, device=device, seed=seed)
-        _check_config(m.config, remote.info)
+        fingerprint = fingerprint_at_load(m, remote.info)  # the whole model's: the server's parts too
+        check_same_model(m.config, fingerprint, remote.info)
         parts = partition(m, remote.cuts)  # the server's segment dies with `m` and `parts`
         segments = [parts.bottom, parts.top] if remote.u_shape else [parts.bottom]
-    return split_model(_hf_from_segments(GPT2LMHeadModel, segments), remote=remote), segments
+    hf = _hf_from_segments(GPT2LMHeadModel, segments)
+    if not _is_export(source):
+        setattr(hf, KEPT_ATTR, fingerprint)  # the server's parts were m's: the split model compares those
+    return split_model(hf, remote=remote), segments

@@ -3,25 +3,76 @@ or a directory of exported segments, checked against the server's ``/v1/info``."
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
+from ..api.fingerprint import config_differences, weight_differences, weight_parts
 from ..errors import ConfigError
 from ..model.export import load_segments
-from ..model.loading import _LOAD_LOCK, is_spec_source, load_model, name_causal_lm_loss
+from ..model.loading import _LOAD_LOCK, is_spec_source, load_model
 from .remote import RemoteSegment
+from .unsplit import is_split_folder, load_split_folder, stock_loss_type
+
+log = logging.getLogger(__name__)
 
 
-def _check_config(cfg: GPT2Config, info: dict) -> None:
-    server = info["model_config"]
-    for key in ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"):
-        if server.get(key) != getattr(cfg, key):
-            raise ConfigError(f"the local model's {key}={getattr(cfg, key)} differs from the server's "
-                              f"{server.get(key)}: load the same model on both sides")
+FINGERPRINT_KEY = "splitlearn_fingerprint"  # config: {"dtype", "parts"}, the weights at load (api/fingerprint.py)
+# a model's own attribute: the fingerprint of the weights its first session loaded, kept where they
+# changed since (a split model's folder, merge_and_unload's model, the segments SplitClient holds)
+KEPT_ATTR = "_splitlearn_fingerprint"
 
+
+def _check_config(cfg, info: dict) -> None:
+    """ConfigError naming every config field (family, sizes, rope settings, vocabulary...) in which
+    the local model differs from the server's (:func:`splitlearn.api.fingerprint.config_differences`)."""
+    differ = config_differences(cfg.to_dict(), info["model_config"])
+    if differ:
+        raise ConfigError("this model is not the server's: its config differs in " + "; ".join(differ) +
+                          ". Load the same checkpoint on both sides (the same spec and --seed, directory or hub id)")
+
+
+def fingerprint_at_load(model: nn.Module, info: dict) -> Optional[dict]:
+    """The digests of ``model``'s parts as loaded (:func:`splitlearn.api.fingerprint.weight_parts`, in
+    the server's compute dtype): the one the model keeps where it has one (:data:`KEPT_ATTR`: a split
+    model's own folder, ``merge_and_unload``'s model: the weights their first session loaded), else
+    made now of the whole model (parts this side never held, on the meta device, left out). None
+    where the server publishes none."""
+    kept = getattr(model, KEPT_ATTR, None)
+    if kept:
+        return kept
+    theirs = info.get("fingerprint")
+    if not theirs:
+        return None
+    dtype = getattr(torch, theirs["dtype"], None)
+    return {"dtype": theirs["dtype"], "parts": weight_parts(model.state_dict(), dtype)}
+
+
+def check_same_model(cfg, fingerprint: Optional[dict], info: dict) -> None:
+    """Refuse a model that is not the server's, naming what differs: the config's fields, or the
+    weights at load (the parts whose digests differ). Where this side never held the server's parts
+    (exported segments) only the config is compared, and a log line says so."""
+    _check_config(cfg, info)
+    theirs = info.get("fingerprint")
+    if not theirs or not fingerprint:
+        return
+    if fingerprint.get("dtype") != theirs.get("dtype"):
+        log.warning("the weights at load are not compared: this model's fingerprint was made in %s, the server "
+                    "computes in %s", fingerprint.get("dtype"), theirs.get("dtype"))
+        return
+    differ, unknown = weight_differences(fingerprint["parts"], theirs["parts"])
+    if differ:
+        raise ConfigError(f"this model is not the server's: the weights at load differ in {len(differ)} of the "
+                          f"server's {len(theirs['parts'])} parts ({', '.join(differ[:4])}"
+                          f"{', ...' if len(differ) > 4 else ''}). Load the same checkpoint on both sides (the "
+                          f"same spec and --seed, directory or hub id; compared are the weights each side loaded, "
+                          f"before any training)")
+    if unknown:
+        log.info("the server's parts %s are not compared: this side never held them", ", ".join(unknown[:4]))
 
 
 def _is_export(source) -> bool:
@@ -116,9 +167,13 @@ def split_into(model: nn.Module, remote: RemoteSegment, cls: type, trunk_cls: ty
     place: its server-side blocks dropped, its own modules kept (no copy). A ``GPT2Model``
     becomes the trunk itself. Returns the model."""
     trunk_hf = model if isinstance(model, GPT2Model) else model.transformer
-    _check_config(model.config, remote.info)
+    fingerprint = fingerprint_at_load(model, remote.info)  # before the server's parts are dropped
+    check_same_model(model.config, fingerprint, remote.info)
+    loss_type = stock_loss_type(type(model), model.config)  # the unsplit class's, whatever transformers does
     config = copy.deepcopy(model.config)
     setattr(config, CUTS_KEY, list(remote.cuts))
+    if fingerprint:
+        setattr(config, FINGERPRINT_KEY, fingerprint)  # kept by save_pretrained: the next session compares it
     if config.pad_token_id is None and config.eos_token_id is not None and not isinstance(model, GPT2LMHeadModel):
         # a head that pools the last token (sequence classification) refuses a batch of more than
         # one row without a pad token: GPT-2 has none, and transformers advises its eos
@@ -144,7 +199,9 @@ def split_into(model: nn.Module, remote: RemoteSegment, cls: type, trunk_cls: ty
         model.lm_head = None
         model._tied_weights_keys = {}
     model.__class__ = cls
-    name_causal_lm_loss(model)  # a language model's loss, named: no transformers warning at every loss
+    # the unsplit class's loss_type (GPT2LMHeadModel: None), not a name of ours: Trainer counts a
+    # step's targets by it (labels[..., 1:] only for a ForCausalLM loss), as for the unsplit model
+    model.loss_type = loss_type
     remote.link.bind(model)
     return model
 
@@ -159,6 +216,9 @@ def from_source(hf_cls: type, source, options, cls: type, trunk_cls: type, **kwa
     try:
         if _is_export(source):  # export_segments' directory: the client's segments, as SplitClient takes it
             hf = _hf_from_segments(hf_cls, _client_segments(source, remote), seed, **kwargs)
+        elif is_split_folder(source):  # a split model's own save_pretrained: the client's weights
+            hf = load_split_folder(hf_cls, source, seed, **kwargs)
+            setattr(hf, KEPT_ATTR, getattr(hf.config, FINGERPRINT_KEY, None))  # of the weights first loaded
         else:
             hf = _load_hf(hf_cls, source, seed, **kwargs)
         return split_into(hf, remote, cls, trunk_cls).eval()

@@ -50,10 +50,13 @@ def get_tokenizer(source: Optional[str] = None):
     """A ``transformers.PreTrainedTokenizerFast`` for ``source``, offline for every spec: the
     spec's own (``models/NAME.json``'s ``"tokenizer"``, :mod:`splitlearn.model.tokenizer`), else UTF-8
     bytes (ids of :class:`ByteTokenizer`) for spec names, ``random:`` sources, JSON configs and
-    checkpoints without tokenizer files; the tokenizer of a local directory or hub id that has one.
-    Left padding, and a pad token (the eos where the tokenizer has none)."""
+    checkpoints without tokenizer files whose vocabulary is the bytes'; the tokenizer of a local
+    directory or hub id that has one. A tokenizer that does not fit the checkpoint's vocabulary (the
+    bytes for a 50,257-token GPT-2 without tokenizer files) is a ConfigError
+    (:func:`splitlearn.model.tokenizer.fit_model`). Left padding, and a pad token (the eos where the
+    tokenizer has none)."""
     from .loading import is_spec_source, read_spec
-    from .tokenizer import byte_tokenizer, trained_tokenizer
+    from .tokenizer import byte_tokenizer, fit_model, trained_tokenizer
 
     if source is None or not isinstance(source, (str, Path)):
         return byte_tokenizer()
@@ -67,14 +70,14 @@ def get_tokenizer(source: Optional[str] = None):
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(s, local_files_only=local)
-    except Exception:  # a checkpoint without tokenizer files, or no hub: bytes
-        return byte_tokenizer()
+    except Exception:  # a checkpoint without tokenizer files, or no hub: bytes, if they fit its vocabulary
+        return fit_model(byte_tokenizer(), s)
     if not tok.vocab_size:  # transformers 5 builds an empty GPT2Tokenizer where files are missing
-        return byte_tokenizer()
+        return fit_model(byte_tokenizer(), s)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return tok
+    return fit_model(tok, s)  # a tokenizer of more ids than the model's vocabulary: ConfigError
 
 
 def is_bytes(tokenizer) -> bool:

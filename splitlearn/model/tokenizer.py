@@ -74,6 +74,44 @@ def wrap(tok: Tokenizer, name: str) -> PreTrainedTokenizerFast:
                                    padding_side="left", name_or_path=name)
 
 
+def model_vocab_size(source: str):
+    """The vocabulary size the checkpoint ``source`` (a directory or a hub id) declares in its
+    config (``vocab_size``, or its ``text_config``'s); None where it cannot be read."""
+    import json
+
+    p = Path(source) / "config.json"
+    try:
+        if p.is_file():
+            d = json.loads(p.read_text())
+        else:
+            from transformers import AutoConfig
+
+            d = AutoConfig.from_pretrained(source).to_dict()
+    except Exception:  # no config to read (no hub, no cache): the model's own load says why
+        return None
+    vocab = d.get("vocab_size", (d.get("text_config") or {}).get("vocab_size"))
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+def fit_model(tok, source: str):
+    """``tok`` if it fits the checkpoint ``source``'s vocabulary, else ConfigError: a tokenizer with
+    more ids than the model has embeddings, or splitlearn's byte tokenizer (the fallback where a
+    checkpoint has no tokenizer files) for a model whose vocabulary is not the bytes' 257."""
+    vocab = model_vocab_size(source)
+    if vocab is None:
+        return tok
+    n = len(tok)
+    if getattr(tok, "name_or_path", None) == BYTES and vocab != n:
+        raise ConfigError(f"{source} has no tokenizer files (tokenizer.json, vocab.json + merges.txt, ...) and "
+                          f"its vocabulary is {vocab} tokens: splitlearn's byte tokenizer ({n} ids) is not its "
+                          f"tokenizer. Save the model's tokenizer beside it (tokenizer.save_pretrained(dir)) or "
+                          f"load the tokenizer from where the model came from")
+    if n > vocab:
+        raise ConfigError(f"the tokenizer of {source} has {n} tokens, the model's vocabulary {vocab}: ids from "
+                          f"{vocab} on have no embedding. Use the tokenizer the model was trained with")
+    return tok
+
+
 def main(argv=None) -> int:
     """Train every tokenizer of ``TRAINED`` again and write it where splitlearn ships it."""
     for name, (text, vocab_size) in TRAINED.items():

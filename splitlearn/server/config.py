@@ -55,6 +55,14 @@ MAX_HEADER_BYTES = 64 << 10  # a request line + headers (waitress's default: 256
 PROBE_SLOTS = 4
 
 
+def _yes_no(v: str) -> bool:
+    if v.lower() in ("yes", "on", "true", "1"):
+        return True
+    if v.lower() in ("no", "off", "false", "0"):
+        return False
+    raise ConfigError(f"--allow-weight-export takes yes or no (or nothing: yes), got {v!r}")
+
+
 def check_bounds(max_update_norm: Optional[float], max_share: Optional[float]) -> None:
     """``--max-update-norm`` and ``--max-member-share`` of a strategy (ConfigError if invalid)."""
     if max_update_norm is not None and not max_update_norm > 0:
@@ -248,6 +256,19 @@ class Access:
     token_out: Optional[str] = opt(None, "where to write a generated token, mode 0600 (without --token-file and "
                                          "$SPLITLEARN_TOKEN; default <checkpoint-dir or .>/splitlearn-token)")
     generated_token: bool = field(default=False, repr=False)  # True when we made the token up
+    # None: on for a server with one tenant and the operator, off for others (GET /v1/clients/<id>/weights)
+    allow_weight_export: Optional[bool] = opt(
+        None, "let a tenant read its segment's weights (GET /v1/clients/<id>/weights: merge_and_unload, "
+              "train --export-merged); 'no' refuses it to every token (default: on for a server with one tenant "
+              "and for the operator's token, off for the others)",
+        parse=lambda v: v is None or _yes_no(v), nargs="?", metavar="yes|no")
+
+    def weight_export(self, operator: bool) -> bool:
+        """Whether a tenant (``operator``: the operator's token) may read the segment's weights:
+        as ``--allow-weight-export`` says; by default the operator and the one tenant of a server."""
+        if self.allow_weight_export is not None:
+            return self.allow_weight_export
+        return operator or len(self.tenants) == 1
 
 
 @dataclass(kw_only=True)

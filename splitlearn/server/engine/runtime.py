@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ...api import protocol as P
+from ...api.fingerprint import weight_parts
 from ...model.checkpoint import has_state, load_state, make_optimizer, read_extra, save_state
 from ...model.devices import dtype_name, resolve_device, resolve_dtype
 from ...errors import BadRequest
@@ -108,6 +109,8 @@ class SegmentRuntime:
         cfg = self.cfg
         self.segment, self.cuts = build_segment(cfg)
         self.config = self.segment.config
+        # the weights at load, before a checkpoint's: what a client compares at session start (/v1/info)
+        self.fingerprint = weight_parts(self.segment.hf_state_dict())
         self.device = next(self.segment.parameters()).device
         self.dtype = next(self.segment.parameters()).dtype
         self.optimizer = self.make_optimizer(self.segment.parameters())
@@ -195,6 +198,7 @@ class SegmentRuntime:
         return {
             "protocol_version": P.PROTOCOL_VERSION,
             "model_config": self.config.to_dict(),
+            "fingerprint": {"dtype": dtype_name(self.dtype), "parts": self.fingerprint},
             "cuts": list(self.cuts),
             "segment": {"kind": self.segment.kind, "blocks": list(self.segment.blocks)},
             "shape": "u" if self.u_shape else "2-way",

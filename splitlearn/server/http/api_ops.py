@@ -1,5 +1,6 @@
 """Operations: ``/v1/health``, ``/v1/ready`` (:mod:`.probes`), ``/metrics`` (:mod:`.metrics`),
-``/v1/echo``, ``/v1/info``, ``/v1/openapi.json`` and the operator's ``/v1/checkpoint``."""
+``/v1/echo``, ``/v1/info``, ``/v1/openapi.json``, the operator's ``/v1/checkpoint`` and a
+client's ``/v1/clients/<id>/weights`` (where the operator allows it)."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +13,7 @@ from ...api import protocol as P
 from ...errors import BadRequest, Forbidden, PayloadTooLarge
 from . import probes
 from .metrics import operator_exposition
-from .routing import bytes_response, request_body, served
+from .routing import bytes_response, client_key, request_body, served
 
 bp = Blueprint("operations", __name__)
 
@@ -93,3 +94,31 @@ def checkpoint():
     if not rt.cfg.checkpoint_dir:
         raise BadRequest("this server was started without --checkpoint-dir")
     return jsonify(saved=rt.compute.run(rt.checkpoint), steps_applied=rt.steps_applied)
+
+
+@checkpoints.get(P.CLIENT_WEIGHTS.replace("{client_id}", "<client_id>"))
+def client_weights(client_id: str):
+    """The segment's weights as they are now (Hugging Face names, the compute dtype) and, on a LoRA
+    server, this client's own adapter (peft names; another tenant's id reaches only its own key):
+    what ``merge_and_unload`` builds the whole model from. 403 unless ``--allow-weight-export``
+    allows it (default: a server with one tenant, and the operator's token)."""
+    s = served()
+    if not s.cfg.weight_export(g.tenant.operator):
+        raise Forbidden("this server does not export its weights to its tenants: the operator allows it with "
+                        "--allow-weight-export (the default only for a server with one tenant)")
+    key = client_key(client_id)
+    rt = s.rt
+
+    def read() -> bytes:
+        from ...api.wire import encode
+
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in rt.segment.hf_state_dict().items()}
+        meta = {"steps_applied": str(rt.steps_applied)}
+        adapter = rt.adapters.adapter_for(key, rt.cfg.federation) \
+            if rt.adapters is not None and rt.ledger.known(key) else None
+        if adapter is not None:
+            tensors.update(adapter.tensors())
+            meta["lora"] = json.dumps(rt.adapters.spec.to_dict())
+        return encode(tensors, meta)
+
+    return Response(rt.compute.run(read), status=200, mimetype=P.CONTENT_TYPE)
