@@ -58,7 +58,8 @@ def test_the_haproxy_config_hashes_the_route_header_on_a_ring_and_checks_readine
     assert P.HEALTH not in conf
     for line in (f"balance hdr({P.ROUTE_HEADER})", route, "hash-type consistent", f"option httpchk GET {P.READY}",
                  "option redispatch 1", "retries 3", "server r0 127.0.0.1:9001", "server r1 127.0.0.1:9002",
-                 "on-error mark-down", f"set-header {P.REPLICA_HEADER} %[srv_name]", "bind 127.0.0.1:9000"):
+                 "on-error mark-down", f"set-header {P.REPLICA_HEADER} %[srv_name]", "bind 127.0.0.1:9000",
+                 "http-reuse never"):  # a replica counts a connection as one tenant's (issue 50, item 6)
         assert line in conf, line
     if HAPROXY:  # HAProxy itself accepts it
         write_config(HAProxySettings(bind="127.0.0.1:9000", servers=[("r0", "127.0.0.1:9001")]),

@@ -45,6 +45,10 @@ frontend splitlearn
 backend replicas
     balance hdr({route_header})
     hash-type consistent
+    # a connection to a replica carries one client connection's requests, never another's: the
+    # replica counts it against that tenant's own --max-tenant-connections (a probe's slot is
+    # never a tenant's: splitlearn/server/http/frontdoor.py)
+    http-reuse never
     # readiness, not liveness: a replica up but not ready (model not loaded, compute thread gone,
     # state dir not writable) answers 503 and gets no traffic (splitlearn/server/http/probes.py)
     option httpchk GET {ready}
