@@ -12,6 +12,8 @@ transformers' own generate().
         --text-file my_corpus.txt --max-steps 200 --output-dir finetune-out
 
 --model must be the server's model source (the same spec name and --seed, hub id or checkpoint).
+At the end the whole trained model is saved to OUTPUT_DIR/model (the server must allow it:
+--allow-weight-export, the default for a server with one tenant).
 """
 import argparse
 import json
@@ -20,6 +22,7 @@ import os
 import torch
 
 from splitlearn import SplitGPT2LMHeadModel, get_tokenizer
+from splitlearn.hf.unsplit import export_merged
 from splitlearn.model.data import CORPUS
 from splitlearn.api.protocol import parse_token_line, read_token_file
 
@@ -119,6 +122,9 @@ def main(argv=None) -> dict:
                    "sample": text, "wire": model.remote.stats.as_dict()}
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
+        # the whole trained model (the server's weights too): AutoModelForCausalLM.from_pretrained(DIR)
+        summary["model"] = str(export_merged(model, os.path.join(args.output_dir, "model"), tok))
+        print(f"the whole model: {summary['model']} (AutoModelForCausalLM.from_pretrained)")
         return summary
     finally:
         model.remote.close()

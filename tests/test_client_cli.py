@@ -164,8 +164,21 @@ def test_train_lora_with_the_servers_options_and_export_the_adapter(tmp_path, ca
         assert main(["train", *common]) == 2  # a LoRA server needs a LoRA client
         assert "lora" in capsys.readouterr().err.lower()
         assert main(["train", *common, "--export-adapter", str(tmp_path / "x")]) == 2  # needs --lora
-        assert main(["train", *common, "--lora", "--export-adapter", str(tmp_path / "adapter"), "--json"]) == 0
+        assert main(["train", *common, "--lora", "--export-adapter", str(tmp_path / "adapter"), "--json",
+                     "--export-merged", str(tmp_path / "whole")]) == 0
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 2
+    # --export-merged: the whole model, both sides' adapters merged: what peft's own merge of the exported
+    # adapter into the base gives (a process server: the weights crossed HTTP)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "whole")
+    assert type(whole).__name__ == "GPT2LMHeadModel" and len(AutoTokenizer.from_pretrained(tmp_path / "whole")) == 257
+    ref = PeftModel.from_pretrained(sl.load_model("tiny"), tmp_path / "adapter").merge_and_unload()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(whole(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(whole(ids).logits, sl.load_model("tiny")(ids).logits, atol=1e-4)  # trained
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 2 and cfg["lora_alpha"] == 4 and cfg["target_modules"] == ["c_attn"]
     tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from serverproc import TOKEN, InprocServerProcess
 
@@ -47,6 +48,16 @@ def test_finetune_with_trainer_on_a_text_file(server, tmp_path):
     assert len(summary["losses"]) == 3 and all(x > 0 for x in summary["losses"])
     assert summary["sample"].startswith("Once upon a time")
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    # the whole trained model saved at the end: a plain transformers checkpoint, the server's blocks trained
+    from transformers import AutoModelForCausalLM
+
+    from splitlearn import load_model
+
+    whole = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert summary["model"] == str(out / "model") and type(whole).__name__ == "GPT2LMHeadModel"
+    trained, at_load = whole.state_dict(), load_model("tiny").state_dict()
+    name = "transformer.h.2.attn.c_attn.weight"  # a server-side block (cuts (1, 3) and (2,))
+    assert not torch.allclose(trained[name], at_load[name])
 
 
 def test_finetune_defaults_to_the_shipped_corpus():

@@ -71,6 +71,7 @@ def cmd_diagnose(args) -> int:
 def cmd_train(args) -> int:
     from tqdm import tqdm
 
+    from ..hf.unsplit import export_merged
     from ..model.data import get_tokenizer, lm_batches, load_corpus
     from .core import SplitClient
 
@@ -114,6 +115,8 @@ def cmd_train(args) -> int:
             client.save(save_dir)
         if args.export_adapter:
             client.export_adapter(args.export_adapter)
+        if args.export_merged:  # the whole model: client, server (--allow-weight-export) and adapters merged
+            export_merged(client.model, args.export_merged, tok)
         s = client.stats
         done = args.steps - start
         summary = {
@@ -282,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(a server started with --lora-r); the base weights stay frozen on both sides")
     tr.add_argument("--export-adapter", metavar="DIR", help="with --lora: write this client's adapter "
                     "(both sides) to DIR as a peft adapter directory at the end")
+    tr.add_argument("--export-merged", metavar="DIR", help="at the end, save the whole trained model (the client's "
+                    "and the server's weights, LoRA merged; the tokenizer beside it) to DIR for "
+                    "AutoModelForCausalLM.from_pretrained; the server must allow it (--allow-weight-export)")
     tr.add_argument("--sync-every", type=int, help="federation: share client-side weights every N steps "
                     "(sequential: end of a turn; splitfed: end of a round); always at the end")
     tr.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

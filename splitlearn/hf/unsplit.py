@@ -238,3 +238,16 @@ def merge_and_unload(model):
     log.info("merged %d client and %d server tensors (%d LoRA adapters) into a %s", len(state) - len(server),
              len(server) - len(server_adapter), merged, type(unsplit).__name__)
     return unsplit
+
+
+def export_merged(model, directory, tokenizer=None) -> Path:
+    """:func:`merge_and_unload` of ``model`` saved to ``directory`` (``save_pretrained``), with
+    ``tokenizer`` beside it where given: a folder ``AutoModelForCausalLM`` / ``AutoTokenizer`` and
+    ``pipeline("text-generation", model=directory)`` load as any checkpoint (``train
+    --export-merged DIR``, client/finetune_trainer.py). Returns the directory."""
+    d = Path(directory)
+    merge_and_unload(model).save_pretrained(d)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(d)
+    log.info("the whole model (client, server and adapters merged) saved to %s", d)
+    return d
