@@ -146,9 +146,10 @@ def test_the_fed_server_takes_only_a_ticketed_member_of_its_tenant_in_its_own_sc
 # -- in process: the fed server's rounds and the tickets' rules --------------------------
 
 def rounds(mode="splitfed", timeout_s=60.0, norm=None, share=None):
-    cfg = FedConfig("tiny", CUTS, SECRET, mode, upload_timeout_s=timeout_s, max_update_norm=norm, max_member_share=share)
+    cfg = FedConfig("tiny", CUTS, SECRET, mode, upload_timeout_s=timeout_s, max_update_norm=norm, max_member_share=share,
+                    max_update_ratio=None)  # norm None: unbounded (these uploads are far from the initial weights)
     return FedRounds(cfg, ClientSide(load_config("tiny"), CUTS, model="tiny"),
-                     make_strategy("fedavg", norm, max_share=share))
+                     make_strategy("fedavg", norm, max_share=share, max_update_ratio=None))
 
 
 def weights_like(side: ClientSide, value: float):

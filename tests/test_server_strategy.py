@@ -78,8 +78,10 @@ def test_refusals():
             bad()
     with pytest.raises(ConfigError, match="max-member-share"):
         make_strategy("fedavg", 1.0, 0.2, 0.0)
-    assert make_strategy("median", None, max_share=None).describe() == {
-        "aggregation": "median", "max_update_norm": None, "max_member_share": None}
+    assert make_strategy("median", None, max_share=None, max_update_ratio=None).describe() == {
+        "aggregation": "median", "max_update_norm": None, "max_update_ratio": None, "max_member_share": None}
+    with pytest.raises(ConfigError, match="max-update-ratio"):
+        make_strategy("fedavg", max_update_ratio=0.0)
     assert make_strategy().describe()["max_member_share"] == 0.5  # the default: no member holds a majority
 
 
@@ -106,3 +108,22 @@ def test_capped_weights():
     assert capped_weights([1, 7], 0.5) == [1, 1]  # two members, cap 1/2: equal weights
     assert capped_weights([9], 0.5) == [9]  # one member holds its round
     assert capped_weights([1, 99], None) == [1, 99] and capped_weights([1, 99], 1.0) == [1, 99]
+
+
+def test_the_default_bound_is_in_the_weights_own_scale():
+    """Issue 50: --max-update-norm 100 alone exceeded tiny-demo's whole client side (norm 37). By
+    default an update is also at most half the norm of the weights it updates: a member that
+    uploads ten times the weights moves them by half their norm, on a small model as on a large."""
+    for scale in (1.0, 10.0):  # a small model, a larger one: the same fraction
+        ref = {"w": torch.tensor([3.0, 4.0]) * scale}  # norm 5 x scale
+        evil = {"w": ref["w"] * 10}, 1
+        agg = make_strategy("fedavg").aggregate(ref, [evil])
+        moved = float((agg.weights["w"].double() - ref["w"].double()).norm())
+        assert agg.clipped == [True] and moved == pytest.approx(min(0.5 * 5 * scale, 100.0), rel=1e-6)
+        honest = {"w": ref["w"] * 1.1}, 1  # 0.1 of its norm: untouched, bit for bit
+        assert torch.equal(make_strategy("fedavg").aggregate(ref, [honest]).weights["w"], honest[0]["w"])
+    unbounded = make_strategy("fedavg", None, max_update_ratio=None).aggregate(REF, [up([3e3, 0.0, 0.0])])
+    assert unbounded.clipped == [False]
+    zero = {"w": torch.zeros(3)}  # a side of norm 0 (a LoRA B): --max-update-norm alone
+    assert make_strategy("fedavg", 1.0).aggregate(zero, [({"w": torch.ones(3)}, 1)]).clipped == [True]
+    assert make_strategy("fedavg", None).aggregate(zero, [({"w": torch.ones(3)}, 1)]).clipped == [False]

@@ -44,6 +44,10 @@ AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
 # --max-update-norm's default, above every honest round measured: docs/FEDERATION.md,
 # '`--max-update-norm`: the default, measured'.
 DEFAULT_MAX_UPDATE_NORM = 100.0
+# --max-update-ratio's default: a member's update is also at most half the norm of the side it
+# updates (honest rounds measured up to 0.37 of it; 100 alone is 2.7x tiny-demo's whole client
+# side): docs/FEDERATION.md, the same section
+DEFAULT_MAX_UPDATE_RATIO = 0.5
 # --max-member-share's default: no member holds the majority of a round's FedAvg weight; it bites
 # only when one member trained more target tokens than all the others together.
 DEFAULT_MAX_MEMBER_SHARE = 0.5
@@ -69,6 +73,12 @@ def check_bounds(max_update_norm: Optional[float], max_share: Optional[float]) -
         raise ConfigError(f"--max-update-norm must be > 0, got {max_update_norm}")
     if max_share is not None and not 0 < max_share <= 1:
         raise ConfigError(f"--max-member-share must be in (0, 1], got {max_share}")
+
+
+def check_ratio(max_update_ratio: Optional[float]) -> None:
+    """``--max-update-ratio`` (ConfigError if invalid)."""
+    if max_update_ratio is not None and not max_update_ratio > 0:
+        raise ConfigError(f"--max-update-ratio must be > 0, got {max_update_ratio}")
 
 
 def check_trim_beta(beta: float) -> None:
@@ -404,6 +414,10 @@ class StrategyOptions:
         DEFAULT_MAX_UPDATE_NORM, f"bound on the L2 norm of one member's update per round or turn, around the shared "
                                  f"weights ('none': unbounded; default {DEFAULT_MAX_UPDATE_NORM:g}, docs/FEDERATION.md)",
         type=norm_or_none)
+    max_update_ratio: Optional[float] = opt(
+        DEFAULT_MAX_UPDATE_RATIO, f"... and at most this times the L2 norm of the weights it updates (each side its "
+                                  f"own; 'none': --max-update-norm alone; default {DEFAULT_MAX_UPDATE_RATIO:g}, "
+                                  f"docs/FEDERATION.md)", type=norm_or_none)
     trim_beta: float = opt(0.2, "--aggregation trimmed-mean: fraction of the members dropped at each end, per coordinate")
     max_member_share: float = opt(
         DEFAULT_MAX_MEMBER_SHARE, f"largest fraction of a splitfed round's FedAvg weight (target tokens trained) one "
@@ -412,6 +426,7 @@ class StrategyOptions:
     def check_strategy(self) -> None:
         """ConfigError unless these options make a strategy (``federation.strategy.strategy_of`` makes it)."""
         check_strategy(self.aggregation, self.max_update_norm, self.trim_beta, self.max_member_share)
+        check_ratio(self.max_update_ratio)
 
 
 @dataclass(kw_only=True)

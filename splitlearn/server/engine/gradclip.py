@@ -23,10 +23,12 @@ So each step on shared state has its global gradient norm clipped (Pascanu et al
   idle;
 - each log-norm enters ``X_t`` clamped to ``L +- c``, ``c = log(reach)`` (reach 2), so every
   ``X_t`` stays within ``c`` of the estimate;
-- ``L`` is the mean of the ``X_t``, one vote a tenant (not a step). With ``X_m >= L - c``
-  whatever tenant ``m`` sends, ``L >= mean of the others - c / (N - 1)`` (and ``<= + c /
-  (N - 1)``): with two tenants, one moves the bound by a factor ``reach`` (2) up or down at
-  most, for however long the other is idle; with three, ``sqrt(2)``. A norm of 1e-12 (``"clip":
+- ``L`` is the mean of the ``X_t``, one vote a tenant (not a step; a tenant's vote is 1 once
+  its steps weigh one step at the full lr, its weight in units of that before: steps at a tiny
+  lr buy a tiny vote). With ``X_m >= L - c`` whatever tenant ``m`` sends, ``L >= mean of the
+  others - c / (N - 1)`` (and ``<= + c / (N - 1)``): with two tenants, one moves the bound by a
+  factor ``reach`` (2) up or down at most, for however long the other is idle; with three,
+  ``sqrt(2)``. A norm of 1e-12 (``"clip":
   1e-12``, or a tiny gradient) pulls the bound down to half, never to 1e-11; ``x1e6`` raises it
   twice at most. One tenant alone (the only one that ever stepped) is its own estimate: the
   running geometric mean of its norms, each within ``reach`` of the mean before it.
@@ -54,8 +56,9 @@ clip unless ``--max-grad-norm`` (its honest steps are the unsplit model's, spike
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -64,6 +67,41 @@ REACH = 2.0  # the factor by which one tenant (of two) can move the bound, up or
 # (AdamW moves one by at most 3.16 lr; float32 resolves 2**-24 of it): it is applied as lr 0,
 # which steps nothing and moves no statistic (the clip's, AdamW's moments and step count)
 MIN_SHARE = 2.0 ** -20
+
+
+@contextmanager
+def partial_step(opt: torch.optim.Optimizer, share: float) -> Iterator[None]:
+    """The optimizer's next step counts as ``share`` (0..1) of a step in its moments: Adam's
+    EMAs decay by ``b ** share`` and take the gradient at ``1 - b ** share``, and its step count
+    grows by ``share`` (so its bias corrections ``1 - b ** t`` stay exact: Kingma & Ba 2015,
+    section 3). A step at a fraction of the lr moves the statistics as far as that fraction of a
+    step, so a run of steps at a tiny lr moves them as little as it moves the weights. Torch's
+    Adam reads ``betas`` from the group and counts ``step`` (a float tensor) by one: for this
+    step the betas are ``b ** share`` and the count is set to ``t / share - 1`` before it
+    (``(b ** share) ** (t / share) = b ** t``, ``t`` the new count), then to ``t``. Optimizers
+    without betas (SGD) step as they are."""
+    groups = [g for g in opt.param_groups if "betas" in g]
+    if share >= 1.0 or not groups:
+        yield
+        return
+    saved = [g["betas"] for g in groups]
+    counts = {}  # param -> its step count after this step
+    for g in groups:
+        g["betas"] = tuple(b ** share for b in g["betas"])
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if p.grad is not None and st and "step" in st:
+                counts[p] = float(st["step"]) + share
+                st["step"].fill_(counts[p] / share - 1.0)
+    try:
+        yield
+    finally:
+        for g, betas in zip(groups, saved):
+            g["betas"] = betas
+            for p in g["params"]:
+                st = opt.state.get(p)
+                if st and "step" in st and p.grad is not None:  # new state (its first step): share
+                    st["step"].fill_(counts.get(p, share))
 
 
 @dataclass
@@ -131,9 +169,15 @@ class NormClip:
         """Each tenant's statistic: the (bias-corrected) mean of its log-norms."""
         return {t: e / w for t, (e, w) in self.tenants.items() if w > 0.0}
 
+    def votes(self) -> dict[str, float]:
+        """Each tenant's vote in ``L``: 1 once its steps weigh one step at the full lr, less before
+        (a tenant's steps at a tiny lr buy a tiny vote)."""
+        return {t: min(1.0, w * self.window) for t, (_, w) in self.tenants.items() if w > 0.0}
+
     def _estimate(self) -> None:
-        means = list(self.means().values())
-        self.log_mean = sum(means) / len(means) if means else None
+        means, votes = self.means(), self.votes()
+        total = sum(votes.values())
+        self.log_mean = sum(votes[t] * x for t, x in means.items()) / total if total > 0.0 else None
 
     def state(self) -> dict:
         """The statistic, JSON-able (a checkpoint's counters)."""

@@ -53,7 +53,7 @@ from ...api.wire import pack
 from . import guard
 from ..federation.modes import Replica
 from .budget import graph_bytes, padded
-from .gradclip import MIN_SHARE
+from .gradclip import MIN_SHARE, partial_step
 from .priority import step_in_parts
 from .ledger import APPLIED, Answer, Pending, answer_bytes
 from ..tenants import SEP, client_of, tenant_of
@@ -387,11 +387,10 @@ class Training:
             walls = st.leased and len(rt.cfg.tenants) > 1  # other tenants' training to protect
             if walls and share < MIN_SHARE:  # moves no weight: moves no statistic (gradclip.py)
                 lr, share = 0.0, 0.0
-            elif walls and share < 1.0 and params and "betas" in opt.param_groups[0]:
-                # AdamW's moments hear a step in proportion to how far it may move the weights
-                torch._foreach_mul_([p.grad for p in params], share)
             if lr > 0.0 or not walls:
-                self._step(opt, st, lr, saved)
+                # AdamW's moments and step count move as far as the lr lets the step move the weights
+                with partial_step(opt, share if walls else 1.0):
+                    self._step(opt, st, lr, saved)
             opt.zero_grad(set_to_none=True)
         except Exception:
             self.abort(meta, st)

@@ -1,5 +1,5 @@
 """The arithmetic of a round, pure functions over tensors (as Flower's ``strategy/aggregate.py``):
-how far an update went (:func:`update_norm`), a point toward it (:func:`toward`), the FedAvg
+how far an update went (:func:`update_norm`), how far it may go (:func:`update_limit`), a point toward it (:func:`toward`), the FedAvg
 weights under the member cap (:func:`capped_weights`), and a strategy's answer
 (:class:`Aggregate`). Read by :mod:`.rounds` (where a round closes) and :mod:`.strategy` (the
 rules); the rules and their references: :mod:`.strategy`'s docstring.
@@ -33,6 +33,24 @@ def update_norm(reference: Weights, weights: Weights) -> float:
         if ref.is_floating_point():
             total += float((weights[k].double() - ref.double()).pow(2).sum())
     return math.sqrt(total)
+
+
+def weights_norm(weights: Weights) -> float:
+    """``||weights||_2`` over every floating-point tensor, in float64."""
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in weights.values() if t.is_floating_point()))
+
+
+def update_limit(max_norm: Optional[float], max_ratio: Optional[float], reference: Weights) -> Optional[float]:
+    """The L2 bound of one member's update around ``reference``: ``max_norm``, and at most
+    ``max_ratio`` times the reference's own norm (a bound in the weights' own scale: a member
+    moves a side by at most that fraction of it per round); None: unbounded. A reference of
+    norm 0 is bounded by ``max_norm`` only."""
+    limit = max_norm
+    if max_ratio is not None:
+        own = weights_norm(reference) * max_ratio
+        if own > 0.0 and (limit is None or own < limit):
+            limit = own
+    return limit
 
 
 def capped_weights(samples: list[int], max_share: Optional[float]) -> list[float]:

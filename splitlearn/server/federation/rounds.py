@@ -16,7 +16,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from ...errors import BadRequest, ConfigError
-from .aggregate import Aggregate, Weights, capped_weights, toward, update_norm
+from .aggregate import Aggregate, Weights, capped_weights, toward, update_limit, update_norm
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class Strategy(Protocol):
 
     name: str
     max_update_norm: Optional[float]
+    max_update_ratio: Optional[float]
     max_share: Optional[float]
 
     def combine(self, bounded: list[torch.Tensor], samples: list[float]) -> torch.Tensor: ...
@@ -67,10 +68,11 @@ def size_of(reference: Optional[Weights]) -> int:
 
 def bound(strategy: Strategy, reference: Weights, weights: Weights) -> tuple[torch.Tensor, float, bool]:
     """One member's upload bounded around ``reference``: ``reference + d * min(1, M / ||d||)``
-    (``M``: the strategy's ``max_update_norm``), float64 arithmetic, flattened to float32;
+    (``M``: the strategy's ``max_update_norm``, at most ``max_update_ratio`` x ``||reference||``:
+    :func:`.aggregate.update_limit`), float64 arithmetic, flattened to float32;
     with the update's norm as sent and whether it was scaled down."""
     norm = update_norm(reference, weights)
-    limit = strategy.max_update_norm
+    limit = update_limit(strategy.max_update_norm, strategy.max_update_ratio, reference)
     scale = 1.0 if limit is None or norm <= limit else limit / norm
     parts = [(weights[k].float() if scale == 1.0 else toward(reference[k], weights[k], scale)).reshape(-1)
              for k in floating_keys(reference)]

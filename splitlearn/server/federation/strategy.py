@@ -3,7 +3,9 @@ Flower's ``flwr.server.strategy``), shared by the segment server and the fed ser
 
 Every rule works on updates ``d_k = w_k - w`` around the current shared weights ``w``:
 
-1. **bounded**: ``d_k * min(1, M / ||d_k||_2)``, the norm over all tensors (``--max-update-norm M``);
+1. **bounded**: ``d_k * min(1, M / ||d_k||_2)``, the norm over all tensors, ``M`` the smaller of
+   ``--max-update-norm`` and ``--max-update-ratio`` x ``||w||_2`` (the side's own norm: default
+   0.5, so a member moves a side by at most half its norm in a round, whatever the model's size);
 2. **combined** coordinate by coordinate, in float64, over ``w + d'_k``:
    ``FedAvg`` sum_k n_k w'_k / sum_k n_k (McMahan et al. 2017, eq. 1; n_k: the target tokens
    the server trained for member k, capped at ``--max-member-share`` by :func:`.aggregate.capped_weights`);
@@ -22,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ..config import (DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, check_aggregation, check_bounds,
-                      check_trim_beta)
+from ..config import (DEFAULT_MAX_MEMBER_SHARE, DEFAULT_MAX_UPDATE_NORM, DEFAULT_MAX_UPDATE_RATIO,
+                      check_aggregation, check_bounds, check_ratio, check_trim_beta)
 from .aggregate import Aggregate, Weights
 from .rounds import aggregate
 
@@ -35,14 +37,17 @@ class Strategy:
 
     name = "strategy"
 
-    def __init__(self, max_update_norm: Optional[float] = None, max_share: Optional[float] = None):
+    def __init__(self, max_update_norm: Optional[float] = None, max_share: Optional[float] = None, *,
+                 max_update_ratio: Optional[float] = None):
         check_bounds(max_update_norm, max_share)
+        check_ratio(max_update_ratio)
         self.max_update_norm = max_update_norm  # L2 bound of one member's update (None: unbounded)
+        self.max_update_ratio = max_update_ratio  # ... and at most this times the side's own L2 norm (None: no)
         self.max_share = max_share  # largest fraction of a round's FedAvg weight one member holds (None: any)
 
     def describe(self) -> dict:
         return {"aggregation": self.name, "max_update_norm": self.max_update_norm,
-                "max_member_share": self.max_share}
+                "max_update_ratio": self.max_update_ratio, "max_member_share": self.max_share}
 
     def aggregate(self, reference: Weights, updates: list[tuple[Weights, int]]) -> Aggregate:
         """The new shared weights from ``updates`` ((weights, samples) per member) around
@@ -89,8 +94,8 @@ class FedTrimmedAvg(Strategy):
     name = "trimmed-mean"
 
     def __init__(self, max_update_norm: Optional[float] = None, beta: float = 0.2,
-                 max_share: Optional[float] = None):
-        super().__init__(max_update_norm, max_share)
+                 max_share: Optional[float] = None, *, max_update_ratio: Optional[float] = None):
+        super().__init__(max_update_norm, max_share, max_update_ratio=max_update_ratio)
         check_trim_beta(beta)
         self.beta = beta  # fraction of the members trimmed at each end
 
@@ -104,20 +109,23 @@ class FedTrimmedAvg(Strategy):
 
 
 def make_strategy(aggregation: str = "fedavg", max_update_norm: Optional[float] = DEFAULT_MAX_UPDATE_NORM,
-                  trim_beta: float = 0.2, max_share: Optional[float] = DEFAULT_MAX_MEMBER_SHARE) -> Strategy:
+                  trim_beta: float = 0.2, max_share: Optional[float] = DEFAULT_MAX_MEMBER_SHARE, *,
+                  max_update_ratio: Optional[float] = DEFAULT_MAX_UPDATE_RATIO) -> Strategy:
     """The strategy of ``--aggregation`` (fedavg | median | trimmed-mean); ``max_share``:
-    ``--max-member-share`` (the robust rules weigh every member alike anyway)."""
+    ``--max-member-share`` (the robust rules weigh every member alike anyway);
+    ``max_update_ratio``: ``--max-update-ratio``."""
     check_aggregation(aggregation)  # ConfigError for any other name
     if aggregation == "fedavg":
-        return FedAvg(max_update_norm, max_share)
+        return FedAvg(max_update_norm, max_share, max_update_ratio=max_update_ratio)
     if aggregation == "median":
-        return FedMedian(max_update_norm, max_share)
-    return FedTrimmedAvg(max_update_norm, trim_beta, max_share)
+        return FedMedian(max_update_norm, max_share, max_update_ratio=max_update_ratio)
+    return FedTrimmedAvg(max_update_norm, trim_beta, max_share, max_update_ratio=max_update_ratio)
 
 
 def strategy_of(cfg) -> Strategy:
     """The strategy of a config's :class:`~splitlearn.server.config.StrategyOptions` (ConfigError if invalid)."""
-    return make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta, cfg.max_member_share)
+    return make_strategy(cfg.aggregation, cfg.max_update_norm, cfg.trim_beta, cfg.max_member_share,
+                         max_update_ratio=cfg.max_update_ratio)
 
 
 def coordinate_median(uploads: list[Weights]) -> Weights:
