@@ -17,6 +17,7 @@ At the end the whole trained model is saved to OUTPUT_DIR/model (the server must
 """
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -38,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of a spec's random init (the server's --seed)")
     p.add_argument("--text-file", default=str(CORPUS), help="plain text, one example per line (default: the "
                                                             "corpus shipped with splitlearn)")
+    p.add_argument("--eval-file", help="held-out plain text for Trainer's evaluation (default: the last "
+                                       "--eval-fraction of --text-file's blocks, not trained on)")
+    p.add_argument("--eval-fraction", type=float, default=0.1, help="the share of the blocks held out when no "
+                                                                    "--eval-file is given (0: no evaluation)")
+    p.add_argument("--eval-steps", type=int, help="evaluate every N optimizer steps (default: max-steps / 4)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per training example")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=2, help="gradient accumulation steps")
@@ -95,7 +101,15 @@ def main(argv=None) -> dict:
 
     tok = get_tokenizer(args.model)
     os.makedirs(args.output_dir, exist_ok=True)
-    ds = lm_dataset(args.text_file, tok, args.seq_len, os.path.join(args.output_dir, "datasets-cache"))
+    cache = os.path.join(args.output_dir, "datasets-cache")
+    ds = lm_dataset(args.text_file, tok, args.seq_len, cache)
+    if args.eval_file:  # the held-out split: its own file, or the last blocks of the training text
+        held_out = lm_dataset(args.eval_file, tok, args.seq_len, cache)
+    elif args.eval_fraction > 0 and len(ds) > 1:
+        n = max(1, int(len(ds) * args.eval_fraction))
+        ds, held_out = ds.select(range(len(ds) - n)), ds.select(range(len(ds) - n, len(ds)))
+    else:
+        held_out = None
     model = SplitGPT2LMHeadModel.from_pretrained(args.model, server=args.server, token=token_of(args),
                                                  client_id=args.client_id, wire_dtype=args.wire_dtype,
                                                  seed=args.seed)
@@ -106,11 +120,22 @@ def main(argv=None) -> dict:
             gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, lr_scheduler_type="linear",
             warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, logging_steps=max(1, args.max_steps // 20),
             save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=args.seed,
-            dataloader_num_workers=0, disable_tqdm=True)
-        trainer = Trainer(model=model, args=training, train_dataset=ds, data_collator=default_data_collator)
+            dataloader_num_workers=0, disable_tqdm=True,
+            eval_strategy="steps" if held_out is not None else "no",
+            eval_steps=args.eval_steps or max(1, args.max_steps // 4), per_device_eval_batch_size=args.batch_size)
+        trainer = Trainer(model=model, args=training, train_dataset=ds, eval_dataset=held_out,
+                          data_collator=default_data_collator)
         result = trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print(f"trained {result.global_step} steps; logged losses {[round(x, 4) for x in losses]}")
+        evals = [{"step": h["step"], "loss": h["eval_loss"], "perplexity": math.exp(min(h["eval_loss"], 700.0))}
+                 for h in trainer.state.log_history if "eval_loss" in h]
+        if held_out is not None:
+            final = trainer.evaluate()  # the trained model on the held-out split
+            evals.append({"step": result.global_step, "loss": final["eval_loss"],
+                          "perplexity": math.exp(min(final["eval_loss"], 700.0))})
+            print(f"held-out ({len(held_out)} examples): loss {evals[-1]['loss']:.4f}, "
+                  f"perplexity {evals[-1]['perplexity']:.2f}")
         model.eval()
         prompt = torch.tensor([encode(tok, args.prompt)])
         out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
@@ -118,7 +143,7 @@ def main(argv=None) -> dict:
                              pad_token_id=tok.eos_token_id)
         text = tok.decode(out[0].tolist(), skip_special_tokens=True)
         print(text)
-        summary = {"steps": result.global_step, "losses": losses, "server_applies": model.remote.applies,
+        summary = {"steps": result.global_step, "losses": losses, "evals": evals, "server_applies": model.remote.applies,
                    "sample": text, "wire": model.remote.stats.as_dict()}
         with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)

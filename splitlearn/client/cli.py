@@ -71,23 +71,35 @@ def cmd_diagnose(args) -> int:
 def cmd_train(args) -> int:
     from tqdm import tqdm
 
+    from ..model.data import CORPUS, get_tokenizer, lm_batches
+    from ..model.inputs import read_tokens
     from ..hf.unsplit import export_merged
-    from ..model.data import get_tokenizer, lm_batches, load_corpus
     from .core import SplitClient
+    from .runs import Evaluation, check_hub_source, check_save, eval_windows
 
-    tok = get_tokenizer(args.model)
-    ids = tok.encode(load_corpus(args.data))
     if args.sync_every is not None and args.sync_every < 1:
         raise SplitLearnError(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.export_adapter and not args.lora:
         raise SplitLearnError("--export-adapter needs --lora")
     if args.save_every is not None and (args.save_every < 1 or not args.save):
         raise SplitLearnError("--save-every N needs N >= 1 and --save DIR")
+    if (args.eval_every is not None or args.early_stop_patience) and not args.eval_data:
+        raise SplitLearnError("--eval-every and --early-stop-patience need --eval-data FILE")
+    check_save(args.save, args.resume, args.overwrite)  # a folder holding a run: --resume or --overwrite
+    check_hub_source(args.model)  # an unreachable hub id: now, once
+    tok = get_tokenizer(args.model)
+    ids = read_tokens(tok, args.data or CORPUS, args.data_format, args.text_field)
+    held_out = read_tokens(tok, args.eval_data, args.data_format, args.text_field, split=("validation", "test")) \
+        if args.eval_data else None
     save_dir = args.save or args.resume  # kept current: a killed client resumes from it exactly
     config = ClientConfig(**options_of(ClientConfig, args), journal_dir=save_dir, defense=_defense(args),
                           lora="server" if args.lora else None)
     with SplitClient(args.server, args.model, config=config) as client:
+        client.check_batch(args.batch_size, args.seq_len)  # before anything is sent: the model's and server's limits
+        evaluation = Evaluation(eval_windows(held_out, args.seq_len, args.eval_rows), args.eval_every or 50,
+                                args.early_stop_patience or 0) if held_out is not None else None
         start = client.load(args.resume) if args.resume else 0
+        args.progress = start  # (main's line on a Ctrl-C)
         batches = lm_batches(ids, args.batch_size, args.seq_len, seed=config.seed)
         for _ in range(start):  # the batch of step i depends on the seed and i only
             next(batches)
@@ -104,12 +116,23 @@ def cmd_train(args) -> int:
                 client.sync()
             if args.save_every and (i + 1) % args.save_every == 0:
                 client.save(save_dir)
+            args.progress = i + 1
             s = client.stats
             elapsed = time.perf_counter() - t0
             bar.set_postfix(loss=f"{loss:.3f}",
                             tok_s=f"{(bar.n + 1 - start) * args.batch_size * args.seq_len / elapsed:.0f}",
                             wire=_mb(s.bytes_sent + s.bytes_received))
-        if federated and (not args.sync_every or (args.steps - start) % args.sync_every):
+            if evaluation is not None and evaluation.due(i + 1, last=i + 1 == args.steps):
+                e = evaluation.run(client, i + 1)
+                bar.write(f"step {i + 1}: eval loss {e['loss']:.4f}, perplexity {e['perplexity']:.2f}",
+                          file=sys.stderr)
+                if evaluation.stop:
+                    b = evaluation.best
+                    bar.write(f"early stop at step {i + 1}: the eval loss has not improved for "
+                              f"{evaluation.patience} evaluations (best {b['loss']:.4f} at step {b['step']})",
+                              file=sys.stderr)
+                    break
+        if federated and (not args.sync_every or (args.progress - start) % args.sync_every):
             client.sync()  # end of this client's turn / round
         if save_dir:
             client.save(save_dir)
@@ -118,13 +141,16 @@ def cmd_train(args) -> int:
         if args.export_merged:  # the whole model: client, server (--allow-weight-export) and adapters merged
             export_merged(client.model, args.export_merged, tok)
         s = client.stats
-        done = args.steps - start
+        done = args.progress - start
         summary = {
             "steps": done, "first_loss": first, "last_loss": last,
             "seconds": round(time.perf_counter() - t0, 2),
             "tokens_per_s": round(done * args.batch_size * args.seq_len / max(time.perf_counter() - t0, 1e-9), 1),
             "stats": s.as_dict(), "saved": save_dir,
         }
+        if evaluation is not None:
+            summary.update(evals=evaluation.history, best_eval=evaluation.best,
+                           early_stopped=evaluation.stop)
         print(f"trained {done} steps: loss {first:.4f} -> {last:.4f} in {summary['seconds']}s, "
               f"{summary['tokens_per_s']} tokens/s, {s.calls} calls, sent {_mb(s.bytes_sent)}, "
               f"received {_mb(s.bytes_received)}, overhead {s.overhead_s / max(s.calls, 1) * 1e3:.2f} ms/call"
@@ -270,10 +296,24 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--decode-batch", type=int, default=1, help="rows of the decode step estimated")
     dg.set_defaults(func=cmd_diagnose)
 
-    tr = sub.add_parser("train", help="train the split model on a text file")
+    tr = sub.add_parser("train", help="train the split model on a text file, JSON lines or a datasets dataset")
     common(tr)
-    tr.add_argument("--data", help="UTF-8 text file, e.g. this owner's shard (default: the corpus shipped "
+    tr.add_argument("--data", help="training text: a UTF-8 text file, e.g. this owner's shard, a .jsonl file or a "
+                    "directory saved by datasets' save_to_disk (its train split) (default: the corpus shipped "
                     "with splitlearn)")
+    tr.add_argument("--data-format", default="auto", choices=("auto", "text", "jsonl", "dataset"),
+                    help="how --data and --eval-data are read (auto: a directory is a dataset, .jsonl/.json JSON "
+                    "lines, anything else text)")
+    tr.add_argument("--text-field", default="text", help="the field of a JSON line, or column of a dataset, "
+                    "holding the text")
+    tr.add_argument("--eval-data", help="held-out text in the same formats (a dataset's validation or test split): "
+                    "its loss and perplexity every --eval-every steps")
+    tr.add_argument("--eval-every", type=int, help="evaluate on --eval-data every N steps (default 50), and at "
+                    "the end")
+    tr.add_argument("--eval-rows", type=int, default=64, help="rows of --seq-len tokens of --eval-data evaluated "
+                    "(the first ones, the same each time)")
+    tr.add_argument("--early-stop-patience", type=int, help="stop when the eval loss has not improved for this "
+                    "many evaluations in a row")
     tr.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
     tr.add_argument("--batch-size", type=int, default=8, help="rows per step")
     tr.add_argument("--seq-len", type=int, default=64, help="tokens per row")
@@ -281,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "a log of every step since, so a killed client resumes exactly; saved at the end too")
     tr.add_argument("--save-every", type=int, help="also save (and have the server checkpoint) every N steps")
     tr.add_argument("--resume", help="resume from a --save directory (and keep saving there)")
+    tr.add_argument("--overwrite", action="store_true", help="start a new run in a --save directory that holds "
+                    "one (its checkpoint and journal are removed); without it such a directory is refused")
     tr.add_argument("--lora", action="store_true", help="train LoRA adapters with the server's options "
                     "(a server started with --lora-r); the base weights stay frozen on both sides")
     tr.add_argument("--export-adapter", metavar="DIR", help="with --lora: write this client's adapter "
@@ -317,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -324,3 +367,13 @@ def main(argv=None) -> int:
         sys.stdout.flush()  # what was printed comes before the error
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what the run owed the server was sent on the way out (docs/RECOVERY.md)
+        from .runs import INTERRUPTED, interrupted_line
+
+        sys.stdout.flush()
+        if args.command == "train":
+            print(("\n" if sys.stderr.isatty() else "") + interrupted_line(getattr(args, "progress", 0), args.steps, args.save or args.resume, argv),
+                  file=sys.stderr)
+        else:
+            print("\ninterrupted", file=sys.stderr)
+        return INTERRUPTED

@@ -134,7 +134,22 @@ class SplitClient:
         """One optimizer step on both sides for a batch (B, T) -> its loss. A busy segment is
         waited out, a refused step redone, a restarted server caught up: the step is applied once."""
         ids, mask = self._batch(input_ids, attention_mask)
+        self.check_batch(*ids.shape)
         return self._step(ids, mask, torch.get_rng_state())
+
+    def check_batch(self, rows: int, positions: int) -> None:
+        """ConfigError, before anything is sent, for a training batch of ``rows`` x ``positions``
+        that the model or the server cannot take: more positions than the model's
+        ``n_positions``, or pieces of more rows than the server takes in a request."""
+        n_pos = self.bottom.config.n_positions
+        if positions > n_pos:
+            raise ConfigError(f"a batch of {positions} tokens per row passes the model's {n_pos} positions "
+                              f"(n_positions): use at most {n_pos}")
+        per_piece = -(-rows // max(int(self.micro_batches or 1), 1))
+        if self.max_rows and per_piece > self.max_rows:
+            raise ConfigError(f"pieces of {per_piece} rows pass the server's {self.max_rows} rows per request "
+                              f"(its --max-batch): use at most {self.max_rows} rows, or micro-batches "
+                              f"(micro_batches >= {-(-rows // self.max_rows)})")
 
     def _step(self, ids, mask, rng: torch.Tensor, noted: bool = False) -> float:
         model, remote = self._model, self._model.remote
@@ -185,10 +200,36 @@ class SplitClient:
         adapters) -> the server's federation status; a no-op in shared mode."""
         return self._model.sync()
 
+    @property
+    def max_rows(self) -> Optional[int]:
+        """Rows the server takes in one request (its ``--max-batch``; None: it does not say)."""
+        rows = self.info.get("limits", {}).get("max_batch")
+        return int(rows) if rows else None
+
+    def _row_groups(self, n: int) -> list[slice]:
+        """``n`` rows as groups of at most :attr:`max_rows` (one group if the server takes them)."""
+        rows = self.max_rows or n
+        return [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+
     @torch.no_grad()
     def evaluate(self, input_ids, attention_mask=None) -> float:
-        """Loss on a batch without changing any weight, on either side."""
+        """Loss on a batch without changing any weight, on either side. More rows than the
+        server takes in a request (:attr:`max_rows`) go as several requests; the loss is that of
+        the whole batch (each group's mean weighted by its predicted tokens)."""
         ids, mask = self._batch(input_ids, attention_mask)
+        groups = self._row_groups(ids.shape[0])
+        if len(groups) == 1:
+            return self._evaluate(ids, mask)
+        total = count = 0.0
+        for g in groups:
+            m = None if mask is None else mask[g]
+            n = float(ids[g].shape[0] * (ids.shape[1] - 1)) if m is None else float(m[:, 1:].sum())
+            if n:
+                total += self._evaluate(ids[g], m) * n
+                count += n
+        return total / count if count else float("nan")
+
+    def _evaluate(self, ids, mask) -> float:
         model = self._model
         model.eval()
         pos = None if mask is None else positions_from_mask(mask, ids.shape[1])
@@ -245,8 +286,20 @@ class SplitClient:
         :attr:`model` (``generate_kwargs``: any of its options). No top-k or top-p unless given;
         ``eos_token_id=None`` never stops early; finished rows are padded with ``pad_token_id``
         (default: the eos); ``seed`` seeds sampling without touching the global RNG; ``pipeline``:
-        two row groups in flight (``SplitGPT2LMHeadModel.overlap``; None: where it pays)."""
+        two row groups in flight (``SplitGPT2LMHeadModel.overlap``; None: where it pays). More rows
+        than the server takes in a request (:attr:`max_rows`) are generated group by group, each
+        padded to the longest with the pad: greedy and beam search equal one batch's; sampling
+        draws each group's tokens on its own (with ``seed``: reproducibly)."""
         ids, mask = self._batch(input_ids, attention_mask)
+        groups = self._row_groups(ids.shape[0])
+        if len(groups) > 1:  # more rows than the server takes: one generation per group, padded alike
+            pad = pad_token_id if pad_token_id is not None else eos_token_id
+            outs = [self.generate(ids[g], None if attention_mask is None else mask[g], max_new_tokens, do_sample,
+                                  temperature, top_k, top_p, eos_token_id, seed, pad_token_id, pipeline,
+                                  **generate_kwargs) for g in groups]
+            width = max(o.shape[1] for o in outs)
+            return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad if pad is not None else 0)
+                              for o in outs])
         n, t, n_pos = max_new_tokens, ids.shape[1], self.bottom.config.n_positions
         for ok, bad in ((isinstance(n, int) and n >= 0, f"max_new_tokens must be an integer >= 0, got {n!r}"),
                         (not isinstance(n, int) or t + n <= n_pos,

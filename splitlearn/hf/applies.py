@@ -63,6 +63,7 @@ class Outbox:
         self.lock = threading.RLock()  # a carrying forward, a flush and the idle flusher take it
         self.req: Optional[P.ApplyRequest] = None  # the last step's apply, not yet answered
         self.carrying = False  # a forward carries req (the idle flush leaves it)
+        self.answered_step = 0  # the step of the last apply answered (set before req is cleared)
         self.transport, self.requests = transport, requests
 
     def send_alone(self) -> None:
@@ -128,17 +129,27 @@ class Applier:
         self.flush()
         req = P.ApplyRequest(seg.client_id, steps.step, steps.answered, float(lr), seg.link.clip_factor(), run=seg.run)
         self.count += 1
-        if self.carry and not steps.apply_now and not seg.journal.answers(steps.step):
-            with self.outbox.lock:
-                self.outbox.req, self.outbox.carrying = req, False
+        now = not self.carry or steps.apply_now or seg.journal.answers(steps.step)
+        # From here the step's apply is owed to the server: an interrupt at any later point (Ctrl-C,
+        # or the request in flight when it came) leaves it in the outbox, which a flush (close(),
+        # the last call) sends, and the step is never discarded (:meth:`made`); a retry of an apply
+        # the server applied gets its stored answer. Sent now, it goes as a flush does, the step
+        # moved on first, so a crash of the server meanwhile replays its pieces (issue 51).
+        with self.outbox.lock:
+            self.outbox.carrying = False
+            self.outbox.req = req
+        steps.next()
+        if not now:
             if self.idle_s:
                 IDLE.schedule(self, req, self.idle_s)
-            steps.next()
             return None
-        _, answer = seg.journal.call(steps.step, Sent(P.TRAIN_APPLY, None, req.to_json()))
-        self.answered(req, answer)
-        steps.next()
-        return answer
+        return self.flush()
+
+    def made(self, step: int) -> bool:
+        """Was the apply of ``step`` made (owed to the server, or answered)? Such a step is
+        complete: its pieces are the server's to apply, never to discard."""
+        req = self.outbox.req
+        return (req is not None and req.step == step) or self.outbox.answered_step == step
 
     def flush(self) -> Optional[dict]:
         """Send the deferred apply now (``POST /v1/train/apply``; a retry of one a forward
@@ -178,7 +189,9 @@ class Applier:
         """The server's answer to ``req`` came (its own request's, or a carrying forward's)."""
         with self.outbox.lock:
             if self.outbox.req is req:
-                self.outbox.req, self.outbox.carrying = None, False
+                self.outbox.answered_step = req.step  # (before req goes: made() sees one or the other)
+                self.outbox.carrying = False
+                self.outbox.req = None
         self.last = answer
         applied = answer.get("lr") if isinstance(answer, dict) else None
         if isinstance(applied, (int, float)) and applied < float(req.lr) and not self._lr_capped:

@@ -94,6 +94,9 @@ class StepPieces:
         seg = self._segment
         if self.answered == 0 and not (force and self.pieces) or seg.journal.answers(self.step):
             return
+        if seg.applier.made(self.step):  # an interrupt came between its apply and the step moving on:
+            self.next()  # the step is complete (its apply owed or answered), never dropped (issue 51)
+            return
         req = P.ApplyRequest(seg.client_id, self.step, discard=True, run=seg.run)
         seg.transport.post_json(P.TRAIN_APPLY, req.to_json())
         seg.log.drop(self.step)
