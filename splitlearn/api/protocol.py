@@ -84,6 +84,9 @@ MAX_PIECES = 4096  # pieces of one step (gradient accumulation, applied by TRAIN
 MAX_LR = 10.0  # the largest learning rate an apply may carry
 
 HIDDEN, LABELS, MASK, GRAD, LOSS, LOGITS = "hidden", "labels", "attention_mask", "grad", "loss", "logits"
+# optional, a session step's: the first segment's position ids of the new positions, (rows, T) or
+# (1, T) integers (rotary families recompute their rotary from them; docs/MODELS.md)
+POSITIONS = "position_ids"
 REORDER = "reorder"  # session step: I64 (R,) rows of the session's cache to keep, in order (index_select)
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # fullmatch: `$` would accept a trailing "\n"

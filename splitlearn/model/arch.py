@@ -56,7 +56,9 @@ class Family:
     (``cumsum * mask - 1``, as OPT computes them); ``alibi``: Falcon's alibi bias, folded into the
     mask; ``mask_positions``: pass ``position_ids`` to the mask functions (OPT does not);
     ``materialize_mask``: never let the mask be skipped for sdpa's ``is_causal`` (Falcon);
-    ``max_positions``: the config field bounding learned position embeddings."""
+    ``max_positions``: the config field bounding learned position embeddings;
+    ``decode_batching``: the server's cross-session decode batching knows this layer layout (other
+    families' decode steps run one session at a time through the segment)."""
 
     base: Optional[str] = None
     embed: Optional[tuple[str, ...]] = None
@@ -69,12 +71,13 @@ class Family:
     mask_positions: bool = True
     materialize_mask: bool = False
     max_positions: Optional[str] = None
+    decode_batching: bool = False  # the server's hand-written cross-session decode (GPT-2's layer layout)
     notes: str = field(default="", compare=False)
 
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(base="transformer", embed=("wte", "wpe", "drop"), layers="h", norm=("ln_f",),
-                   embedding="learned_positions", max_positions="n_positions",
+                   embedding="learned_positions", max_positions="n_positions", decode_batching=True,
                    notes="learned positions (wpe); Conv1D linear layers; no base_model_pp_plan"),
     "opt": Family(base="model.decoder", embed=("embed_tokens", "embed_positions", "project_in"), layers="layers",
                   norm=("final_layer_norm", "project_out"), embedding="opt", positions="opt",

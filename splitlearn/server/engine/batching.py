@@ -71,6 +71,7 @@ class DecodeItem:
     key: Any = None  # the session's id: which steps belong together across batches
     queued_at: float = 0.0  # time.monotonic() when it was queued
     owner: str = ""  # the session's tenant: batches take owners in turn (splitlearn/server/priority.py)
+    positions: Optional[torch.Tensor] = None  # the first segment's position ids (B|1, 1); None: from the mask
 
 
 @torch.no_grad()
@@ -79,7 +80,15 @@ def batched_decode(segment: Segment, items: list[DecodeItem], graphs: Optional[D
 
     Outputs are hidden states (B_i, 1, d), or logits (B_i, 1, V) for a segment with the head.
     ``graphs``: the row-wise parts replayed as CUDA graphs where they may be (:mod:`.graphs`).
+    A family whose layers the shared-rows path does not know (the adapter's ``decode_batching``;
+    docs/MODELS.md) runs each session's step alone through the segment, exactly.
     """
+    if not segment.arch.family.decode_batching:
+        outs = []
+        for it in items:
+            with lora_rows(segment, [(it.hidden.shape[0], it.adapter)]):
+                outs.append(segment(it.hidden, it.mask, it.cache, it.positions))  # (B_i, 1, d|V); length grows
+        return outs
     rows = [it.hidden.shape[0] for it in items]
     x = torch.cat([it.hidden for it in items], dim=0)  # (N, 1, d)
     cfg = segment.config

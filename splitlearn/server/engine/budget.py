@@ -176,6 +176,10 @@ class Dims:
     cuda_kernels: bool = False
     # on a CUDA device: AdamW's foreach path; the caching allocator reuses the backward's blocks
     cuda: bool = False
+    # bytes of one cached position's keys and values over the segment's layers (the adapter's
+    # 2 x num_key_value_heads x head_dim per layer, docs/MODELS.md; sliding layers priced as full:
+    # an upper bound); 0: 2·d per layer
+    kv_token: int = 0
 
     @classmethod
     def of(cls, segment: nn.Module, dtype: torch.dtype, device: Union[torch.device, str] = "cpu") -> "Dims":
@@ -185,13 +189,19 @@ class Dims:
         attn = getattr(c, "_attn_implementation", None) or "eager"
         sizes = [p.numel() * p.element_size() for p in segment.parameters() if p.requires_grad]
         cuda = torch.device(device).type == "cuda"
-        return cls(d=c.n_embd, heads=c.n_head, inner=c.n_inner or 4 * c.n_embd, vocab=c.vocab_size,
-                   blocks=len(segment.h), head=segment.has_head,
-                   elem=torch.empty((), dtype=dtype).element_size(),
-                   eager=attn != "sdpa", attn_dropout=c.attn_pdrop > 0, dropout=c.resid_pdrop > 0,
+        d, heads = c.hidden_size, c.num_attention_heads  # any family's config (docs/MODELS.md)
+        inner = getattr(c, "n_inner", None) or getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None)
+        elem = torch.empty((), dtype=dtype).element_size()
+        arch = getattr(segment, "arch", None)  # KV bytes per token: 2 x KV heads x head_dim per layer
+        kv = sum(arch.kv_bytes_per_token(elem, segment.start, segment.end).values()) if arch else 0
+        return cls(d=d, heads=heads, inner=inner or 4 * d, vocab=c.vocab_size,
+                   blocks=len(segment.layers_list), head=segment.has_head,
+                   elem=elem,
+                   eager=attn != "sdpa", attn_dropout=getattr(c, "attn_pdrop", getattr(c, "attention_dropout", 0)) > 0,
+                   dropout=getattr(c, "resid_pdrop", getattr(c, "hidden_dropout", 0)) > 0,
                    grads=sum(sizes), largest=max(sizes, default=0),
-                   cuda_kernels=cuda and attn == "sdpa" and fused_sdpa(dtype, c.n_embd // c.n_head),
-                   cuda=cuda)
+                   cuda_kernels=cuda and attn == "sdpa" and fused_sdpa(dtype, d // heads),
+                   cuda=cuda, kv_token=kv)
 
     @property
     def scores(self) -> bool:
@@ -271,6 +281,8 @@ def io_bytes(m: Dims, B: int, T: int) -> int:
 
 def kv_bytes(m: Dims, tokens: int) -> int:
     """The KV cache of ``tokens`` cached positions (rows x length) in every block."""
+    if m.kv_token:
+        return tokens * m.kv_token
     return 2 * m.blocks * tokens * m.d * m.elem
 
 
@@ -287,6 +299,7 @@ def session_bytes(m: Dims, tokens: int) -> int:
     its KV cache times ``SESSION_SLACK`` (on CUDA the caching allocator's ``CUDA_SLACK``: its
     freed blocks serve the next tensors)."""
     return int(kv_bytes(m, tokens) * (CUDA_SLACK if m.cuda else SESSION_SLACK))
+
 
 def update_bytes(m: Dims) -> int:
     """A training step's gradients, and the optimizer's temporaries on top of them: torch's

@@ -139,11 +139,13 @@ class QueueWaits:
 
 
 def heavy_modules(segment: nn.Module) -> list[nn.Module]:
-    """The modules between which training may yield: each block's linear layers, the head."""
+    """The modules between which training may yield: each layer's linear layers (in module
+    order, any family), the head."""
+    from transformers.pytorch_utils import Conv1D
     mods = []
-    for block in getattr(segment, "h", []):
-        mods += [block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj]
-    head = getattr(segment, "lm_head", None)
+    for block in getattr(segment, "layers_list", []):
+        mods += [m for m in block.modules() if isinstance(m, (nn.Linear, Conv1D))]
+    head = getattr(segment, "head_module", None) if getattr(segment, "has_head", False) else None
     if head is not None:
         mods.append(head)
     return mods

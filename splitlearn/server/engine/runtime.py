@@ -213,7 +213,7 @@ class SegmentRuntime:
             "federation": c.federation,
             "limits": {"max_body_bytes": c.max_body_bytes, "max_echo_bytes": c.max_echo_bytes,
                        **c.door_limits().as_info(), "max_batch": c.max_batch,
-                       "n_positions": self.config.n_positions, "max_sessions": c.max_sessions,
+                       "n_positions": self.config.max_position_embeddings, "max_sessions": c.max_sessions,
                        "max_tokens_per_client": c.max_tokens_per_client,
                        "max_sessions_per_tenant": c.max_sessions_per_tenant,
                        "max_clients_per_tenant": c.max_clients_per_tenant,
@@ -350,7 +350,7 @@ class SegmentRuntime:
                 return Answer(pack(P.HIDDEN, out, wire_dtype))
             seg = self.segment
             last = out if all_logits else out[:, -1, :]  # (B, T, d) or (B, d)
-            tensors = pack(P.LOGITS, seg.lm_head(seg.ln_f(last)), wire_dtype)  # (B, T, V) or (B, V)
+            tensors = pack(P.LOGITS, seg.logits(last), wire_dtype)  # (B, T, V) or (B, V)
             if labels is not None:
                 tensors[P.LOSS] = head_loss(seg, out, labels).float().reshape(1).cpu()
         return Answer(tensors)
@@ -362,14 +362,17 @@ class SegmentRuntime:
 
     def session_step(self, sess: Session, position: int, hidden: torch.Tensor,
                      mask: Optional[torch.Tensor], wire_dtype: str, ops: CacheOps = CacheOps(),
-                     step: Optional[int] = None, logits: Optional[int] = None) -> Future:
+                     step: Optional[int] = None, logits: Optional[int] = None,
+                     positions: Optional[torch.Tensor] = None) -> Future:
         """Run the new positions through the segment with the session's cache.
 
         ``mask`` (rows, T) covers the new positions only; the session keeps the mask of the
         earlier ones, so a decode step's request does not grow with the sequence. ``ops``: the
         cache operations to apply first (reorder rows, crop; :mod:`.sessions`), ``step``: the
         step's number in its session (exactly once), ``logits``: a top answers the logits of the
-        last ``logits`` new positions (B, k, V) (0: all; None: the last, as (B, V)). Decode
+        last ``logits`` new positions (B, k, V) (0: all; None: the last, as (B, V));
+        ``positions``: the first segment's position ids of the new positions (default: from the
+        session's mask, the same rule; docs/MODELS.md). Decode
         steps (T = 1) go through the :class:`DecodeBatcher`, batched with concurrent ones;
         queueing one is safe from any thread (everything that reads or changes the session
         or the model runs in the item's ``prepare``, on the compute thread). A prefill
@@ -398,7 +401,8 @@ class SegmentRuntime:
             return self.adapters.adapter_for(sess.client_id, self.cfg.federation) if self.adapters else None
 
         if T == 1:
-            item = DecodeItem(sess.cache, hidden, finish=finish, key=sess.id, owner=sess.owner)
+            item = DecodeItem(sess.cache, hidden, finish=finish, key=sess.id, owner=sess.owner,
+                              positions=None if positions is None else positions.to(self.device))
 
             def prepare_decode() -> Optional[torch.Tensor]:
                 full = prepare()
@@ -413,7 +417,8 @@ class SegmentRuntime:
                 full = prepare()
                 self.segment.eval()
                 keep = 1 if logits is None else logits
-                out = self.segment(self.to_model(hidden), full, sess.cache, logits_to_keep=keep)  # (B, T, d) or (B, k, V)
+                pos = None if positions is None else positions.to(self.device)
+                out = self.segment(self.to_model(hidden), full, sess.cache, pos, logits_to_keep=keep)  # (B, T, d) or (B, k, V)
             done.set_result(finish(out))
         except Replay as r:
             done.set_result(r.answer)

@@ -71,10 +71,11 @@ def session_step(s: Served, t: dict, meta: dict, session_id: str, owner: Tenant)
     h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=rows, checks=checks)
     if m.position + h.shape[1] > npos:
         checks.refuse(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
+    positions = validate.position_ids(t, P.POSITIONS, rows, h.shape[1], npos, checks=checks)  # optional
     mask = checks.verify(validate.attention_mask(t, P.MASK, rows, h.shape[1], npos, checks=checks))  # new positions only
     step_budget(rt.budget, rows, m.position, h.shape[1], mask, m.logits, rt.segment.has_head,
                 grows=rows > sess.rows, max_tokens=min(rows * npos, cfg.max_tokens_per_client))
-    args = (sess, m.position, h, mask, m.wire_dtype, ops, m.step, m.logits)
+    args = (sess, m.position, h, mask, m.wire_dtype, ops, m.step, m.logits, positions)
     if h.shape[1] == 1:  # a decode step: queued for the batcher, from whichever thread
         return rt.session_step(*args)
     return rt.compute.run(timed(rt.waits, "prefill", rt.session_step), *args)

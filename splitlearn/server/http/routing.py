@@ -51,9 +51,9 @@ class Served:
 
     @property
     def dims(self) -> tuple[int, int, int]:
-        """``(n_embd, n_positions, vocab_size)`` of the served model."""
+        """``(hidden size, positions, vocab_size)`` of the served model (any family's config)."""
         c = self.rt.config
-        return c.n_embd, c.n_positions, c.vocab_size
+        return c.hidden_size, c.max_position_embeddings, c.vocab_size
 
 
 def served() -> Served:

@@ -138,6 +138,23 @@ def scalar(tensors: dict, name: str, checks: Optional[Checks] = None) -> torch.T
     return x
 
 
+def position_ids(tensors: dict, name: str, rows: int, length: int, max_len: int,
+                 checks: Optional[Checks] = None) -> Optional[torch.Tensor]:
+    """Optional integer positions (rows, length) or (1, length) in [0, max_len): None if absent."""
+    own, checks = checks is None, checks or Checks()
+    p = tensors.get(name)
+    if p is None:
+        return None
+    if p.dtype not in (torch.int64, torch.int32):
+        checks.refuse(f"tensor {name!r} must be int64, got {p.dtype}")
+    if p.ndim != 2 or p.shape[0] not in (1, rows) or p.shape[1] != length:
+        checks.refuse(f"tensor {name!r} must have shape {[rows, length]} or {[1, length]}, got {list(p.shape)}")
+    checks.require(((p >= 0) & (p < max_len)).all(), f"tensor {name!r} holds positions outside [0, {max_len})")
+    if own:
+        checks.verify()
+    return p.long()
+
+
 def labels(tensors: dict, name: str, rows: int, length: int, vocab: int,
            checks: Optional[Checks] = None) -> torch.Tensor:
     """Integer targets (rows, length) in [0, vocab) or -100 (ignored)."""
