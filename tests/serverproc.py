@@ -217,7 +217,7 @@ class InprocServer:
 
 
 class InprocFedServer(InprocServer):
-    """The app of ``python -m splitlearn.server.federation.fedserver ARGS`` in this process."""
+    """The app of ``python -m splitlearn.server.http.fedapp ARGS`` in this process."""
 
     def build(self):
         from splitlearn.server.http.fedapp import app_of, parse_args

@@ -4,7 +4,7 @@ line per request, from the segment server's modules (splitlearn/server/http/metr
 accesslog.py, probes.py).
 
 Flask's test client for the rules and the metrics' values; the last test a real
-``python -m splitlearn.server.federation.fedserver`` process, where the process matters: the
+``python -m splitlearn.server.http.fedapp`` process, where the process matters: the
 loopback port, ``--log-format json`` on its stderr, the front door letting the probe through.
 """
 import json
@@ -168,7 +168,7 @@ def test_a_real_fed_server_serves_ready_metrics_on_loopback_and_json_access_line
         a.bind(("127.0.0.1", 0))
         b.bind(("127.0.0.1", 0))
         port, mport = a.getsockname()[1], b.getsockname()[1]
-    cmd = [sys.executable, "-m", "splitlearn.server.federation.fedserver", "--model", "tiny", "--cut", "1", "--cut",
+    cmd = [sys.executable, "-m", "splitlearn.server.http.fedapp", "--model", "tiny", "--cut", "1", "--cut",
            "3", "--fed-secret-file", str(secret), "--port", str(port), "--metrics-port", str(mport),
            "--log-format", "json", "--access-log", "-"]
     with ChildServer(cmd, port, env={"SPLITLEARN_FED_TOKEN": token, "OMP_NUM_THREADS": "1"},

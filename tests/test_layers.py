@@ -1,9 +1,10 @@
 """The layers of docs/ARCHITECTURE.md, read from the source: nothing imports a layer above its own,
 no modules import each other, and inside ``splitlearn/server`` every import points down a wing.
 
-Every ``import`` counts, function-local ones too (they hide loops rather than remove them); only
-a command's entry, the body of ``if __name__ == "__main__":``, may start any layer (as a
-``__main__`` module may).
+Every ``import`` counts, function-local ones and those under ``if __name__ == "__main__":`` too
+(they hide loops rather than remove them: a module's command runs at the module's own layer). A
+package's ``__main__.py`` sits at its package's layer, except the thin commands of ``COMMANDS``,
+which sit at the floor named there (``python -m splitlearn.privacy`` runs the apps' driver).
 """
 import ast
 from pathlib import Path
@@ -33,6 +34,18 @@ LAYERS = {
     "netem": 7,
     "main": 8,         # every package's __main__.py: a command, imported by nothing
 }
+#: a package's __main__.py that runs a command of a layer above its package's: the floor it sits at
+#: (it must stay thin: one import, its command's ``main``)
+COMMANDS = {"splitlearn.privacy.__main__": "apps"}
+
+
+def floor_of(module: str) -> str:
+    """The unit whose layer ``module``'s imports are checked at: its own, or for a package's
+    ``__main__`` its package's (a command named in ``COMMANDS``: the floor named there)."""
+    parts = module.split(".")
+    if parts[-1] != "__main__":
+        return unit_of(module)
+    return COMMANDS.get(module) or unit_of(".".join(parts[:-1]))
 
 def unit_of(module: str) -> str:
     """'splitlearn.hf.remote' -> 'hf'; 'splitlearn.errors' -> 'core'; 'splitlearn' -> 'facade'."""
@@ -45,25 +58,15 @@ def unit_of(module: str) -> str:
     return name if (ROOT / name).is_dir() else "core"
 
 
-def _is_main_guard(node: ast.AST) -> bool:
-    """``if __name__ == "__main__":``"""
-    t = getattr(node, "test", None)
-    return (isinstance(node, ast.If) and isinstance(t, ast.Compare) and isinstance(t.left, ast.Name)
-            and t.left.id == "__name__" and len(t.comparators) == 1
-            and isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value == "__main__")
-
-
 def imports(path: Path, pkg: list[str] = None) -> list[str]:
     """What ``path`` (in package ``pkg``, by default where it lies) imports of splitlearn, as
-    absolute names, at module level or inside functions (not under a ``__main__`` guard): each
+    absolute names, at module level, inside functions or under a ``__main__`` guard: each
     name of a ``from`` import as ``module.name`` (a submodule, or a name in that module:
     :func:`graph` takes the deepest module)."""
     pkg = pkg or list(path.relative_to(ROOT.parent).parts[:-1])
     out = []
 
     def visit(node: ast.AST) -> None:
-        if _is_main_guard(node):
-            return
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg[:len(pkg) - (node.level - 1)]
@@ -143,7 +146,7 @@ def edges() -> set[tuple[str, str, str]]:
     for path in ROOT.rglob("*.py"):
         rel = path.relative_to(ROOT.parent).with_suffix("")
         parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
-        src = unit_of(".".join(parts))
+        src = floor_of(".".join(parts))
         for target in imports(path):
             dst = unit_of(target)
             if src != dst and dst != "facade":
@@ -187,9 +190,33 @@ def test_the_root_holds_no_layer_of_its_own():
 
 
 def test_nothing_imports_a_command():
-    """A ``__main__`` sits above every layer only because nothing imports it."""
+    """Nothing imports a ``__main__``; one sits at its package's layer (a command of ``COMMANDS``
+    at the floor named there)."""
     assert not [(s, w) for s, d, w in edges() if d == "main"]
-    assert unit_of("splitlearn.privacy.__main__") == "main" and unit_of("splitlearn.apps.defensetrain") == "apps"
+    assert unit_of("splitlearn.privacy.__main__") == "main" and floor_of("splitlearn.privacy.__main__") == "apps"
+    assert floor_of("splitlearn.server.__main__") == "server" and floor_of("splitlearn.hf.remote") == "hf"
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_command_above_its_package_is_thin(command):
+    """``python -m splitlearn.privacy`` may run the apps' driver only as a thin module: one import
+    of splitlearn (its command's ``main``), a few lines, no code of its own."""
+    path = modules()[command]
+    assert len(imports(path)) == 1 and len(path.read_text().splitlines()) <= 8, path.read_text()
+
+
+def test_a_command_guard_counts_as_an_import(tmp_path):
+    """``if __name__ == "__main__": from ..http.fedapp import main`` in federation/ is an upward
+    import and, with fedapp importing the module, a loop (issue 54: the fed server's command moved
+    to http/fedapp.py)."""
+    f = tmp_path / "fedserver.py"
+    f.write_text("import sys\n\nif __name__ == '__main__':\n    from ..http.fedapp import main\n    sys.exit(main())\n")
+    found = imports(f, ["splitlearn", "server", "federation"])
+    assert found == ["splitlearn.server.http.fedapp.main"]
+    g = {"splitlearn.server.federation.fedserver": {"splitlearn.server.http.fedapp"},
+         "splitlearn.server.http.fedapp": {"splitlearn.server.federation.fedserver"}}
+    assert upward(g) == ["splitlearn.server.federation.fedserver (federation) -> splitlearn.server.http.fedapp (http)"]
+    assert loops(g) == [["splitlearn.server.federation.fedserver", "splitlearn.server.http.fedapp"]]
 
 
 def test_the_checker_sees_a_lie(tmp_path):
@@ -285,12 +312,13 @@ def test_config_is_plain_data_the_wings_read(server_graph):
 
 def test_the_wing_checker_sees_a_lie(tmp_path):
     """An upward edge (federation importing engine, in a function), a pair of modules importing
-    each other, and a command's entry (which may start any wing) as the checker reads them."""
+    each other, and a command's entry (counted as an import) as the checker reads them."""
     f = tmp_path / "modes.py"
     f.write_text("import torch\nfrom . import tickets\n\ndef f():\n    from ..engine.tenants import client_of\n\n"
                  "if __name__ == '__main__':\n    from ..http.fedapp import main\n")
     found = imports(f, ["splitlearn", "server", "federation"])  # as if it lay in splitlearn/server/federation/
-    assert found == ["splitlearn.server.federation.tickets", "splitlearn.server.engine.tenants.client_of"]
+    assert found == ["splitlearn.server.federation.tickets", "splitlearn.server.engine.tenants.client_of",
+                     "splitlearn.server.http.fedapp.main"]
     g = {"splitlearn.server.federation.modes": {"splitlearn.server.engine.tenants", "splitlearn.server.config"},
          "splitlearn.server.engine.tenants": set(), "splitlearn.server.config": set()}
     assert upward(g) == ["splitlearn.server.federation.modes (federation) -> splitlearn.server.engine.tenants (engine)"]

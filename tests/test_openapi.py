@@ -17,7 +17,7 @@ SERVERS = {"u": dict(cuts=(1, 3)), "2-way": dict(cuts=(2,)), "offload": dict(off
 
 
 def app_of(kind: str):
-    if kind == "fed":  # the fed server (python -m splitlearn.server.federation.fedserver)
+    if kind == "fed":  # the fed server (python -m splitlearn.server.http.fedapp)
         from splitlearn.model.loading import load_config
         from splitlearn.server.federation.clientside import ClientSide
         from splitlearn.server.federation.fedserver import FedConfig, FedRounds

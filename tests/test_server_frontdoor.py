@@ -316,7 +316,7 @@ def test_the_fed_server_has_the_same_door(tmp_path):
     secret = tmp_path / "fed.secret"
     secret.write_text("s" * 48)
     port = free_port()
-    fed = ChildServer([sys.executable, "-m", "splitlearn.server.federation.fedserver", "--model", "tiny", "--cut", "1",
+    fed = ChildServer([sys.executable, "-m", "splitlearn.server.http.fedapp", "--model", "tiny", "--cut", "1",
                        "--cut", "3", "--fed-secret-file", str(secret), "--port", str(port)], port,
                       env={"SPLITLEARN_FED_TOKEN": token, "OMP_NUM_THREADS": "1"})
     with fed:

@@ -378,7 +378,7 @@ class FederationOptions:
     clients_per_round: int = opt(2, "splitfed: syncs that close a round")
     round_timeout_s: float = opt(300.0, "seconds a splitfed round waits for its syncs, or a sequential turn may idle")
     client_weights: str = opt("server", "external: clients share their client-side weights through a separate fed "
-                                        "server (python -m splitlearn.server.federation.fedserver); this one never "
+                                        "server (python -m splitlearn.server.http.fedapp); this one never "
                                         "sees them", choices=("server", "external"))
     fed_secret: Optional[bytes] = opt(None, "--client-weights external: file with the secret shared with the fed "
                                             "server (>= 32 bytes), which signs each member's ticket",

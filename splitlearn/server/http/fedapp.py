@@ -1,4 +1,4 @@
-"""The fed server's app and command (``python -m splitlearn.server.federation.fedserver``): the
+"""The fed server's app and command (``python -m splitlearn.server.http.fedapp``): the
 routes around its rounds (:class:`~splitlearn.server.federation.fedserver.FedRounds`, its state),
 built from the segment server's http pieces: the error answers and the token check
 (:mod:`.hooks`), the probes (:mod:`.probes`), the metrics (:mod:`.metrics`, with
@@ -159,7 +159,7 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = T
 def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
     """The command line, generated from :class:`FedServe`, :class:`FedConfig` and the
     segment server's LoRA options."""
-    p = argparse.ArgumentParser(prog="python -m splitlearn.server.federation.fedserver", allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="python -m splitlearn.server.http.fedapp", allow_abbrev=False,
                                 description="a fed server: averages client-side weights apart from the segment server")
     for group in (FedConfig, LoraOptions, FedServe):
         add_options(p, group)
@@ -178,7 +178,7 @@ def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True, memory: Me
 
 
 def app_of(serve: FedServe, cfg: FedConfig) -> Flask:
-    """The fed server's app as ``python -m ...fedserver`` serves it: its tenants, its body limit,
+    """The fed server's app as ``python -m ...fedapp`` serves it: its tenants, its body limit,
     the memory account its bodies are reserved in (:func:`..engine.budget.body_account`)."""
     tenants = serve.tenants()
     memory = body_account(len(tenants), serve.max_memory_bytes, serve.max_tenant_memory_bytes)
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         serve, cfg = parse_args(argv)
         accesslog.configure(serve.log_level, serve.log_format, serve.access_log)  # text or JSON lines
         app = app_of(serve, cfg)
-        scrape = app.extensions["splitlearn.metrics"].serve_loopback(serve.metrics_port) if serve.metrics_port else None
+        scrape = app.extensions["splitlearn.metrics"].serve_loopback(serve.metrics_port, serve.tenants()) if serve.metrics_port else None
     except (SplitLearnError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -208,3 +208,6 @@ def main(argv=None) -> int:
             scrape.shutdown()
     return 0
 
+
+if __name__ == "__main__":  # the fed server's command lives in its wing (http), above its state
+    sys.exit(main())
