@@ -41,8 +41,9 @@ MAX_NOT_RUN = 5  # snippets that cannot run offline in a test (a hub download, s
 MARKER = re.compile(r"^<!--\s*snippet:\s*(.*?)\s*-->\s*$")
 #: warnings that are not the snippet's: torch's DataLoader on a CPU-only host (Trainer's
 #: pin_memory=True); peft 0.21.2 reading transformers' deprecated name (pytest.ini allows it);
-#: transformers 5.23's own assisted generation calling the assistant's generate with a config and
-#: keywords (the unsplit model warns the same)
+#: transformers 5.24's own assisted generation calling the assistant's generate with a config and
+#: keywords on an unsplit model (a split model's link-aware draft folds them into the config:
+#: tests/test_hf_draft.py)
 ALLOWED_WARNINGS = re.compile(r"'pin_memory' argument is set as true but no accelerator is found"
                               r"|`is_gradient_checkpointing` is deprecated"
                               r"|Passing `generation_config` together with generation-related arguments")
@@ -193,11 +194,7 @@ def placeholders(values: dict, address: Optional[str], token: Optional[str]) -> 
 
 
 #: a bug found by running the docs, not yet fixed: file -> what fails
-KNOWN_BUGS = {
-    "docs/WAN.md": "after the other snippets (not alone), generate(assistant_model=small_gpt2) inside "
-                   "link_aware raises 'The size of tensor a (20|23) must match the size of tensor b (16)' "
-                   "in GPT2Model.forward",
-}
+KNOWN_BUGS: dict[str, str] = {}  # docs/WAN.md's assistant inside link_aware: fixed (hf/draft.py, issue 54)
 
 
 def marked(snip: Snippet):

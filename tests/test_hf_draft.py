@@ -293,3 +293,44 @@ def test_default_policy_decides_who_chooses_the_length(same_draft):
     m = _fake_split()
     m.link_aware_drafts = False
     assert default_policy(m, (), dict(prompt_lookup_num_tokens=2)) is None
+
+
+def test_a_policy_carried_into_a_new_generation_drafts_its_first_round(split_lm, tiny_model, other_draft,
+                                                                       padded_batch):
+    """docs/WAN.md's ``with link_aware(...) as policy:`` around several ``generate`` calls: a policy
+    that judged drafting not to pay (k = 0) began the next generation with a round of no draft,
+    and the assistant's next round failed on its prompt-length attention mask (issue 54)."""
+    ids, mask = one_row(padded_batch, 2)
+    policy = LinkAwarePolicy(k_max=6, rtt_ms=0.001, rounds=3, token_s=1.0, round_s=1e-4, accepted=0,
+                             rejections=50, drafted=50)
+    assert policy.next_length() == 0 and policy.next_length(k_min=1) == 1  # drafting does not pay here
+    policy.lengths.clear()
+    want = tiny_model.generate(input_ids=ids, attention_mask=mask, **GREEDY)
+    with link_aware(split_lm, policy) as p:
+        got = split_lm.generate(input_ids=ids, attention_mask=mask, assistant_model=other_draft, **GREEDY)
+    assert torch.equal(got, want)
+    assert p.lengths[0] == 1 and 0 in p.lengths[1:]  # the first round drafted; later ones did not
+
+
+def test_assisted_generation_draws_no_deprecation_warning(split_lm, tiny_model, other_draft, padded_batch):
+    """transformers' assistant passes ``generation_config`` with ``max_new_tokens``... as keywords to
+    its own ``generate``, which warns that this is deprecated; the link-aware draft folds them into
+    the config (issue 54). The output stays greedy's."""
+    import logging
+
+    import transformers
+
+    ids, mask = one_row(padded_batch, 2)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("transformers")
+    transformers.logging.get_logger("x").warning_once.cache_clear()  # warning_once: once per process
+    log.addHandler(handler)
+    try:
+        with link_aware(split_lm, LinkAwarePolicy(k_max=4, rtt_ms=50)):
+            got = split_lm.generate(input_ids=ids, attention_mask=mask, assistant_model=other_draft, **GREEDY)
+    finally:
+        log.removeHandler(handler)
+    assert torch.equal(got, tiny_model.generate(input_ids=ids, attention_mask=mask, **GREEDY))
+    assert not [r for r in records if "generation_config" in r.getMessage()], [r.getMessage() for r in records]

@@ -239,10 +239,12 @@ class LinkAwarePolicy:
         """Accepted / drafted over the rounds so far (nan before any draft)."""
         return self.accepted / self.drafted if self.drafted else math.nan
 
-    def next_length(self) -> int:
+    def next_length(self, k_min: int = 0) -> int:
+        """The next round's draft length, at least ``k_min`` (1 for a generation's first round:
+        :class:`LinkAwareDraft`)."""
         L = self.round_s if self.round_s is not None else (self.rtt_ms or 1.0) / 1000.0
         c = self.token_s if self.token_s is not None else 0.0
-        k = best_draft_length(self.acceptance, L, c, self.k_max)
+        k = best_draft_length(self.acceptance, L, c, self.k_max, min(k_min, self.k_max))
         if k == 0 and (self.rounds % self.probe_every == 0 or self.token_s is None):
             k = 1  # keep measuring the draft's cost and acceptance
         self.lengths.append(k)
@@ -276,7 +278,27 @@ class LinkAwareDraft(CandidateGenerator):
             # stop only at k: the assistant's confidence stop ignores the link
             inner.generation_config.assistant_confidence_threshold = 0.0
             inner.assistant_confidence_threshold = 0.0
+        if callable(getattr(inner, "_prepare_generation_args", None)) and isinstance(getattr(inner, "assistant_kwargs", None), dict):
+            inner._prepare_generation_args = self._one_config(inner)
         self._t0 = self._drafted = self._draft_s = None
+
+    @staticmethod
+    def _one_config(inner):
+        """transformers 5.24's assistant calls its ``generate`` with a ``generation_config`` and
+        ``min_new_tokens``/``max_new_tokens`` (and the main model's ``use_cache``) as keywords, which
+        that ``generate`` warns is deprecated: the same values, set in a copy of the config."""
+        prepare = inner._prepare_generation_args
+
+        def prepare_in_config(input_ids, min_new_tokens, max_new_tokens):
+            args = prepare(input_ids, min_new_tokens, max_new_tokens)
+            config = copy.deepcopy(args["generation_config"])
+            config.min_new_tokens, config.max_new_tokens = args.pop("min_new_tokens"), args.pop("max_new_tokens")
+            if "use_cache" in inner.assistant_kwargs:  # the first round: into the config for every round
+                inner.generation_config.use_cache = config.use_cache = inner.assistant_kwargs.pop("use_cache")
+            args["generation_config"] = config
+            return args
+
+        return prepare_in_config
 
     def __getattr__(self, name):  # model_kwargs_overrides and the like
         return getattr(self.__dict__["inner"], name)
@@ -289,7 +311,11 @@ class LinkAwareDraft(CandidateGenerator):
 
     def get_candidates(self, input_ids, **kwargs):
         if self.control:
-            self._set_length(self.policy.next_length())
+            # a generation's first round drafts: transformers' assistant starts its cache, attention
+            # mask and positions there, and a first round of k = 0 (a policy carried over from
+            # earlier calls, drafting judged not to pay) left them at the prompt's length, so the
+            # next round's draft failed ('size of tensor a (20) must match ... b (16)')
+            self._set_length(self.policy.next_length(k_min=1 if self._t0 is None else 0))
         t = time.perf_counter()
         ids, logits = self.inner.get_candidates(input_ids, **kwargs)
         now = time.perf_counter()
