@@ -351,13 +351,15 @@ def test_splitfed_over_two_replicas_behind_haproxy_equals_one_server(tmp_path):
                   for name, u in urls.items()}
         m = json.loads((cluster.run_dir / "replicas.json").read_text())
         sockets = of_pids([m["supervisor_pid"], m["haproxy"]["pid"], *(r["pid"] for r in m["replicas"])])
-        store_port = int(m["fed_store"].rsplit(":", 1)[1])
-        assert store_port in {p for _, p in sockets}
-        # nothing of the cluster (its store, gloo's ports, the replicas, HAProxy) listens beyond loopback
+        # the store is a file of the private run directory (docs/SECURITY.md, 'The store'): no port
+        assert m["fed_store"] == f"file://{cluster.run_dir / 'fed-store'}"
+        assert os.stat(cluster.run_dir).st_mode & 0o077 == 0
+        # nothing of the cluster (gloo's ports, the replicas, HAProxy) listens beyond loopback
         assert all(a.is_loopback for a, _ in sockets), sockets
         if public_address() is not None:
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection((public_address(), store_port), timeout=5)
+            for _, port in sockets:
+                with pytest.raises(OSError):
+                    socket.create_connection((public_address(), port), timeout=5)
     finally:
         cluster.stop()
     with one_splitfed_server() as (url, rt):

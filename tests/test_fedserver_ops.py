@@ -1,5 +1,5 @@
 """The fed server operated as the segment server (issue 33, item 1): ``GET /v1/ready``,
-``GET /metrics`` (the operator's fed token, or ``--metrics-port`` on loopback) and one access
+``GET /metrics`` (the operator's fed token, on its port or ``--metrics-port`` on loopback) and one access
 line per request, from the segment server's modules (splitlearn/server/http/metrics.py,
 accesslog.py, probes.py).
 
@@ -180,7 +180,9 @@ def test_a_real_fed_server_serves_ready_metrics_on_loopback_and_json_access_line
             assert requests.get(srv.url + P.FEDERATION, headers=auth(token), timeout=10).status_code == 200
         r = requests.get(srv.url + P.METRICS, headers=auth(token), timeout=10)  # the only token: the operator
         assert r.status_code == 200
-        r = requests.get(f"http://127.0.0.1:{mport}/metrics", timeout=10)  # loopback, no token
+        # loopback, where every local user reaches: the operator's token there too (SECURITY.md)
+        assert requests.get(f"http://127.0.0.1:{mport}/metrics", timeout=10).status_code == 401
+        r = requests.get(f"http://127.0.0.1:{mport}/metrics", headers=auth(token), timeout=10)
         assert r.status_code == 200
         s = samples_of(r.text)
         tenant = "t-" + __import__("hashlib").sha256(token.encode()).hexdigest()[:12]

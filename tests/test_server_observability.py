@@ -360,7 +360,9 @@ def test_metrics_port_and_json_logs_on_a_real_server():
         assert r.content == big and int(r.headers["Content-Length"]) == len(big)
         echoed = logged_json(srv, lambda lines: any(x.get("route") == P.ECHO for x in lines))
         assert [x["bytes_out"] for x in echoed if x.get("route") == P.ECHO] == [len(big)]
-        r = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10)  # loopback, no token
+        # loopback, where every local user reaches: the operator's token there too (SECURITY.md)
+        assert_status(requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10), 401)
+        r = requests.get(f"http://127.0.0.1:{port}/metrics", headers=auth(), timeout=10)
         assert_status(r, 200)
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(r.text) for s in f.samples}

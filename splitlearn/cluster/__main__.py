@@ -45,8 +45,9 @@ def parse_args(argv=None) -> ClusterConfig:
     p.add_argument("--server-timeout", type=int, default=600, help="seconds a request may take on a replica")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a replica may take to start")
     p.add_argument("--fed-store-port", type=int, default=None,
-                   help="--federation splitfed: port of the TCPStore (torch.distributed) where the replicas "
-                        "meet to close rounds, on 127.0.0.1 (default: a free one)")
+                   help="--federation splitfed: the replicas meet at a TCPStore on 127.0.0.1:PORT, which "
+                        "every local user may reach and write (default: none, a file in RUN_DIR only this "
+                        "user may open; docs/SECURITY.md, 'The store')")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus metrics on 127.0.0.1: HAProxy's exporter at this port's /metrics, "
                         "replica i's at port + 1 + i (docs/OPERATIONS.md)")

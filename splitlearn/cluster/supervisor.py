@@ -4,7 +4,8 @@
 
     start   replicas in parallel, each until its /v1/ready answers 200; haproxy.cfg written and
             checked (haproxy -c); HAProxy started; ready when a request through it answers;
-            RUN_DIR/replicas.json written atomically (splitfed, R > 1: a TCPStore hosted here)
+            RUN_DIR/replicas.json written atomically (splitfed, R > 1: RUN_DIR/fed-store, a
+            FileStore held here; a TCPStore with --fed-store-port)
     watch   every 0.2 s: a replica that exited is started again on its port (5 s between
             failed tries), replicas.json rewritten; HAProxy exiting stops everything
     stop    SIGTERM or SIGINT: HAProxy first, then every replica (SIGTERM), replicas.json removed
@@ -108,7 +109,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self._lock = threading.Lock()  # replicas.json and restarts
         self._down: set[int] = set()  # replicas that died and stay down (restart=False)
-        self.store = None  # splitfed: the TCPStore where the replicas meet (torch.distributed)
+        self.store = None  # splitfed: the store where the replicas meet (torch.distributed)
         self.store_addr: Optional[str] = None
 
     @property
@@ -123,11 +124,19 @@ class Supervisor:
     def start(self) -> "Supervisor":
         cfg = self.cfg
         ports = [cfg.replica_port + i if cfg.replica_port else free_port() for i in range(cfg.replicas)]
-        if cfg.splitfed:
+        if cfg.splitfed and cfg.fed_store_port is not None:  # asked for: every local user reaches the port
             from .store import host_store
 
-            self.store = host_store("127.0.0.1", cfg.fed_store_port or 0)
+            self.store = host_store("127.0.0.1", cfg.fed_store_port)
             self.store_addr = f"127.0.0.1:{self.store.port}"
+        elif cfg.splitfed:  # a file in the private run directory: only this user may open it (SECURITY.md)
+            from ..server.federation.collective import open_file_store
+
+            path = self.run_dir / "fed-store"
+            if path.exists():
+                path.unlink()  # a past run's keys (its generations, its rounds): not this run's
+            self.store = open_file_store(str(path))  # held: the replicas meet in it
+            self.store_addr = f"file://{path}"
         self.replicas = [ReplicaProcess(i, cfg, p, self.run_dir / f"replica-{i}.log", self.store_addr)
                          for i, p in enumerate(ports)]
         if cfg.state_dir is not None:

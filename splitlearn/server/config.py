@@ -163,11 +163,20 @@ class DoorLimits:
                 "probe_slots": PROBE_SLOTS}
 
 
+FILE_STORE = "file://"  # --fed-store file:///abs/path: a FileStore in a private directory (one host)
+
+
 def parse_store(addr: str) -> tuple[str, int]:
-    """``host:port`` of the TCPStore (ConfigError if malformed)."""
+    """``host:port`` of the TCPStore, or ``("file", 0)`` for ``file:///abs/path`` (a FileStore,
+    the cluster's on one host: only this user may open it; docs/SECURITY.md, 'The store');
+    ConfigError if malformed."""
+    if str(addr).startswith(FILE_STORE):
+        if not str(addr)[len(FILE_STORE):].startswith("/"):
+            raise ConfigError(f"--fed-store file:// needs an absolute path (file:///dir/store), got {addr!r}")
+        return "file", 0
     host, sep, port = str(addr).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--fed-store must be HOST:PORT (the cluster's TCPStore), got {addr!r}")
+        raise ConfigError(f"--fed-store must be HOST:PORT (a TCPStore) or file:///PATH, got {addr!r}")
     return host.strip("[]"), int(port)
 
 
@@ -383,9 +392,11 @@ class FederationOptions:
     fed_secret: Optional[bytes] = opt(None, "--client-weights external: file with the secret shared with the fed "
                                             "server (>= 32 bytes), which signs each member's ticket",
                                       flag="--fed-secret-file", parse=read_secret_file, repr=False)
-    fed_store: Optional[str] = opt(None, "splitfed across replicas: the TCPStore where they meet (python -m "
-                                         "splitlearn.cluster sets it; docs/CLUSTER.md); rounds close with a "
-                                         "torch.distributed gloo collective", metavar="HOST:PORT")
+    fed_store: Optional[str] = opt(None, "splitfed across replicas: the store where they meet, file:///PATH "
+                                         "(one host: a file only this user may open) or a TCPStore's "
+                                         "HOST:PORT (python -m splitlearn.cluster sets it; docs/CLUSTER.md); "
+                                         "rounds close with a torch.distributed gloo collective",
+                                   metavar="file:///PATH|HOST:PORT")
     fed_rank: int = opt(0, "--fed-store: this replica's index, 0..R-1")
     fed_world_size: int = opt(1, "--fed-store: the number of replicas R")
     fed_timeout_s: float = opt(60.0, "--fed-store: seconds a round's collective close (or the group's forming) "
@@ -446,11 +457,13 @@ class Observability:
     log_format: str = opt("text", "json: every log line one JSON object, with one access line per request "
                                   "(request id, tenant, route, status, bytes, ms; docs/OPERATIONS.md)",
                           choices=("text", "json"))
-    metrics_port: Optional[int] = opt(None, "also serve Prometheus metrics on 127.0.0.1:PORT without a token (GET "
-                                            "/metrics on --port needs the operator's token; docs/OPERATIONS.md)")
+    metrics_port: Optional[int] = opt(None, "also serve Prometheus metrics on 127.0.0.1:PORT, to the operator's "
+                                            "token as GET /metrics on --port (every local user reaches "
+                                            "loopback; docs/OPERATIONS.md)")
     access_log: Optional[str] = opt(None, "write one access line per request (request id, tenant, route, status, "
                                           "bytes, ms) to this file, or to stderr for '-' (default: no access "
-                                          "lines; the metrics count every request either way)", metavar="FILE")
+                                          "lines; the metrics count every request either way); made 0600, an existing one "
+                                          "must be this user's own file", metavar="FILE")
     request_log: bool = opt(True, "neither count requests in the metrics nor log access lines (for comparison)",
                             flag="--no-request-log")
 

@@ -9,7 +9,9 @@ memfd region of ``REGION_BYTES``; bodies over ``INLINE_MAX`` go through it, smal
 A connection whose first tensors are on a CUDA device also registers a device region of the
 same size (:mod:`.cudaregion`): tensors cross it device to device, never through host memory.
 Refused or lost connections are retried by the Transport; no answer within the read timeout is
-a :class:`~splitlearn.errors.TransportError`. Design: docs/TRANSPORT.md.
+a :class:`~splitlearn.errors.TransportError`; a socket served by another user (not root, not
+listed in ``$SPLITLEARN_UNIX_PEER_UIDS``) is refused before a byte is sent (:func:`check_peer`).
+Design: docs/TRANSPORT.md.
 """
 from __future__ import annotations
 
@@ -51,6 +53,32 @@ class _Headers(dict):
         return super().get(key.lower(), default)
 
 
+PEER_UIDS_ENV = "SPLITLEARN_UNIX_PEER_UIDS"  # "1001,1002": server users trusted beside this one and root
+
+
+def trusted_uids() -> set:
+    """The users whose server a ``unix://`` client talks to: its own, root, and the uids listed
+    in ``$SPLITLEARN_UNIX_PEER_UIDS`` (the explicit option; docs/SECURITY.md)."""
+    extra = os.environ.get(PEER_UIDS_ENV, "")
+    try:
+        listed = {int(x) for x in extra.replace(" ", "").split(",") if x}
+    except ValueError:
+        raise ConfigError(f"${PEER_UIDS_ENV} must be uids separated by commas, got {extra!r}") from None
+    return {os.geteuid(), 0} | listed
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Refuse (ConfigError, before a byte is sent: the first request carries the token) a socket
+    whose listening process runs as another user (``SO_PEERCRED``): a stranger who made the
+    path first, or replaced a stale socket, would read every token and tensor sent to it."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                         struct.calcsize("3i")))
+    if uid not in trusted_uids():
+        raise ConfigError(f"unix://{path} is served by uid {uid} (pid {pid}), not by this user "
+                          f"(uid {os.geteuid()}) or root: refusing to send it a token. If that user's "
+                          f"server is the one you mean, allow it: {PEER_UIDS_ENV}={uid}")
+
+
 def socket_of(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme != SCHEME or parts.netloc or not parts.path:
@@ -77,6 +105,11 @@ class Connection(AnswerWait):
             self.sock.close()
             raise ConnectionRefusedError(f"no socket at {path}: {e}") from None
         except OSError:
+            self.sock.close()
+            raise
+        try:
+            check_peer(self.sock, path)
+        except ConfigError:
             self.sock.close()
             raise
         self.sock.settimeout(read_timeout_s)

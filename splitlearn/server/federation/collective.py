@@ -1,7 +1,9 @@
 """SplitFed across replicas: one round over every replica's members, closed by torch.distributed.
 
-A TCPStore (hosted by the cluster's supervisor) holds the round's global counters, changed
-atomically (``Store.add``, ``Store.compare_set``)::
+A store holds the round's global counters, changed atomically (``Store.add``,
+``Store.compare_set``): the cluster's on one host is a FileStore in its private run directory
+(``--fed-store file:///...``: only its user may open it), replicas on several hosts meet at a
+TCPStore (``HOST:PORT``, every user who reaches the port may write it: docs/SECURITY.md)::
 
     r<n>/members   members admitted to round n over all replicas (<= --clients-per-round)
     r<n>/started   wall time of round n's first member (its --round-timeout runs from it)
@@ -28,7 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from ...errors import ConfigError, Conflict, ServiceUnavailable
-from ..config import GroupSpec, parse_store
+from ..config import FILE_STORE, GroupSpec, parse_store
 from .rounds import close_round, floating_keys
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,28 @@ def weights_sha256(weights: Weights) -> str:
     for k in floating_keys(weights):
         h.update(weights[k].detach().float().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def open_file_store(path: str):
+    """The FileStore at ``path`` (made if missing), in a directory of this user's own that no one
+    else may write, the file this user's own: else ConfigError. Unix permissions are its
+    authentication: a stranger on the host can neither read nor write a key (docs/SECURITY.md,
+    'The store'), where a TCPStore's port takes every local user's ``add``."""
+    import os
+    from pathlib import Path
+
+    from ...model.checkpoint import check_private_dir, not_own
+
+    where = Path(path)
+    try:
+        check_private_dir(where.parent)
+        reason = not_own(os.lstat(where), directory=False) if os.path.lexists(where) else None
+    except ConfigError as e:
+        raise ConfigError(f"--fed-store file://{path}: {e}") from None
+    if reason is not None:
+        raise ConfigError(f"--fed-store file://{path}: the store file {reason}; refusing it (another local "
+                          f"user could write the round's keys); remove it")
+    return _dist().FileStore(str(where), -1)  # -1: never removed by its last user (the supervisor holds it)
 
 
 def _dist():
@@ -103,12 +127,17 @@ class ReplicaGroup:
     def store(self):
         if self._store is None:
             dist = _dist()
-            host, port = parse_store(self.spec.store)
-            tcp = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=self.spec.timeout_s))
-            self._store = dist.PrefixStore(STORE_PREFIX, tcp)
+            if self.spec.store.startswith(FILE_STORE):
+                base = open_file_store(self.spec.store[len(FILE_STORE):])
+            else:
+                host, port = parse_store(self.spec.store)
+                base = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=self.spec.timeout_s))
+            self._store = dist.PrefixStore(STORE_PREFIX, base)
         return self._store
 
     def counter(self, key: str, delta: int = 0) -> int:
+        if delta == 0:  # a read: nothing written (a FileStore appends every add, polls included)
+            return int(self.store.get(key)) if self.store.check([key]) else 0
         return int(self.store.add(key, delta))
 
     def _float(self, key: str) -> Optional[float]:

@@ -200,6 +200,21 @@ class JsonFormatter(logging.Formatter):
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
+class PrivateFileHandler(logging.FileHandler):
+    """A FileHandler whose file is created 0600 and never opened through a link; an existing one
+    must be this user's own (:func:`~splitlearn.model.checkpoint.append_private`): tenant names
+    and routes are for the operator only."""
+
+    def __init__(self, path: str):
+        super().__init__(path, encoding="utf-8", delay=True)
+        self.stream = self._open()  # now: a refusal is the operator's error at start
+
+    def _open(self):
+        from ...model.checkpoint import append_private
+
+        return append_private(self.baseFilename)
+
+
 def configure(level: str = "INFO", fmt: str = "text", access_log: Optional[str] = None) -> None:
     """The process's logging (the servers' CLIs): ``fmt`` text or json on stderr, at ``level``;
     the access lines to the file ``access_log``, to stderr for ``"-"``, or nowhere for None (the
@@ -220,9 +235,11 @@ def configure(level: str = "INFO", fmt: str = "text", access_log: Optional[str] 
     log.setLevel(logging.INFO)  # asked for: whatever --log-level says of the other lines
     if access_log != "-":
         try:
-            to_file = logging.FileHandler(access_log, encoding="utf-8")  # appends
+            to_file = PrivateFileHandler(access_log)  # appends; 0600, this user's own (SECURITY.md)
         except OSError as e:
             raise ConfigError(f"--access-log {access_log}: cannot open it for appending: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"--access-log {e}") from None
         to_file.setFormatter(formatter)
         to_file.access_file = True
         log.addHandler(to_file)

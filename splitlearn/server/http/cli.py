@@ -44,13 +44,15 @@ def write_generated_token(cfg: ServerConfig) -> Path:
     """Write the token made up for this run to a new file only its owner can read; its path.
 
     The token itself never goes to the log (logs are collected, shipped and kept)."""
-    from ...model.checkpoint import open_private, private_dir
+    from ...model.checkpoint import check_parents, private_dir, write_private
 
     path = Path(cfg.token_out or Path(cfg.checkpoint_dir or ".") / "splitlearn-token")
-    try:
-        private_dir(path.parent)
-        with open_private(path) as f:
-            f.write(cfg.tokens[0].encode() + b"\n")
+    try:  # refused (ConfigError, the reason): a directory or a file of another user's (SECURITY.md)
+        if os.path.lexists(path.parent):
+            check_parents(path)
+        else:
+            private_dir(path.parent)
+        write_private(path, cfg.tokens[0].encode() + b"\n")  # temp + rename: never through a link
     except OSError as e:
         raise ConfigError(f"no token given, and the one generated cannot be written to {path}: {e}; "
                           f"give --token-out PATH, --token-file or $SPLITLEARN_TOKEN") from None
@@ -76,14 +78,14 @@ def write_profile(prof, rt, directory: Path) -> Path:
     time on a GPU) to ``directory/server-profile.txt``."""
     device = getattr(rt, "device", None)
     rt.compute.run(lambda: prof.__exit__(None, None, None))
-    directory.mkdir(parents=True, exist_ok=True)
+    from ...model.checkpoint import private_dir, write_private
+
+    private_dir(directory)  # 0700, this user's own; the file 0600 (docs/SECURITY.md)
     avg = prof.key_averages()
     text = avg.table(sort_by="self_cpu_time_total", row_limit=50)
     if getattr(device, "type", "cpu") == "cuda":
         text += "\n\n" + avg.table(sort_by="self_device_time_total", row_limit=30)
-    path = directory / "server-profile.txt"
-    path.write_text(text)
-    return path
+    return write_private(directory / "server-profile.txt", text.encode())
 
 
 def serve(cfg: ServerConfig) -> None:
@@ -106,7 +108,7 @@ def serve(cfg: ServerConfig) -> None:
 
     poller = IdlePoller().start() if cfg.poll_idle else None
     profiler = start_profiler(rt) if cfg.profile_dir else None
-    scrape = app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port) if cfg.metrics_port else None
+    scrape = app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port, cfg.tenants) if cfg.metrics_port else None
 
     def stop(signum, _frame):
         if cfg.drain_s > 0 and not getattr(rt, "draining", False):

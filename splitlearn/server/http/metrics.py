@@ -1,5 +1,6 @@
 """Prometheus metrics of one server (``prometheus-client``): ``GET /metrics`` (operator's token)
-and ``--metrics-port`` (127.0.0.1, no token).
+and ``--metrics-port`` (127.0.0.1, the operator's token too: docs/SECURITY.md, 'Tenants see their
+own').
 
 Each app has its own :class:`~prometheus_client.CollectorRegistry` (never the global one: a
 process may hold several apps). Request families are counted in the app's ``after_request``
@@ -9,16 +10,20 @@ docs/OPERATIONS.md, 'Metrics'.
 """
 from __future__ import annotations
 
+import json
 import logging
+import threading
+from socketserver import ThreadingMixIn
 from typing import Callable, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from flask import Response, g, request
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from ...api import protocol as P
-from ...errors import ConfigError, Forbidden
+from ...errors import ConfigError, Forbidden, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +98,45 @@ class ServerMetrics:
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
 
-    def serve_loopback(self, port: int):
-        """Serve the metrics, without a token, on 127.0.0.1:``port`` (a daemon thread); the
-        server, for ``shutdown()``."""
-        from prometheus_client import start_http_server
-
+    def serve_loopback(self, port: int, tenants):
+        """Serve the metrics on 127.0.0.1:``port`` (a daemon thread) to the operator's token of
+        ``tenants`` only (401 without a token, 403 for a tenant's: every local user reaches
+        loopback, and the families name tenants and their routes); the server, for
+        ``shutdown()``."""
         try:
-            server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+            server = make_server("127.0.0.1", port, _operator_only(make_wsgi_app(self.registry), tenants),
+                                 _ThreadingServer, handler_class=_QuietHandler)
         except OSError as e:
             raise ConfigError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: {e}") from None
-        log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        threading.Thread(target=server.serve_forever, name="splitlearn-metrics", daemon=True).start()
+        log.info("metrics on http://127.0.0.1:%d/metrics (the operator's token)", port)
         return server
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args):  # scrapes every few seconds: not the server's log
+        pass
+
+
+def _operator_only(inner, tenants):
+    """``inner`` (a WSGI app) behind the operator's ``Authorization: Bearer`` token."""
+
+    def app(environ, start_response):
+        tenant = tenants.authenticate(environ.get("HTTP_AUTHORIZATION"))
+        if tenant is not None and tenant.operator:
+            return inner(environ, start_response)
+        err = Unauthorized("the metrics port needs the operator's token (Authorization: Bearer)") if tenant is None \
+            else Forbidden("the metrics are the operator's: this token is a tenant's")
+        body = json.dumps(err.to_payload()).encode()
+        start_response(f"{err.status} {'Unauthorized' if tenant is None else 'Forbidden'}",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
 
 
 class _BeforeScrape:

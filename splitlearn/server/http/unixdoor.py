@@ -79,11 +79,21 @@ class UnixDoor:
         self._thread: Optional[threading.Thread] = None
 
     def _listen(self) -> socket.socket:
+        from ...model.checkpoint import check_parents
+
         path = self.path
+        try:  # a directory a stranger may write: they could swap the socket for their own
+            check_parents(path)
+        except ConfigError as e:
+            raise ConfigError(f"--listen unix://{e}") from None
         if os.path.lexists(path):
             st = os.lstat(path)
             if not stat.S_ISSOCK(st.st_mode):
                 raise ConfigError(f"--listen unix://{path}: a file that is not a socket is there")
+            if st.st_uid != os.geteuid():
+                raise ConfigError(f"--listen unix://{path}: the socket there is owned by uid {st.st_uid}, not "
+                                  f"this server's uid {os.geteuid()}: refusing it (another local user made "
+                                  f"it); remove it, or listen at a path in a directory of your own")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(path)

@@ -30,5 +30,5 @@ def create_app_from_env() -> Flask:
     cfg = parse_args(shlex.split(args))
     app = create_app(cfg)
     if cfg.metrics_port:  # --metrics-port: on a thread of this process, as under python -m splitlearn.server
-        app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port)
+        app.extensions["splitlearn.metrics"].serve_loopback(cfg.metrics_port, cfg.tenants)
     return app
