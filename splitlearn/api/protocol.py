@@ -9,7 +9,7 @@ route                          method   what
 ============================  =======  ==========================================================
 /v1/health                     GET      liveness; without a token
 /v1/ready                      GET      readiness: model loaded, compute thread alive, checkpoint dir writable (503 if not); without a token
-/metrics                       GET      Prometheus text format; operator token (or --metrics-port, loopback, no token)
+/metrics                       GET      Prometheus text format; operator token (also on --metrics-port, loopback)
 /v1/info                       GET      model config, cuts, segment held, dtypes, limits
 /v1/openapi.json               GET      OpenAPI 3.1 document of these routes (splitlearn/api/openapi.py)
 /v1/clients/<client_id>        GET      the last training step applied for a client
