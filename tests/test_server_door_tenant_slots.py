@@ -8,7 +8,9 @@ its token), another tenant still gets its connections, and a tokenless probe is 
 when tenants hold every one of ``--max-connections`` (the :data:`PROBE_SLOTS` beyond them).
 """
 import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 
@@ -175,3 +177,57 @@ def test_a_connection_is_counted_as_the_tenant_of_its_last_request(door_server):
         t.close()
     finally:
         s.close()
+
+
+HAPROXY = shutil.which("haproxy")
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="HAProxy is not installed (apt-get install haproxy; .ci/run installs it)")
+def test_a_tenant_filling_the_replica_through_haproxy_does_not_take_it_out(door_server, tmp_path):
+    """The attack end to end: the generated HAProxy configuration (checks every 100 ms, down
+    after 2 failed, ``shutdown-sessions``) in front of the door; mallory opens twice the
+    replica's --max-connections through HAProxy and keeps them. The replica stays up: her
+    first connections keep being served, alice is served, no connection is cut."""
+    from splitlearn.cluster.haproxy import HAProxySettings, command, write_config
+    from splitlearn.procs.localserver import free_port
+
+    server = door_server(max_connections=6)
+    port = free_port()
+    settings = HAProxySettings(bind=f"127.0.0.1:{port}", inter_ms=100, fall=2, rise=1,
+                               servers=[("r0", f"127.0.0.1:{server.effective_port}")])
+    proxy = subprocess.Popen(command(HAPROXY, write_config(settings, tmp_path / "haproxy.cfg", HAPROXY)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    held = []
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # HAProxy up, the replica checked in
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.settimeout(10)
+                if ask(s, P.INFO, TOKEN)[0] == 200:
+                    s.close()
+                    break
+                s.close()
+            except (OSError, AssertionError):
+                pass
+            assert time.monotonic() < deadline, "HAProxy never served"
+            time.sleep(0.1)
+        statuses = []
+        for _ in range(12):  # the attack: twice --max-connections, kept alive
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.settimeout(10)
+            statuses.append(ask(s, P.INFO, OTHER)[0])
+            held.append(s)
+        assert statuses.count(200) == 3 and set(statuses) == {200, 429}, statuses
+        time.sleep(1.0)  # ten checks: two failed in a row would take the replica out
+        for s in held[:3]:  # hers still served: nothing was cut
+            assert ask(s, P.INFO, OTHER)[0] == 200
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.settimeout(10)
+        assert ask(s, P.INFO, TOKEN)[0] == 200  # alice, through HAProxy, on a replica still up
+        s.close()
+    finally:
+        for s in held:
+            s.close()
+        proxy.terminate()
+        proxy.wait(10)
