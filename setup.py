@@ -38,7 +38,7 @@ setup(
     # splitlearn/_models so that no top-level `models` package lands in site-packages.
     packages=find_packages(include=["splitlearn", "splitlearn.*"]) + ["splitlearn._models"],
     package_dir={"splitlearn._models": "models"},
-    package_data={"splitlearn": ["corpus/*.txt", "corpus/*.tokenizer.json"], "splitlearn._models": ["*.json"]},
+    package_data={"splitlearn.model.corpus": ["*.txt", "*.tokenizer.json"], "splitlearn._models": ["*.json"]},
     # `pip install splitlearn`: the client (the model classes, SplitClient, generate), partitioning
     # and export. The server, the analyzer and training helpers are extras (README.md, "Install").
     install_requires=[

@@ -7,6 +7,8 @@ A spec in ``models/`` names its tokenizer in ``"tokenizer"``:
                    the ids of :class:`splitlearn.model.data.ByteTokenizer`
 ``tiny-stories``   a byte-level BPE of 1024 tokens trained on the shipped corpus
                    (``corpus/tiny-stories.tokenizer.json``; ``<|endoftext|>`` is 0)
+``tiny-tales``     the same for the grammar's tales (``corpus/tiny_tales.txt``, made by
+                   ``python -m splitlearn.model.corpus.generate``): 870 tokens, every word one
 =================  ===================================================================
 
 Both are ``transformers.PreTrainedTokenizerFast`` (GPT-2's byte alphabet, so any text encodes),
@@ -27,7 +29,8 @@ from ..errors import ConfigError
 EOS = "<|endoftext|>"
 BYTES = "splitlearn/bytes"  # the byte tokenizer's name_or_path: how ``data.is_bytes`` knows it
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
-TRAINED = {"tiny-stories": (CORPUS_DIR / "tiny_stories.txt", 1024)}  # name -> (text it learns, vocab size)
+TRAINED = {"tiny-stories": (CORPUS_DIR / "tiny_stories.txt", 1024),  # name -> (text it learns, vocab size)
+           "tiny-tales": (CORPUS_DIR / "tiny_tales.txt", 1024)}  # the grammar's 870 tokens: every word one
 
 
 def shipped_path(name: str) -> Path:
