@@ -152,6 +152,14 @@ def test_held_out_loss_every_n_steps_equals_the_trained_models(srv, tmp_path, ca
     with torch.no_grad():
         ref = model(input_ids=rows, labels=rows).loss
     assert math.isclose(last["loss"], float(ref), rel_tol=1e-5)
+    # evaluating changed no training step: both sides equal a run without --eval-data
+    with InprocServerProcess((1, 3), checkpoint_dir=tmp_path / "plain-server", extra=["--checkpoint-every", "2"]) as s:
+        assert main(cli(s, "--data", str(tmp_path / "ds"), "--save", str(tmp_path / "plain"))) == 0
+        plain = s.weights()
+    server = srv.weights()
+    assert all(torch.equal(plain[k], server[k]) for k in plain)
+    trained, untouched = read_extra(save, "client", "model"), read_extra(tmp_path / "plain", "client", "model")
+    assert all(torch.equal(trained[k], untouched[k]) for k in trained)
 
 
 def test_early_stop_when_the_held_out_loss_stops_improving(tmp_path, monkeypatch, capsys):

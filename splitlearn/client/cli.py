@@ -189,7 +189,9 @@ def cmd_generate(args) -> int:
 
     from ..model.data import get_tokenizer
     from .core import SplitClient
+    from .runs import check_hub_source
 
+    check_hub_source(args.model)  # an unreachable hub id: now, once
     tok = get_tokenizer(args.model)
     if args.prompt_ids is not None:
         prompt = [int(x) for x in args.prompt_ids.split()]
