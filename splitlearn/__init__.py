@@ -22,6 +22,7 @@ _LAZY = {
     "OffloadGPT2LMHeadModel": "offload",  # masked offload (docs/OFFLOAD.md)
     "RemoteCache": "hf", "SplitGPT2LMHeadModel": "hf", "SplitGPT2ForSequenceClassification": "hf",
     "SplitGPT2Model": "hf", "split_model": "hf",  # split models as transformers models (issue 20)
+    "AutoSplitModelForCausalLM": "hf",  # any family (docs/MODELS.md)
 }
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "load_corpus", "load_model", "load_segment", "load_segments", "partition", "validate_cuts",
     "OffloadGPT2LMHeadModel",
     "RemoteCache", "SplitGPT2LMHeadModel", "SplitGPT2ForSequenceClassification", "SplitGPT2Model", "split_model",
+    "AutoSplitModelForCausalLM",
     "__version__",
 ]
 

@@ -56,7 +56,8 @@ def check_info(info: dict, pins: Pins, server: str = "the server") -> tuple[int,
         raise ConfigError(f"{server} speaks protocol {got}, this client {P.PROTOCOL_VERSION}")
     if info.get("mode") == "offload":
         raise ConfigError("this is a masked-offload server: use splitlearn.OffloadGPT2LMHeadModel")
-    cuts, n = info.get("cuts"), (info.get("model_config") or {}).get("n_layer")
+    mc = info.get("model_config") or {}
+    cuts, n = info.get("cuts"), mc.get("num_hidden_layers", mc.get("n_layer"))  # any family (docs/MODELS.md)
     if not (isinstance(cuts, list) and len(cuts) in (1, 2) and isinstance(n, int)
             and all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
             and 0 <= cuts[0] and cuts[-1] <= n and (len(cuts) == 1 or cuts[0] < cuts[1])):

@@ -8,12 +8,12 @@ The names are imported on first use, so the client's ``--help`` reads :mod:`.con
 options) without importing torch."""
 from .._lazy import lazy_names
 
-_LAZY = {"RemoteCache": ".cache", "RemoteConfig": ".config", "RemoteSegment": ".remote",
+_LAZY = {"AutoSplitModelForCausalLM": ".auto", "RemoteCache": ".cache", "RemoteConfig": ".config", "RemoteSegment": ".remote",
          "ServerBlock": ".trunk", "SplitGenerationMixin": ".generation",
          "SplitGPT2ForSequenceClassification": ".modeling", "SplitGPT2LMHeadModel": ".modeling",
          "SplitGPT2Model": ".trunk", "split_model": ".modeling"}
 
-__all__ = ["RemoteCache", "RemoteConfig", "RemoteSegment", "ServerBlock", "SplitGenerationMixin",
+__all__ = ["AutoSplitModelForCausalLM", "RemoteCache", "RemoteConfig", "RemoteSegment", "ServerBlock", "SplitGenerationMixin",
            "SplitGPT2ForSequenceClassification", "SplitGPT2LMHeadModel", "SplitGPT2Model", "split_model"]
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)

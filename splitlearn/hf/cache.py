@@ -87,7 +87,7 @@ def _delete_session(transport, session_id: str) -> None:
 class RemoteCache(Cache, SendAhead):
     """The KV cache of a split GPT-2: client layers here, server layers in one server session.
 
-    config: the whole model's config (``n_layer`` slots). transport: a
+    config: the whole model's config (a slot per layer). transport: a
     :class:`splitlearn.transport.Transport` to the server. server_blocks: the blocks the
     server holds, ``[start, end)`` (``/v1/info``'s ``segment.blocks``); server_kind: ``"trunk"``
     (U-shape: the server answers hidden states) or ``"top"`` (2-way: logits). wire_dtype: of the
@@ -102,8 +102,8 @@ class RemoteCache(Cache, SendAhead):
         if server_kind not in ("trunk", "top"):
             raise ValueError(f"server_kind must be 'trunk' or 'top', got {server_kind!r}")
         start, end = server_blocks
-        if not 0 <= start <= end <= config.n_layer:
-            raise ValueError(f"server_blocks {server_blocks} do not fit a model of {config.n_layer} layers")
+        if not 0 <= start <= end <= config.num_hidden_layers:  # any family's config (docs/MODELS.md)
+            raise ValueError(f"server_blocks {server_blocks} do not fit a model of {config.num_hidden_layers} layers")
         self.local = DynamicCache(config=config)
         super().__init__(layers=self.local.layers)  # one list: the client's blocks update it through either
         self.config = config

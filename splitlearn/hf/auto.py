@@ -1,0 +1,126 @@
+"""``AutoSplitModelForCausalLM``: one entry for every family (docs/MODELS.md).
+
+``AutoSplitModelForCausalLM.from_pretrained(source, server=URL, token=...)`` loads ``source`` (a
+:func:`splitlearn.load_model` source: a ``save_pretrained`` directory, a config, a model, a hub
+id, a spec) as the family's own transformers class (``LlamaForCausalLM``, ``Gemma2ForCausalLM``,
+...), checks it is the server's model (config fields and the weights at load), and splits it in
+place against the server's cuts: the base model becomes a :class:`~.familytrunk.SplitDecoder`
+(the server's layers behind one :class:`~.remote.RemoteSegment`), the class a ``Split<Name>``
+subclass of the family's, so ``forward``/``loss``/``backward``, ``generate()`` and the
+state-dict names are the family's. GPT-2 sources go to :class:`~.modeling.SplitGPT2LMHeadModel`
+(every feature of the split GPT-2 classes).
+
+What the other families do not have yet (docs/MODELS.md, "Not yet"): a 2-way server (the client
+keeps the head, so U-shape only), LoRA, defenses, micro-batch pipelining, row groups in
+generation, exported-segment and split-folder sources.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+from transformers import GenerationMixin
+
+from ..errors import ConfigError
+from ..model.arch import arch_of
+from ..model.loading import load_config, load_model
+from .config import RemoteConfig
+from .familytrunk import SplitDecoder
+from .generation import SplitGenerationMixin
+from .modeling import _SPLIT_CLASSES, SplitGPT2LMHeadModel
+from .remote import RemoteSegment
+from .sources import check_same_model, fingerprint_at_load
+
+
+class SplitFamilyMixin:
+    """What a split model of any family adds to the family's ``*ForCausalLM``."""
+
+    causal_lm = False  # generate() runs no row groups here (SplitGPT2LMHeadModel's forward does)
+
+    @property
+    def split_decoder(self) -> SplitDecoder:
+        return arch_of(self.config).base_of(self)
+
+    @property
+    def remote(self) -> RemoteSegment:
+        return self.split_decoder.remote
+
+    def overlaps(self) -> bool:
+        return False
+
+    def new_cache(self, **kwargs):
+        """A :class:`~splitlearn.hf.cache.RemoteCache` for this model's server (its session holds
+        the server's layers' keys and values; ``local`` the client's)."""
+        from .cache import RemoteCache
+
+        remote = self.remote
+        remote.flush()  # a deferred apply first: generation reads the server's weights
+        kwargs.setdefault("wire_dtype", remote.cfg.wire_dtype)
+        kwargs.setdefault("client_id", remote.client_id)
+        kwargs.pop("overlap", None)
+        return RemoteCache.from_info(self.config, remote.transport, remote.info, **kwargs)
+
+    def attach_optimizer(self, optimizer):
+        self.remote.link.attach(optimizer)
+        return optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.remote.steps.discard()
+
+
+_MADE: dict[type, type] = {}
+
+
+def split_class(hf_cls: type) -> type:
+    """``Split<Name>``: the family's class with :class:`SplitFamilyMixin` and the split generation."""
+    if hf_cls not in _MADE:
+        bases = (SplitFamilyMixin, SplitGenerationMixin, hf_cls) if issubclass(hf_cls, GenerationMixin) \
+            else (SplitFamilyMixin, hf_cls)
+        _MADE[hf_cls] = type(f"Split{hf_cls.__name__}", bases, {"__module__": __name__})
+    return _MADE[hf_cls]
+
+
+def split_family_model(model: nn.Module, remote: RemoteSegment) -> nn.Module:
+    """Split ``model`` (a family's ``*ForCausalLM``, the server's model) in place against
+    ``remote``'s cuts -> the model, now a ``Split<Name>``."""
+    arch = arch_of(model.config)
+    parent_path, _, attr = arch.base_path.rpartition(".")
+    parent = model
+    for part in filter(None, parent_path.split(".")):
+        parent = getattr(parent, part)
+    setattr(parent, attr, SplitDecoder(getattr(parent, attr), tuple(remote.cuts), remote))
+    model.__class__ = split_class(type(model))
+    return model
+
+
+class AutoSplitModelForCausalLM:
+    """The split causal LM of any family the adapter cuts: see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("use AutoSplitModelForCausalLM.from_pretrained(source, server=URL, token=...)")
+
+    @classmethod
+    def from_pretrained(cls, source, server: Optional[str] = None, token: Optional[str] = None,
+                        seed: int = 0, **options) -> nn.Module:
+        """``source`` split against the server at ``server`` (``token``: its bearer token; other
+        ``options``: :class:`~splitlearn.hf.config.RemoteConfig`'s fields). Eval mode."""
+        hf_cls = arch_of(load_config(source)).model_class()
+        if hf_cls in _SPLIT_CLASSES:  # the split GPT-2 classes: every feature
+            kw = dict(options, **({"token": token} if token is not None else {}))
+            return SplitGPT2LMHeadModel.from_pretrained(source, server=server, seed=seed, **kw)
+        if server is None:
+            raise ConfigError("AutoSplitModelForCausalLM.from_pretrained needs server=URL")
+        if token is not None:
+            options["token"] = token
+        remote = RemoteSegment(RemoteConfig.given(server, options, "AutoSplitModelForCausalLM"))
+        try:
+            model = load_model(source, seed=seed)
+            check_same_model(model.config, fingerprint_at_load(model, remote.info), remote.info)
+            return split_family_model(model, remote).eval()
+        except BaseException:
+            remote.close()
+            raise
+
+
+__all__ = ["AutoSplitModelForCausalLM", "split_family_model", "SplitFamilyMixin"]
