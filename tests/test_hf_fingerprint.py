@@ -90,3 +90,18 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_an_error_at_load(tmp_path):
         get_tokenizer(str(tmp_path / "small"))
     load_model("tiny").config.save_pretrained(tmp_path / "bytes")  # a byte model without tokenizer files: fits
     assert len(get_tokenizer(str(tmp_path / "bytes"))) == 257
+
+
+def test_another_family_is_refused_at_session_start_naming_it(tmp_path):
+    """Issue 52 item 6: a client of another family (a tiny Llama) against a GPT-2 server is refused
+    before anything is sent, the family named first, then the other fields (sizes, vocabulary...)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    with InprocServerProcess((1, 3)) as srv:
+        with pytest.raises(ConfigError, match=r"config differs in model_type: this side 'llama', the server 'gpt2'; "
+                                              r".*hidden_size: this side 32, the server '\(absent\)'.*and \d+ more"):
+            SplitGPT2LMHeadModel.from_pretrained(str(tmp_path / "llama"), server=srv.url, token=TOKEN)

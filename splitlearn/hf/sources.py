@@ -32,7 +32,10 @@ def _check_config(cfg, info: dict) -> None:
     the local model differs from the server's (:func:`splitlearn.api.fingerprint.config_differences`)."""
     differ = config_differences(cfg.to_dict(), info["model_config"])
     if differ:
-        raise ConfigError("this model is not the server's: its config differs in " + "; ".join(differ) +
+        family = [d for d in differ if d.startswith("model_type:")]  # another family first: the rest follows from it
+        shown = (family + [d for d in differ if d not in family])[:8]
+        more = f"; and {len(differ) - len(shown)} more" if len(differ) > len(shown) else ""
+        raise ConfigError("this model is not the server's: its config differs in " + "; ".join(shown) + more +
                           ". Load the same checkpoint on both sides (the same spec and --seed, directory or hub id)")
 
 
@@ -166,9 +169,9 @@ def split_into(model: nn.Module, remote: RemoteSegment, cls: type, trunk_cls: ty
     the split class ``cls`` over a ``trunk_cls`` (``SplitGPT2Model``) at ``remote``'s cuts, in
     place: its server-side blocks dropped, its own modules kept (no copy). A ``GPT2Model``
     becomes the trunk itself. Returns the model."""
-    trunk_hf = model if isinstance(model, GPT2Model) else model.transformer
     fingerprint = fingerprint_at_load(model, remote.info)  # before the server's parts are dropped
-    check_same_model(model.config, fingerprint, remote.info)
+    check_same_model(model.config, fingerprint, remote.info)  # first: another family is named as such
+    trunk_hf = model if isinstance(model, GPT2Model) else model.transformer
     loss_type = stock_loss_type(type(model), model.config)  # the unsplit class's, whatever transformers does
     config = copy.deepcopy(model.config)
     setattr(config, CUTS_KEY, list(remote.cuts))
