@@ -45,7 +45,7 @@ AGGREGATIONS = ("fedavg", "median", "trimmed-mean")
 # '`--max-update-norm`: the default, measured'.
 DEFAULT_MAX_UPDATE_NORM = 100.0
 # --max-update-ratio's default: a member's update is also at most half the norm of the side it
-# updates (honest rounds measured up to 0.37 of it; 100 alone is 2.7x tiny-demo's whole client
+# updates (honest rounds measured up to 0.43 of it; 100 alone is 2.7x tiny-demo's whole client
 # side): docs/FEDERATION.md, the same section
 DEFAULT_MAX_UPDATE_RATIO = 0.5
 # --max-member-share's default: no member holds the majority of a round's FedAvg weight; it bites
