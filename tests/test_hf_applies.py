@@ -145,8 +145,10 @@ def test_the_lease_names_its_holder_to_its_own_tenant_only():
     assert "step 3 of client 'owner'" in mine.value.message and "held for" in mine.value.message
     with pytest.raises(ServiceUnavailable) as theirs:
         lease.acquire("mallory:x", 1)
-    assert "another tenant's step" in theirs.value.message and "held for" in theirs.value.message
+    assert "another tenant's step" in theirs.value.message
+    # nothing of the other tenant's: no id, no step, no time held or left (issue 50, item 9)
     assert "owner" not in theirs.value.message and "alice" not in theirs.value.message
+    assert not any(ch.isdigit() for ch in theirs.value.message) and theirs.value.retry_after == 1.0
 
 
 def test_a_client_waiting_for_the_segment_says_who_holds_it(monkeypatch, caplog):
