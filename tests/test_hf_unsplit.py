@@ -99,7 +99,9 @@ def test_a_server_of_several_tenants_exports_only_where_allowed(tmp_path):
         r = web.get(srv.url + P.CLIENT_WEIGHTS.format(client_id="m"), headers=auth(OTHER), timeout=30)
         assert r.status_code == 403 and r.json()["error"] == "forbidden" and "--allow-weight-export" in r.text
         r = web.get(srv.url + P.CLIENT_WEIGHTS.format(client_id="m"), headers=auth(TOKEN), timeout=30)
-        assert r.status_code == 200  # the operator's token always may
+        assert r.status_code == 200  # the operator's token may
+        you = lambda tok: web.get(srv.url + P.INFO, headers=auth(tok), timeout=30).json()["you"]["weight_export"]  # noqa: E731
+        assert you(OTHER) is False and you(TOKEN) is True  # /v1/info tells a client before it trains
         model.remote.close()
     with InprocServerProcess((1, 3), extra=extra + ["--allow-weight-export"]) as srv:
         model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=OTHER, client_id="m")

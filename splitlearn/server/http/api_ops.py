@@ -11,6 +11,7 @@ from flask import Blueprint, Response, g, jsonify, request
 
 from ...api import protocol as P
 from ...errors import BadRequest, Forbidden, PayloadTooLarge
+from ..tenants import SEP
 from . import probes
 from .metrics import operator_exposition
 from .routing import bytes_response, client_key, request_body, served
@@ -54,10 +55,45 @@ def echo():
 def info():
     s = served()
     cfg, memory = s.cfg, s.memory
-    you = {"tenant": g.tenant.name, "operator": g.tenant.operator, "tenants": len(cfg.tenants)}
+    you = {"tenant": g.tenant.name, "operator": g.tenant.operator, "tenants": len(cfg.tenants),
+           "weight_export": cfg.weight_export(g.tenant.operator)}  # GET /v1/clients/<id>/weights allowed
     extra = {"memory": memory.to_dict(g.tenant.name)} if memory is not None else {}
-    return jsonify({**s.rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None,
-                    "you": you, **extra})
+    body = {**s.rt.info(), "lora": cfg.lora.to_dict() if cfg.lora is not None else None, "you": you, **extra}
+    return jsonify(body if g.tenant.operator else own_view(body, s.rt, g.tenant.name))
+
+
+# what a tenant's /v1/info leaves out: counters and timings of the whole server (every tenant's)
+SERVER_WIDE = {"priority": ("waits", "preemptions", "held_back"), "generation": ("decode_steps", "decode_forwards"),
+               "memory": ("reserved_bytes", "evictions", "refusals"), "offload": ("served",)}
+
+
+def own_view(body: dict, rt, tenant: str) -> dict:
+    """``/v1/info``'s ``body`` as tenant ``tenant`` may see it (docs/SECURITY.md, 'Tenants see their
+    own'): ``steps_applied`` and ``generation.sessions`` its own, its memory its own reservation
+    and the limits; the server-wide counters and waits (what ``/metrics`` refuses it) left out."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in body.items() if k != "waits"}
+    for section, keys in SERVER_WIDE.items():
+        for k in keys if isinstance(out.get(section), dict) else ():
+            out[section].pop(k, None)
+    graphs = (out.get("generation") or {}).get("decode_graphs")
+    if isinstance(graphs, dict):
+        out["generation"]["decode_graphs"] = {"max_batch_sizes": graphs.get("max_batch_sizes")}
+    if "steps_applied" in out:
+        out["steps_applied"] = tenant_steps(rt.ledger, tenant)
+    if isinstance(out.get("generation"), dict) and getattr(rt, "sessions", None) is not None:
+        out["generation"]["sessions"] = rt.sessions.usage().get(tenant, (0, 0))[0]
+    return out
+
+
+def tenant_steps(ledger, tenant: str) -> int:
+    """Steps applied for ``tenant``'s client ids (each id's last step: its steps are numbered 1, 2, ...)."""
+    prefix = tenant + SEP
+    for _ in range(10):
+        try:  # read beside the compute thread, which may add a client meanwhile: then read again
+            return sum(r.step for c, r in list(ledger.clients.items()) if c.startswith(prefix))
+        except RuntimeError:
+            continue
+    return 0
 
 
 @bp.get(P.OPENAPI)
