@@ -85,7 +85,7 @@ def test_operator_actions_need_the_operators_token(server):
     r = requests.post(server.url + P.CHECKPOINT, json={}, headers=auth(ALICE), timeout=30)
     assert r.status_code == 200 and r.json()["saved"]
     info = requests.get(server.url + P.INFO, headers=auth(MALLORY), timeout=10).json()
-    assert info["you"] == {"tenant": "mallory", "operator": False, "tenants": 2}
+    assert info["you"] == {"tenant": "mallory", "operator": False, "tenants": 2, "weight_export": False}
     assert info["limits"]["max_clients_per_tenant"] == 3
 
 
