@@ -516,7 +516,9 @@ def test_haproxy_and_every_replica_serve_metrics_on_loopback(cluster):
         while True:
             try:
                 info = requests.get(r["url"] + P.INFO, headers=auth(OTHER), timeout=10)
-                text = requests.get(r["metrics"], timeout=10).text  # no token: loopback only
+                # the operator's token, on loopback too (docs/SECURITY.md, 'Tenants see their own')
+                assert requests.get(r["metrics"], timeout=10).status_code == 401
+                text = requests.get(r["metrics"], headers=auth(TOKEN), timeout=10).text
                 break
             except requests.ConnectionError:
                 assert time.monotonic() < deadline, f"replica {i} did not come back"

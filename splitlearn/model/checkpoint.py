@@ -335,6 +335,9 @@ def has_state(directory: Union[str, Path], name: str) -> bool:
     user's own (:func:`check_private_dir`: a server refuses at start one a stranger made)."""
     if not os.path.lexists(directory):
         return False
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+        return False  # a file there: nothing to resume, nothing written through it (/v1/ready: 503)
     check_private_dir(directory)
     return os.path.lexists(Path(directory) / f"{name}.latest")
 
