@@ -344,7 +344,10 @@ class Training:
         """``POST /v1/train/apply``: the optimizer step of step ``req.step`` of client
         ``key``, at ``req.lr`` (capped at the server's own lr on state shared between tenants:
         the leased segment, never a client's own SplitFed copy or LoRA adapter; the answer's
-        ``lr`` is the one applied), on its accumulated gradients times ``req.clip``; exactly once (a
+        ``lr`` is the one applied; on shared state of several tenants an lr below ``MIN_SHARE`` of
+        the server's is applied as 0, which steps nothing and moves no statistic, and a fraction
+        of the server's lr is that fraction of a step in AdamW's moments: :mod:`.gradclip`), on
+        its accumulated gradients times ``req.clip``; exactly once (a
         retry gets the stored answer). ``req.discard``: drop the step (gradients, graphs, lease)
         and apply nothing; the step number stays free. 409 when no such step is pending or the
         server holds another number of backward pieces than the client counted (nothing changes)."""
@@ -387,10 +390,12 @@ class Training:
             walls = st.leased and len(rt.cfg.tenants) > 1  # other tenants' training to protect
             if walls and share < MIN_SHARE:  # moves no weight: moves no statistic (gradclip.py)
                 lr, share = 0.0, 0.0
-            if lr > 0.0 or not walls:
+            if walls and 0.0 < share < 1.0:
                 # AdamW's moments and step count move as far as the lr lets the step move the weights
-                with partial_step(opt, share if walls else 1.0):
+                with partial_step(opt, share):
                     self._step(opt, st, lr, saved)
+            elif lr > 0.0 or not walls:
+                self._step(opt, st, lr, saved)
             opt.zero_grad(set_to_none=True)
         except Exception:
             self.abort(meta, st)
