@@ -34,6 +34,7 @@ from ..model.loading import load_model
 from ..model.partition import validate_cuts
 from ..defense.defenses import Defense
 from ..privacy.meter import split_corpus
+from ..privacy.spent import describe as describe_spent, spent
 from ..privacy.reference import FINETUNE_JSON, default_cache_dir, finetune_info  # noqa: F401 (re-export)
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ def finetune_defense(source: Union[str, Path], cut: Union[int, Sequence[int]], d
             "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "seed": seed, "seconds": seconds,
             "loss_first": sum(losses[:tenth]) / tenth, "loss_last": sum(losses[-tenth:]) / tenth,
             "tokens": len(ids), "windows_sent": steps * batch_size}
+    info["privacy_spent"] = spent(defense, windows=steps * batch_size, seq_len=seq_len, tokens=len(ids))
     (out / FINETUNE_JSON).write_text(json.dumps(info, indent=2))
+    log.info("fine-tuning %s", describe_spent(info["privacy_spent"]))  # epsilon at delta 1e-5, or none
     log.info("fine-tuned %s at cut %s with %s: %d steps in %.1f s, loss %.3f -> %.3f -> %s", source, cut,
              info["defense"], steps, seconds, info["loss_first"], info["loss_last"], out)
     return out

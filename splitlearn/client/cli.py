@@ -151,10 +151,15 @@ def cmd_train(args) -> int:
         if evaluation is not None:
             summary.update(evals=evaluation.history, best_eval=evaluation.best,
                            early_stopped=evaluation.stop)
+        from ..privacy.spent import describe as describe_spent, spent  # the privacy this run spent
+        summary["privacy"] = spent(config.defense, windows=max(done, 1) * args.batch_size, seq_len=args.seq_len,
+                                   tokens=len(ids)) if done else None
         print(f"trained {done} steps: loss {first:.4f} -> {last:.4f} in {summary['seconds']}s, "
               f"{summary['tokens_per_s']} tokens/s, {s.calls} calls, sent {_mb(s.bytes_sent)}, "
               f"received {_mb(s.bytes_received)}, overhead {s.overhead_s / max(s.calls, 1) * 1e3:.2f} ms/call"
               if done else "nothing to do: already at --steps", file=sys.stderr)
+        if done and config.defense is not None:
+            print(describe_spent(summary["privacy"]), file=sys.stderr)
         if args.json:
             print(json.dumps(summary))
     return 0

@@ -36,6 +36,7 @@ from .meter import (default_tokenizer, measure_leakage, median_token_grad_norm, 
                     private_windows)
 from .presets import recommended
 from .reference import finetune_info, reference_info, train_reference
+from .spent import spent
 
 log = logging.getLogger(__name__)
 PROG = "python -m splitlearn.privacy"
@@ -88,6 +89,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-draft", choices=("free", "lookup"), help="the draft: free (the U-shape "
                    "client's own blocks, the U-shape default) or lookup (prompt lookup, the 2-way default)")
     p.add_argument("--speculative-draft-tokens", type=int, default=4, help="tokens drafted per round (default 4)")
+    p.add_argument("--text", type=Path, metavar="FILE", help="your own text (UTF-8): its paragraphs (blank-line "
+                   "separated; lines where it has fewer than 2) split into the attacker's public part and the "
+                   "owner's private part, the last --private-share of them private (default: the shipped corpus)")
+    p.add_argument("--private-share", type=float, default=0.2, help="with --text: the share of its paragraphs "
+                   "that is private (default 0.2)")
+    p.add_argument("--public-text", type=Path, metavar="FILE", help="the text the attacker has (its inverters "
+                   "train on it; the clips' medians are taken on it); with --private-text, instead of --text")
+    p.add_argument("--private-text", type=Path, metavar="FILE", help="the owner's text the attacker tries to "
+                   "recover (and the perplexity is measured on)")
     p.add_argument("--clip", type=float, help="per-token L2 clip (default: median norm at the cut)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma list of {', '.join(ATTACKS)}")
@@ -103,6 +113,41 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
+
+
+def _paragraphs(path: Path) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SplitLearnError(f"cannot read {path}: {e}") from None
+    paras = [p.strip() for p in text.split("\n\n") if p.strip()]
+    return paras if len(paras) >= 2 else [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def user_texts(args) -> tuple[Optional[list[str]], Optional[list[str]]]:
+    """(public, private) paragraphs of ``--text`` or ``--public-text``/``--private-text``; (None,
+    None) for the shipped corpus."""
+    text, public, private = (getattr(args, n, None) for n in ("text", "public_text", "private_text"))
+    if text is not None and (public is not None or private is not None):
+        raise SplitLearnError("give --text, or --public-text with --private-text, not both")
+    if (public is None) != (private is None):
+        raise SplitLearnError("--public-text and --private-text go together (or give one --text to split)")
+    if public is not None:
+        pub, priv = _paragraphs(public), _paragraphs(private)
+        if not pub or not priv:
+            raise SplitLearnError(f"{public if not pub else private} holds no text")
+        return pub, priv
+    if text is None:
+        return None, None
+    share = args.private_share
+    if not 0 < share < 1:
+        raise SplitLearnError(f"--private-share is a share in (0, 1), got {share}")
+    paras = _paragraphs(text)
+    if len(paras) < 2:
+        raise SplitLearnError(f"{text} has {len(paras)} paragraphs or lines: need 2 or more to split it into "
+                              f"public and private text")
+    n = min(max(1, round(len(paras) * share)), len(paras) - 1)
+    return paras[:-n], paras[-n:]
 
 
 def _defense_rows(args, cut, clip, grad_clip=None):
@@ -161,6 +206,7 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
         if getattr(args, "speculative_draft", None) == "free" and any(len(c) != 2 for c in args.cuts):
             raise SplitLearnError("--speculative-draft free is the U-shape client's own blocks; a 2-way "
                                   "cut drafts by prompt lookup")
+    public, private = user_texts(args)
     source, trained = args.model, None
     if args.train_steps:
         if not is_spec_source(args.model):
@@ -179,10 +225,10 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
     for cut in args.cuts:
         clip = args.clip
         if clip is None and _needs_clip(args):
-            clip = median_token_norm(model, cut, tokenizer=tokenizer, seq_len=args.seq_len)
+            clip = median_token_norm(model, cut, texts=public, tokenizer=tokenizer, seq_len=args.seq_len)
         grad_clip = None  # the recommended U-shape preset's gradient clip follows the model too
         if len(cut) == 2 and "recommended" in args.defenses:
-            grad_clip = median_token_grad_norm(model, cut, tokenizer=tokenizer, seq_len=args.seq_len)
+            grad_clip = median_token_grad_norm(model, cut, texts=public, tokenizer=tokenizer, seq_len=args.seq_len)
         plan = _defense_rows(args, cut, clip, grad_clip)
         if any(n for _, n, _ in plan):
             if finetune is None:
@@ -199,7 +245,7 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
             if n:
                 path = finetune(source, cut, defense, n, batch_size=args.defense_batch_size,
                                 seq_len=args.defense_seq_len, lr=args.defense_lr, seed=args.seed,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, **({} if public is None else {"texts": public}))
                 measured, info = load_model(str(path), seed=args.seed, device=args.device), finetune_info(path)
             # the attacker's weights: the client's own, or the public reference (a secret client);
             # a row that was not fine-tuned has the public weights, measured once
@@ -207,7 +253,8 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
             if not n and knows == "both":
                 who = ("finetuned",)
             for k in who:
-                r = measure_leakage(measured, cut, defense=defense, tokenizer=tokenizer,
+                r = measure_leakage(measured, cut, defense=defense, tokenizer=tokenizer, texts=private,
+                                    public_texts=public,
                                     attacks=tuple(args.attacks.split(",")), seq_len=args.seq_len,
                                     delta=args.delta, config=config,
                                     max_private_tokens=args.max_private_tokens, seed=args.seed,
@@ -217,15 +264,15 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
                     undefended = r.perplexity
                 r.perplexity_undefended = undefended
                 if defense is not None:
-                    ids = private_windows(tokenizer or default_tokenizer(model, source), seq_len=args.seq_len,
-                                          max_private_tokens=args.max_private_tokens)
+                    ids = private_windows(tokenizer or default_tokenizer(model, source), private,
+                                          seq_len=args.seq_len, max_private_tokens=args.max_private_tokens)
                     r.perplexity_test_time = perplexities(model, cut, ids, defense, args.seed)[0]
                 if info is not None:
                     _add_finetune(r, defense, info, args.delta)
                 spec = None
                 if spec_attack:
                     spec = _speculative(args, speculate, str(path) if n else source, model, measured, cut,
-                                        defense, tokenizer, config, k)
+                                        defense, tokenizer, config, k, private)
                 rows.append(dict(r.as_dict(), preset=preset, speculative=spec))
                 grad = r.token_recovery_gradient
                 print(f"  cut {','.join(map(str, cut))} {_defense(rows[-1])}"
@@ -234,11 +281,16 @@ def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
                       f"{'' if grad is None else f', from the gradient at cut 2 {grad:.3f}'}, perplexity "
                       f"{r.perplexity:.2f} (undefended {undefended:.2f}), {r.seconds:.1f} s", file=sys.stderr)
     return {"model": args.model, "trained": trained, "device": args.device,
+            "text": {"public": str(getattr(args, "public_text", None) or getattr(args, "text", None) or "shipped corpus"),
+                     "private": str(getattr(args, "private_text", None) or getattr(args, "text", None) or "shipped corpus"),
+                     "public_paragraphs": None if public is None else len(public),
+                     "private_paragraphs": None if private is None else len(private)},
             "threads": torch.get_num_threads(), "rows": rows,
             "seconds": time.perf_counter() - t0}
 
 
-def _speculative(args, speculate, source, reference, measured, cut, defense, tokenizer, config, knows) -> dict:
+def _speculative(args, speculate, source, reference, measured, cut, defense, tokenizer, config, knows,
+                 private=None) -> dict:
     """The row's ``speculative`` field: the releases of assisted generations over the split from the
     first ``--speculative-prompts`` private windows' first half (``seq_len // 2`` tokens, so that
     every position sent lies within the inverters' windows when prompt + new <= seq_len), attacked
@@ -246,7 +298,7 @@ def _speculative(args, speculate, source, reference, measured, cut, defense, tok
     from .speculative import attack_releases
 
     tok = tokenizer or default_tokenizer(measured, source)
-    prompts = private_windows(tok, seq_len=args.seq_len)[:args.speculative_prompts, :args.seq_len // 2]
+    prompts = private_windows(tok, private, seq_len=args.seq_len)[:args.speculative_prompts, :args.seq_len // 2]
     draft = args.speculative_draft or ("free" if len(cut) == 2 else "lookup")
     rel = speculate(source, cut, defense, prompts.tolist(), new_tokens=args.speculative_new_tokens,
                     draft=draft, draft_tokens=args.speculative_draft_tokens, seed=args.seed)
@@ -266,12 +318,9 @@ def _add_finetune(r, defense, info: dict, delta: float) -> None:
     r.defense_trained = True
     r.finetune = info
     r.finetune_steps, r.finetune_seconds = info["steps"], info["seconds"]
-    if hasattr(defense, "noise_multiplier"):
-        per_token = math.ceil(info["windows_sent"] * info["seq_len"] / info["tokens"])
-        r.releases_finetune = per_token * info["seq_len"]
-        r.epsilon_finetune = defense.epsilon(delta, steps=per_token, tokens=info["seq_len"])
-        if getattr(defense, "defends_gradient", False):  # both channels were released
-            r.epsilon_finetune = defense.training_epsilon(delta, steps=per_token, tokens=info["seq_len"])
+    s = spent(defense, windows=info["windows_sent"], seq_len=info["seq_len"], tokens=info["tokens"], delta=delta)
+    if s is not None:  # both channels composed where the gradient is defended too (:mod:`.spent`)
+        r.releases_finetune, r.epsilon_finetune = s["releases_per_token"], s["epsilon"]
 
 
 def _defense(row: dict) -> str:
