@@ -175,3 +175,22 @@ def test_early_stop_when_the_held_out_loss_stops_improving(tmp_path, monkeypatch
     assert "early stop at step" in out.err
     evals = summary["evals"]
     assert all(e["loss"] >= summary["best_eval"]["loss"] for e in evals[-2:])
+
+
+@pytest.mark.slow
+def test_the_trainer_example_evaluates_a_held_out_split(tmp_path, monkeypatch):
+    from test_examples import example
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(_docs(60)))
+    (tmp_path / "tokens").write_text(TOKEN + "\n")
+    with InprocServerProcess((1, 3)) as s:
+        summary = example("finetune_trainer").main([
+            "--server", s.url, "--token-file", str(tmp_path / "tokens"), "--model", "tiny", "--text-file", str(text),
+            "--seq-len", "32", "--batch-size", "4", "--grad-accum", "1", "--max-steps", "2", "--eval-steps", "1",
+            "--eval-fraction", "0.2", "--output-dir", str(tmp_path / "out"), "--max-new-tokens", "2"])
+    evals = summary["evals"]
+    assert [e["step"] for e in evals] == [1, 2, 2] and summary["server_applies"] == 2
+    assert evals[-1]["loss"] == evals[-2]["loss"]  # evaluating twice at step 2 changed nothing
+    assert all(math.isclose(e["perplexity"], math.exp(e["loss"])) for e in evals)
+    assert evals[0]["loss"] != evals[1]["loss"]  # the held-out loss follows the training

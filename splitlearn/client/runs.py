@@ -62,7 +62,8 @@ def check_save(save: Optional[str], resume: Optional[str], overwrite: bool) -> N
     d = Path(save)
     shutil.rmtree(d / "wal", ignore_errors=True)
     for p in d.glob("client-*"):
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if p.is_dir() and re.fullmatch(r"client-\d+(\.tmp)?", p.name):  # a generation (model/checkpoint.py)
+            shutil.rmtree(p, ignore_errors=True)
     for name in ("client.latest", "client.latest.tmp"):
         (d / name).unlink(missing_ok=True)
     log.info("--overwrite: removed the run in %s", save)
