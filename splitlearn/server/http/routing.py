@@ -42,7 +42,7 @@ class Served:
     """One app's runtime and what its routes read of it (``app.extensions[SERVED]``)."""
 
     rt: Any  # a SegmentRuntime, or an OffloadRuntime (--offload)
-    memory: Optional[MemoryAccount]  # what the server holds per tenant; None: offload
+    memory: Optional[MemoryAccount]  # what the server holds per tenant (an offload server: its bodies and products)
     metrics: Any = None  # its ServerMetrics
 
     @property
