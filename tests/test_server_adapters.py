@@ -76,7 +76,7 @@ def test_splitfed_averages_adapters_only_and_never_copies_the_base():
     base = snapshot(trunk)
     from splitlearn.server.federation.strategy import make_strategy
 
-    fed = LoraFederation(bank, "splitfed", 2, 60.0, strategy=make_strategy(max_share=None))  # weights 1:3, uncapped
+    fed = LoraFederation(bank, "splitfed", 2, 60.0, strategy=make_strategy(max_share=None, max_update_ratio=None))  # weights 1:3, uncapped, unbounded
     reps = [fed.replica_for(c, 0) for c in ("a", "b")]
     assert all(r.segment.base is trunk for r in reps)
     assert all(set(r.segment.state_dict()) == set(fed.base.segment.state_dict()) for r in reps)
