@@ -28,9 +28,8 @@ So each step on shared state has its global gradient norm clipped (Pascanu et al
   lr buy a tiny vote). With ``X_m >= L - c`` whatever tenant ``m`` sends, ``L >= mean of the
   others - c / (N - 1)`` (and ``<= + c / (N - 1)``): with two tenants, one moves the bound by a
   factor ``reach`` (2) up or down at most, for however long the other is idle; with three,
-  ``sqrt(2)``. A norm of 1e-12 (``"clip":
-  1e-12``, or a tiny gradient) pulls the bound down to half, never to 1e-11; ``x1e6`` raises it
-  twice at most. One tenant alone (the only one that ever stepped) is its own estimate: the
+  ``sqrt(2)``. A norm of 1e-12 (``"clip": 1e-12``, or a tiny gradient) pulls the bound down
+  to half, never to 1e-11; ``x1e6`` raises it twice at most. One tenant alone (the only one that ever stepped) is its own estimate: the
   running geometric mean of its norms, each within ``reach`` of the mean before it.
 
 What it does not keep: the clamp is symmetric, so while another tenant holds ``L`` a factor
@@ -44,7 +43,11 @@ test suite's runs reached 2.9x the mean before them; later ones 1.5x). What it b
 
 - a step's norm is at most ``factor`` times the typical one, so its share of ``v`` is at most
   ``factor**2`` times an honest step's, and of ``m`` ``factor`` times: ``x1e6`` is worth no
-  more than ``x factor * reach``, an honest step's spike;
+  more than ``x factor * reach`` (6) of the others' typical norm;
+- AdamW's moments hear a step as far as it may move the weights (:func:`partial_step`): a step
+  at a fraction ``r`` of the server's lr is ``r`` of a step in ``m``, ``v`` and the step count,
+  and one below ``MIN_SHARE`` is not taken (lr 0): a tenant's steps at lr 0 or a tiny lr move no
+  statistic, whatever their gradients;
 - an honest step below the bound is applied untouched: bit-identical to the unsplit model.
 
 The first step of a fresh server has no statistic to clip against, and whoever takes the first
