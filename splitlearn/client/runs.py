@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
-
 from ..errors import ConfigError
+
+# torch is imported where it is used: a Ctrl-C during the command's first imports (torch's own,
+# half done) still gets its one line from main, which imports this module then.
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ def interrupted_line(done: int, steps: int, save: Optional[str], argv: Sequence[
     where = f"interrupted at step {done + 1} ({done} of {steps} done)"
     if not save:
         return f"{where}; nothing was saved to resume from (train with --save DIR to make a run resumable)"
+    if run_in(save) is None:  # interrupted before its first checkpoint: the same command starts it
+        return f"{where}; rerun with: {shlex.join([Path(sys.executable).name, '-m', 'splitlearn.client', *argv])}"
     return f"{where}; rerun with: {resume_command(argv, save)}"
 
 
@@ -144,9 +147,11 @@ def check_hub_source(source: str, timeout_s: float = 5.0) -> None:
 
 # -- evaluation while training ----------------------------------------------------------------
 
-def eval_windows(ids: Sequence[int], seq_len: int, max_rows: int) -> torch.Tensor:
+def eval_windows(ids: Sequence[int], seq_len: int, max_rows: int):
     """The held-out token stream as consecutive, non-overlapping rows of ``seq_len`` tokens, at
     most ``max_rows`` of them (the same rows at every evaluation). ConfigError if not one fits."""
+    import torch
+
     n = min(len(ids) // seq_len, max_rows)
     if n < 1:
         raise ConfigError(f"--eval-data has {len(ids)} tokens, fewer than one row of --seq-len {seq_len}")
@@ -157,7 +162,7 @@ class Evaluation:
     """Held-out loss and perplexity every ``every`` steps, and early stopping: ``patience``
     evaluations in a row without a loss below the best so far stop the run (0: never)."""
 
-    def __init__(self, rows: torch.Tensor, every: int, patience: int = 0, batch_size: int = 64):
+    def __init__(self, rows, every: int, patience: int = 0, batch_size: int = 64):
         if every < 1:
             raise ConfigError(f"--eval-every must be >= 1, got {every}")
         if patience < 0:
