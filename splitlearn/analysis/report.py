@@ -11,6 +11,17 @@ CSV_FIELDS = ("segment", "name", "parent", "blocks", "params", "macs", "flops",
               "latency_median_ms", "latency_p90_ms", "peak_memory_bytes", "output_bytes")
 
 
+def _verdict(c: dict) -> str:
+    """A sum check's word: ok; noisy (beyond 10% but within the runs' own spread: a busy machine,
+    measure again); OFF (beyond both)."""
+    if c["ok"]:
+        return "ok"
+    if c.get("verdict") == "noisy":
+        return (f"noisy: off by {abs(c['ratio'] - 1):.0%}, within the runs' spread of {c['spread']:.0%}; "
+                f"measure again on an idle machine or with more --repeats")
+    return "OFF by more than 10%" + (f" and the runs' spread of {c['spread']:.0%}" if c.get("spread") else "")
+
+
 def _m(n: float) -> str:
     return f"{n / 1e6:.2f}M"
 
@@ -84,7 +95,7 @@ def segment_lines(report: dict, markdown: bool = False) -> list[str]:
         for c in s["latency_sum_checks"]:
             lines.append(f"{'' if not markdown else '- '}sum check {c['parent'] or s['name']}: "
                          f"parts {c['children_ms']:.3f} ms / whole {c['parent_ms']:.3f} ms = "
-                         f"{c['ratio']:.2f} ({'ok' if c['ok'] else 'OFF by more than 10%'})")
+                         f"{c['ratio']:.2f} ({_verdict(c)})")
         mm = s["mac_crosscheck"]["mismatches"]
         lines.append(f"{'' if not markdown else '- '}MACs: fvcore {s['macs']}, flop_counter "
                      f"{s['mac_crosscheck']['flop_counter']}, analytic {s['mac_crosscheck']['analytic']}"

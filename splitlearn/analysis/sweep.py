@@ -95,7 +95,8 @@ def sweep_cuts(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
         points.append(p)
     u_points = u_shape_points(n, mac, ms, per_dir, config.mode, link)
     out = {"mode": config.mode, "link": vars(link), "whole_model_ms": t.total.to_dict(),
-           "latency_sum_check": timing.sum_check("", t.total.median, ms).to_dict(),
+           "latency_sum_check": timing.sum_check("", t.total.median, ms,
+                                                 max([t.total.spread] + [v.spread for v in t.modules.values()])).to_dict(),
            "mac_mismatches": [vars(m) for m in counts.mismatches], "points": points,
            "u_points": u_points}
     if link.link_mbps is not None:
