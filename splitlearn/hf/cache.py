@@ -210,7 +210,7 @@ class RemoteCache(Cache, SendAhead):
         return self.get_seq_length(layer_idx)
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return -1  # grows up to the model's n_positions
+        return -1  # grows up to the model's max_position_embeddings
 
     @property
     def is_compileable(self) -> bool:

@@ -11,7 +11,7 @@ The spec::
     {"format": "splitlearn-segment", "version": 1,
      "kind": "top", "blocks": [4, 12], "cuts": [2, 4],
      "config": {...the model's config, model_type included...}, "dtype": "float32",
-     "tensors": {"transformer.h.4.ln_1.weight": {"shape": [768], "dtype": "float32"}, ...},
+     "tensors": {"model.layers.4.input_layernorm.weight": {"shape": [768], "dtype": "float32"}, ...},
      "sha256": "<hex digest of the .safetensors file>",
      "tied_lm_head": "copy"}
 

@@ -83,7 +83,7 @@ def chunked_lm_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                     rows: Optional[int] = None, grad_scale: float = 1.0) -> torch.Tensor:
     """Causal-LM loss of ``logits = x @ weight^T`` without materialising the logits.
 
-    x: (B, T, d) after ``ln_f``; weight: (V, d), no bias; labels: (B, T), -100 ignored. Shifts
+    x: (B, T, d) after the final norm; weight: (V, d), no bias; labels: (B, T), -100 ignored. Shifts
     and averages as :func:`~splitlearn.model.segments.loss_from_logits`. ``rows``: positions per chunk
     (default :func:`chunk_rows`); ``grad_scale``: the s of ``(loss * s).backward()``, for exact
     gradients."""

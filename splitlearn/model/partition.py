@@ -22,9 +22,9 @@ from .arch import arch_of, check_causal_lm
 from .segments import Segment, SegmentCache, labels_from_batch, loss_from_logits
 
 
-def validate_cuts(cuts: Sequence[int] | int, n_layer: int) -> tuple[int, ...]:
-    """Check cut points against ``n_layer`` blocks; return them as a tuple. Raises
-    :class:`ConfigError`: not integers, none or more than two, out of ``[0, n_layer]``, unsorted
+def validate_cuts(cuts: Sequence[int] | int, n_layers: int) -> tuple[int, ...]:
+    """Check cut points against ``n_layers`` blocks; return them as a tuple. Raises
+    :class:`ConfigError`: not integers, none or more than two, out of ``[0, n_layers]``, unsorted
     or duplicated."""
     if isinstance(cuts, int):
         cuts = (cuts,)
@@ -37,9 +37,9 @@ def validate_cuts(cuts: Sequence[int] | int, n_layer: int) -> tuple[int, ...]:
     for c in cuts:
         if isinstance(c, bool) or not isinstance(c, int):
             raise ConfigError(f"cuts must be integers, got {c!r}")
-        if not 0 <= c <= n_layer:
-            raise ConfigError(f"cut {c} is out of range: this model has {n_layer} blocks, "
-                              f"so cuts must lie in [0, {n_layer}]")
+        if not 0 <= c <= n_layers:
+            raise ConfigError(f"cut {c} is out of range: this model has {n_layers} blocks, "
+                              f"so cuts must lie in [0, {n_layers}]")
     if len(cuts) == 2 and cuts[0] == cuts[1]:
         raise ConfigError(f"duplicated cut {cuts[0]}: the two cuts of a U-shape must differ")
     if len(cuts) == 2 and cuts[0] > cuts[1]:
@@ -53,9 +53,9 @@ def check_gpt2(model: nn.Module) -> nn.Module:
     return check_causal_lm(model)
 
 
-def segment_ranges(cuts: tuple[int, ...], n_layer: int) -> list[tuple[str, int, int]]:
+def segment_ranges(cuts: tuple[int, ...], n_layers: int) -> list[tuple[str, int, int]]:
     """``[(kind, start, end), ...]`` for validated cuts."""
-    bounds = (0, *cuts, n_layer)
+    bounds = (0, *cuts, n_layers)
     kinds = ("bottom", "top") if len(cuts) == 1 else ("bottom", "trunk", "top")
     return [(k, bounds[i], bounds[i + 1]) for i, k in enumerate(kinds)]
 

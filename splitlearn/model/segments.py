@@ -18,7 +18,7 @@ positions from the mask (cumsum - 1) as ``generate()`` does, or takes the first 
 One block runner: :func:`run_blocks` (the causal mask against a slot the blocks hold, then the
 blocks) and :func:`embed` (token + position embeddings, dropout) are what both a
 :class:`Segment` (export, the server, the analyzer) and the split model classes
-(:class:`splitlearn.hf.trunk.SplitGPT2Model`) run their blocks and embeddings through.
+(:mod:`splitlearn.hf.trunk`, :mod:`splitlearn.hf.familytrunk`) run their layers and embeddings through.
 """
 from __future__ import annotations
 
@@ -55,16 +55,16 @@ class SegmentCache(DynamicCache):
         return f"SegmentCache(length={self.length})"
 
 
-def embed(wte: nn.Module, wpe: nn.Module, drop: nn.Module, position_ids: torch.Tensor,
+def embed(tok: nn.Module, pos: nn.Module, drop: nn.Module, position_ids: torch.Tensor,
           input_ids: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
           token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Learned-position embeddings (the split GPT-2 classes'): ``tok(ids)`` (or ``inputs_embeds``)
     + ``pos(position_ids)`` (+ ``tok(token_type_ids)``), then dropout. (B, T, d)."""
     if inputs_embeds is None:
-        inputs_embeds = wte(input_ids)
-    h = inputs_embeds + wpe(position_ids).to(inputs_embeds.device)
+        inputs_embeds = tok(input_ids)
+    h = inputs_embeds + pos(position_ids).to(inputs_embeds.device)
     if token_type_ids is not None:
-        h = h + wte(token_type_ids)
+        h = h + tok(token_type_ids)
     return drop(h)
 
 
