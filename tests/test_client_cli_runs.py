@@ -194,3 +194,19 @@ def test_the_trainer_example_evaluates_a_held_out_split(tmp_path, monkeypatch):
     assert evals[-1]["loss"] == evals[-2]["loss"]  # evaluating twice at step 2 changed nothing
     assert all(math.isclose(e["perplexity"], math.exp(e["loss"])) for e in evals)
     assert evals[0]["loss"] != evals[1]["loss"]  # the held-out loss follows the training
+
+
+def test_the_resume_line_names_the_run_to_resume(tmp_path):
+    from splitlearn.client.runs import interrupted_line
+
+    held = tmp_path / "run"
+    (held / "wal").mkdir(parents=True)
+    (held / "wal" / "0000000001-00000001.safetensors").write_bytes(b"")
+    argv = ["train", "--model", "tiny", f"--save={held}", "--overwrite", "--steps", "9"]
+    line = interrupted_line(3, 9, str(held), argv)
+    assert line.startswith("interrupted at step 4 (3 of 9 done); rerun with: ")
+    assert shlex.split(line.split(": ", 1)[1])[3:] == ["train", "--model", "tiny", "--resume", str(held), "--steps", "9"]
+    fresh = str(tmp_path / "fresh")  # interrupted before its first checkpoint: the same command
+    assert shlex.split(interrupted_line(0, 9, fresh, ["train", "--save", fresh]).split(": ", 1)[1])[3:] == \
+        ["train", "--save", fresh]
+    assert "nothing was saved" in interrupted_line(0, 9, None, ["train"])
