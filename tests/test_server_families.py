@@ -146,3 +146,51 @@ def test_position_ids_on_the_wire_checked_and_used(saved):
     assert torch.equal(plain, same)
     shifted = tensors_of(step(session(), {P.POSITIONS: pos + 3}))[P.LOGITS]
     assert not torch.allclose(shifted, plain)
+
+
+@pytest.mark.parametrize("name", [n for n in fam.NAMES if n not in ("llama-gqa", "gemma2", "gpt2")])
+def test_every_family_trains_and_decodes_through_a_server(name, tmp_path):
+    """The other families, lighter: a U-shape piece (the loss and the client's gradients bit for
+    bit) and a 2-way prefill and two decode steps (logits as generate()'s: the prefill bit for
+    bit, decode within 1e-5)."""
+    fam.model(name).save_pretrained(tmp_path)
+    ref = reference(tmp_path)
+    ids, mask = fam.padded()
+    labels = labels_from_batch(ids, mask)
+    local = partition(copy.deepcopy(ref), (1, 3))
+    pos = local.bottom.arch.positions(mask, 0, ids.shape[1])
+    want = ref(ids, attention_mask=mask, position_ids=pos, labels=labels)
+    want.loss.backward()
+    client = app_of(tmp_path, (1, 3)).test_client()
+    meta = P.StepMeta("c1", 1).to_meta()
+    h = local.bottom(ids, mask)
+    out = tensors_of(post_tensors(client, P.TRAIN_FORWARD, {P.HIDDEN: h.detach(), P.MASK: mask}, meta))[P.HIDDEN]
+    out.requires_grad_()
+    from splitlearn.model.segments import loss_from_logits
+    loss = loss_from_logits(local.top(out, mask), labels)
+    assert torch.equal(loss, want.loss)
+    loss.backward()
+    h.backward(tensors_of(post_tensors(client, P.TRAIN_BACKWARD, {P.GRAD: out.grad}, meta))[P.GRAD])
+    grads = dict(ref.named_parameters())
+    for p_name, p in local.bottom.named_parameters():
+        assert torch.equal(p.grad, grads[local.bottom.arch.hf_name(p_name, 0)].grad), p_name
+    # 2-way decode
+    g = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                     output_logits=True, return_dict_in_generate=True, pad_token_id=fam.PAD)
+    client = app_of(tmp_path, (2,)).test_client()
+    bottom = partition(ref, (2,)).bottom
+    cache = bottom.new_cache()
+    sid = client.post(P.SESSIONS, json={"rows": 2}, headers=auth(TOKEN)).get_json()["session_id"]
+    x, m, full, position = ids, mask, mask, 0
+    with torch.no_grad():
+        for s in range(3):
+            hb = bottom(x, full, cache)
+            logits = tensors_of(post_tensors(client, P.SESSION_STEP.format(session_id=sid), {P.HIDDEN: hb, P.MASK: m},
+                                             P.SessionStepMeta(position).to_meta()))[P.LOGITS]
+            if s == 0:
+                assert torch.equal(logits, g.logits[0])
+            assert torch.allclose(logits, g.logits[s], rtol=0, atol=1e-5), s
+            x = g.sequences[:, ids.shape[1] + s:ids.shape[1] + s + 1]  # generate()'s token
+            position += hb.shape[1]
+            m = torch.ones(2, 1, dtype=torch.long)
+            full = torch.cat([full, m], 1)
