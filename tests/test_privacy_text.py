@@ -85,3 +85,15 @@ def test_a_training_run_reports_the_privacy_it_spent(tmp_path, capsys, monkeypat
         assert client_main([*common, "--nopeek", "0.5"]) == 0  # no formal guarantee: none stated
         out, err = capsys.readouterr()
         assert json.loads(out.strip().splitlines()[-1])["privacy"] is None and "no DP defense" in err
+
+
+def test_no_progress_silences_transformers_loading_bars(tmp_path, capsys, monkeypatch):
+    """``--no-progress`` with a trained reference (a checkpoint directory, loaded by transformers,
+    whose "Loading weights" bar showed before issue 54); the bars come back after."""
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setenv("SPLITLEARN_CACHE", str(tmp_path / "cache"))  # a fresh reference, trained and loaded
+    assert meter_main([*FAST, "--train-steps", "2", "--max-private-tokens", "32", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err
+    assert hf_logging.is_progress_bar_enabled()

@@ -172,6 +172,21 @@ def _needs_clip(args) -> bool:
 
 
 def run(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
+    """:func:`measure` with ``--no-progress`` reaching transformers' own bars too (its "Loading
+    weights" bar on every checkpoint loaded), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    quiet = getattr(args, "no_progress", False) and hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        return measure(args, finetune, speculate)
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
+
+
+def measure(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
     """Measure every (cut, defense) of ``args``; returns {"model", "rows", "seconds", ...}.
     ``finetune``: :func:`splitlearn.apps.defensetrain.finetune_defense` (needed for fine-tuned rows);
     ``speculate``: :func:`splitlearn.apps.defensetrain.speculative_releases` (``--speculative-attack``)."""
