@@ -124,3 +124,53 @@ def test_construct_directly_is_refused():
     with pytest.raises(TypeError, match="from_pretrained"):
         AutoSplitModelForCausalLM()
 
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "gemma2"])
+def served_2way(request, tmp_path_factory):
+    name = request.param
+    d = tmp_path_factory.mktemp(name + "-2way")
+    fam.model(name).save_pretrained(d / "model")
+    (d / "tokens").write_text("\n".join(TENANTS) + "\n")
+    with InprocServerProcess((2,), optimizer="sgd", lr=LR, model=str(d / "model"),
+                             extra=["--token-file", str(d / "tokens")]) as srv:
+        yield name, d / "model", srv
+
+
+def test_two_way_generate_evaluation_and_loss_equal_the_unsplit(served_2way):
+    """2-way: the server holds the norm and the head (Gemma 2's softcap there); generate() tokens,
+    no-grad logits, and the loss with the client's gradients equal the unsplit model. Trains last."""
+    name, d, srv = served_2way
+    model = split_of(d, srv)
+    assert model.lm_head is None and "model.norm.weight" not in model.state_dict()
+    ref = AutoModelForCausalLM.from_pretrained(d).eval()
+    ids, mask = fam.padded()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+              pad_token_id=fam.PAD)
+    assert torch.equal(model.generate(**kw), ref.generate(**kw))
+    pos = _pos(ref, ids, mask)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask, labels=labels)
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
+    assert torch.allclose(got.logits, want.logits, rtol=0, atol=1e-5)
+    assert abs(got.loss.item() - want.loss.item()) < 1e-5
+    model.train()
+    ref.train()
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    want = ref(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
+    assert torch.equal(loss.detach(), want.detach())
+    loss.backward()
+    want.backward()
+    grads = dict(ref.named_parameters())
+    # a tied embedding (Gemma 2's) is two tensors in 2-way, the server's head its own copy (as GPT-2's):
+    # its gradient here is the embedding's part only
+    tied = {"model.embed_tokens.weight"} if ref.config.tie_word_embeddings else set()
+    checked = 0
+    for n, p in model.named_parameters():
+        if n in grads and n not in tied:
+            assert torch.allclose(p.grad, grads[n].grad, rtol=0, atol=1e-6), n
+            checked += 1
+    assert checked > 5
+    model.remote.steps.discard()
+    model.remote.close()

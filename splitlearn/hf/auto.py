@@ -10,16 +10,19 @@ subclass of the family's, so ``forward``/``loss``/``backward``, ``generate()`` a
 state-dict names are the family's. GPT-2 sources go to :class:`~.modeling.SplitGPT2LMHeadModel`
 (every feature of the split GPT-2 classes).
 
-What the other families do not have yet (docs/MODELS.md, "Not yet"): a 2-way server (the client
-keeps the head, so U-shape only), LoRA, defenses, micro-batch pipelining, row groups in
-generation, exported-segment and split-folder sources.
+2-way: the server holds the final norm and the head; training needs ``labels`` (the server
+answers the loss), ``torch.no_grad()`` forwards answer the logits, generation the last positions'
+logits. What the other families do not have yet (docs/MODELS.md, "Not yet"): LoRA, defenses,
+micro-batch pipelining, row groups in generation, exported-segment and split-folder sources.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import nn
 from transformers import GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..errors import ConfigError
 from ..model.arch import arch_of
@@ -47,6 +50,34 @@ class SplitFamilyMixin:
 
     def overlaps(self) -> bool:
         return False
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        """The family's forward (U-shape); 2-way: the bottom here, the rest and the loss on the server."""
+        dec = self.split_decoder
+        if dec.u_shape:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                   logits_to_keep=logits_to_keep, **kwargs)
+        out = dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                  inputs_embeds=inputs_embeds)
+        h = out.last_hidden_state  # (B, T, d): the bottom's output
+        loss = logits = None
+        if out.cache is not None:  # generation: the server's logits of the last k positions
+            keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
+            logits = out.cache.remote(h, attention_mask, logits_to_keep=keep)
+            if not isinstance(logits_to_keep, int):
+                logits = logits[:, logits_to_keep]
+        elif torch.is_grad_enabled():
+            if labels is None:
+                raise ConfigError("a 2-way server holds the head and computes the loss: training (gradients "
+                                  "enabled) needs labels (under torch.no_grad() the forward answers the logits)")
+            loss = dec.remote.loss(h, labels.to(h.device), attention_mask)
+        else:
+            logits, loss = dec.remote.evaluate(h, attention_mask, labels)
+            if isinstance(logits_to_keep, int) and logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
 
     def new_cache(self, **kwargs):
         """A :class:`~splitlearn.hf.cache.RemoteCache` for this model's server (its session holds
@@ -90,6 +121,8 @@ def split_family_model(model: nn.Module, remote: RemoteSegment) -> nn.Module:
     for part in filter(None, parent_path.split(".")):
         parent = getattr(parent, part)
     setattr(parent, attr, SplitDecoder(getattr(parent, attr), tuple(remote.cuts), remote))
+    if not remote.u_shape:  # the server holds the head
+        setattr(model, arch.head_name, None)
     model.__class__ = split_class(type(model))
     return model
 

@@ -9,6 +9,7 @@ state-dict names are the family's (``model.layers.3.self_attn.q_proj.weight``) a
 own ``*ForCausalLM`` (its head, softcap, ``logits_to_keep``, loss) runs on top::
 
     U-shape (cuts c1 < c2): embed -> layers[0:c1] -> remote (server layers[c1:c2]) -> layers[c2:n] -> norm
+    2-way (cut c):          embed -> layers[0:c] -> (the split class sends it: server layers[c:n] + norm + head)
 
 Positions: the given ``position_ids`` (generate() passes them), else derived from the 2-D mask
 (``cumsum - 1``) as the server derives them for its layers: both sides rotate with the same
@@ -31,24 +32,23 @@ from .trunk import ServerBlock
 
 
 class SplitDecoder(nn.Module):
-    """The family's base model, the server's layers behind ``self.remote`` (U-shape)."""
+    """The family's base model, the server's layers behind ``self.remote``. In 2-way its output is
+    the bottom's (what crosses the cut), for :class:`splitlearn.hf.auto.SplitFamilyMixin`'s forward."""
 
     def __init__(self, base: nn.Module, cuts: tuple[int, ...], remote: Optional[RemoteSegment]):
         super().__init__()
         self.config = base.config
         self.arch = arch = arch_of(base.config)
-        if len(cuts) != 2:
-            raise ConfigError(f"AutoSplitModelForCausalLM for {arch.model_type!r} needs a U-shape server (two "
-                              f"cuts: the client keeps the head); this one is cut at {list(cuts)} (docs/MODELS.md)")
         self.cuts = cuts
-        c1, c2 = cuts
+        self.u_shape = len(cuts) == 2
+        c1, c2 = cuts if self.u_shape else (cuts[0], arch.n_layers)
         for name in arch.embed_names:
             setattr(self, name, getattr(base, name))
         layers = getattr(base, arch.layers_name)
         setattr(self, arch.layers_name, nn.ModuleList([ServerBlock(i) if c1 <= i < c2 else layers[i]
                                                        for i in range(arch.n_layers)]))
-        for name in arch.norm_names:
-            setattr(self, name, getattr(base, name, None))
+        for name in arch.norm_names:  # 2-way: the server holds the final norm
+            setattr(self, name, getattr(base, name, None) if self.u_shape else None)
         rotary = getattr(base, "rotary_emb", None)
         if rotary is not None:
             self.rotary_emb = rotary
@@ -92,8 +92,11 @@ class SplitDecoder(nn.Module):
         embeds_in = {n: getattr(self, n, None) for n in self.arch.embed_names}
         hidden = self.arch.embed(embeds_in, position_ids, input_ids=input_ids, inputs_embeds=inputs_embeds,
                                  attention_mask=attention_mask, past=past)  # (B, T, d)
-        c1, c2 = self.cuts
+        c1 = self.cuts[0]
         hidden = self._run(0, c1, hidden, attention_mask, local, position_ids, None)
+        if not self.u_shape:
+            return BaseModelOutputWithPast(last_hidden_state=hidden, cache=remote_cache)  # what crosses the cut
+        c2 = self.cuts[1]
         if remote_cache is not None:
             hidden = remote_cache.remote(hidden, attention_mask)  # the server's session: its layers' KV
         else:
