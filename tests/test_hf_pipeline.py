@@ -171,3 +171,25 @@ def test_by_default_the_chooser_measures_on_a_gpu_only(server):
     assert [pipeline.micro_count(model) for _ in range(12)] == [M] * 12
     assert "_micro_chooser" not in model.__dict__
     model.remote.close()
+
+
+def test_micro_batches_with_a_server_on_this_machine_say_why_they_may_be_slower(server, caplog):
+    """Issue 54: ``--micro-batches 4`` ran ~3x slower than whole batches on loopback with no hint.
+    The first pipelined step with a server on this machine's CPU cores (here ``inproc://``) warns
+    once, with the reason and the way to measure; a remote host's URL does not."""
+    import logging
+
+    from splitlearn.hf.pipeline import server_on_this_machine
+
+    model = split_lm(server, micro_batches=M)
+    ids = torch.randint(0, 256, (4, 8))
+    with caplog.at_level(logging.WARNING, logger="splitlearn.hf.pipeline"):
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+    said = [r.getMessage() for r in caplog.records if r.name == "splitlearn.hf.pipeline"]
+    assert len(said) == 1 and "this machine's CPU cores" in said[0] and "choose_micro_batches = True" in said[0]
+    assert server_on_this_machine(model)
+    model.remote.transport.cfg.url = "http://10.1.2.3:8000"  # what a remote server's client holds
+    assert not server_on_this_machine(model)
+    model.zero_grad()
+    model.remote.close()

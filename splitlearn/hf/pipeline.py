@@ -237,10 +237,40 @@ class Chooser:
         return self.plan[self.index - 1]
 
 
+def server_on_this_machine(model) -> bool:
+    """Does ``model``'s server run on this machine (loopback, ``unix://``, ``inproc://``)?"""
+    from urllib.parse import urlsplit
+
+    url = getattr(getattr(getattr(getattr(getattr(model, "transformer", None), "remote", None), "transport", None),
+                          "cfg", None), "url", "") or ""
+    host = urlsplit(url).hostname or ""
+    return url.startswith(("unix://", "inproc://")) or host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def warn_same_machine(model, m: int) -> None:
+    """Once per model: M > 1 micro-batches with a server on this machine's own CPU cores. The
+    pipeline pays by overlapping the client's compute with the server's; sharing the cores they
+    cannot overlap, and each of the M pieces pays a call's overhead (issue 54: ``--micro-batches 4``
+    ~3x slower than whole batches on loopback, 2 cores)."""
+    if m < 2 or model.__dict__.get("_micro_warned") or not server_on_this_machine(model):
+        return
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cuda":
+        return  # the client computes on its GPU: the Chooser measures there
+    model.__dict__["_micro_warned"] = True
+    log.warning("micro_batches=%d with the server on this machine's CPU cores: the %d pieces overlap with the "
+                "server's compute only where spare cores are left, and each pays a call's overhead, so a step "
+                "may be slower than whole batches (a small model on 2 busy cores: ~3x at 4); they pay where the "
+                "server computes elsewhere (another host, a GPU) or the steps are large. "
+                "model.choose_micro_batches = True measures both and keeps the faster", m, m)
+
+
 def micro_count(model) -> int:
     """The micro-batches of this training forward: ``model.micro_batches``, or 1 while/after
     the :class:`Chooser` measured whole batches faster."""
     m = check_micro_batches(getattr(model, "micro_batches", 1))
+    if getattr(model, "choose_micro_batches", False) is not True:
+        warn_same_machine(model, m)
     choose = getattr(model, "choose_micro_batches", False)
     if m < 2 or choose is False:
         return m
