@@ -131,6 +131,10 @@ def test_encoder_decoder_and_layerless_models_are_refused_with_the_list():
         arch_of(bert)
     with pytest.raises(ConfigError, match="not a causal LM"):
         check_causal_lm(fam.model("llama-gqa").model)  # the base model, no head
+    odd = fam.model("llama-gqa")
+    odd.model.layers[1] = torch.nn.Linear(fam.D, fam.D)  # a layer that takes no mask
+    with pytest.raises(ConfigError, match="cannot be called alone.*verified: llama"):
+        partition(odd, (2,))
 
 
 def test_learned_positions_past_the_table_are_refused():

@@ -363,8 +363,16 @@ def check_causal_lm(model: nn.Module) -> nn.Module:
         raise ConfigError(f"{config.model_type} with cross-attention is not supported")
     arch = arch_of(config)
     try:
-        arch.parts(model)
+        parts = arch.parts(model)
     except AttributeError as e:
         raise ConfigError(f"{type(model).__name__} is not a causal LM whose parts splitlearn can find ({e}); "
                           f"{supported_text()}") from None
+    layers = parts["layers"]
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ConfigError(f"{type(model).__name__}: its {arch.layer_prefix()} is not a list of layers; "
+                          f"{supported_text()}")
+    for layer in layers:  # a layer must take the mask (and so be callable alone, as run_layers calls it)
+        if "attention_mask" not in _params(type(layer).forward):
+            raise ConfigError(f"{type(model).__name__}: its layer {type(layer).__name__} cannot be called alone "
+                              f"(no attention_mask parameter); {supported_text()}")
     return model
