@@ -41,7 +41,7 @@ def server():
     return app, rt
 
 
-def alice_step(rt, i: int) -> float:
+def alice_step(rt, i: int, lr: float = LR) -> float:
     """Alice's step ``i``: her loss (0.5 * mean squared distance of the trunk's output to her target)."""
     h, target = DATA[i % len(DATA)]
     meta = P.StepMeta(ALICE, i)
@@ -49,7 +49,7 @@ def alice_step(rt, i: int) -> float:
     def step():
         out = rt.training.forward(meta, h, None).tensors[P.HIDDEN]
         rt.training.backward(meta, (out - target) / out.numel())
-        rt.training.apply(ALICE, P.ApplyRequest(ALICE, i, 1, LR))
+        rt.training.apply(ALICE, P.ApplyRequest(ALICE, i, 1, lr))
         return 0.5 * float(((out - target) ** 2).mean())
     with rt.lock:
         return rt.compute.run(step)
@@ -138,6 +138,15 @@ def test_an_apply_that_moves_no_weight_moves_no_statistic():
     answer = mallory_step(app, 4, scale=1e6, lr=LR / 4)  # a quarter of the lr: a quarter of a step
     assert answer["clipped"] and not same_state(before[0], optimizer_state(rt))
     assert all(float(st["step"]) == 5.25 for st in rt.optimizer.state.values())  # alice's 5, and 1/4
+
+
+def test_a_tenant_alone_steps_as_torch_adamw_does():
+    """Until another tenant has stepped there is no one else's training to protect: a schedule's
+    lower lr and lr 0 are whole AdamW steps, as in the unsplit model (the exactness tests)."""
+    _, rt = server()
+    for i, lr in enumerate([LR / 2, 0.0, LR], start=1):
+        alice_step(rt, i, lr)
+        assert all(float(st["step"]) == i for st in rt.optimizer.state.values())
 
 
 @pytest.mark.parametrize("share", [1e-4, 1.0], ids=["tiny-lr", "full-lr"])

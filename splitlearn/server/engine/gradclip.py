@@ -47,7 +47,9 @@ test suite's runs reached 2.9x the mean before them; later ones 1.5x). What it b
 - AdamW's moments hear a step as far as it may move the weights (:func:`partial_step`): a step
   at a fraction ``r`` of the server's lr is ``r`` of a step in ``m``, ``v`` and the step count,
   and one below ``MIN_SHARE`` is not taken (lr 0): a tenant's steps at lr 0 or a tiny lr move no
-  statistic, whatever their gradients;
+  statistic, whatever their gradients. This holds once another tenant has stepped (whose
+  training there is to protect): a tenant alone steps as the unsplit model does (an lr
+  schedule, lr 0 included), so the first tenant of a fresh server also sets the moments' scale;
 - an honest step below the bound is applied untouched: bit-identical to the unsplit model.
 
 The first step of a fresh server has no statistic to clip against, and whoever takes the first
@@ -171,6 +173,10 @@ class NormClip:
     def means(self) -> dict[str, float]:
         """Each tenant's statistic: the (bias-corrected) mean of its log-norms."""
         return {t: e / w for t, (e, w) in self.tenants.items() if w > 0.0}
+
+    def others(self, tenant: str) -> bool:
+        """Has a tenant other than ``tenant`` stepped (its norms are in the statistic)?"""
+        return any(t != tenant for t in self.tenants)
 
     def votes(self) -> dict[str, float]:
         """Each tenant's vote in ``L``: 1 once its steps weigh one step at the full lr, less before

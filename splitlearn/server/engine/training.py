@@ -387,7 +387,9 @@ class Training:
             # steps at most at the server's own lr; the client's lr rules only its own copy/adapter
             lr = min(req.lr, *saved) if st.leased else req.lr
             share = lr / max(saved) if st.leased and max(saved) > 0 else 1.0  # of the server's lr
-            walls = st.leased and len(rt.cfg.tenants) > 1  # other tenants' training to protect
+            # other tenants' training to protect: shared state of several tenants, another of which has
+            # stepped (a tenant alone trains as the unsplit model does, lr 0 and schedules included)
+            walls = st.leased and len(rt.cfg.tenants) > 1 and rt.grad_clip.others(tenant_of(key))
             if walls and share < MIN_SHARE:  # moves no weight: moves no statistic (gradclip.py)
                 lr, share = 0.0, 0.0
             if walls and 0.0 < share < 1.0:
