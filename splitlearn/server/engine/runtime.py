@@ -157,7 +157,9 @@ class SegmentRuntime:
         self.memory = MemoryAccount(total, per_tenant, TOTAL_FLAG if cfg.max_memory_bytes else
                                     self.budget.account_source())
         self.ledger.account = self.memory
-        if cfg.decode_graphs and self.device.type == "cuda" and self.adapters is None:
+        # the graphs capture the shared-rows decode, GPT-2's layout (docs/MODELS.md): other families none
+        if (cfg.decode_graphs and self.device.type == "cuda" and self.adapters is None
+                and self.segment.arch.family.decode_batching):
             self.batcher.graphs = DecodeGraphs(self.segment, cfg.decode_graphs, self.memory)
         self.sessions.account, self.sessions.kv_bytes = self.memory, lambda n: session_bytes(self.budget.dims, n)
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
