@@ -209,6 +209,27 @@ def test_the_generated_token_is_never_written_through_a_link_or_into_a_strangers
         assert theirs.read_text() == ""
 
 
+def test_a_token_file_others_may_write_is_refused(tmp_path):
+    """A --token-file a stranger may write would let them add an operator token of their own."""
+    from splitlearn.server.http.cli import parse_args
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {TOKEN} operator\n")
+    os.chmod(tokens, 0o600)
+    assert parse_args(["--model", "tiny", "--cut", "2", "--token-file", str(tokens)]).tenants.names == ["alice"]
+    os.chmod(tokens, 0o666)
+    with pytest.raises(ConfigError, match="another local user could add a token"):
+        parse_args(["--model", "tiny", "--cut", "2", "--token-file", str(tokens)])
+    from splitlearn.api.protocol import read_token_file
+    with pytest.raises(ConfigError, match=r"writable by group or others \(mode 0666\)"):
+        read_token_file(str(tokens))
+    if os.geteuid() == 0:
+        os.chmod(tokens, 0o600)
+        os.chown(tokens, NOBODY, NOBODY)
+        with pytest.raises(ConfigError, match="owned by uid 65534"):
+            read_token_file(str(tokens))
+
+
 def test_the_access_log_is_0600_and_never_a_strangers_or_a_link(tmp_path):
     from splitlearn.server.http import accesslog
 

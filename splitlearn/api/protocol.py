@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -373,9 +374,16 @@ def read_token_file(path: str) -> tuple[str, ...]:
     """The lines of a token file that carry a token, whitespace-normalised (the format:
     :mod:`splitlearn.server.tenants`; a client takes the token of the first line)."""
     try:
-        lines = Path(path).read_text().splitlines()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            lines = f.read().decode().splitlines()
     except OSError as e:
         raise ConfigError(f"cannot read --token-file {path}: {e}") from None
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:  # docs/SECURITY.md, 'Files and sockets'
+        who = f"owned by uid {st.st_uid}" if st.st_uid not in (0, os.geteuid()) else \
+            f"writable by group or others (mode {st.st_mode & 0o7777:04o})"
+        raise ConfigError(f"--token-file {path} is {who}: another local user could add a token to it or "
+                          f"change one; refusing it (make it this user's own, chmod 600)")
     entries = tuple(" ".join(line.split()) for line in lines if parse_token_line(line) is not None)
     if not entries:
         raise ConfigError(f"--token-file {path} holds no token")
