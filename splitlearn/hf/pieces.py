@@ -48,6 +48,21 @@ from .journal import Sent
 log = logging.getLogger(__name__)
 
 
+def echo_of(meta: dict, path: str) -> str:
+    """The ``echo`` a server puts in a training answer's metadata: the request's ``step/micro
+    path`` (the server's twin: :func:`splitlearn.server.http.routing.echo_of`)."""
+    return f"{meta.get('step')}/{meta.get('micro')} {path}"
+
+
+def answers(sent: Sent, info: dict) -> bool:
+    """Is ``info`` (an answer's metadata) the answer to ``sent``? A piece's answer read off the
+    wrong connection or out of order (an answer left unread on a keep-alive connection, a relay
+    that reorders, a resend on a lane that was busy) names another request. An answer without
+    an ``echo`` (a server before it) is taken as the shape checks allow."""
+    echo = info.get("echo")
+    return echo is None or echo == echo_of(sent.meta, sent.path)
+
+
 class StepPieces:
     """The current step's number, its pieces on the server, and the protocol that sends them.
 
@@ -249,7 +264,13 @@ class StepPieces:
         if pending is not None:
             try:
                 out, info = self._segment.transport.finish_call_meta(pending)
-                journal.logged(piece[0], sent, out, info)
+                if not answers(sent, info):  # another request's answer: this one's is sent again
+                    log.warning("an answer on lane %d was %r's, not %r's: the lane is closed and the piece "
+                                "sent again", lane, info.get("echo"), echo_of(sent.meta, sent.path))
+                    self._segment.transport.drop_lane(lane)
+                    out = None
+                else:
+                    journal.logged(piece[0], sent, out, info)
             except (StaleWeights, NotYourTurn):
                 raise  # the federation's answer: sending it again would get the same
             except (TransportError, ServiceUnavailable, Conflict):
@@ -265,6 +286,10 @@ class StepPieces:
                                       f"step {piece[0]} must run again from its first forward") from None
                 raise
         try:
+            if not answers(sent, info):
+                self._segment.transport.drop_lane(lane)
+                raise IntegrityError(f"the answer to piece {piece[1]} of step {piece[0]} ({sent.path}) answers "
+                                     f"another request ({info.get('echo')})")
             out = self._verified(kind, piece, sent, out, info)  # before anything of it is kept
         except IntegrityError:
             self.drop()

@@ -183,6 +183,8 @@ class _Lane(AnswerWait):
         self.conn: Optional[http.client.HTTPConnection] = None
         self.sent_at = 0.0  # when the request in flight went out
         self.expected_s: Optional[float] = None  # average of recent waits for an answer
+        self.out = False  # a request was sent whose answer is not read yet
+        self.generation = 0  # connections opened so far: a request is answered on its own only
 
     def _connect(self) -> http.client.HTTPConnection:
         if self.conn is None:
@@ -191,15 +193,24 @@ class _Lane(AnswerWait):
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sock.settimeout(self.cfg.read_timeout_s)
             self.conn = conn
+            self.generation += 1
         return self.conn
 
     def send(self, path: str, body: bytes, headers: dict) -> None:
+        if self.out:  # one connection, answers in order: its answer would be read as this request's
+            raise RuntimeError(f"lane to {self.host}:{self.port} already has a request in flight: read its "
+                               f"answer first")
         conn = self._connect()
+        self.out = True  # from the first byte: a request cut short closes the connection (below)
         conn.putrequest("POST", path, skip_accept_encoding=True)
         for k, v in headers.items():
             conn.putheader(k, v)
         conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)  # headers, then the body as is (no copy)
+        try:
+            conn.endheaders(body)  # headers, then the body as is (no copy)
+        except BaseException:
+            self.close()
+            raise
         self.sent_at = time.perf_counter()
 
     def readable(self, wait_s: float = 0.0) -> bool:
@@ -210,13 +221,24 @@ class _Lane(AnswerWait):
         return bool(select.select([self.conn.sock], [], [], wait_s)[0])
 
     def receive(self) -> tuple[int, Callable[[str], Optional[str]], bytes]:
-        resp = self.conn.getresponse()
-        content = resp.read()
+        """The answer of the request in flight. Anything that stops the read short (a timeout,
+        an interrupt, a malformed answer) closes the connection: an answer left unread on it
+        would be read as the next request's."""
+        if self.conn is None or not self.out:
+            raise ConnectionResetError("no request in flight on this lane")
+        try:
+            resp = self.conn.getresponse()
+            content = resp.read()
+        except BaseException:
+            self.close()
+            raise
+        self.out = False
         if resp.will_close:
             self.close()
         return resp.status, resp.getheader, content
 
     def close(self) -> None:
+        self.out = False
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -243,6 +265,7 @@ class PendingCall:
         self.answer = None if link is None or hasattr(link, "send") else transport._link_request(
             "POST", path, transport._headers, body)
         self.sent = transport._try_send(lane, path, body)
+        self.generation = transport._lanes[lane].generation if self.sent and lane in transport._lanes else None
 
     def result(self) -> bytes:
         return self.transport._finish(self)
@@ -454,6 +477,14 @@ class Transport:
         """Send a safetensors body on ``lane`` (one request in flight per lane)."""
         return PendingCall(self, lane, path, body)
 
+    def drop_lane(self, lane: int) -> None:
+        """Close ``lane``'s connection (an answer on it was not its request's: whatever else is
+        on it is not to be read); the next request on it opens a new one."""
+        if self.link is not None and hasattr(self.link, "drop"):
+            self.link.drop(lane)
+        elif lane in self._lanes:
+            self._lanes[lane].close()
+
     def _lane(self, lane: int) -> _Lane:
         if lane not in self._lanes:
             self._lanes[lane] = _Lane(self._host, self._port, self.cfg)
@@ -508,7 +539,8 @@ class Transport:
 
     def _lean_answer(self, p: PendingCall):
         lane, url = self._lane(p.lane), self.cfg.url + p.path
-        sent = p.sent
+        # sent on the connection the lane still has: else its answer went with that one (resend)
+        sent = p.sent and lane.out and lane.generation == p.generation
         for attempt in range(self.cfg.retries + 1):
             try:
                 if not sent:

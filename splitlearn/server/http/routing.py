@@ -24,6 +24,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from ...api import protocol as P
 from ...errors import BadRequest, PayloadTooLarge, SplitLearnError, UnsupportedMediaType
 from ...api.wire import decode
+from ..engine.ledger import Answer
 from ..engine.memory import MemoryAccount, scope as memory_scope
 from ..engine.priority import timed
 from ..tenants import Tenant
@@ -221,6 +222,21 @@ def tensor_route(bp: Blueprint, rule: str, *, owner: bool = False, inline: bool 
     return register
 
 
+def echoed(answer, meta: dict, rule: str):
+    """A training piece's answer names the request it answers (metadata ``echo``: ``step/micro
+    path``), so a client that reads an answer off the wrong connection or out of order (a relay,
+    a stale keep-alive answer) knows it is not its own (:mod:`splitlearn.hf.pieces`)."""
+    if isinstance(answer, Answer) and answer._bytes is None and "step" in meta and "micro" in meta:
+        answer.meta["echo"] = echo_of(meta, rule)
+    return answer
+
+
+def echo_of(meta: dict, path: str) -> str:
+    """The ``echo`` of a training request's metadata sent to ``path`` (the client's twin:
+    :func:`splitlearn.hf.pieces.echo_of`)."""
+    return f"{meta.get('step')}/{meta.get('micro')} {path}"
+
+
 def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: int, mimetype: str,
           read_body: Callable[[], bytes], url_args: dict, lazy_above: Optional[int] = None,
           keep_device: bool = False, body_hold=None) -> tuple[bytes, str]:
@@ -242,7 +258,7 @@ def serve(s: Served, held, route: TensorRoute, tenant: Tenant, content_length: i
     def work():  # on the compute thread; the route's price is reserved for `held` (budget.py)
         with held.on_this_thread():
             tensors, meta = decode(body)
-            return route.handler(s, tensors, meta, **url_args)
+            return echoed(route.handler(s, tensors, meta, **url_args), meta, route.rule)
 
     if route.inline and len(body) <= INLINE_BODY_BYTES:
         answer = work()
