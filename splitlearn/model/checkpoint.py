@@ -167,6 +167,8 @@ def private_dir(path: Union[str, Path]) -> Path:
     """``path``, made if missing, each directory made here 0700; an existing one must be this
     user's own and writable by no one else (:func:`check_private_dir`, else ConfigError)."""
     path = Path(path)
+    if os.path.lexists(path):
+        return check_private_dir(path)  # (the journal calls this per record: one pass)
     check_parents(path)
     missing = [p for p in (path, *path.parents) if not os.path.lexists(p)]
     for p in reversed(missing):
