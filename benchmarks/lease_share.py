@@ -56,7 +56,7 @@ class Share:
         return 1 / (self.hogs + 1)
 
 
-def _run(timeout_s: float, seconds: float, hogs: int, hold_s: float, gap_s: float, hog_retry_s: float,
+def run(timeout_s: float, seconds: float, hogs: int, hold_s: float, gap_s: float, hog_retry_s: float,
          hog_hold_s: float | None = None) -> tuple[int, int]:
     """(alice's steps, the hogs' steps) in ``seconds`` of fake time."""
     now = [0.0]
@@ -110,8 +110,8 @@ def simulate(timeout_s: float, seconds: float, hogs: int = 1, hold_s: float = 0.
              hog_retry_s: float = 0.01) -> Share:
     """Alice's share beside ``hogs`` tenants holding each step ``timeout_s - 0.4`` s, on a fake
     clock over ``seconds`` (alice: ``hold_s`` a step, ``gap_s`` between steps)."""
-    alone, _ = _run(timeout_s, seconds, 0, hold_s, gap_s, hog_retry_s)
-    beside, hog_steps = _run(timeout_s, seconds, hogs, hold_s, gap_s, hog_retry_s)
+    alone, _ = run(timeout_s, seconds, 0, hold_s, gap_s, hog_retry_s)
+    beside, hog_steps = run(timeout_s, seconds, hogs, hold_s, gap_s, hog_retry_s)
     return Share(timeout_s, hogs, seconds, alone, beside, hog_steps)
 
 

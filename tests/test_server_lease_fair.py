@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from benchmarks.lease_share import alone_and_beside, simulate
+from benchmarks.lease_share import alone_and_beside, run, simulate
 from splitlearn.errors import ServiceUnavailable
 from splitlearn.server.engine.lease import StepLease
 
@@ -36,6 +36,17 @@ def test_the_policy_keeps_each_tenant_its_share_whatever_the_timeout(timeout_s, 
     s = simulate(timeout_s, seconds, hogs, hold_s=0.1, gap_s=0.02, hog_retry_s=retry_s)
     edges = hogs * timeout_s / seconds
     assert 0.98 * s.target - edges <= s.share <= 1.05 * s.target + edges, s  # and no more: theirs too
+
+
+@pytest.mark.parametrize("other_hold_s", [0.01, 0.05, 0.5])
+def test_an_honest_tenant_with_long_steps_is_not_starved_by_its_own_back_off(other_hold_s):
+    """Alice's steps hold 2.6 s (timeout 3 s) and her client backs off up to 1 s; the other tenant
+    steps short and retries every 20 ms. The segment reserved for alice stays hers until she comes
+    back, though her lateness is charged to her: she keeps >= 0.4 of her steps alone (0.44-0.47;
+    when the lateness charged could hand her reservation to the other, 2 of 230)."""
+    alone, _ = run(3.0, 300.0, 0, 2.6, 0.0, 0.02, hog_hold_s=other_hold_s)
+    beside, other = run(3.0, 300.0, 1, 2.6, 0.0, 0.02, hog_hold_s=other_hold_s)
+    assert beside >= 0.4 * alone and other > 0, (beside, alone, other)
 
 
 def test_a_tenant_with_short_steps_is_not_kept_out_by_one_that_sleeps_between_them():

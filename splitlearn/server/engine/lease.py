@@ -173,14 +173,18 @@ class StepLease:
             self.floor = max(self.floor, min(live))
 
     def _next(self, now: float, asking: Optional[str] = None) -> Optional[str]:
-        """The owner the free segment goes to now: the least lease time among ``asking``, the
-        waiting owners (not demoted) and the kept one. Ties go to the one the segment is reserved
-        for, then to the longest waiting, then to the one asking, then to the one whose claim it is
-        (an owner arriving at the floor takes a segment only kept as another's claim)."""
-        order: dict[str, tuple] = {}
+        """The owner the free segment goes to now: the one it is reserved for, else the least
+        lease time among ``asking``, the waiting owners (not demoted) and the one whose claim it
+        is. Ties go to the longest waiting, then to the one asking, then to the claim's (an owner
+        arriving at the floor takes a segment only kept as another's claim)."""
         k = self.kept
+        if not self.waiting and (k is None or k.owner == asking or now >= k.until):
+            return asking  # (the common case: nobody else wants it)
+        order: dict[str, tuple] = {}
         if k is not None and now < k.until and not self.demoted_for(k.owner, now):
-            order[k.owner] = (self.vt.get(k.owner, self.floor), 3 if k.claim else 0, 0.0)
+            if not k.claim:  # a reservation holds until its owner comes or stops asking, whatever it
+                return k.owner  # is charged meanwhile (else a waiter backing off 1 s would lose it each time)
+            order[k.owner] = (self.vt.get(k.owner, self.floor), 3, 0.0)
         for c, (first, _) in self.waiting.items():
             o = owner_of(c)
             key = (self.vt.get(o, self.floor), 1, first)
@@ -236,7 +240,8 @@ class StepLease:
         with self._lock:
             self._charge(now)
             self._forget_stale(now)
-            self._raise_floor(now)
+            if now - self.active.get(owner, -float("inf")) > self.grace_s:
+                self._raise_floor(now)  # (it joins: at the floor)
             self._join(owner, now)
             h = self.holder
             if h is not None and h.client_id != client_id:
@@ -259,7 +264,6 @@ class StepLease:
                     f"finishing its step: it gets the segment only when other owners leave it idle, for "
                     f"{demoted:.1f}s more; retry", retry_after=min(1.0, demoted))
             if self.holder is None:
-                self._raise_floor(now)
                 nxt = self._next(now, None if demoted else owner)
                 if nxt is not None and nxt != owner:
                     self._wait(client_id, now)
@@ -314,7 +318,6 @@ class StepLease:
             self.active[owner] = now
             self._forget_stale(now)
             self.kept = None if self.demoted_for(client_id, now) else Kept(owner, now + self.grace_s, claim=True)
-            self._raise_floor(now)
             nxt = self._next(now)
             if nxt is not None and nxt != owner:
                 self.kept = Kept(nxt, self._kept_until(nxt, now), owner,
