@@ -1,7 +1,7 @@
 """The lease's share over time (issue 50, item 2): an honest tenant beside tenants that hold
 each step just under ``--lease-timeout``.
 
-    python benchmarks/lease_share.py                  # the policy on a fake clock, 3 s and 60 s
+    python benchmarks/lease_share.py                  # the policy on a fake clock, 3 s and 60 s (minutes)
     python benchmarks/lease_share.py --server 3 20    # and a real server: timeout 3 s, 20 s runs
 
 **The policy** (:func:`simulate`): the server's own :class:`~splitlearn.server.engine.lease.StepLease`
@@ -227,17 +227,23 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     rows = []
-    for timeout_s, seconds in ((3.0, 600.0), (60.0, 7200.0)):
+    for timeout_s, seconds in ((3.0, 600.0), (60.0, 3600.0)):
         for hogs in (1, 2, 3):
-            for hold_s, gap_s in ((0.008, 0.004), (0.05, 0.0), (0.5, 0.2)):
-                s = simulate(timeout_s, seconds, hogs, hold_s, gap_s)
+            for hold_s, gap_s in ((0.05, 0.01), (0.5, 0.2)):
+                s = simulate(timeout_s, seconds, hogs, hold_s, gap_s, hog_retry_s=0.02 if timeout_s < 10 else 0.1)
                 rows.append({"kind": "policy", "timeout_s": timeout_s, "hogs": hogs, "seconds": seconds,
                              "hold_s": hold_s, "gap_s": gap_s, "alone": s.alone, "beside": s.beside,
-                             "hog_steps": s.hog_steps, "share": round(s.share, 4),
-                             "target": round(s.target, 4)})
+                             "hog_steps": s.hog_steps, "share": round(s.share, 4), "target": round(s.target, 4)})
                 print(f"policy  timeout {timeout_s:>4g}s  hogs {hogs}  alice hold {hold_s * 1e3:>4g} ms gap "
                       f"{gap_s * 1e3:>4g} ms: {s.beside:>7} of {s.alone:>7} steps alone = {s.share:.3f} "
                       f"(target {s.target:.3f}; the hogs' steps {s.hog_steps})")
+    for other_hold_s in (0.01, 0.05, 0.5):  # an honest tenant of long steps beside one of short steps
+        alone, _ = run(3.0, 600.0, 0, 2.6, 0.0, 0.02, hog_hold_s=other_hold_s)
+        beside, other = run(3.0, 600.0, 1, 2.6, 0.0, 0.02, hog_hold_s=other_hold_s)
+        rows.append({"kind": "long steps", "timeout_s": 3.0, "hold_s": 2.6, "other_hold_s": other_hold_s,
+                     "alone": alone, "beside": beside, "share": round(beside / alone, 4)})
+        print(f"long    timeout    3s  alice hold 2.6 s beside steps of {other_hold_s * 1e3:g} ms: {beside} of "
+              f"{alone} steps alone = {beside / alone:.3f}")
     if args.server:
         r = measure(*args.server)
         rows.append({"kind": "server", **r})
