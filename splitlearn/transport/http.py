@@ -198,8 +198,9 @@ class _Lane(AnswerWait):
 
     def send(self, path: str, body: bytes, headers: dict) -> None:
         if self.out:  # one connection, answers in order: its answer would be read as this request's
-            raise RuntimeError(f"lane to {self.host}:{self.port} already has a request in flight: read its "
-                               f"answer first")
+            log.warning("a request on a lane to %s:%s whose answer is unread (a call abandoned): its connection "
+                        "is closed, this request goes on a new one", self.host, self.port)
+            self.close()  # the abandoned call, if read later, is sent again (PendingCall.generation)
         conn = self._connect()
         self.out = True  # from the first byte: a request cut short closes the connection (below)
         conn.putrequest("POST", path, skip_accept_encoding=True)
