@@ -199,7 +199,9 @@ class Arch:
 
     def check_positions(self, position_ids: torch.Tensor) -> None:
         """Refuse positions a learned position embedding does not have."""
-        limit = self.family.max_positions and getattr(self.config, self.family.max_positions, None)
+        if not self.family.max_positions:
+            return  # rotary: no table to run past
+        limit = getattr(self.config, self.family.max_positions, None)
         if int(position_ids.min()) < (-1 if self.family.positions == "opt" else 0):
             raise ConfigError(f"position {int(position_ids.min())} is negative")
         if limit and int(position_ids.max()) >= limit:
@@ -278,7 +280,7 @@ class Arch:
         if not len(layers):
             return hidden
         end = start + len(layers)
-        if position_ids is None:
+        if position_ids is None and rotary is not None:  # only rotary needs them past the embeddings
             past = cache.get_seq_length(start) if cache is not None else 0
             position_ids = self.positions(attention_mask, past, hidden.shape[1], hidden.device)
         masks = self.masks(start, end, hidden, attention_mask, cache, position_ids, inputs_embeds)

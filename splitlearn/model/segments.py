@@ -213,7 +213,8 @@ class Segment(nn.Module):
             raise ConfigError(
                 f"attention_mask covers {attention_mask.shape[-1]} positions but the segment has "
                 f"seen {past} and is given {T} new ones")
-        if position_ids is None:
+        rotary = getattr(self, "rotary_emb", None)
+        if position_ids is None and (self.has_embeddings or rotary is not None):
             position_ids = self.arch.positions(attention_mask, past, T, x.device)  # (B|1, T)
         if self.has_embeddings:
             self.arch.check_positions(position_ids)
@@ -221,7 +222,7 @@ class Segment(nn.Module):
                                 input_ids=x, attention_mask=attention_mask, past=past)  # (B, T, d)
         x = run_blocks(self.layers_list, self.config, self.start, x, attention_mask,
                        cache.kv if cache is not None else None, position_ids,
-                       rotary=getattr(self, "rotary_emb", None), arch=self.arch)  # (B, T, d)
+                       rotary=rotary, arch=self.arch)  # (B, T, d)
         if cache is not None:
             cache.length = past + T
         if self.has_head and head:
