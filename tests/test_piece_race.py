@@ -26,6 +26,8 @@ from splitlearn.transport import http as H
 
 from serverproc import TOKEN, ServerProcess
 
+pytestmark = pytest.mark.slow  # a server process (seconds to start); the tests ~10 s together
+
 M = 4  # micro-batches: 8 rows -> four of 2, every forward's answer the same shape
 
 
