@@ -69,6 +69,7 @@ def trainer(url: str, client_id: str, out: Path, server_dir: str) -> dict:
     from splitlearn import load_model
     from splitlearn.model.checkpoint import read_weights
     from splitlearn.hf import SplitGPT2LMHeadModel
+    from splitlearn.hf.unsplit import stock_loss_type
 
     server_before = read_weights(server_dir, "server")
     model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=url, client_id=client_id, apply_wait_s=WAIT)
@@ -85,6 +86,9 @@ def trainer(url: str, client_id: str, out: Path, server_dir: str) -> dict:
     train(model, "split")
     save_file(client_weights(model), str(out / "client.safetensors"))
     full = load_model("tiny")
+    # the stock class's loss naming (GPT2LMHeadModel names none; load_model names ForCausalLM),
+    # as the split model takes it: Trainer counts tokens by it (issue 51, item 5)
+    full.loss_type = stock_loss_type(type(full), full.config)
     full.load_state_dict(server_before, strict=False)
     train(full, "unsplit")
     save_file({k: v.detach().clone().contiguous() for k, v in full.state_dict().items()}, str(out / "unsplit.safetensors"))
