@@ -27,6 +27,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ..errors import ConfigError
 from ..model.arch import arch_of
+from .limits import check_positions
 from .remote import RemoteSegment
 from .trunk import ServerBlock
 
@@ -84,6 +85,7 @@ class SplitDecoder(nn.Module):
         local = remote_cache.local if remote_cache is not None else None
         T = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         past = remote_cache.get_seq_length() if remote_cache is not None else 0
+        check_positions(self.remote.info, self.config, past + T, position_ids)  # before anything is sent
         if attention_mask is not None and attention_mask.ndim != 2:
             raise ConfigError("a split model takes a 2-D attention_mask (the server builds its own masks)")
         if position_ids is None:

@@ -141,8 +141,16 @@ class SplitGenerationMixin:
 
     def generate(self, *args, **kwargs):
         """``GenerationMixin.generate``; a cache it makes is closed on return, and drafting
-        follows the link by default (see the class and :attr:`link_aware_drafts`)."""
+        follows the link by default (see the class and :attr:`link_aware_drafts`). Checked
+        before anything is sent: a prompt + ``max_new_tokens`` past the model's positions is a
+        ConfigError; more rows than the server takes run as several calls on groups of prompts,
+        padded alike (:mod:`splitlearn.hf.limits`)."""
         from .draft import default_policy, link_aware
+        from .limits import generate_groups, generate_in_groups
+
+        groups = generate_groups(self, args, kwargs)
+        if groups is not None:
+            return generate_in_groups(self, groups, args, kwargs)
 
         if _SCOPE.depth == 0:
             _SCOPE.caches = []

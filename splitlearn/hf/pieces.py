@@ -44,6 +44,7 @@ from ..errors import (ConfigError, Conflict, ForwardLost, IntegrityError, NotYou
                       SplitLearnError, StaleWeights, TransportError)
 from ..api.wire import pack
 from .journal import Sent
+from .limits import check_training_rows
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,9 @@ class StepPieces:
 
     def forward_tensors(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
                         labels: Optional[torch.Tensor]) -> dict:
-        """A forward piece's body: ``hidden`` in the wire dtype (+ mask, + labels in 2-way)."""
+        """A forward piece's body: ``hidden`` in the wire dtype (+ mask, + labels in 2-way);
+        ConfigError for more rows than the server takes (:func:`.limits.check_training_rows`)."""
+        check_training_rows(self._segment.info, hidden.shape[0])
         tensors = pack(P.HIDDEN, hidden.detach(), self._segment.cfg.wire_dtype)
         if mask is not None:
             tensors[P.MASK] = mask.detach().long().cpu()

@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from ..api import protocol as P
 from ..api import trust
 from ..errors import ConfigError
+from . import limits
 from .applies import LAST_CALL_S, Applier, Outbox, bounded, register
 from .config import RemoteConfig
 from .journal import RequestLog
@@ -231,7 +232,15 @@ class RemoteSegment(nn.Module):
     def evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  labels: Optional[torch.Tensor] = None):
         """No-grad ``POST /v1/forward`` (server in eval mode, nothing changes): U-shape
-        ``(trunk output, None)``; 2-way ``(logits (B, T, V), loss or None)``."""
+        ``(trunk output, None)``; 2-way ``(logits (B, T, V), loss or None)``. More rows than
+        the server takes go as several requests (:func:`.limits.evaluate_in_groups`)."""
+        groups = limits.row_groups(self.info, hidden.shape[0])
+        if len(groups) > 1:
+            return limits.evaluate_in_groups(self._evaluate, groups, hidden, attention_mask, labels)
+        return self._evaluate(hidden, attention_mask, labels)
+
+    def _evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                  labels: Optional[torch.Tensor] = None):
         self.applier.flush()  # the server's weights hold the last step before they are evaluated
         tensors = self.steps.forward_tensors(hidden, attention_mask, labels)
         meta = {"wire_dtype": self.cfg.wire_dtype, "padding": "any"}

@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..model.partition import validate_cuts
 from ..model.segments import embed, run_blocks
 from .config import HEAD_OPTIONS, SplitOptions, with_options
+from .limits import check_positions
 from .remote import RemoteSegment
 from .sources import CUTS_KEY, from_source
 
@@ -170,12 +171,13 @@ class SplitGPT2Model(GPT2PreTrainedModel):
         if getattr(remote_cache, "groups", None):
             raise ConfigError("a cache with row groups runs through SplitGPT2LMHeadModel's forward")
         local = remote_cache.local if remote_cache is not None else None
+        past_seen = remote_cache.get_seq_length() if remote_cache is not None else 0
+        check_positions(self.remote.info, self.config, past_seen + input_shape[-1], position_ids)  # before wpe
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, input_shape[-1])
         if inputs_embeds is None:
             inputs_embeds = self.wte(input_ids)
         if position_ids is None:
-            past_seen = remote_cache.get_seq_length() if remote_cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen
             position_ids = position_ids.unsqueeze(0)
         if attention_mask is not None:
