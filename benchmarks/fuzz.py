@@ -142,10 +142,11 @@ def changed(before: dict, after: dict, status: int) -> list[str]:
 
 
 def state(url: str, checkpoint: bool, operator: str = OPERATOR, tenant: str = FUZZER) -> dict:
-    """What a refused request must leave as it was: the counters as the fuzzing ``tenant``
-    sees them, and (``checkpoint``) the digest of a checkpoint by the ``operator``."""
+    """What a refused request must leave as it was: the server-wide counters (as the ``operator``
+    sees them: a tenant's ``/v1/info`` shows its own only), the fuzzing ``tenant``'s federation and
+    client states, and (``checkpoint``) the digest of a checkpoint by the ``operator``."""
     op, fz = {"Authorization": f"Bearer {operator}"}, {"Authorization": f"Bearer {tenant}"}
-    info = requests.get(url + P.INFO, headers=fz, timeout=30).json()
+    info = requests.get(url + P.INFO, headers=op, timeout=30).json()  # server-wide: a tenant sees its own only
     fed = requests.get(url + P.FEDERATION, headers=fz, timeout=30).json()
     out = {"steps_applied": info["steps_applied"], "sessions": info["generation"]["sessions"],
            "decode_steps": info["generation"]["decode_steps"],

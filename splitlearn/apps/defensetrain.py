@@ -205,7 +205,7 @@ def speculative_releases(source: Union[str, Path], cut: Union[int, Sequence[int]
             return super().start(hidden, attention_mask, logits_to_keep)
 
     class Fixed(LinkAwarePolicy):  # every round drafts k: the releases do not depend on timing
-        def next_length(self) -> int:
+        def next_length(self, k_min: int = 0) -> int:
             self.lengths.append(self.k_max)
             return self.k_max
 
