@@ -46,7 +46,15 @@ from typing import Optional
 from pathlib import Path
 
 from ..errors import BadRequest, ConfigError
-from .wire import check_wire_dtype
+
+
+def check_wire_dtype(name: str) -> str:
+    """``name`` if it names a wire dtype (:mod:`.wire`), else BadRequest. The wire is imported on
+    first use: it needs torch, and the server's ``--help`` reads this module (issue 54)."""
+    from .wire import check_wire_dtype as check
+
+    return check(name)
+
 
 PROTOCOL_VERSION = 1
 CONTENT_TYPE = "application/octet-stream"

@@ -26,7 +26,7 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
-from ..model.lora import LoraSpec
+from ..model.loraspec import LoraSpec  # plain data: --help imports no torch
 from ..api.protocol import read_token_file
 from .options import opt
 from .tenants import Tenants
