@@ -9,7 +9,7 @@ families: ``max_position_embeddings``) and a request of more rows than its ``--m
 
 - a forward whose sequence (past positions + new ones) passes the model's positions, or whose
   ``position_ids`` do, is a ``ConfigError`` naming the limit, before the client computes or sends
-  anything (unsplit GPT-2: a raw ``IndexError`` in ``wpe``); so is ``generate(max_new_tokens=n)``
+  anything (unsplit GPT-2: a raw ``IndexError`` in its position embedding); so is ``generate(max_new_tokens=n)``
   whose prompt + ``n`` passes it;
 - a no-grad forward (evaluation) of more rows than the server takes goes as several requests of
   at most ``max_batch`` rows: the answers (trunk outputs, logits) are concatenated and the loss
