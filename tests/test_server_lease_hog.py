@@ -25,7 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]  # measures throughput: run 
 
 LEASE_S = 0.25
 RUN_S = 4.0
-KEPT = 0.5  # the honest owner's steps with the hog / alone, at least
+# the honest owner's steps with the hog / alone, at least. The lease shares the segment's time
+# (issue 50): 1/(N+1) = 0.5 of it here, less at most one of the owner's own steps per switch
+# (measured 0.494 in a serial run: 84 of 170), so the bound is 0.45, not 0.5
+KEPT = 0.45
 
 
 @pytest.fixture(scope="module")
