@@ -126,6 +126,7 @@ def test_lora_merged_from_both_sides_and_each_tenant_reads_its_own(tmp_path):
         tensors, meta = decode(r.content)
         assert r.status_code == 200 and not any("lora_" in k for k in tensors)  # its own "alice": none yet
         assert all(torch.equal(tensors[k], base[k]) for k in base)
+        assert meta["steps_applied"] == "0"  # its own steps, not alice's (tenants see their own)
         unsplit = alice.merge_and_unload()
         assert type(unsplit) is GPT2LMHeadModel and not any("lora" in k for k in unsplit.state_dict())
         ids, mask = batch(9)

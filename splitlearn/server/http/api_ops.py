@@ -144,12 +144,15 @@ def client_weights(client_id: str):
                         "--allow-weight-export (the default only for a server with one tenant)")
     key = client_key(client_id)
     rt = s.rt
+    g_operator, g_tenant = g.tenant.operator, g.tenant.name  # read here: ``read`` runs on the compute thread
 
     def read() -> bytes:
         from ...api.wire import encode
 
         tensors = {k: v.detach().cpu().contiguous().clone() for k, v in rt.segment.hf_state_dict().items()}
-        meta = {"steps_applied": str(rt.steps_applied)}
+        # a tenant sees its own steps (docs/SECURITY.md, 'Tenants see their own'); the operator all
+        steps = rt.steps_applied if g_operator else tenant_steps(rt.ledger, g_tenant)
+        meta = {"steps_applied": str(steps)}
         adapter = rt.adapters.adapter_for(key, rt.cfg.federation) \
             if rt.adapters is not None and rt.ledger.known(key) else None
         if adapter is not None:
