@@ -12,7 +12,7 @@ state-dict names are the family's. GPT-2 sources go to :class:`~.modeling.SplitG
 
 2-way: the server holds the final norm and the head; training needs ``labels`` (the server
 answers the loss), ``torch.no_grad()`` forwards answer the logits, generation the last positions'
-logits. What the other families do not have yet (docs/MODELS.md, "Not yet"): LoRA, defenses,
+logits. What the other families do not have yet (docs/MODELS.md, "Not yet"): defenses,
 micro-batch pipelining, row groups in generation, exported-segment and split-folder sources.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..model.loading import load_config, load_model
 from .config import RemoteConfig
 from .familytrunk import SplitDecoder
 from .generation import SplitGenerationMixin
+from .lora import apply_lora
 from .modeling import _SPLIT_CLASSES, SplitGPT2LMHeadModel
 from .remote import RemoteSegment
 from .sources import check_same_model, fingerprint_at_load
@@ -55,6 +56,13 @@ class SplitFamilyMixin:
                 labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         """The family's forward (U-shape); 2-way: the bottom here, the rest and the loss on the server."""
         dec = self.split_decoder
+        if attention_mask is None and position_ids is not None and not hasattr(cache, "remote") and \
+                (use_cache if use_cache is not None else getattr(self.config, "use_cache", False)):
+            # the family's base model makes a cache here (use_cache), and with one transformers builds a
+            # plain causal mask, not the packed sequences' mask it reads from restarting positions
+            # without one: an all-ones mask builds the plain one on both sides of the cut
+            ids = input_ids if input_ids is not None else inputs_embeds
+            attention_mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device)
         if dec.u_shape:
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
@@ -72,9 +80,14 @@ class SplitFamilyMixin:
             if labels is None:
                 raise ConfigError("a 2-way server holds the head and computes the loss: training (gradients "
                                   "enabled) needs labels (under torch.no_grad() the forward answers the logits)")
-            loss = dec.remote.loss(h, labels.to(h.device), attention_mask)
+            loss = dec.remote.loss(h, labels.to(h.device), attention_mask, position_ids)
+            if kwargs.get("num_items_in_batch") is not None:
+                # the server's loss is the mean over this batch's targets; the family's is the sum over
+                # the accumulated batches' targets (Trainer's num_items_in_batch): rescale (a new tensor)
+                n = (labels[..., 1:] != -100).sum()
+                loss = loss * (n.to(loss.dtype) / torch.as_tensor(kwargs["num_items_in_batch"]).to(loss))
         else:
-            logits, loss = dec.remote.evaluate(h, attention_mask, labels)
+            logits, loss = dec.remote.evaluate(h, attention_mask, labels, position_ids)
             if isinstance(logits_to_keep, int) and logits_to_keep:
                 logits = logits[:, -logits_to_keep:]
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
@@ -92,8 +105,17 @@ class SplitFamilyMixin:
         return RemoteCache.from_info(self.config, remote.transport, remote.info, **kwargs)
 
     def attach_optimizer(self, optimizer):
+        """Let only ``optimizer`` apply the server's steps; with a ``journal_dir``, also writes the
+        starting checkpoint :meth:`resume` needs. Returns it."""
         self.remote.link.attach(optimizer)
         return optimizer
+
+    def resume(self, optimizer) -> int:
+        """After this process was killed: a model made as before (same ``client_id`` and
+        ``journal_dir``) and a fresh ``optimizer`` are put back at the journal's client checkpoint
+        (:meth:`splitlearn.hf.recovery.Recovery.resume`). Returns the optimizer step to run again
+        first: feed it that step's data."""
+        return self.remote.journal.resume(optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -124,6 +146,7 @@ def split_family_model(model: nn.Module, remote: RemoteSegment) -> nn.Module:
     if not remote.u_shape:  # the server holds the head
         setattr(model, arch.head_name, None)
     model.__class__ = split_class(type(model))
+    remote.link.bind(model)  # its optimizers are found, and its journal checkpoints hold, this model's weights
     return model
 
 
@@ -136,8 +159,10 @@ class AutoSplitModelForCausalLM:
     @classmethod
     def from_pretrained(cls, source, server: Optional[str] = None, token: Optional[str] = None,
                         seed: int = 0, **options) -> nn.Module:
-        """``source`` split against the server at ``server`` (``token``: its bearer token; other
-        ``options``: :class:`~splitlearn.hf.config.RemoteConfig`'s fields). Eval mode."""
+        """``source`` split against the server at ``server`` (``token``: its bearer token; ``lora``: a
+        ``peft.LoraConfig`` or ``"server"`` for a server started with ``--lora-r``, adapters on both
+        sides for this ``client_id``, :mod:`splitlearn.hf.lora`; other ``options``:
+        :class:`~splitlearn.hf.config.RemoteConfig`'s fields). Eval mode."""
         hf_cls = arch_of(load_config(source)).model_class()
         if hf_cls in _SPLIT_CLASSES:  # the split GPT-2 classes: every feature
             kw = dict(options, **({"token": token} if token is not None else {}))
@@ -146,11 +171,14 @@ class AutoSplitModelForCausalLM:
             raise ConfigError("AutoSplitModelForCausalLM.from_pretrained needs server=URL")
         if token is not None:
             options["token"] = token
+        lora = options.pop("lora", None)  # hf/lora.py
         remote = RemoteSegment(RemoteConfig.given(server, options, "AutoSplitModelForCausalLM"))
         try:
             model = load_model(source, seed=seed)
             check_same_model(model.config, fingerprint_at_load(model, remote.info), remote.info)
-            return split_family_model(model, remote).eval()
+            model = split_family_model(model, remote).eval()
+            apply_lora(model, lora, seed=seed)  # also refuses a model without LoRA on a LoRA server
+            return model
         except BaseException:
             remote.close()
             raise

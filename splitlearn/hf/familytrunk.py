@@ -13,7 +13,9 @@ own ``*ForCausalLM`` (its head, softcap, ``logits_to_keep``, loss) runs on top::
 
 Positions: the given ``position_ids`` (generate() passes them), else derived from the 2-D mask
 (``cumsum - 1``) as the server derives them for its layers: both sides rotate with the same
-positions (docs/MODELS.md). Generation: a :class:`~splitlearn.hf.cache.RemoteCache` whose
+positions (docs/MODELS.md). Given ones (packed sequences, positions of the caller's own) go with
+the training and evaluation requests (the wire's optional ``position_ids``), so the server's
+layers use them too. Generation: a :class:`~splitlearn.hf.cache.RemoteCache` whose
 ``local`` cache holds the client's layers' keys and values (a slot per model layer) and whose
 session holds the server's.
 """
@@ -86,6 +88,7 @@ class SplitDecoder(nn.Module):
         T = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         past = remote_cache.get_seq_length() if remote_cache is not None else 0
         check_positions(self.remote.info, self.config, past + T, position_ids)  # before anything is sent
+        given = position_ids  # the caller's own (packed sequences) travel with a training piece
         if attention_mask is not None and attention_mask.ndim != 2:
             raise ConfigError("a split model takes a 2-D attention_mask (the server builds its own masks)")
         if position_ids is None:
@@ -102,7 +105,7 @@ class SplitDecoder(nn.Module):
         if remote_cache is not None:
             hidden = remote_cache.remote(hidden, attention_mask)  # the server's session: its layers' KV
         else:
-            hidden = self.remote.trunk(hidden, attention_mask)  # autograd over the wire
+            hidden = self.remote.trunk(hidden, attention_mask, given)  # autograd over the wire
         hidden = self._run(c2, self.arch.n_layers, hidden, attention_mask, local, position_ids, None)
         hidden = self.arch.head_hidden({n: getattr(self, n, None) for n in self.arch.norm_names}, hidden)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=remote_cache)

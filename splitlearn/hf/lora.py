@@ -1,11 +1,13 @@
 """Per-client LoRA on a split model class: peft's adapters on the client's blocks, the server's
 adapter for this client id trained by the same optimizer steps.
 
-    model = SplitGPT2LMHeadModel.from_pretrained("gpt2", server=URL, client_id="alice",
-                                                 lora=peft.LoraConfig(r=8, lora_alpha=16,
-                                                                      target_modules=["c_attn"],
-                                                                      fan_in_fan_out=True))
+    model = AutoSplitModelForCausalLM.from_pretrained(llama_dir, server=URL, client_id="alice",
+                                                      lora=peft.LoraConfig(r=8, lora_alpha=16,
+                                                                           target_modules=["q_proj", "v_proj"]))
     opt = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+
+(the split GPT-2 classes take the same ``lora=``, on GPT-2's ``Conv1D`` names with
+``fan_in_fan_out=True``: docs/LORA.md).
 
 A server started with ``--lora-r`` keeps its segment frozen and trains one adapter per client
 id (``splitlearn/server/engine/adapters.py``): the forward and backward of the model's open-ended
@@ -30,6 +32,7 @@ import torch
 from .._extras import require
 
 from ..errors import ConfigError
+from ..model.arch import arch_of
 from ..model.lora import ADAPTER, PREFIX, LoraSpec, as_spec, check_server, inject_adapters, target_modules
 
 log = logging.getLogger(__name__)
@@ -47,12 +50,30 @@ def resolve_spec(info: dict, lora):
     return spec
 
 
+def _remote(model):
+    """The split model's :class:`~.remote.RemoteSegment` (its base model's), through a peft wrapper."""
+    base = getattr(model, "base_model", None)
+    inner = base.model if base is not None and hasattr(base, "model") else model
+    return arch_of(inner.config).base_of(inner).remote
+
+
+def client_layers(model) -> list[tuple[int, torch.nn.Module]]:
+    """(global index, layer) of the layers the client holds: all but the server's, ``[c1, c2)``
+    (U-shape) or ``[c, n)`` (2-way), whose places hold parameterless placeholders."""
+    arch = arch_of(model.config)
+    base = arch.base_of(model)
+    cuts = tuple(base.remote.cuts)
+    c1, c2 = cuts if len(cuts) == 2 else (cuts[0], arch.n_layers)
+    layers = getattr(base, arch.layers_name)
+    return [(i, layers[i]) for i in range(arch.n_layers) if not c1 <= i < c2]
+
+
 def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
     """Put LoRA adapters on ``model``'s client blocks in place (see the module docstring) and
     return them; every other client parameter is frozen but a classification head (``score``)
     and the remote segment's gradient-norm proxy (the global clip). ``model``: a split model
-    class instance."""
-    remote = model.transformer.remote
+    class instance (the split GPT-2 classes, :class:`~splitlearn.hf.auto.AutoSplitModelForCausalLM`'s)."""
+    remote = _remote(model)
     spec = resolve_spec(remote.info, lora)
     if spec is None:
         return []
@@ -67,14 +88,12 @@ def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
         if id(p) not in keep:
             p.requires_grad_(False)
     params = []
-    for a, b in model.transformer.client_blocks:
-        for i in range(a, b):
-            block = model.transformer.h[i]
-            mods = target_modules(block, spec)
-            if not mods:
-                continue
-            params += inject_adapters(block, spec, mods, seed, init_id,
-                                      lambda local, i=i: f"transformer.h.{i}.{local}")
+    prefix = arch_of(model.config).layer_prefix()  # the *ForCausalLM's name of the layer list
+    for i, block in client_layers(model):
+        mods = target_modules(block, spec)
+        if not mods:
+            continue
+        params += inject_adapters(block, spec, mods, seed, init_id, lambda local, i=i: f"{prefix}.{i}.{local}")
     model.lora_spec = spec
     log.info("client %s: LoRA %s, %d adapter parameters", remote.client_id, spec.to_dict(),
              sum(p.numel() for p in params))
@@ -84,14 +103,16 @@ def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
 def _pairs(model):
     base = getattr(model, "base_model", None)
     inner = base.model if base is not None and hasattr(base, "model") else model  # (a peft wrapper)
+    top = arch_of(inner.config).base_path + "."  # a base model alone (SplitGPT2Model): its *ForCausalLM's names
     for name, m in inner.named_modules():
         if hasattr(m, "lora_A") and ADAPTER in getattr(m, "lora_A", {}):
-            yield PREFIX + (name if name.startswith("transformer.") else "transformer." + name), m
+            yield PREFIX + (name if name.startswith(top) else top + name), m
 
 
 def adapter_tensors(model) -> dict[str, torch.Tensor]:
-    """The client's adapters under peft's saved names (``base_model.model.transformer.h.<i>.<module>
-    .lora_{A,B}.weight``): what a sync uploads and an export writes."""
+    """The client's adapters under peft's saved names (``base_model.model.<layer list>.<i>.<module>
+    .lora_{A,B}.weight``, the layer list ``model.layers``, GPT-2's ...): what a sync uploads and an
+    export writes."""
     out = {}
     for name, m in _pairs(model):
         out[f"{name}.lora_A.weight"] = m.lora_A[ADAPTER].weight.detach().cpu().contiguous()
@@ -121,10 +142,10 @@ def fetch_server_adapter(transport, client_id: str) -> dict[str, torch.Tensor]:
 
 def export_adapter(model, directory, base_model=None):
     """Both sides' adapters of a LoRA split model as one peft adapter directory for the whole model
-    (``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), directory)``)::
+    (``PeftModel.from_pretrained(<the family's *ForCausalLM>.from_pretrained(base), directory)``)::
 
         adapter_config.json          peft.LoraConfig (fan_in_fan_out, targets, r, alpha, dropout)
-        adapter_model.safetensors    base_model.model.transformer.h.<i>.<module>.lora_{A,B}.weight
+        adapter_model.safetensors    base_model.model.<layer list>.<i>.<module>.lora_{A,B}.weight
     """
     from pathlib import Path
 
@@ -133,7 +154,7 @@ def export_adapter(model, directory, base_model=None):
     spec = getattr(model, "lora_spec", None)
     if spec is None:
         raise ConfigError("export_adapter needs a LoRA model (lora=peft.LoraConfig(...))")
-    remote = model.transformer.remote
+    remote = _remote(model)
     remote.flush()  # the last step's apply: the server's adapter holds it
     client, server = adapter_tensors(model), fetch_server_adapter(remote.transport, remote.client_id)
     overlap = set(client) & set(server)

@@ -169,15 +169,19 @@ class StepPieces:
         return meta
 
     def forward_tensors(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
-                        labels: Optional[torch.Tensor]) -> dict:
-        """A forward piece's body: ``hidden`` in the wire dtype (+ mask, + labels in 2-way);
-        ConfigError for more rows than the server takes (:func:`.limits.check_training_rows`)."""
+                        labels: Optional[torch.Tensor], positions: Optional[torch.Tensor] = None) -> dict:
+        """A forward piece's body: ``hidden`` in the wire dtype (+ mask, + labels in 2-way, +
+        the caller's ``position_ids`` (B|1, T) when it gave its own: the server derives them from
+        the mask otherwise); ConfigError for more rows than the server takes
+        (:func:`.limits.check_training_rows`)."""
         check_training_rows(self._segment.info, hidden.shape[0])
         tensors = pack(P.HIDDEN, hidden.detach(), self._segment.cfg.wire_dtype)
         if mask is not None:
             tensors[P.MASK] = mask.detach().long().cpu()
         if labels is not None:
             tensors[P.LABELS] = labels.detach().long().cpu()
+        if positions is not None:
+            tensors[P.POSITIONS] = positions.detach().long().cpu()
         return tensors
 
     def backward_tensors(self, grad: torch.Tensor) -> dict:
@@ -198,10 +202,10 @@ class StepPieces:
 
     # -- one piece at a time (the autograd Functions) ----------------------------------------
 
-    def send_forward(self, hidden, mask, labels):
+    def send_forward(self, hidden, mask, labels, positions=None):
         """One forward piece of the current step -> (hidden or loss, (step, piece))."""
         scale = self.fused_scale() if labels is not None else None
-        tensors = self.forward_tensors(hidden, mask, labels)
+        tensors = self.forward_tensors(hidden, mask, labels, positions)
         call = self.start("f", tensors, None) if scale is None else self.start("f", tensors, None, scale=scale)
         _, piece, out = self.finish(call)
         if labels is not None:

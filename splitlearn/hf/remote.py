@@ -1,7 +1,7 @@
 """The server's segment as an ``nn.Module`` whose forward and backward cross the wire.
 
 :class:`RemoteSegment` stands in for the blocks a splitlearn server holds: the trunk
-``blocks[c1:c2]`` of a U-shape server, or the top ``blocks[c:n] + ln_f + lm_head`` (with the
+``blocks[c1:c2]`` of a U-shape server, or the top ``blocks[c:n] + final norm + head`` (with the
 loss) of a 2-way server. With gradients enabled its forward is a ``torch.autograd.Function``
 (:class:`_TrunkFunction`, :class:`_LossFunction`) so ``loss.backward()`` sends the gradient,
 exactly as if the blocks were local; without gradients (``torch.no_grad()``, evaluation,
@@ -59,30 +59,30 @@ class _TrunkFunction(torch.autograd.Function):
     """U-shape: hidden (B, T, d) -> the trunk's output (B, T, d) computed by the server."""
 
     @staticmethod
-    def forward(ctx, hidden, proxy, remote: "RemoteSegment", mask):
-        out, ctx.piece = remote.steps.send_forward(hidden, mask, None)
+    def forward(ctx, hidden, proxy, remote: "RemoteSegment", mask, positions=None):
+        out, ctx.piece = remote.steps.send_forward(hidden, mask, None, positions)
         ctx.remote, ctx.like = remote, (hidden.dtype, hidden.device)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        return ctx.remote.steps.send_backward(ctx.piece, grad, *ctx.like), None, None, None
+        return ctx.remote.steps.send_backward(ctx.piece, grad, *ctx.like), None, None, None, None
 
 
 class _LossFunction(torch.autograd.Function):
     """2-way: hidden (B, T, d) + labels -> the server's causal-LM loss (mean over targets), ()."""
 
     @staticmethod
-    def forward(ctx, hidden, proxy, remote: "RemoteSegment", labels, mask):
-        loss, ctx.piece = remote.steps.send_forward(hidden, mask, labels)
+    def forward(ctx, hidden, proxy, remote: "RemoteSegment", labels, mask, positions=None):
+        loss, ctx.piece = remote.steps.send_forward(hidden, mask, labels, positions)
         ctx.remote, ctx.like = remote, (hidden.dtype, hidden.device)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        return ctx.remote.steps.send_backward(ctx.piece, grad, *ctx.like), None, None, None, None
+        return ctx.remote.steps.send_backward(ctx.piece, grad, *ctx.like), None, None, None, None, None
 
 
 class RemoteSegment(nn.Module):
@@ -162,7 +162,7 @@ class RemoteSegment(nn.Module):
 
     def extra_repr(self) -> str:
         what = f"blocks [{self.cuts[0]}, {self.cuts[1]})" if self.u_shape else \
-            f"blocks [{self.cuts[0]}, n) + ln_f + lm_head + loss"
+            f"blocks [{self.cuts[0]}, n) + final norm + head + loss"
         return f"{what} on {self.cfg.server}, client_id={self.client_id!r}, wire={self.cfg.wire_dtype}"
 
     @property
@@ -217,32 +217,43 @@ class RemoteSegment(nn.Module):
         finally:
             self._loss_only = False
 
-    def trunk(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def trunk(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
+              position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """U-shape: the trunk's output (B, T, d) for ``hidden`` (B, T, d); ``attention_mask``
-        (B, T) 0/1 or None. Differentiable when gradients are enabled."""
+        (B, T) 0/1 or None; ``position_ids`` (B|1, T): the caller's own (packed sequences), or
+        None (the server derives them from the mask, as the client does). Differentiable when
+        gradients are enabled."""
         if torch.is_grad_enabled():
-            return _TrunkFunction.apply(hidden, self.grad_proxy, self, attention_mask)
-        return self.evaluate(hidden, attention_mask)[0]
+            return _TrunkFunction.apply(hidden, self.grad_proxy, self, attention_mask, position_ids)
+        return self.evaluate(hidden, attention_mask, position_ids=position_ids)[0]
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor,
-             attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+             attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """2-way, gradients enabled: the server's causal-LM loss (a 0-dim tensor, differentiable)."""
-        return _LossFunction.apply(hidden, self.grad_proxy, self, labels, attention_mask)
+        return _LossFunction.apply(hidden, self.grad_proxy, self, labels, attention_mask, position_ids)
 
     def evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                 labels: Optional[torch.Tensor] = None):
+                 labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
         """No-grad ``POST /v1/forward`` (server in eval mode, nothing changes): U-shape
         ``(trunk output, None)``; 2-way ``(logits (B, T, V), loss or None)``. More rows than
         the server takes go as several requests (:func:`.limits.evaluate_in_groups`)."""
         groups = limits.row_groups(self.info, hidden.shape[0])
         if len(groups) > 1:
-            return limits.evaluate_in_groups(self._evaluate, groups, hidden, attention_mask, labels)
-        return self._evaluate(hidden, attention_mask, labels)
+            pos = position_ids
+            if pos is not None and pos.shape[0] == 1:
+                pos = pos.expand(hidden.shape[0], -1)  # a row each, for the groups
+            parts = iter(groups)  # evaluate_in_groups calls once per group, in order
+
+            def one(h, m, y):
+                g = next(parts)
+                return self._evaluate(h, m, y, None if pos is None else pos[g])
+            return limits.evaluate_in_groups(one, groups, hidden, attention_mask, labels)
+        return self._evaluate(hidden, attention_mask, labels, position_ids)
 
     def _evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                  labels: Optional[torch.Tensor] = None):
+                  labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
         self.applier.flush()  # the server's weights hold the last step before they are evaluated
-        tensors = self.steps.forward_tensors(hidden, attention_mask, labels)
+        tensors = self.steps.forward_tensors(hidden, attention_mask, labels, position_ids)
         meta = {"wire_dtype": self.cfg.wire_dtype, "padding": "any"}
         if not self.u_shape and not (self._loss_only and labels is not None):
             meta["logits"] = "all"

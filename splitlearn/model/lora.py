@@ -1,10 +1,11 @@
-"""LoRA for GPT-2 segments: the configuration, a deterministic adapter init, and many adapters
+"""LoRA for segments of any family (GPT-2's ``Conv1D`` layers, the others' ``nn.Linear``): the
+configuration, a deterministic adapter init, and many adapters
 on one frozen segment with a per-row choice of adapter::
 
     y = base(x) + scale * dropout(x) @ A^T @ B^T        A: (r, in), B: (out, r), scale = alpha / r
 
 ``lora_A`` (r, in) and ``lora_B`` (out, r) are peft's layout for GPT-2's ``Conv1D``
-(``fan_in_fan_out=True``), so an adapter here is a peft adapter. :class:`LoraRouter` adds
+(``fan_in_fan_out=True``) and for ``nn.Linear``, so an adapter here is a peft adapter. :class:`LoraRouter` adds
 adapters by forward hooks, per forward or per row. See docs/LORA.md."""
 from __future__ import annotations
 
@@ -21,10 +22,16 @@ from ..errors import ConfigError
 from .loraspec import TARGETS, LoraSpec  # noqa: F401 (re-exported: plain data, no torch)
 
 
-def target_modules(module: nn.Module, spec: LoraSpec) -> dict[str, Conv1D]:
-    """The ``Conv1D`` submodules of ``module`` whose last name component is a target."""
+def target_modules(module: nn.Module, spec: LoraSpec) -> dict[str, nn.Module]:
+    """The ``Conv1D`` (GPT-2) or ``nn.Linear`` (the other families) submodules of ``module`` whose
+    last name component is a target."""
     return {name: m for name, m in module.named_modules()
-            if isinstance(m, Conv1D) and name.rsplit(".", 1)[-1] in spec.targets}
+            if isinstance(m, (Conv1D, nn.Linear)) and name.rsplit(".", 1)[-1] in spec.targets}
+
+
+def in_out(m: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a target: a ``Conv1D``'s weight is (in, out), a ``Linear``'s (out, in)."""
+    return (m.nx, m.nf) if isinstance(m, Conv1D) else (m.in_features, m.out_features)
 
 
 def init_adapter_pair(seed: int, client_id: str, name: str, fan_in: int, fan_out: int,
@@ -39,9 +46,10 @@ def init_adapter_pair(seed: int, client_id: str, name: str, fan_in: int, fan_out
 
 
 def hf_module_name(segment, local: str) -> str:
-    """``h.1.attn.c_attn`` of a segment starting at block 2 -> ``transformer.h.3.attn.c_attn``."""
-    _, idx, rest = local.split(".", 2)
-    return f"transformer.h.{segment.start + int(idx)}.{rest}"
+    """A segment's module name -> the ``*ForCausalLM``'s (the adapter's :meth:`Arch.hf_name
+    <splitlearn.model.arch.Arch.hf_name>`): ``layers.1.self_attn.q_proj`` of a segment starting at
+    layer 2 -> ``model.layers.3.self_attn.q_proj``."""
+    return segment.arch.hf_name(local, segment.start)
 
 
 class Adapter(nn.Module):
@@ -64,7 +72,7 @@ class Adapter(nn.Module):
         return (x.to(a.dtype) @ a.t()) @ b.t() * self.spec.scale  # (..., r) -> (..., out)
 
     def tensors(self, prefix: str = "base_model.model.") -> dict[str, torch.Tensor]:
-        """peft's saved names: ``base_model.model.transformer.h.3.attn.c_attn.lora_A.weight``."""
+        """peft's saved names: ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``."""
         out = {}
         for n, a, b in zip(self.names, self.lora_A, self.lora_B):
             out[f"{prefix}{n}.lora_A.weight"] = a.detach().cpu().contiguous()
@@ -92,7 +100,7 @@ Plan = Union[None, Adapter, list[tuple[int, Optional[Adapter]]]]
 
 
 class LoraRouter:
-    """Adds adapters to the target ``Conv1D`` layers of a frozen segment, chosen per forward.
+    """Adds adapters to the target ``Conv1D`` / ``Linear`` layers of a frozen segment, chosen per forward.
 
     ``plan``: None (the base), one :class:`Adapter` (every row), or (rows, adapter or None) groups
     in row order; set it with :meth:`use` / :meth:`per_rows` around a forward."""
@@ -104,7 +112,7 @@ class LoraRouter:
         if not mods:
             raise ConfigError(f"the {getattr(segment, 'kind', '')} segment has no LoRA target among "
                               f"{list(spec.targets)}")
-        self.shapes = {hf_module_name(segment, n): (m.nx, m.nf) for n, m in mods.items()}  # (in, out)
+        self.shapes = {hf_module_name(segment, n): in_out(m) for n, m in mods.items()}  # (in, out)
         self.plan: Plan = None
         self._handles = [m.register_forward_hook(self._hook(hf_module_name(segment, n)))
                          for n, m in mods.items()]

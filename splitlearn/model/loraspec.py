@@ -8,7 +8,11 @@ from typing import Optional
 
 from ..errors import ConfigError
 
-TARGETS = ("c_attn", "c_proj", "c_fc")  # GPT-2's Conv1D layers (c_proj: attention and MLP)
+CONV1D_TARGETS = ("c_attn", "c_proj", "c_fc")  # GPT-2's Conv1D layers (c_proj: attention and MLP)
+#: the linear layers (``nn.Linear``) of the Llama-like families (Llama, Qwen2/3, Mistral, Gemma 1-3,
+#: Phi-3 ...: attention q/k/v/o, the gated MLP's gate/up/down), docs/MODELS.md
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = CONV1D_TARGETS + LINEAR_TARGETS
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,20 @@ class LoraSpec:
             raise ConfigError(f"give at least one LoRA target module, among {', '.join(TARGETS)}")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown:
-            raise ConfigError(f"unknown LoRA target module(s) {', '.join(map(repr, unknown))}: GPT-2's "
-                              f"adaptable modules are {', '.join(TARGETS)}")
+            raise ConfigError(f"unknown LoRA target module(s) {', '.join(map(repr, unknown))}: the adaptable "
+                              f"modules are GPT-2's {', '.join(CONV1D_TARGETS)} and the Llama-like families' "
+                              f"{', '.join(LINEAR_TARGETS)}")
+        if set(self.targets) & set(CONV1D_TARGETS) and set(self.targets) & set(LINEAR_TARGETS):
+            raise ConfigError(f"LoRA targets {list(self.targets)} mix GPT-2's Conv1D names with linear ones: "
+                              f"one family's names")
         if len(set(self.targets)) != len(self.targets):
             raise ConfigError(f"duplicated LoRA target in {list(self.targets)}")
         object.__setattr__(self, "targets", tuple(sorted(self.targets)))  # order means nothing
+
+    @property
+    def conv1d(self) -> bool:
+        """The targets are GPT-2's ``Conv1D`` layers ((in, out) weights: peft's ``fan_in_fan_out``)."""
+        return set(self.targets) <= set(CONV1D_TARGETS)
 
     @property
     def scale(self) -> float:
@@ -53,14 +66,15 @@ class LoraSpec:
 
     @classmethod
     def from_peft(cls, cfg) -> "LoraSpec":
-        """From a ``peft.LoraConfig`` (its targets must be a list of GPT-2 module names)."""
+        """From a ``peft.LoraConfig`` (its targets a list of :data:`TARGETS`' names)."""
         targets = cfg.target_modules
         if targets is None or isinstance(targets, str):
             raise ConfigError("give LoraConfig(target_modules=[...]) as a list of "
                               f"{', '.join(TARGETS)}, got {targets!r}")
         if getattr(cfg, "use_rslora", False) or getattr(cfg, "use_dora", False):
             raise ConfigError("rsLoRA and DoRA are not supported: plain LoRA only")
-        # fan_in_fan_out: GPT-2's Conv1D layers need True, which peft also forces for them
+        # fan_in_fan_out: GPT-2's Conv1D layers need True, which peft also forces for them (and
+        # False for nn.Linear): the exported config says what to_peft says
         return cls(int(cfg.r), float(cfg.lora_alpha), tuple(sorted(targets)), float(cfg.lora_dropout))
 
     def to_peft(self, base_model: Optional[str] = None):
@@ -68,5 +82,5 @@ class LoraSpec:
         from peft import LoraConfig
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=list(self.targets),
-                          lora_dropout=self.dropout, fan_in_fan_out=True, bias="none",
+                          lora_dropout=self.dropout, fan_in_fan_out=self.conv1d, bias="none",
                           task_type="CAUSAL_LM", base_model_name_or_path=base_model)

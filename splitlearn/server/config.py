@@ -249,7 +249,8 @@ class LoraOptions:
 
     lora_r: Optional[int] = opt(None, "train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
     lora_alpha: Optional[float] = opt(None, "LoRA scale alpha/r (default: 2r)")
-    lora_targets: str = opt("c_attn", "comma-separated: c_attn, c_proj, c_fc")
+    lora_targets: str = opt("c_attn", "comma-separated: GPT-2's c_attn, c_proj, c_fc, or q_proj, k_proj, v_proj, "
+                                      "o_proj, gate_proj, up_proj, down_proj (Llama-like families)")
     lora_dropout: float = opt(0.0, "dropout on the adapters' input")
 
     def spec(self) -> Optional[LoraSpec]:

@@ -251,17 +251,18 @@ class SegmentRuntime:
         return x.to(device=self.device, dtype=self.dtype, non_blocking=True)
 
     def train_step(self, meta: P.StepMeta, hidden: torch.Tensor, labels: torch.Tensor,
-                   mask: Optional[torch.Tensor]) -> Answer:
-        """2-way: loss of the top on ``hidden``; answer loss + grad of input (see :mod:`.training`)."""
+                   mask: Optional[torch.Tensor], positions: Optional[torch.Tensor] = None) -> Answer:
+        """2-way: loss of the top on ``hidden``; answer loss + grad of input (see :mod:`.training`).
+        ``positions``: the client's ``position_ids`` (B|1, T), or None (derived from the mask)."""
         if self.u_shape:
             raise BadRequest(f"{P.TRAIN_STEP} is for 2-way servers; this one holds the trunk "
                              f"(use {P.TRAIN_FORWARD} and {P.TRAIN_BACKWARD})")
         with self.lock, self._preemptible():
             self.claim(meta.client_id)
-            return self.training.step(meta, hidden, labels, mask)
+            return self.training.step(meta, hidden, labels, mask, positions)
 
     def train_forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
-                      labels: Optional[torch.Tensor] = None) -> Answer:
+                      labels: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> Answer:
         """U-shape: trunk output for ``hidden``; the graph waits for the backward (see :mod:`.lease`).
         2-way: a piece with ``labels``: the loss (see :mod:`.training`)."""
         if not self.u_shape and labels is None:
@@ -271,7 +272,7 @@ class SegmentRuntime:
             raise BadRequest(f"this server holds the trunk: the labels never leave the client")
         with self.lock, self._preemptible():
             self.claim(meta.client_id)
-            return self.training.forward(meta, hidden, mask, labels)
+            return self.training.forward(meta, hidden, mask, labels, positions)
 
     def train_apply(self, key: str, req: P.ApplyRequest) -> Answer:
         """Apply an open-ended step at the client's learning rate (see :meth:`.Training.apply`)."""
@@ -341,13 +342,15 @@ class SegmentRuntime:
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, mask: Optional[torch.Tensor],
-                labels: Optional[torch.Tensor], wire_dtype: str, all_logits: bool = False) -> Answer:
+                labels: Optional[torch.Tensor], wire_dtype: str, all_logits: bool = False,
+                positions: Optional[torch.Tensor] = None) -> Answer:
         """No-grad forward for evaluation: trunk output, or (top) the last position's logits and,
         if labels are given, the loss, computed in chunks of positions (:mod:`splitlearn.model.headloss`):
         the (B, T, V) logits never exist, unless ``all_logits`` asks for every position's (B, T, V)."""
         with self.lock:
             self.segment.eval()
-            out = self.segment(self.to_model(hidden), mask, head=False)  # (B, T, d)
+            pos = positions.to(self.device) if positions is not None else None
+            out = self.segment(self.to_model(hidden), mask, position_ids=pos, head=False)  # (B, T, d)
             if self.u_shape:
                 return Answer(pack(P.HIDDEN, out, wire_dtype))
             seg = self.segment

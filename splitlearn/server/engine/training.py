@@ -198,7 +198,7 @@ class Training:
         return answer
 
     def step(self, meta: P.StepMeta, hidden: torch.Tensor, labels: torch.Tensor,
-             mask: Optional[torch.Tensor]) -> Answer:
+             mask: Optional[torch.Tensor], positions: Optional[torch.Tensor] = None) -> Answer:
         """2-way, a fused piece: loss of the top on ``hidden``, backpropagated from ``loss_scale``
         (the gradient of its loss); gradients accumulated until the apply."""
         rt = self.rt
@@ -217,7 +217,8 @@ class Training:
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
             # the logits (B, T, V) never exist whole: chunks of positions (splitlearn/model/headloss.py)
-            loss = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels,
+            pos = positions.to(h.device) if positions is not None else None  # (B|1, T): the client's
+            loss = head_loss(st.rep.segment, st.rep.segment(h, mask, position_ids=pos, head=False), labels,
                              grad_scale=meta.loss_scale)  # backpropagated with it just below
             # the loss's check is read back with the gradients' (one read, guard.settle): a loss
             # that is not finite is refused after its backward, and the abort below zeroes
@@ -236,9 +237,10 @@ class Training:
         return self._piece_done(meta, st, self.with_apply(answer, applied), norm)
 
     def forward(self, meta: P.StepMeta, hidden: torch.Tensor, mask: Optional[torch.Tensor],
-                labels: Optional[torch.Tensor] = None) -> Answer:
+                labels: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None) -> Answer:
         """U-shape: trunk output for ``hidden``; the graph waits for the backward. 2-way
-        (``labels`` given): the top's loss; the graph waits for its scalar gradient."""
+        (``labels`` given): the top's loss; the graph waits for its scalar gradient. ``positions``:
+        the client's ``position_ids`` (B|1, T), or None (derived from the mask)."""
         rt = self.rt
         self._take_over(meta)
         applied = self.carried(meta)
@@ -263,12 +265,13 @@ class Training:
             st.rep.segment.train()
             h = rt.to_model(hidden).requires_grad_()  # (B, T, d)
             tokens = target_tokens(h.shape, mask, labels)
+            pos = positions.to(h.device) if positions is not None else None
             if labels is not None:  # 2-way: the loss (chunked head), graph kept; one read
-                out = head_loss(st.rep.segment, st.rep.segment(h, mask, head=False), labels)  # ()
+                out = head_loss(st.rep.segment, st.rep.segment(h, mask, position_ids=pos, head=False), labels)  # ()
                 value, tokens = guard.settle([(guard.finite_flag(out), guard.refusal("loss"))],
                                              [out.detach().float(), tokens])
             else:
-                out = st.rep.segment(h, mask)  # (B, T, d)
+                out = st.rep.segment(h, mask, position_ids=pos)  # (B, T, d)
                 guard.finite("the trunk's output for these activations", out)
         except Exception:
             rt.memory.release(st.held.pop(meta.micro, None))

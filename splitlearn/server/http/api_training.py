@@ -19,33 +19,36 @@ bp = Blueprint("training", __name__)
 
 
 def _piece(s: Served, t: dict, labels: bool):
-    """A piece's hidden, mask (any 0/1 padding: a Trainer's collator pads on the right) and, if
-    ``labels``, its labels; their values checked and the mask brought to host memory in one read
+    """A piece's hidden, mask (any 0/1 padding: a Trainer's collator pads on the right), if
+    ``labels`` its labels, and its optional ``position_ids`` (the first segment's: packed
+    sequences, positions of the client's own; absent: derived from the mask, as the client
+    derives them); their values checked and the mask brought to host memory in one read
     (:class:`.validate.Checks`: a GPU server waits for its device once)."""
     checks = validate.Checks()
     h = validate.hidden(t, P.HIDDEN, s.dims[0], s.cfg.max_batch, s.dims[1], checks=checks)
     mask = validate.attention_mask(t, P.MASK, h.shape[0], h.shape[1], s.dims[1], left_padded=False,
                                    checks=checks)
     y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], s.dims[2], checks=checks) if labels else None
-    return h, checks.verify(mask), y
+    pos = validate.position_ids(t, P.POSITIONS, h.shape[0], h.shape[1], s.dims[1], checks=checks)
+    return h, checks.verify(mask), y, pos
 
 
 @tensor_route(bp, P.TRAIN_STEP, owner=True, cls="training")
 def train_step(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
     rt = s.rt
     m = scoped(P.StepMeta.from_meta(meta), owner)
-    h, mask, y = _piece(s, t, labels=True)  # a fused piece: loss_scale = its loss's gradient
+    h, mask, y, pos = _piece(s, t, labels=True)  # a fused piece: loss_scale = its loss's gradient
     rt.budget.train(h.shape[0], h.shape[1], mask)  # 413 before allocating
-    return rt.train_step(m, h, y, mask)
+    return rt.train_step(m, h, y, mask, pos)
 
 
 @tensor_route(bp, P.TRAIN_FORWARD, owner=True, cls="training")
 def train_forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
     rt = s.rt
     m = scoped(P.StepMeta.from_meta(meta), owner)
-    h, mask, y = _piece(s, t, labels=P.LABELS in t)  # labels: 2-way, the server computes the loss
+    h, mask, y, pos = _piece(s, t, labels=P.LABELS in t)  # labels: 2-way, the server computes the loss
     rt.budget.train_forward(h.shape[0], h.shape[1], mask, loss=y is not None)  # its graph waits for the backward
-    return rt.train_forward(m, h, mask, y)
+    return rt.train_forward(m, h, mask, y, pos)
 
 
 @tensor_route(bp, P.TRAIN_BACKWARD, owner=True, cls="training")
@@ -74,10 +77,11 @@ def train_apply():
 def forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
     rt, cfg, vocab = s.rt, s.cfg, s.dims[2]
     if meta.get("padding") == "any":  # no cache here: padding on either side (splitlearn.hf)
-        h, mask, y = _piece(s, t, labels=P.LABELS in t)
+        h, mask, y, pos = _piece(s, t, labels=P.LABELS in t)
     else:
         h, mask = hidden_and_mask(s, t)
         y = validate.labels(t, P.LABELS, h.shape[0], h.shape[1], vocab) if P.LABELS in t else None
+        pos = validate.position_ids(t, P.POSITIONS, h.shape[0], h.shape[1], s.dims[1])
     rt.budget.forward(h.shape[0], h.shape[1], mask, labels=y is not None)
     adapter = None
     if rt.adapters is not None and "client_id" in meta:  # LoRA: evaluate with its adapter
@@ -88,7 +92,7 @@ def forward(s: Served, t: dict, meta: dict, owner: Tenant) -> Answer:
         rt.budget.check(f"the logits of {h.shape[0]} x {h.shape[1]} positions",
                         3 * h.shape[0] * h.shape[1] * vocab * 4)
     with lora_scope(rt.segment, adapter):
-        return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")), all_logits)
+        return rt.forward(h, mask, y, check_wire_dtype(meta.get("wire_dtype", "float32")), all_logits, pos)
 
 
 @bp.get(P.CLIENT_STATE.replace("{client_id}", "<client_id>"))
