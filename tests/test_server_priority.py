@@ -1,5 +1,6 @@
 """splitlearn.server.engine.priority: decode steps run inside a training step's forward and backward,
 and the training step is exactly what it would have been without them."""
+import contextlib
 import copy
 
 import pytest
@@ -112,3 +113,56 @@ def test_queue_waits_summarise_per_class():
     s = w.summary()
     assert s["training"]["count"] == 100 and s["training"]["max_ms"] == pytest.approx(100)
     assert s["training"]["p50_ms"] == pytest.approx(51) and s["decode"]["count"] == 0
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma2"])
+def test_a_family_models_points_fire_and_its_training_step_stays_exact(name, phase):
+    """A Llama (GQA) and a Gemma 2 trunk: the points sit on each layer's seven linear layers (the
+    gated MLP's three), two sessions' decode steps queued during the training step's forward or
+    backward run at a point (batched together: splitlearn/server/engine/batching.py) with the
+    answers they get alone, and the step's gradients are bit for bit the step's without them."""
+    import families as fam
+
+    seg = sl.partition(fam.model(name), (1, 3)).trunk
+    assert len(heavy_modules(seg)) == 7 * 2  # q, k, v, o, gate, up, down per layer
+    reference = copy.deepcopy(seg)
+    d = seg.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    caches = [seg.new_cache(), seg.new_cache()]
+    steps = [torch.randn(1, 1, d, generator=g) for _ in caches]
+    with torch.no_grad():
+        seg.eval()
+        for c in caches:
+            seg(torch.randn(1, 5, d, generator=g), None, c)
+        expected = [seg(x, None, copy.deepcopy(c)) for x, c in zip(steps, caches)]
+    compute = ComputeThread(1)
+    batcher = DecodeBatcher(seg, compute)
+    pre = Preemptor(batcher.pending, batcher.run_now, compute.on_thread)
+    x = torch.randn(2, 6, d, generator=g)
+    futures = []
+
+    def step(s, hooked):
+        s.train()
+        s.zero_grad(set_to_none=True)
+        h = x.clone().requires_grad_()
+        with pre.active([s]) if hooked else contextlib.nullcontext():
+            if hooked and phase == "forward":
+                futures.extend(batcher.enqueue(DecodeItem(c, y, key=i)) for i, (c, y) in enumerate(zip(caches, steps)))
+            out = s(h)
+        done_fwd = all(f.done() for f in futures) if futures else False
+        if hooked and phase == "backward":
+            futures.extend(batcher.enqueue(DecodeItem(c, y, key=i)) for i, (c, y) in enumerate(zip(caches, steps)))
+        out.pow(2).mean().backward()
+        done = done_fwd if phase == "forward" else all(f.done() for f in futures)
+        assert s.training
+        return h.grad.clone(), {n: p.grad.clone() for n, p in s.named_parameters()}, done
+
+    gin, grads, done = compute.run(step, seg, True)
+    assert done and pre.preemptions >= 1 and batcher.items == 2
+    for f, e in zip(futures, expected):
+        torch.testing.assert_close(f.result(), e, rtol=1e-5, atol=1e-5)
+    gin_ref, grads_ref, _ = compute.run(step, reference, False)
+    assert torch.equal(gin, gin_ref)
+    assert all(torch.equal(grads[n], grads_ref[n]) for n in grads)
+    compute.close()

@@ -57,8 +57,9 @@ class Family:
     mask; ``mask_positions``: pass ``position_ids`` to the mask functions (OPT does not);
     ``materialize_mask``: never let the mask be skipped for sdpa's ``is_causal`` (Falcon);
     ``max_positions``: the config field bounding learned position embeddings;
-    ``decode_batching``: the server's cross-session decode batching knows this layer layout (other
-    families' decode steps run one session at a time through the segment)."""
+    ``decode_batching``: the server's hand-written cross-session decode knows this layer layout
+    (GPT-2's; it is what the CUDA decode graphs capture); other families' decode steps are batched
+    through the layers' own call, with per-session caches (splitlearn/server/engine/batching.py)."""
 
     base: Optional[str] = None
     embed: Optional[tuple[str, ...]] = None
@@ -235,9 +236,10 @@ class Arch:
     # -- layers ----------------------------------------------------------------------------
 
     def masks(self, start: int, end: int, hidden: torch.Tensor, attention_mask, cache, position_ids,
-              inputs_embeds=None) -> dict:
+              inputs_embeds=None, materialize: bool = False) -> dict:
         """One mask per layer type among layers ``[start, end)``, sized against that type's
-        first layer in the range (its cache slot)."""
+        first layer in the range (its cache slot). ``materialize``: never None (no skip for sdpa's
+        ``is_causal``): the server's cross-session decode stacks the sessions' masks."""
         out = {}
         emb = hidden if inputs_embeds is None else inputs_embeds
         for i in range(start, end):
@@ -246,7 +248,7 @@ class Arch:
                 continue
             fn = create_sliding_window_causal_mask if t == SLIDING else create_causal_mask
             kw = {"position_ids": position_ids} if self.family.mask_positions else {}
-            if self.family.materialize_mask:
+            if self.family.materialize_mask or materialize:
                 kw["allow_is_causal_skip"] = False
             out[t] = fn(config=self.config, inputs_embeds=emb, attention_mask=attention_mask, cache=cache,
                         layer_idx=i, **kw)
@@ -302,6 +304,21 @@ class Arch:
             out = layer(hidden, **kw)
             hidden = out[0] if isinstance(out, tuple) else out  # (B, T, d)
         return hidden
+
+    def call_layer(self, layer: nn.Module, hidden: torch.Tensor, mask, position_ids, cache,
+                   position_embeddings=None) -> torch.Tensor:
+        """One layer on ``hidden`` (B, T, d), called as :meth:`run_layers` calls it (the cache
+        under the name the layer takes); the server's cross-session decode passes its own
+        per-session cache view (splitlearn/server/engine/batching.py)."""
+        params = _params(type(layer).forward)
+        kw = {"attention_mask": mask, "position_ids": position_ids, "use_cache": cache is not None}
+        kw["layer_past" if "layer_past" in params else "cache"] = cache
+        if position_embeddings is not None:
+            kw["position_embeddings"] = position_embeddings
+        if "alibi" in params:
+            kw["alibi"] = None  # Falcon with rotary; alibi's sessions are not stacked
+        out = layer(hidden, **kw)
+        return out[0] if isinstance(out, tuple) else out  # (B, T, d)
 
     # -- the head --------------------------------------------------------------------------
 

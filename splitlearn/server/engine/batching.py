@@ -4,14 +4,20 @@ Decoding one token per session is weight-bound: every step reads all of the segm
 weights to process a handful of rows. When several sessions step at the same time, the
 server stacks their new rows and runs the weight-heavy parts of each block once::
 
-    rows of session 1 (B1, 1, d) -+                 +-> attention of session 1 with its own cache
-    rows of session 2 (B2, 1, d) -+-> ln_1, c_attn -+-> attention of session 2 with its own cache -+-> c_proj, MLP
-    ...                            (N, 1, d)        +-> ...                                        |   (N, 1, d)
-                                                                                                   +-> ln_f, lm_head
+    rows of session 1 (B1, 1, d) -+                  +-> attention of session 1 with its own cache
+    rows of session 2 (B2, 1, d) -+-> norm, q, k, v -+-> attention of session 2 with its own cache -+-> out proj, MLP
+    ...                            (N, 1, d)         +-> ...                                        |   (N, 1, d)
+                                                                                                    +-> final norm, head
 
 Attention stays per session: each keeps its own KV cache, positions and padding mask, built
 exactly as :class:`~splitlearn.model.segments.Segment` builds them, and calls the same attention
-kernel; only the row-wise matrix products are shared. No request waits for others: a step
+kernel; only the row-wise matrix products are shared. GPT-2 runs a hand-written block (the layout
+the CUDA graphs capture, :mod:`.graphs`); every other family runs its layers' own call on the
+stacked rows (:func:`family_decode`): a :class:`SessionRows` cache extends each session's own
+cache and hands the attention the sessions' keys padded to one length, with the sessions' masks
+(one per layer type, sliding windows included) stacked and the padding masked, so each row still
+attends to its own session's keys only, through the family's attention function (transformers'
+``ALL_ATTENTION_FUNCTIONS``: eager, sdpa). No request waits for others: a step
 queues, and the first step queued schedules one *drain* on the server's compute thread
 (:mod:`.compute`); when the drain runs it takes every step queued by then, so steps that
 arrive while the model is busy share the next pass (see :class:`DecodeBatcher`).
@@ -31,6 +37,7 @@ groups in flight, which alternate by design, stay apart), and a closed session i
 """
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from concurrent.futures import Future
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
@@ -80,10 +88,13 @@ def batched_decode(segment: Segment, items: list[DecodeItem], graphs: Optional[D
 
     Outputs are hidden states (B_i, 1, d), or logits (B_i, 1, V) for a segment with the head.
     ``graphs``: the row-wise parts replayed as CUDA graphs where they may be (:mod:`.graphs`).
-    A family whose layers the shared-rows path does not know (the adapter's ``decode_batching``;
-    docs/MODELS.md) runs each session's step alone through the segment, exactly.
+    GPT-2 (the adapter's ``decode_batching``) runs the hand-written block; another family runs
+    :func:`family_decode`, or each session's step alone through the segment where its rows do not
+    stack (:func:`rows_batchable`; one session: alone, exactly).
     """
     if not segment.arch.family.decode_batching:
+        if len(items) > 1 and rows_batchable(segment):
+            return family_decode(segment, items)
         outs = []
         for it in items:
             with lora_rows(segment, [(it.hidden.shape[0], it.adapter)]):
@@ -119,7 +130,95 @@ def batched_decode(segment: Segment, items: list[DecodeItem], graphs: Optional[D
             for block in segment.h:
                 x = post(block, x, attention(block, pre(block, x)))  # (N, 1, d)
         if segment.has_head:
-            x = segment.lm_head(segment.ln_f(x))  # (N, 1, V)
+            x = segment.logits(x)  # (N, 1, V): the final norm, the head
+    for it in items:
+        it.cache.length += 1
+    return list(x.split(rows, dim=0))
+
+
+ROWS_ATTENTION = ("eager", "sdpa")  # attention functions whose masks stack (a tensor per row)
+
+
+def rows_batchable(segment: Segment) -> bool:
+    """Whether :func:`family_decode` batches this segment's sessions: hidden states in (not token
+    ids), an attention function whose masks are tensors (eager, sdpa), no alibi (Falcon's is
+    folded into a mask rebuilt from each session's whole 2-D mask: run per session)."""
+    return (not segment.has_embeddings and not segment.arch.uses_alibi
+            and getattr(segment.config, "_attn_implementation", None) in ROWS_ATTENTION)
+
+
+class SessionRows:
+    """The sessions' caches seen by a family's layers as one cache of N rows.
+
+    A layer's attention calls ``update(keys, values, layer_idx)`` with the new position's keys
+    and values of every row, (N, H_kv, 1, hd). Each session's rows extend that session's own
+    cache (its slot, sliding window and all, exactly as the segment alone would), and the
+    sessions' whole keys and values come back stacked, each left-padded with zeros to the
+    longest of that layer type, (N, H_kv, K_max, hd). The stacked mask (:func:`stack_masks`)
+    masks the padding, so a row attends to its own session's keys and nothing else."""
+
+    def __init__(self, items: list[DecodeItem], rows: list[int], types: list[str], lengths: dict):
+        self.items, self.rows, self.types = items, rows, types  # types: the layer type of each global layer
+        self.lengths = lengths  # layer type -> [keys of each session after this step]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        lengths = self.lengths[self.types[layer_idx]]
+        width = max(lengths)
+        keys, values, start = [], [], 0
+        for it, n, length in zip(self.items, self.rows, lengths):
+            k, v = it.cache.kv.update(key_states[start:start + n], value_states[start:start + n], layer_idx)
+            if k.shape[-2] != length:  # the mask was sized for another length: never attend to it
+                raise RuntimeError(f"layer {layer_idx}: a session's cache holds {k.shape[-2]} keys, its mask {length}")
+            keys.append(F.pad(k, (0, 0, width - length, 0)))  # (n, H_kv, width, hd)
+            values.append(F.pad(v, (0, 0, width - length, 0)))
+            start += n
+        return torch.cat(keys), torch.cat(values)  # (N, H_kv, width, hd)
+
+
+def stack_masks(per_session: list[dict], rows: list[int]) -> tuple[dict, dict]:
+    """The sessions' 4-D masks (one per layer type each, (B_i|1, 1, 1, K_i), bool or additive
+    float) stacked into (N, 1, 1, K_max) per type, each left-padded with "masked" (False, or the
+    dtype's min); and each type's K_i per session."""
+    masks, lengths = {}, {}
+    for t in per_session[0]:
+        ms = [m[t] for m in per_session]
+        width = max(m.shape[-1] for m in ms)
+        fill = False if ms[0].dtype == torch.bool else torch.finfo(ms[0].dtype).min
+        masks[t] = torch.cat([F.pad(m.expand(n, *m.shape[1:]), (width - m.shape[-1], 0), value=fill)
+                              for m, n in zip(ms, rows)])
+        lengths[t] = [m.shape[-1] for m in ms]
+    return masks, lengths
+
+
+def family_decode(segment: Segment, items: list[DecodeItem]) -> list[torch.Tensor]:
+    """One new position of every item through a family's segment (not GPT-2's hand-written
+    block): the row-wise products (projections, MLP, norms, the head) once over the stacked rows,
+    attention per session through :class:`SessionRows`; rotary from each session's own positions
+    (the first segment's, or its mask's, as the segment alone derives them)."""
+    arch, rows = segment.arch, [it.hidden.shape[0] for it in items]
+    x = torch.cat([it.hidden for it in items], dim=0)  # (N, 1, d)
+    pos = [(it.positions if it.positions is not None
+            else arch.positions(it.mask, it.cache.length, 1, x.device)).expand(n, 1)
+           for it, n in zip(items, rows)]  # (B_i, 1) each
+    layers = segment.layers_list
+    with lora_rows(segment, [(n, it.adapter) for it, n in zip(items, rows)]):
+        if len(layers):
+            per = [arch.masks(segment.start, segment.end, it.hidden, it.mask, it.cache.kv, p, materialize=True)
+                   for it, p in zip(items, pos)]
+            masks, lengths = stack_masks(per, rows)
+            position_ids = torch.cat(pos)  # (N, 1)
+            rotary = getattr(segment, "rotary_emb", None)
+            pes = {}
+            if rotary is not None:
+                per_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
+                for t in masks:
+                    pes[t] = rotary(x, position_ids, t) if per_type else rotary(x, position_ids)
+            cache = SessionRows(items, rows, arch.layer_types, lengths)
+            for j, layer in enumerate(layers):
+                t = arch.layer_types[segment.start + j]
+                x = arch.call_layer(layer, x, masks[t], position_ids, cache, pes.get(t))  # (N, 1, d)
+        if segment.has_head:
+            x = segment.logits(x)  # (N, 1, V)
     for it in items:
         it.cache.length += 1
     return list(x.split(rows, dim=0))

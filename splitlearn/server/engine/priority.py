@@ -8,13 +8,14 @@ lesson: latency-bound work first, throughput-bound work fills the gaps.
 
 ``decode-first`` (the default) cuts training into pieces small enough that a decode batch
 never waits for a whole forward or backward: while a training request runs, the segment's
-heavy modules (each block's four linear layers ``c_attn``, ``attn.c_proj``, ``c_fc``,
-``mlp.c_proj``, and the LM head) get a *preemption point* before their forward and, through a
-hook on their output, before their backward::
+heavy modules (each layer's linear layers, any family: GPT-2's four Conv1D, a Llama's
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; and the LM
+head) get a *preemption point* before their forward and, through a hook on their output, before
+their backward::
 
-    training forward:  ... c_attn | c_proj | c_fc | c_proj | ...     (one block)
+    training forward:  ... q_proj | k_proj | v_proj | o_proj | gate_proj | up_proj | down_proj | ...
                               ^ a decode step queued now runs here, then training goes on
-    training backward: ... d c_proj | d c_fc | d c_proj | d c_attn ...
+    training backward: ... d down_proj | d up_proj | d gate_proj | d o_proj | ...
                               ^ the same, between two gradient products
 
 At a point, if decode steps are queued (:meth:`~.batching.DecodeBatcher.pending`), they run
