@@ -169,16 +169,61 @@ def breakdown(c, ids, tokens: int, unsplit_ms: float) -> dict:
             "unsplit_generate_ms_per_token": unsplit_ms}
 
 
-def cprofile_inproc(gen, ids, tokens: int, rt, top: int) -> dict:
+def cprofile_inproc(gen, unsplit_gen, ids, tokens: int, rt, top: int) -> dict:
     """cProfile of one split generation in process: the request thread and the compute thread."""
     gen(ids, tokens)  # warm
     main, worker = cProfile.Profile(), cProfile.Profile()
+    prof_unsplit = cProfile.Profile()
+    prof_unsplit.runcall(unsplit_gen, ids, tokens)
     rt.compute.run(worker.enable)
     try:
         main.runcall(gen, ids, tokens)
     finally:
         rt.compute.run(worker.disable)
-    return {"request thread": _stats(main, top, tokens), "compute thread": _stats(worker, top, tokens)}
+    return {"request thread": _stats(main, top, tokens), "compute thread": _stats(worker, top, tokens),
+            "unsplit": _stats(prof_unsplit, top, tokens)}
+
+
+CATEGORIES = (  # (category, substrings of a function's file), the first that matches
+    ("waits (locks, queues, sockets)", ("_thread.lock", "_queue.", "socket", "select.")),
+    ("torch operators (C)", ("torch._C", "torch._ops", "torch.", "TensorBase")),
+    ("wire (api/wire.py, safetensors, numpy)", ("splitlearn/api/wire.py", "safetensors", "numpy")),
+    ("answer checks (api/trust.py)", ("splitlearn/api/trust.py",)),
+    ("split cache (hf/cache.py, hf/ahead.py)", ("splitlearn/hf/cache.py", "splitlearn/hf/ahead.py")),
+    ("client transport (transport/, http.client, requests)", ("splitlearn/transport/", "http/client.py",
+                                                              "requests/", "urllib3/", "email/")),
+    ("server http (Flask, werkzeug, server/http/)", ("flask/", "werkzeug/", "splitlearn/server/http/")),
+    ("server engine (server/engine/)", ("splitlearn/server/engine/",)),
+    ("generate's loop (transformers/generation/)", ("transformers/generation/",)),
+    ("model modules, Python (transformers, torch.nn, splitlearn model/hf)", ("transformers/", "torch/",
+                                                                           "splitlearn/")),
+)
+
+
+def category(func: tuple) -> str:
+    file, _, name = func
+    where = f"{file}:{name}"
+    for cat, marks in CATEGORIES:
+        if any(m in where for m in marks):
+            return cat
+    return "other Python (threading, concurrent.futures, ...)"
+
+
+def categories(prof: cProfile.Profile, tokens: int) -> dict:
+    """Own time by :data:`CATEGORIES`, us a token; a builtin's (file ``~``) that is no torch
+    operator and no wait goes to its callers' categories, in their shares."""
+    st = pstats.Stats(prof).stats
+    out: dict = {}
+    for func, (_, _, tt, _, callers) in st.items():
+        cat = category(func)
+        if func[0] == "~" and cat.startswith(("model", "other")) and callers:
+            total = sum(c[2] for c in callers.values()) or 1.0
+            for caller, c in callers.items():
+                k = category(caller)
+                out[k] = out.get(k, 0.0) + tt * c[2] / total
+        else:
+            out[cat] = out.get(cat, 0.0) + tt
+    return {k: 1e6 * v / tokens for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
 def _stats(prof: cProfile.Profile, top: int, tokens: int) -> dict:
@@ -190,7 +235,8 @@ def _stats(prof: cProfile.Profile, top: int, tokens: int) -> dict:
     rows.sort(key=lambda r: -r["own_us_per_token"])
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return {"total_us_per_token": 1e6 * st.total_tt / tokens, "top": rows[:top]}
+    return {"total_us_per_token": 1e6 * st.total_tt / tokens, "top": rows[:top],
+            "categories": categories(prof, tokens)}
 
 
 def _short(file: str) -> str:
@@ -241,7 +287,22 @@ def markdown(res: dict) -> str:
               f"| compute alone: whole model / bottom / trunk / top (a decode step, no glue) | {c['whole']:.3f} / "
               f"{c['bottom']:.3f} / {c['trunk']:.3f} / {c['top']:.3f} |",
               f"| unsplit generate, per token | {b['unsplit_generate_ms_per_token']:.3f} |"]
+    cp = res.get("cprofile")
+    if cp:
+        cats = {c for p in cp.values() for c in p["categories"]}
+        g = lambda w, c: cp[w]["categories"].get(c, 0.0)  # noqa: E731
+        rows = sorted(cats, key=lambda c: -(g("request thread", c) + g("compute thread", c) - g("unsplit", c)))
+        L += ["", "## cProfile by category, us a token (own time; inflated by the profiler, compare rows)", "",
+              "split inproc: the request thread (client, wire, Flask, routes) and the server's compute thread "
+              "(the engine); the waits are each thread's idle time.", "",
+              "| category | split, request thread | split, compute thread | unsplit | split - unsplit |",
+              "|---|---|---|---|---|"]
+        for c in rows:
+            a, b, u = g("request thread", c), g("compute thread", c), g("unsplit", c)
+            L.append(f"| {c} | {a:.0f} | {b:.0f} | {u:.0f} | {a + b - u:+.0f} |")
     for where, prof in (res.get("cprofile") or {}).items():
+        if where == "unsplit":
+            continue
         L += ["", f"## cProfile, split inproc, {where} ({prof['total_us_per_token']:.0f} us/token profiled)", "",
               "| function | calls/token | own us/token | cum us/token |", "|---|---|---|---|"]
         L += [f"| `{r['function']}` | {r['calls_per_token']:.1f} | {r['own_us_per_token']:.1f} | "
@@ -319,7 +380,7 @@ def main(argv=None) -> int:
             res["breakdown"] = breakdown(clients["split http"], ids, a.tokens, rows["unsplit"]["per_token_ms"])
             if not a.no_profile:
                 gen = systems["split inproc"]
-                res["cprofile"] = cprofile_inproc(gen, ids, a.tokens, inprocs[""].rt, a.top)
+                res["cprofile"] = cprofile_inproc(gen, systems["unsplit"], ids, a.tokens, inprocs[""].rt, a.top)
                 res["ops"] = op_profile(gen, ids, a.tokens, a.top)
         finally:
             for c in clients.values():
