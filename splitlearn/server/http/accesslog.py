@@ -120,22 +120,30 @@ def record(a: Access, metrics: Optional[ServerMetrics]) -> None:
     process's exit do the work, many records at a time, so the next request on the
     connection does not wait for it (benchmarks/observability.py)."""
     _pending.append((a, metrics))
-    if _drainer is None:
+    d = _drainer
+    if d is None or (isinstance(d, threading.Thread) and not d.is_alive()):
         _start_drainer()
 
 
 def _start_drainer() -> None:
     global _drainer
     with _drainer_lock:
-        if _drainer is None:
+        d = _drainer
+        if d is None or (isinstance(d, threading.Thread) and not d.is_alive()):
+            if d is None:
+                atexit.register(drain)
             _drainer = threading.Thread(target=_drain_forever, name="accesslog-drain", daemon=True)
             _drainer.start()
-            atexit.register(drain)
 
 
 def _drain_forever() -> None:
+    """Drain every ``DRAIN_S`` while this thread is the drainer (a test that stops the drainer
+    replaces it; the next record starts a new one once this one has ended)."""
+    me = threading.current_thread()
     while True:
         time.sleep(DRAIN_S)
+        if _drainer is not me:
+            return
         drain()
 
 
