@@ -26,6 +26,7 @@ from splitlearn import AutoSplitModelForCausalLM, ConfigError
 from splitlearn.api import protocol as P
 from splitlearn.api.wire import decode
 from splitlearn.hf.lora import adapter_tensors, export_adapter
+from splitlearn.model.arch import arch_of
 from splitlearn.model.lora import LoraSpec, init_adapter_pair
 
 from serverproc import TOKEN, InprocServerProcess, auth, same_weights, web
@@ -120,7 +121,7 @@ def test_the_spec_takes_one_familys_names():
     with pytest.raises(ConfigError, match="mix"):
         LoraSpec(4, 8.0, ("c_attn", "q_proj"))
     with pytest.raises(ConfigError, match="unknown LoRA target"):
-        LoraSpec(4, 8.0, ("qkv_proj",))
+        LoraSpec(4, 8.0, ("wqkv",))
 
 
 def test_a_llama_server_refuses_gpt2_targets(tmp_path):
@@ -128,3 +129,41 @@ def test_a_llama_server_refuses_gpt2_targets(tmp_path):
     fam.model("llama-gqa").save_pretrained(folder)
     with pytest.raises(ConfigError, match="no LoRA target"):
         InprocServerProcess((1, 3), model=str(folder), extra=["--lora-r", "4", "--lora-targets", "c_attn"]).start()
+
+
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox", "opt", "falcon"])
+def test_lora_on_families_with_other_linear_names(name, tmp_path):
+    """Phi-3's fused qkv_proj/gate_up_proj, GPT-NeoX's and Falcon's query_key_value/dense/
+    dense_h_to_4h/dense_4h_to_h, OPT's q/k/v/out_proj and fc1/fc2 (U-shape, lighter): two SGD
+    steps equal single-process peft's losses, and the export on the stock class gives the split
+    model's logits."""
+    folder = tmp_path / "model"
+    ref_model = fam.model(name)
+    ref_model.save_pretrained(folder)
+    targets = sorted({k.rsplit(".", 1)[-1] for k, m in ref_model.named_modules()
+                      if isinstance(m, torch.nn.Linear) and not k.endswith("lm_head")})
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR, model=str(folder),
+                             extra=["--lora-r", "4", "--lora-alpha", "8", "--lora-targets", ",".join(targets)]) as srv:
+        model = AutoSplitModelForCausalLM.from_pretrained(str(folder), server=srv.url, token=TOKEN,
+                                                          client_id="alice", lora=cfg)
+        ref = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(r=4, lora_alpha=8,
+                                                                                      target_modules=targets))
+        for n, m in ref.base_model.model.named_modules():
+            if hasattr(m, "lora_A") and "default" in m.lora_A:
+                a, b = init_adapter_pair(0, "alice", n, m.in_features, m.out_features, 4)
+                with torch.no_grad():
+                    m.lora_A["default"].weight.copy_(a)
+                    m.lora_B["default"].weight.copy_(b)
+        losses = sgd(model, steps=2)
+        assert losses == pytest.approx(sgd(ref, steps=2), abs=1e-5) and losses[1] != losses[0]
+        out = export_adapter(model, tmp_path / "adapter", base_model=str(folder))
+        stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(out)).eval()
+        model.eval()
+        ids, mask = fam.padded()
+        pos = arch_of(model.config).positions(mask, 0, ids.shape[1])  # the family's rule (OPT's own)
+        with torch.no_grad():
+            got = model(input_ids=ids, attention_mask=mask).logits
+            want = stock(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        model.remote.close()

@@ -17,7 +17,7 @@ SPEC = LoraSpec(r=4, alpha=8.0, targets=("c_attn", "c_proj", "c_fc"))
 @pytest.mark.parametrize("kwargs, words", [
     (dict(r=0), "r must be"), (dict(r=-2), "r must be"), (dict(r=2.5), "r must be"),
     (dict(alpha=0), "alpha"), (dict(alpha=-1.0), "alpha"), (dict(dropout=1.0), "dropout"),
-    (dict(targets=("qkv_proj",)), "c_attn, c_proj, c_fc"), (dict(targets=()), "at least one"),
+    (dict(targets=("wqkv",)), "c_attn, c_proj, c_fc"), (dict(targets=()), "at least one"),
     (dict(targets=("c_attn", "q_proj")), "mix"),  # one family's names (GPT-2's Conv1D or the linear ones)
 ])
 def test_bad_specs_are_config_errors(kwargs, words):

@@ -9,9 +9,13 @@ from typing import Optional
 from ..errors import ConfigError
 
 CONV1D_TARGETS = ("c_attn", "c_proj", "c_fc")  # GPT-2's Conv1D layers (c_proj: attention and MLP)
-#: the linear layers (``nn.Linear``) of the Llama-like families (Llama, Qwen2/3, Mistral, Gemma 1-3,
-#: Phi-3 ...: attention q/k/v/o, the gated MLP's gate/up/down), docs/MODELS.md
-LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: the linear layers (``nn.Linear``) of the other families (docs/MODELS.md): the Llama-like ones'
+#: (Llama, Qwen2/3, Mistral, Gemma 1-3: attention q/k/v/o, the gated MLP's gate/up/down), Phi-3's
+#: fused ``qkv_proj``/``gate_up_proj``, GPT-NeoX's and Falcon's ``query_key_value``, ``dense``,
+#: ``dense_h_to_4h``, ``dense_4h_to_h``, OPT's ``out_proj``, ``fc1``, ``fc2``
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "qkv_proj", "gate_up_proj", "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h",
+                  "out_proj", "fc1", "fc2")
 TARGETS = CONV1D_TARGETS + LINEAR_TARGETS
 
 
@@ -39,7 +43,7 @@ class LoraSpec:
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown:
             raise ConfigError(f"unknown LoRA target module(s) {', '.join(map(repr, unknown))}: the adaptable "
-                              f"modules are GPT-2's {', '.join(CONV1D_TARGETS)} and the Llama-like families' "
+                              f"modules are GPT-2's {', '.join(CONV1D_TARGETS)} and the other families' linear layers "
                               f"{', '.join(LINEAR_TARGETS)}")
         if set(self.targets) & set(CONV1D_TARGETS) and set(self.targets) & set(LINEAR_TARGETS):
             raise ConfigError(f"LoRA targets {list(self.targets)} mix GPT-2's Conv1D names with linear ones: "

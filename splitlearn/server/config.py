@@ -249,8 +249,9 @@ class LoraOptions:
 
     lora_r: Optional[int] = opt(None, "train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
     lora_alpha: Optional[float] = opt(None, "LoRA scale alpha/r (default: 2r)")
-    lora_targets: str = opt("c_attn", "comma-separated: GPT-2's c_attn, c_proj, c_fc, or q_proj, k_proj, v_proj, "
-                                      "o_proj, gate_proj, up_proj, down_proj (Llama-like families)")
+    lora_targets: str = opt("c_attn", "comma-separated: GPT-2's c_attn, c_proj, c_fc, or the other families' "
+                                      "linear layers (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                      "down_proj, ...: docs/LORA.md)")
     lora_dropout: float = opt(0.0, "dropout on the adapters' input")
 
     def spec(self) -> Optional[LoraSpec]:
