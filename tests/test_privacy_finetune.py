@@ -72,7 +72,7 @@ def test_two_way_keeps_the_servers_own_head(tmp_path, tiny_model):
     (dict(defense="gaussian"), "defense must be"),
     (dict(cut=7), "out of range"),
     (dict(lr=0.0), "lr must be > 0"),
-    (dict(seq_len=65), "n_positions"),
+    (dict(seq_len=65), "max_position_embeddings=64"),
 ])
 def test_bad_input(tmp_path, kw, match):
     args = dict(source="tiny", cut=1, defense=GaussianNoise(1.0, 1.0), steps=2, cache_dir=tmp_path)
@@ -141,6 +141,35 @@ def test_rows_of_fine_tuned_defenses(tmp_path, monkeypatch):
     again = json.loads(out.read_text())["rows"]
     assert [r["token_recovery"] for r in again] == [r["token_recovery"] for r in rows]
     assert [r["finetune_seconds"] for r in again] == [r["finetune_seconds"] for r in rows]
+
+
+def test_fine_tuned_rows_are_compared_with_an_undefended_row_trained_as_long(tmp_path, monkeypatch, capsys):
+    """A defense fine-tuned N steps is also compared with the undefended model fine-tuned N steps by
+    the same command (its ``perplexity_control``, the table's "× undefended trained as long"): the
+    extra training alone lowers perplexity, so "× undefended" (the reference before fine-tuning)
+    flatters a fine-tuned row. Without that row the command says so."""
+    monkeypatch.setenv("SPLITLEARN_CACHE", str(tmp_path))
+    out, md = tmp_path / "out.json", tmp_path / "out.md"
+    base = ["--model", "tiny", "--train-steps", "3", "--cut", "1,3", "--defense-train-steps", "3",
+            "--defense-batch-size", "2", "--defense-seq-len", "16", "--attacks", "linear", "--epochs", "1",
+            "--seq-len", "16", "--max-private-tokens", "32", "--no-progress", "--json", str(out), "--markdown", str(md)]
+    assert main(base + ["--defense", "none", "--defense", "recommended"]) == 0
+    none, control, rec = json.loads(out.read_text())["rows"]
+    assert (none["finetune_steps"], control["finetune_steps"], rec["finetune_steps"]) == (0, 3, 3)
+    assert control["defense"] == {"name": "none"} and "perplexity_control" not in none
+    assert control["perplexity"] != none["perplexity"]  # the 3 steps changed the model
+    assert rec["perplexity_control"] == control["perplexity_control"] == control["perplexity"]
+    head, _, *lines = md.read_text().splitlines()
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    at = cols.index("× undefended trained as long")
+    cell = [c.strip() for c in lines[2].strip("|").split("|")][at]
+    assert cell == f"{rec['perplexity'] / control['perplexity']:.2f}"
+    assert [c.strip() for c in lines[0].strip("|").split("|")][at] == ""  # the reference row: no control
+    capsys.readouterr()
+    assert main(base + ["--defense", "recommended"]) == 0  # no control row: said, no column
+    assert "no undefended row fine-tuned 3 steps" in capsys.readouterr().err
+    assert "trained as long" not in md.read_text()
+    assert "perplexity_control" not in json.loads(out.read_text())["rows"][1]
 
 
 # -- the residual design ---------------------------------------------------------------------------

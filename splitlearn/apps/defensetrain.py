@@ -33,11 +33,15 @@ from ..errors import ConfigError
 from ..model.loading import load_model
 from ..model.partition import validate_cuts
 from ..defense.defenses import Defense
-from ..privacy.meter import split_corpus
+from ..privacy.meter import max_positions, n_layers, split_corpus
 from ..privacy.spent import describe as describe_spent, spent
 from ..privacy.reference import FINETUNE_JSON, default_cache_dir, finetune_info  # noqa: F401 (re-export)
 
 log = logging.getLogger(__name__)
+
+#: the families whose split model class takes ``defense=`` (SplitGPT2LMHeadModel); the other
+#: families' classes (splitlearn.hf.auto) do not yet
+DEFENDED_CLASSES = ("gpt2",)
 
 def _tag(source: Union[str, Path], cut: tuple[int, ...], defense: Defense, steps: int, batch_size: int,
          seq_len: int, lr: float, seed: int) -> str:
@@ -68,9 +72,15 @@ def finetune_defense(source: Union[str, Path], cut: Union[int, Sequence[int]], d
     if not isinstance(defense, Defense):
         raise ConfigError(f"defense must be a splitlearn.privacy.Defense, got {type(defense).__name__}")
     base = load_model(str(source), seed=seed)
-    cut = validate_cuts(cut, base.config.n_layer)
-    if seq_len > base.config.n_positions:
-        raise ConfigError(f"seq_len={seq_len} is longer than n_positions={base.config.n_positions}")
+    cut = validate_cuts(cut, n_layers(base))
+    limit = max_positions(base.config)
+    if limit and seq_len > limit:
+        raise ConfigError(f"seq_len={seq_len} is longer than the model's positions (max_position_embeddings={limit})")
+    if base.config.model_type not in DEFENDED_CLASSES:
+        raise ConfigError(f"defense-aware fine-tuning runs through the split model classes with a defense "
+                          f"({', '.join(DEFENDED_CLASSES)}); {base.config.model_type!r}'s split class takes no "
+                          f"defense yet (docs/MODELS.md, 'Not yet'): measure the defense at test time "
+                          f"(measure_leakage(model, cut, defense=...))")
     if base.config.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"{source} has a vocabulary of {base.config.vocab_size}; defense fine-tuning "
                           f"trains on bytes (257)")
@@ -153,11 +163,12 @@ def _train(source, cut, defense, steps, batch_size, seq_len, lr, seed, ids, prog
 
 
 def _assemble(base, cut, client: dict, server: dict):
-    """``base`` (the untuned ``GPT2LMHeadModel``) with the client's and the server's trained weights;
+    """``base`` (the untuned ``*ForCausalLM``) with the client's and the server's trained weights;
     2-way: untied, the LM head being the server's own copy."""
     if len(cut) == 1:  # the server trained its own LM head: keep it
         base.config.tie_word_embeddings = False
-        base.lm_head.weight = torch.nn.Parameter(base.transformer.wte.weight.detach().clone())
+        base.get_output_embeddings().weight = torch.nn.Parameter(
+            base.get_input_embeddings().weight.detach().clone())
     state = base.state_dict()
     got = {}
     for k, v in list(client.items()) + list(server.items()):

@@ -188,8 +188,9 @@ def _check_releases(steps, tokens) -> None:
 class NoPeek(Defense):
     """Add ``weight * dCor(inputs, h)`` to the client's training loss (NoPeek).
 
-    ``inputs``: the token embeddings ``wte(input_ids)`` (B, T, d), detached. ``unit``: one dCor
-    sample per ``"sequence"`` (B samples) or per ``"token"`` (B * T, O((B T)^2) memory)."""
+    ``inputs``: the token embeddings of ``input_ids`` (the embedding module's output, B, T, d),
+    detached. ``unit``: one dCor sample per ``"sequence"`` (B samples) or per ``"token"`` (B * T,
+    O((B T)^2) memory). Tensors only: any family's activations."""
 
     weight: float = 0.1   # multiplier of the distance correlation in the loss (>= 0)
     unit: str = "sequence"  # sequence | token

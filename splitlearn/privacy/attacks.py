@@ -6,12 +6,18 @@ bottom and defense (:func:`train_inverter`), and white-box inversion knowing the
 weights (:func:`invert_whitebox`: greedy, position by position) and the optimisation attack
 (:func:`invert_optimize`: all positions at once, maximum a posteriori under the defense's noise
 with the best inverter's guess as the prior, a la BiSR). Every attack returns predicted ids
-(B, T); :func:`recovery` is the top-1 fraction correct. See docs/PRIVACY.md, 'Attacks'."""
+(B, T); :func:`recovery` is the top-1 fraction correct. See docs/PRIVACY.md, 'Attacks'.
+
+The learned inverters read activations only: they run on every family the adapter cuts
+(:mod:`splitlearn.model.arch`). The white-box and optimisation attacks run the bottom's layers
+on a hand-built 4-D mask (each candidate sees the prefix and itself) with absolute learned
+position embeddings added to the token embeddings: the families in :data:`WHITEBOX_FAMILIES`
+(GPT-2); :func:`attacks_for` names what a model's family supports (docs/MODELS.md)."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,6 +30,11 @@ log = logging.getLogger(__name__)
 
 LEARNED = ("linear", "mlp", "gru")
 ATTACKS = LEARNED + ("whitebox", "optimize")
+KNOWING = ("whitebox", "optimize")  # the attacks that run the bottom's weights
+#: the families whose layers the white-box and optimisation attacks can run on a hand-built 4-D
+#: candidate mask: a layer called ``layer(x, None, mask)`` with one additive/boolean mask for every
+#: layer and learned absolute positions (no rotary, no per-layer-type masks, no softcaps)
+WHITEBOX_FAMILIES = ("gpt2",)
 
 
 @dataclass
@@ -62,6 +73,34 @@ def check_attacks(attacks) -> tuple[str, ...]:
         if a not in ATTACKS:
             raise ConfigError(f"unknown attack {a!r}; known attacks: {', '.join(ATTACKS)}")
     return attacks
+
+
+def attacks_for(config) -> tuple[str, ...]:
+    """The attacks that run on ``config``'s family: every one for :data:`WHITEBOX_FAMILIES`, the
+    learned inverters for the others."""
+    return ATTACKS if config.model_type in WHITEBOX_FAMILIES else LEARNED
+
+
+def check_family(attacks: Sequence[str], config) -> None:
+    """ConfigError when ``attacks`` ask for a white-box or optimisation attack on a family that
+    does not have it (docs/MODELS.md, 'Not yet')."""
+    bad = [a for a in attacks if a in KNOWING and a not in attacks_for(config)]
+    if bad:
+        raise ConfigError(f"the {' and '.join(bad)} attack{'s' if len(bad) > 1 else ''} run on "
+                          f"{', '.join(WHITEBOX_FAMILIES)} only (a hand-built candidate mask through the "
+                          f"layers, learned positions); {config.model_type!r} gets the learned inverters "
+                          f"({', '.join(LEARNED)}): docs/MODELS.md")
+
+
+def _token_embedding(bottom: Segment) -> nn.Module:
+    return getattr(bottom, bottom.arch.embed_names[0])
+
+
+def _embed(bottom: Segment, position_ids: torch.Tensor, input_ids=None, inputs_embeds=None) -> torch.Tensor:
+    """The bottom's embeddings through the adapter (token + learned positions, then dropout)."""
+    names = bottom.arch.embed_names
+    return bottom.arch.embed({n: getattr(bottom, n, None) for n in names}, position_ids,
+                             input_ids=input_ids, inputs_embeds=inputs_embeds)
 
 
 def recovery(pred: torch.Tensor, ids: torch.Tensor) -> float:
@@ -178,6 +217,7 @@ def invert_whitebox(bottom: Segment, y: torch.Tensor, candidates: torch.Tensor,
 
 def _whitebox_batch(bottom: Segment, y: torch.Tensor, candidates: torch.Tensor,
                     defense: Optional[Defense]) -> torch.Tensor:
+    check_family(("whitebox",), bottom.config)
     dev = next(bottom.parameters()).device
     y = y.to(dev).float()
     B, T, _ = y.shape
@@ -194,9 +234,9 @@ def _whitebox_batch(bottom: Segment, y: torch.Tensor, candidates: torch.Tensor,
         allow[:t, :t] = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         allow[t:, :t] = True  # every candidate sees the prefix ...
         allow[t:, t:] = torch.eye(K, dtype=torch.bool, device=dev)  # ... and itself only
-        x = bottom.wte(ids) + bottom.wpe(pos)[None]  # (B, L, d)
+        x = _embed(bottom, pos, input_ids=ids)  # (B, L, d): token + position embeddings
         mask = allow[None, None].expand(B, 1, L, L)
-        for block in bottom.h:
+        for block in bottom.layers_list:
             x = block(x, None, mask)  # (B, L, d)
             x = x[0] if isinstance(x, tuple) else x
         hc = clip(x[:, t:].float())  # (B, K, d): each candidate's vector at position t
@@ -228,6 +268,7 @@ def invert_optimize(bottom: Segment, y: torch.Tensor, classes: torch.Tensor, def
 
 
 def _optimize_batch(bottom, y, classes, defense, prior, config):
+    check_family(("optimize",), bottom.config)
     dev = next(bottom.parameters()).device
     y = y.to(dev).float()
     B, T, _ = y.shape
@@ -239,8 +280,8 @@ def _optimize_batch(bottom, y, classes, defense, prior, config):
     var = noise ** 2 + (0.05 * y.norm(dim=-1).mean().item()) ** 2 / y.shape[-1]
     logp = prior.to(dev).float() if prior is not None else torch.zeros(B, T, K, device=dev)
     z = logp.clone().requires_grad_()  # (B, T, K) relaxed tokens, started at the prior
-    emb = bottom.wte.weight[classes].detach()  # (K, d)
-    pos = bottom.wpe(torch.arange(T, device=dev))[None].detach()  # (1, T, d)
+    emb = _token_embedding(bottom).weight[classes].detach()  # (K, d)
+    pos = torch.arange(T, device=dev)  # (T,)
     mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None].expand(B, 1, T, T)
     params = [p for p in bottom.parameters()]
     flags = [p.requires_grad for p in params]
@@ -250,8 +291,8 @@ def _optimize_batch(bottom, y, classes, defense, prior, config):
         opt = torch.optim.Adam([z], lr=config.opt_lr)
         for _ in range(config.opt_steps):
             w = z.softmax(-1)  # (B, T, K)
-            x = w @ emb + pos  # (B, T, d)
-            for block in bottom.h:
+            x = _embed(bottom, pos, inputs_embeds=w @ emb)  # (B, T, d): + position embeddings
+            for block in bottom.layers_list:
                 x = block(x, None, mask)
                 x = x[0] if isinstance(x, tuple) else x
             nll = (clip(x) - y).pow(2).sum(-1) / (2 * var)  # (B, T)

@@ -100,7 +100,8 @@ def parser() -> argparse.ArgumentParser:
                    "recover (and the perplexity is measured on)")
     p.add_argument("--clip", type=float, help="per-token L2 clip (default: median norm at the cut)")
     p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma list of {', '.join(ATTACKS)}")
+    p.add_argument("--attacks", default="", help=f"comma list of {', '.join(ATTACKS)} (default: every attack "
+                   "the model's family has: all on GPT-2, the learned inverters on the others)")
     p.add_argument("--epochs", type=int, default=30, help="learned inverters' epochs")
     p.add_argument("--max-private-tokens", type=int, help="recover at most this many tokens")
     p.add_argument("--delta", type=float, default=1e-5)
@@ -270,7 +271,8 @@ def measure(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
             for k in who:
                 r = measure_leakage(measured, cut, defense=defense, tokenizer=tokenizer, texts=private,
                                     public_texts=public,
-                                    attacks=tuple(args.attacks.split(",")), seq_len=args.seq_len,
+                                    attacks=tuple(a for a in args.attacks.split(",") if a) or None,
+                                    seq_len=args.seq_len,
                                     delta=args.delta, config=config,
                                     max_private_tokens=args.max_private_tokens, seed=args.seed,
                                     attacker_model=model if k == "public" else None,
@@ -295,6 +297,10 @@ def measure(args: argparse.Namespace, finetune=None, speculate=None) -> dict:
                       f"{r.token_recovery:.3f} ({r.best_attack})"
                       f"{'' if grad is None else f', from the gradient at cut 2 {grad:.3f}'}, perplexity "
                       f"{r.perplexity:.2f} (undefended {undefended:.2f}), {r.seconds:.1f} s", file=sys.stderr)
+    for missing in add_controls(rows):
+        print(f"  note: cut {missing[0]}: no undefended row fine-tuned {missing[1]} steps to compare the "
+              f"fine-tuned rows with (add --defense none): their perplexity also reflects the extra "
+              f"training", file=sys.stderr)
     return {"model": args.model, "trained": trained, "device": args.device,
             "text": {"public": str(getattr(args, "public_text", None) or getattr(args, "text", None) or "shipped corpus"),
                      "private": str(getattr(args, "private_text", None) or getattr(args, "text", None) or "shipped corpus"),
@@ -324,6 +330,26 @@ def _speculative(args, speculate, source, reference, measured, cut, defense, tok
           f"({out['released_beyond_plain']} beyond plain decoding), recovery {out['token_recovery']:.3f} ({out['best_attack']}), of the "
           f"rejected drafts {out['token_recovery_rejected'] or 0:.3f}", file=sys.stderr)
     return out
+
+
+def add_controls(rows: list) -> list:
+    """Give every fine-tuned row its control: ``perplexity_control``, the perplexity of the
+    undefended row of the same cut fine-tuned as many steps by the same command (the same text, lr,
+    batch; attacker alike), so that a defended row is compared with a model trained as long, not
+    only with the reference before the fine-tuning. Returns the (cut, steps) without one."""
+    ctrl = {(tuple(r["cut"]), r.get("finetune_steps") or 0, r.get("attacker_knows")): r["perplexity"]
+            for r in rows if r["defense"].get("name") == "none" and r.get("finetune_steps")}
+    missing = []
+    for r in rows:
+        n = r.get("finetune_steps") or 0
+        if not n:
+            continue
+        key = (tuple(r["cut"]), n, r.get("attacker_knows"))
+        if key in ctrl:
+            r["perplexity_control"] = ctrl[key]
+        elif (key[0], n) not in missing:
+            missing.append((key[0], n))
+    return [(",".join(map(str, c)), n) for c, n in missing]
 
 
 def _add_finetune(r, defense, info: dict, delta: float) -> None:
@@ -364,11 +390,13 @@ def to_markdown(data: dict) -> str:
     grads = any(r.get("token_recovery_gradient") is not None for r in data["rows"])
     specs = any(r.get("speculative") for r in data["rows"])
     mean_update = any(r.get("perplexity_mean_update") is not None for r in data["rows"])
+    control = any(r.get("perplexity_control") is not None for r in data["rows"])
     head = (["cut", "defense", "fine-tuned"] + (["attacker knows"] if knows else [])
             + [f"ε (δ={data['rows'][0]['delta'] or 1e-5:g}, per window)"]
             + attacks + ["best"] + (["gradient at cut 2"] if grads else [])
             + (["speculative: released (beyond plain)", "speculative: recovered (rejected drafts)"] if specs else [])
-            + ["perplexity", "× undefended", "at test time", "without server"]
+            + ["perplexity", "× undefended"] + (["× undefended trained as long"] if control else [])
+            + ["at test time", "without server"]
             + (["server's update averaged"] if mean_update else []) + ["labels to server", "s (fine-tune + meter)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
@@ -388,7 +416,10 @@ def to_markdown(data: dict) -> str:
                  + ([r.get("attacker_knows", "finetuned")] if knows else []) + [_eps(r)]
                  + [f"{r['attacks'][a]:.3f}" if a in r["attacks"] else "" for a in attacks]
                  + [f"**{r['token_recovery']:.3f}** ({r['best_attack']})"] + gcell + [f"{r['perplexity']:.2f}",
-                    f"{r['perplexity'] / undef:.2f}", "" if test_time is None else f"{test_time:.2f}",
+                    f"{r['perplexity'] / undef:.2f}"]
+                 + ([] if not control else ["" if r.get("perplexity_control") is None
+                                            else f"{r['perplexity'] / r['perplexity_control']:.2f}"])
+                 + ["" if test_time is None else f"{test_time:.2f}",
                     "" if r.get("perplexity_without_server") is None else f"{r['perplexity_without_server']:.2f}"]
                  + ([] if not mean_update else ["" if r.get("perplexity_mean_update") is None
                                               else f"{r['perplexity_mean_update']:.2f}"])

@@ -1,5 +1,10 @@
 """``measure_leakage``: how many held-out tokens the best attack reads back at a cut, and what
-the defense costs in perplexity. The protocol: docs/PRIVACY.md, 'Measured'."""
+the defense costs in perplexity. The protocol: docs/PRIVACY.md, 'Measured'.
+
+Any family the adapter cuts (:mod:`splitlearn.model.arch`, docs/MODELS.md): the cut, the
+perplexities and the gradient channel go through :func:`~splitlearn.model.partition.partition`;
+the learned inverters read activations only; the white-box and optimisation attacks are GPT-2's
+(:func:`~.attacks.attacks_for`)."""
 from __future__ import annotations
 
 import logging
@@ -12,11 +17,13 @@ import torch
 
 from ..model.data import ByteTokenizer, get_tokenizer, is_bytes, load_corpus
 from ..errors import ConfigError
+from ..model.arch import arch_of
 from ..model.loading import load_model
 from ..model.partition import partition, validate_cuts
 from ..model.segments import loss_from_logits
-from .attacks import (ATTACKS, LEARNED, AttackConfig, bottom_activations, check_attacks, invert_learned,
-                      invert_optimize, invert_whitebox, inverter_log_probs, recovery, train_inverter)
+from .attacks import (ATTACKS, LEARNED, AttackConfig, attacks_for, bottom_activations, check_attacks, check_family,
+                      invert_learned, invert_optimize, invert_whitebox, inverter_log_probs, recovery,
+                      train_inverter)
 from ..defense.defenses import Defense
 
 log = logging.getLogger(__name__)
@@ -99,6 +106,23 @@ def default_tokenizer(model, source=None):
         raise ConfigError(f"the model's vocabulary ({model.config.vocab_size}) is smaller than the "
                           f"byte tokenizer's; pass tokenizer=")
     return tok
+
+
+def max_positions(config) -> Optional[int]:
+    """The longest sequence the model takes (``max_position_embeddings``; GPT-2's config maps it to
+    its own field), or None when the config states none."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def n_layers(model) -> int:
+    """The number of layers of a transformers causal LM, any family (the adapter's count)."""
+    return arch_of(model.config).n_layers
+
+
+def _same_shape(a, b) -> bool:
+    fields = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+    return all(getattr(a, f, None) == getattr(b, f, None) for f in fields)
 
 
 def _vocab_size(tokenizer) -> int:
@@ -200,19 +224,22 @@ def perplexities(model, cut: tuple[int, ...], ids: torch.Tensor, defense: Option
 def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence[int]], *,
                     defense: Optional[Defense] = None, texts: Optional[Sequence[str]] = None,
                     public_texts: Optional[Sequence[str]] = None, tokenizer=None,
-                    attacks: Sequence[str] = ATTACKS, seq_len: int = 32, delta: float = 1e-5,
+                    attacks: Optional[Sequence[str]] = None, seq_len: int = 32, delta: float = 1e-5,
                     accountant: str = "rdp", config: Optional[AttackConfig] = None,
                     max_private_tokens: Optional[int] = None, seed: int = 0,
                     attacker_model: Optional[torch.nn.Module] = None,
                     gradient_attacks: Sequence[str] = ()) -> LeakageReport:
     """Measure what the server can read back at ``cut``.
 
-    model: a ``GPT2LMHeadModel`` or a :func:`~splitlearn.load_model` source.
+    model: a transformers causal LM of any family the adapter cuts (``GPT2LMHeadModel``,
+    ``LlamaForCausalLM``, ...) or a :func:`~splitlearn.load_model` source.
     cut: ``c`` / ``(c,)`` for the 2-way split, ``(c1, c2)`` for the U-shape.
     defense: applied to what leaves the client (None: nothing).
     texts / public_texts: private and public text (default: the shipped corpus, split).
     tokenizer: default: the model's own (bytes for specs and random inits).
-    attacks: a subset of ``ATTACKS``; seq_len: tokens per window (<= n_positions).
+    attacks: a subset of ``ATTACKS`` (default: every attack the family has, :func:`~.attacks.attacks_for`:
+    the learned inverters only outside GPT-2, said in the report's notes); seq_len: tokens per
+    window (<= the model's ``max_position_embeddings``).
     delta, accountant: for epsilon (GaussianNoise only); config: the attacker's budget.
     max_private_tokens: recover at most this many private tokens (whole windows).
     attacker_model: the weights the attacker *believes* the client has (a secret client: the public
@@ -224,14 +251,20 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
     a 2-way cut (there the labels themselves reach the server).
     Raises :class:`ConfigError` on a cut out of range, an unknown attack, a bad defense."""
     t0 = time.perf_counter()
-    attacks = check_attacks(attacks)
+    defaulted = attacks is None
+    if not defaulted:
+        attacks = check_attacks(attacks)
     config = config or AttackConfig(seed=seed)
     if defense is not None and not isinstance(defense, Defense):
         raise ConfigError(f"defense must be a splitlearn.privacy.Defense, got {type(defense).__name__}")
     source = model if isinstance(model, str) else None
     if isinstance(model, str):
         model = load_model(model, seed=seed)
-    cut = validate_cuts(cut, model.config.n_layer)
+    cut = validate_cuts(cut, n_layers(model))
+    family_attacks = attacks_for(model.config)
+    if defaulted:
+        attacks = family_attacks
+    check_family(attacks, model.config)
     uses_residual(defense, cut)
     if getattr(defense, "defends_gradient", False) and len(cut) != 2:
         raise ConfigError(f"a defense of the gradient channel (grad_clip, grad_sigma) needs a U-shape "
@@ -244,13 +277,13 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
         raise ConfigError(f"the gradient attack reads the gradient at the second cut of a U-shape, "
                           f"got cut {tuple(cut)} (2-way: the labels reach the server anyway)")
     if attacker_model is not None:
-        a, b = getattr(attacker_model, "config", None), model.config
-        if (not isinstance(attacker_model, torch.nn.Module) or a is None
-                or (a.n_layer, a.n_embd, a.vocab_size) != (b.n_layer, b.n_embd, b.vocab_size)):
-            raise ConfigError("attacker_model must be a GPT-2 of the measured model's shape")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 2 <= seq_len <= model.config.n_positions:
-        raise ConfigError(f"seq_len must be an integer in [2, n_positions={model.config.n_positions}], "
-                          f"got {seq_len!r}")
+        a = getattr(attacker_model, "config", None)
+        if not isinstance(attacker_model, torch.nn.Module) or a is None or not _same_shape(a, model.config):
+            raise ConfigError("attacker_model must be a model of the measured model's family and shape "
+                              "(model_type, num_hidden_layers, hidden_size, vocab_size)")
+    limit = max_positions(model.config)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2 or (limit and seq_len > limit):
+        raise ConfigError(f"seq_len must be an integer in [2, max_position_embeddings={limit}], got {seq_len!r}")
     tokenizer = tokenizer or default_tokenizer(model, source)
     if texts is None or public_texts is None:
         pub, priv = split_corpus()
@@ -269,6 +302,9 @@ def measure_leakage(model: Union[str, torch.nn.Module], cut: Union[int, Sequence
         attacker.train(was_attacker)
     if attacker_model is not None:
         report.attacker_knows = "public"
+    if defaulted and family_attacks != ATTACKS:
+        report.notes.append(f"{model.config.model_type}: the learned inverters only (the white-box and "
+                            f"optimisation attacks are GPT-2's; docs/MODELS.md)")
     report.seconds = time.perf_counter() - t0
     log.info("cut %s %s: recovery %.3f (%s), ppl %.2f / %.2f, %.1f s", cut, report.defense,
              report.token_recovery, report.best_attack, report.perplexity,
@@ -427,7 +463,7 @@ def median_token_norm(model, cut: Union[int, Sequence[int]], *, texts: Optional[
                       tokenizer=None, seq_len: int = 32) -> float:
     """Median L2 norm of the bottom's per-token output on public text: a natural ``clip``
     for :class:`~splitlearn.defense.defenses.GaussianNoise` (half the tokens are clipped)."""
-    cut = validate_cuts(cut, model.config.n_layer)
+    cut = validate_cuts(cut, n_layers(model))
     tokenizer = tokenizer or default_tokenizer(model)
     ids = windows(tokenizer, texts if texts is not None else split_corpus()[0], seq_len)
     was = model.training
@@ -444,7 +480,7 @@ def median_token_grad_norm(model, cut: Union[int, Sequence[int]], *, texts: Opti
     public text, over the positions that predict a token: a natural ``grad_clip`` for
     :class:`~splitlearn.defense.defenses.GaussianNoise` (half the tokens are clipped), as :func:`median_token_norm`
     is for ``clip``. Raises :class:`ConfigError` for a cut that is not a U-shape."""
-    cut = validate_cuts(cut, model.config.n_layer)
+    cut = validate_cuts(cut, n_layers(model))
     if len(cut) != 2:
         raise ConfigError(f"the gradient sent back at the second cut needs a U-shape, got cut {tuple(cut)}")
     tokenizer = tokenizer or default_tokenizer(model)

@@ -14,7 +14,7 @@ import torch
 from ..model.data import ByteTokenizer, lm_batches
 from ..errors import ConfigError
 from ..model.loading import load_model
-from .meter import split_corpus, windows
+from .meter import max_positions, split_corpus, windows
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,9 @@ def train_reference(source: str = "tiny-demo", *, steps: int = 300, batch_size: 
     if model.config.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"{source} has a vocabulary of {model.config.vocab_size}; the reference "
                           f"model is trained on bytes (257)")
-    if seq_len > model.config.n_positions:
-        raise ConfigError(f"seq_len={seq_len} is longer than n_positions={model.config.n_positions}")
+    limit = max_positions(model.config)
+    if limit and seq_len > limit:
+        raise ConfigError(f"seq_len={seq_len} is longer than the model's positions (max_position_embeddings={limit})")
     tok = ByteTokenizer()
     public, private = split_corpus()
     ids = tok.encode("\n\n".join(public))
