@@ -55,7 +55,7 @@ def test_diagnose_json_report(server, monkeypatch, capsys):
         assert 0 < t["min_ms"] <= t["median_ms"] <= t["p90_ms"] and t["effective_MBps"] > 0
     assert 0 <= r["per_call_overhead_ms"] <= r["round_trips"][0]["median_ms"]
     assert r["bandwidth_MBps"] > 0 and r["skipped_sizes"] == []
-    assert r["model"] == {"shape": "u", "cuts": [1, 3], "n_embd": D, "vocab_size": 257}
+    assert r["model"] == {"shape": "u", "cuts": [1, 3], "hidden_size": D, "vocab_size": 257}
     codec = {c["wire_dtype"]: c for c in r["codec"]}
     assert set(codec) == {"float32", "bfloat16", "float16", "int8"}
     assert 2 * 8 * D * 4 < codec["float32"]["training_step_bytes"] < 2 * 8 * D * 4 + 1024

@@ -11,14 +11,15 @@ ADAPTER = "model/arch.py"  # where the families' names live
 #: converted to the adapter: no GPT-2 names at all
 CONVERTED = {"model/segments.py", "model/partition.py", "model/loading.py", "model/export.py",
              "model/headloss.py", "hf/auto.py", "hf/familytrunk.py", "hf/cache.py", "server/http/routing.py",
+             "analysis/cli.py", "analysis/core.py", "analysis/counting.py", "analysis/diagnose.py",
+             "analysis/plots.py", "analysis/sweep.py", "analysis/traffic.py",
              "hf/lora.py", "model/lora.py", "hf/remote.py",  # LoRA and the remote segment: any family
              "privacy/attacks.py", "privacy/meter.py", "privacy/reference.py", "defense/defenses.py",
              "apps/defensetrain.py"}  # the privacy meter's learned attacks and the defenses
 
 #: not converted yet (GPT-2 only, or partly: see docs/MODELS.md, "Not yet")
 NOT_YET = {
-    "analysis/cli.py", "analysis/core.py", "analysis/counting.py", "analysis/diagnose.py", "analysis/plots.py",
-    "analysis/sweep.py", "analysis/traffic.py", "api/fingerprint.py", "api/openapi.py",
+    "api/fingerprint.py", "api/openapi.py",
     "api/trust.py",  # reads n_layer of a GPT-2 server's config, num_hidden_layers of the others
     "apps/demo.py", "client/core.py", "hf/draft.py",
     "hf/federation.py", "hf/fedsync.py", "hf/modeling.py", "hf/sources.py",

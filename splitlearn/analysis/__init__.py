@@ -1,4 +1,5 @@
-"""What each segment of a split GPT-2 costs, and where to cut it (docs/ANALYSIS.md).
+"""What each segment of a split decoder-only model (GPT-2, Llama, Gemma, ...: docs/MODELS.md)
+costs, and where to cut it (docs/ANALYSIS.md).
 
 ``analyze(AnalysisConfig(model=..., cuts=(2, 10)))`` returns the report; ``build_report(config,
 link, do_sweep=True)`` adds the sweep over every cut (what ``analyze_model_performance`` writes)."""

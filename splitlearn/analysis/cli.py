@@ -33,10 +33,9 @@ def build_report(config: "AnalysisConfig", link: Optional["LinkConfig"] = None,
     if part is not None:
         out = analyze_partition(model, part, device, config)
     else:
-        from .core import device_info
+        from .core import device_info, model_info
         out = {"config": {**vars(config), "cuts": []},
-               "model": {"n_layer": model.config.n_layer, "params": sum(p.numel() for p in model.parameters()),
-                         "dtype": str(model.dtype).removeprefix("torch.")},
+               "model": model_info(model),
                "device": device_info(device), "roofline": None, "segments": [], "cuts": [],
                "tied_parameters": []}
     if do_sweep:
@@ -73,15 +72,17 @@ def measured_link(source: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, formatter_class=DefaultsHelpFormatter, description="What each segment of a split GPT-2 costs "
-                                "(params, MACs/FLOPs, latency, memory, bytes per cut), and where to cut.")
+    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, formatter_class=DefaultsHelpFormatter, description="What each segment of a split decoder-only model "
+                                "(GPT-2, Llama, Gemma, ... docs/MODELS.md) costs (params, MACs/FLOPs, latency, memory, "
+                                "bytes per cut), and where to cut.")
     p.add_argument("--model", default="tiny", help="hub id, directory, JSON config or spec name "
-                   "(tiny, random:gpt2, ...); default tiny")
+                   "(tiny, random:gpt2, llama2-7b-shape, ...); default tiny")
     p.add_argument("--cut", type=int, action="append", dest="cuts", metavar="C",
                    help="cut after block C; give twice for a U-shape (bottom, trunk, top)")
     p.add_argument("--batch-size", type=int, default=1, help="rows")
     p.add_argument("--seq-len", type=int, default=6, help="tokens (the KV length in decode)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, auto, or meta: shapes only, no weights "
+                   "allocated (params, MACs/FLOPs, bytes; nothing timed): a 7B model's table in seconds")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="compute dtype")
     p.add_argument("--mode", default="prefill", choices=("prefill", "decode", "train"), help="what is timed")
     p.add_argument("--repeats", type=int, default=20, help="timed runs (default 20)")

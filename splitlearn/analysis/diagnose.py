@@ -125,6 +125,18 @@ def codec_costs(d: int, batch: int, seq: int, decode_batch: int, repeats: int) -
     return rows
 
 
+def config_value(model_config: dict, name: str):
+    """``name`` (transformers' generic name: ``hidden_size``) of a server's ``model_config`` (its
+    ``config.to_dict()``), which a family may store under its own name (the config class's
+    ``attribute_map``); no ``model_type``: GPT-2, as :func:`splitlearn.model.loading.config_from_dict`."""
+    if name in model_config:
+        return model_config[name]
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_config.get("model_type", "gpt2")]
+    return model_config[cls.attribute_map.get(name, name)]
+
+
 def step_traffic(info: dict, batch: int, tokens: int, mode: str) -> dict:
     """Calls and bytes per wire dtype of one step against this server (the analyzer's bytes per cut).
 
@@ -135,7 +147,7 @@ def step_traffic(info: dict, batch: int, tokens: int, mode: str) -> dict:
     from .traffic import wire_bytes  # the analyzer's bytes per cut
 
     cfg = info["model_config"]
-    d, vocab = cfg["n_embd"], cfg["vocab_size"]
+    d, vocab = config_value(cfg, "hidden_size"), config_value(cfg, "vocab_size")
     u_shape = len(info["cuts"]) == 2
     act = wire_bytes(batch, tokens, d)  # one (B, T, d) tensor per wire dtype
     out = {}
@@ -227,7 +239,7 @@ def diagnose(transport: Transport, cfg: Optional[DiagnoseConfig] = None) -> dict
     log.info("echo round trips of %s bytes, %d each", sizes, cfg.repeats)
     trips = echo_round_trips(transport, sizes, cfg.repeats, cfg.warmup)
     overhead_ms, mbps = fit_link(trips)
-    d = info["model_config"]["n_embd"]
+    d = config_value(info["model_config"], "hidden_size")
     codec_rows = codec_costs(d, cfg.train_batch, cfg.train_seq, cfg.decode_batch, cfg.codec_repeats)
     codec = {r["wire_dtype"]: r for r in codec_rows}
     train = estimate(step_traffic(info, cfg.train_batch, cfg.train_seq, "train"), overhead_ms, mbps,
@@ -237,8 +249,8 @@ def diagnose(transport: Transport, cfg: Optional[DiagnoseConfig] = None) -> dict
     dec.update(batch=cfg.decode_batch, seq_len=1)
     return {"server": transport.cfg.url, "lean_transport": transport.lean,
             "transport": transport.cfg.url.split("://", 1)[0],  # http, https, unix (shared memory), inproc
-            "model": {"shape": info.get("shape"), "cuts": info["cuts"], "n_embd": d,
-                      "vocab_size": info["model_config"]["vocab_size"]},
+            "model": {"shape": info.get("shape"), "cuts": info["cuts"], "hidden_size": d,
+                      "vocab_size": config_value(info["model_config"], "vocab_size")},
             "round_trips": trips, "skipped_sizes": skipped,
             "per_call_overhead_ms": overhead_ms, "bandwidth_MBps": mbps,
             "link": {"rtt_ms": overhead_ms, "link_mbps": 8 * mbps},  # analyze_model_performance --link-from
@@ -254,7 +266,7 @@ def _size(n: int) -> str:
 def render(report: dict) -> str:
     """The report as text for a terminal."""
     m = report["model"]
-    lines = [f"server {report['server']}: {m['shape']} split at {m['cuts']}, d={m['n_embd']}, "
+    lines = [f"server {report['server']}: {m['shape']} split at {m['cuts']}, d={m['hidden_size']}, "
              f"vocab={m['vocab_size']}",
              "", "round trips through POST /v1/echo (the body out and back):",
              f"  {'payload':>9}  {'median ms':>10}  {'min ms':>8}  {'p90 ms':>8}  {'MB/s':>8}"]

@@ -3,6 +3,7 @@ latency and its submodules stacked) and :func:`plot_sweep` (per cut, each side's
 bytes crossing and the estimated step time)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 
@@ -20,15 +21,28 @@ def plot_segments(report: dict, path: str | Path) -> Path:
     plt = _pyplot()
     segs = report["segments"]
     names = [s["name"] for s in segs]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    timed = all(s["latency_ms"] is not None for s in segs)  # the meta device times nothing
+    fig, axes = plt.subplots(1, 4 if timed else 2, figsize=(16 if timed else 8, 4))
     for ax, key, label, scale in ((axes[0], "params", "parameters (M)", 1e6),
                                   (axes[1], "macs", "GMACs", 1e9)):
         ax.bar(names, [s[key] / scale for s in segs], color="tab:blue")
         ax.set_title(label)
-    axes[2].bar(names, [s["latency_ms"]["median"] for s in segs], color="tab:orange",
-                yerr=[[0] * len(segs), [s["latency_ms"]["p90"] - s["latency_ms"]["median"] for s in segs]])
-    axes[2].set_title("latency ms (median, bar to p90)")
-    ax = axes[3]
+    if timed:
+        _latency_axes(axes[2], axes[3], segs, names)
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['model']} cuts {cfg['cuts']} {cfg['mode']} B={cfg['batch_size']} "
+                 f"T={cfg['seq_len']} on {report['device']['type']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _latency_axes(ax_total, ax, segs: list, names: list) -> None:
+    """Each segment's latency, and its top-level submodules' medians stacked."""
+    ax_total.bar(names, [s["latency_ms"]["median"] for s in segs], color="tab:orange",
+                 yerr=[[0] * len(segs), [s["latency_ms"]["p90"] - s["latency_ms"]["median"] for s in segs]])
+    ax_total.set_title("latency ms (median, bar to p90)")
     for i, s in enumerate(segs):
         bottom = 0.0
         for sub in (x for x in s["submodules"] if not x["parent"]):
@@ -40,20 +54,19 @@ def plot_segments(report: dict, path: str | Path) -> Path:
         ax.plot([i - 0.4, i + 0.4], [s["latency_ms"]["median"]] * 2, color="black")
     ax.set_xticks(range(len(segs)), names)
     ax.set_title("submodule medians (line: segment)")
-    cfg = report["config"]
-    fig.suptitle(f"{cfg['model']} cuts {cfg['cuts']} {cfg['mode']} B={cfg['batch_size']} "
-                 f"T={cfg['seq_len']} on {report['device']['type']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+
+
+_OTHER = ("tab:purple", "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "tab:brown")
 
 
 def _color(name: str) -> str:
-    if name.startswith("h."):
+    """Layers (``<list>.<i>``, any family's name for the list) green, the head red, the other
+    rows (embeddings, rotary, norms) a colour of their own."""
+    if re.fullmatch(r"[\w.]+\.\d+", name):
         return "tab:green"
-    return {"wte": "tab:purple", "wpe": "tab:pink", "drop": "tab:gray", "ln_f": "tab:olive",
-            "lm_head": "tab:red"}.get(name, "tab:gray")
+    if name == "lm_head":
+        return "tab:red"
+    return _OTHER[sum(map(ord, name)) % len(_OTHER)]
 
 
 def plot_sweep(sweep: dict, path: str | Path) -> Path:

@@ -34,6 +34,19 @@ def _mib(n: float) -> str:
     return f"{n / 2 ** 20:.2f}"
 
 
+def _ms(latency, key: str, fmt: str = ".3f") -> str:
+    """A latency figure, or "-" where nothing was timed (the meta device)."""
+    return "-" if latency is None else format(latency[key], fmt)
+
+
+def _csv_ms(latency, key: str):
+    return "" if latency is None else round(latency[key], 4)
+
+
+def _peak(n) -> str:
+    return "-" if n is None else _mib(n)
+
+
 def rows(report: dict) -> list[dict]:
     """One flat row per segment and per submodule (the CSV's rows)."""
     out = []
@@ -42,8 +55,8 @@ def rows(report: dict) -> list[dict]:
             out.append({"segment": seg["name"], "name": sub["name"], "parent": sub.get("parent", ""),
                         "blocks": f"[{seg['blocks'][0]},{seg['blocks'][1]})",
                         "params": sub["params"], "macs": sub["macs"], "flops": sub["flops"],
-                        "latency_median_ms": round(sub["latency_ms"]["median"], 4),
-                        "latency_p90_ms": round(sub["latency_ms"]["p90"], 4),
+                        "latency_median_ms": _csv_ms(sub["latency_ms"], "median"),
+                        "latency_p90_ms": _csv_ms(sub["latency_ms"], "p90"),
                         "peak_memory_bytes": sub["peak_memory_bytes"],
                         "output_bytes": sub["output_bytes"]})
     return out
@@ -77,8 +90,8 @@ def segment_lines(report: dict, markdown: bool = False) -> list[str]:
     lines = []
     h = ["", "blocks", "params", "GMACs", "GFLOPs", "median ms", "p90 ms", "peak MiB", "out KiB"]
     body = [[s["name"], f"[{s['blocks'][0]}, {s['blocks'][1]})", _m(s["params"]), _g(s["macs"]),
-             _g(s["flops"]), f"{s['latency_ms']['median']:.3f}", f"{s['latency_ms']['p90']:.3f}",
-             _mib(s["peak_memory_bytes"]), f"{s['output_bytes'] / 1024:.1f}"]
+             _g(s["flops"]), _ms(s["latency_ms"], "median"), _ms(s["latency_ms"], "p90"),
+             _peak(s["peak_memory_bytes"]), f"{s['output_bytes'] / 1024:.1f}"]
             for s in report["segments"]]
     lines += [f"Segments ({cfg['mode']}, batch {cfg['batch_size']}, sequence {cfg['seq_len']}, "
               f"{report['model']['dtype']} on {report['device']['type']}):", ""]
@@ -86,10 +99,10 @@ def segment_lines(report: dict, markdown: bool = False) -> list[str]:
     for s in report["segments"]:
         lines.append(f"{s['name']} submodules (share = of the segment's median latency):")
         lines.append("")
-        seg_ms = s["latency_ms"]["median"] or 1
+        seg_ms = (s["latency_ms"] or {}).get("median") or 1
         body = [[("  " if sub["parent"] else "") + sub["name"], _m(sub["params"]), _g(sub["macs"]),
-                 f"{sub['latency_ms']['median']:.3f}", f"{sub['latency_ms']['p90']:.3f}",
-                 f"{100 * sub['latency_ms']['median'] / seg_ms:.1f}%"]
+                 _ms(sub["latency_ms"], "median"), _ms(sub["latency_ms"], "p90"),
+                 "-" if sub["latency_ms"] is None else f"{100 * sub['latency_ms']['median'] / seg_ms:.1f}%"]
                 for sub in s["submodules"]]
         lines += _table(["submodule", "params", "GMACs", "median ms", "p90 ms", "share"], body, markdown)
         for c in s["latency_sum_checks"]:
@@ -97,8 +110,9 @@ def segment_lines(report: dict, markdown: bool = False) -> list[str]:
                          f"parts {c['children_ms']:.3f} ms / whole {c['parent_ms']:.3f} ms = "
                          f"{c['ratio']:.2f} ({_verdict(c)})")
         mm = s["mac_crosscheck"]["mismatches"]
+        fc = s["mac_crosscheck"]["flop_counter"]
         lines.append(f"{'' if not markdown else '- '}MACs: fvcore {s['macs']}, flop_counter "
-                     f"{s['mac_crosscheck']['flop_counter']}, analytic {s['mac_crosscheck']['analytic']}"
+                     f"{'- (not run on meta)' if fc is None else fc}, analytic {s['mac_crosscheck']['analytic']}"
                      f"; {len(mm)} mismatch(es) above 1%")
         for m in mm:
             lines.append(f"  MISMATCH {m['module'] or '(segment)'}: fvcore {m['fvcore']} vs "
@@ -153,8 +167,8 @@ def sweep_lines(sw: dict, markdown: bool = False) -> list[str]:
         h += ["transfer ms", "step ms"]
     body = []
     for p in sw["points"]:
-        r = [p["cut"], _g(p["client_macs"]), _g(p["server_macs"]), f"{p['client_ms']:.2f}",
-             f"{p['server_ms']:.2f}", p["bytes"][wire]]
+        r = [p["cut"], _g(p["client_macs"]), _g(p["server_macs"]), _ms(p, "client_ms", ".2f") if "client_ms" in p
+             else "-", _ms(p, "server_ms", ".2f") if "server_ms" in p else "-", p["bytes"][wire]]
         if has_step:
             r += [f"{p['transfer_ms']:.2f}", f"{p['step_ms']:.2f}"]
         body.append(r)

@@ -1,7 +1,10 @@
-"""Every cut point at once, and which one to use.
+"""Every cut point at once, and which one to use, for any family the adapter knows.
 
-The whole model is counted and timed once (a hook per block); each 2-way cut's sides are sums
-of the parts they hold. Given a link::
+The whole model is counted and timed once (a hook per layer); each 2-way cut's sides are sums
+of the parts they hold: the client the embeddings and layers ``[0, c)``, the server the rest,
+the final norm and the head; each side with a layer recomputes rotary (a family that has it).
+On the meta device (shapes, no weights) the sweep counts and nothing is timed: no ``*_ms``, no
+recommendation. Given a link::
 
     step = client_ms(c) + server_ms(c) / server_speedup + rtt_ms + 8 · bytes / link_bps
 
@@ -16,8 +19,8 @@ from ..errors import ConfigError
 from ..model.partition import whole
 from ..api.wire import WIRE_DTYPE_NAMES
 from . import timing
-from .core import AnalysisConfig, check_shapes, make_run, named_submodules, segment_inputs
-from .counting import count_segment
+from .core import AnalysisConfig, check_shapes, keys_of, make_run, segment_inputs
+from .counting import count_segment, named_submodules
 from .traffic import wire_bytes
 
 log = logging.getLogger(__name__)
@@ -61,66 +64,103 @@ def sweep_cuts(model, config: AnalysisConfig, link: LinkConfig, device) -> dict:
     (:func:`u_shape_points`) and, given a link, "recommendation"."""
     check_shapes(model.config, config)
     seg = whole(model)
-    n = model.config.n_layer
+    n = seg.arch.n_layers
     args = segment_inputs(_Single(seg), config, device)[0]
     S = args[0].shape[1]
-    keys = S + (args[1].shape[2] if len(args) > 1 else 0)
-    counts = count_segment(seg, args, config.batch_size, S, keys, train=config.mode == "train")
+    counts = count_segment(seg, args, config.batch_size, S, keys_of(args), train=config.mode == "train")
     mods = {name: m for name, (m, parent) in named_submodules(seg).items() if parent == ""}
-    prepare, run = make_run(seg, args, config.mode, config.seed)
-    t = timing.time_runs(run, mods, device, config.repeats, config.warmup,
-                         backward=config.mode == "train", prepare=prepare,
-                         max_seconds=config.max_seconds)
-    prepare()
-    ms = {k: v.median for k, v in t.modules.items()}
+    timed = device.type != "meta"
+    t = ms = None
+    if timed:
+        prepare, run = make_run(seg, args, config.mode, config.seed)
+        t = timing.time_runs(run, mods, device, config.repeats, config.warmup,
+                             backward=config.mode == "train", prepare=prepare,
+                             max_seconds=config.max_seconds)
+        prepare()
+        ms = {k: v.median for k, v in t.modules.items()}
     mac = counts.fvcore
-    emb, head = ("wte", "wpe", "drop"), ("ln_f", "lm_head")
+    groups = side_groups(seg)
     tokens = 1 if config.mode == "decode" else config.seq_len
-    per_dir = wire_bytes(config.batch_size, tokens, model.config.n_embd)
+    per_dir = wire_bytes(config.batch_size, tokens, model.config.hidden_size)
     points = []
     for c in range(n + 1):
-        client = list(emb) + [f"h.{i}" for i in range(c)]
-        server = [f"h.{i}" for i in range(c, n)] + list(head)
+        client, server = groups.two_way(c)
         bytes_ = {k: v * (2 if config.mode == "train" else 1) for k, v in per_dir.items()}
         if config.mode == "train":  # labels go to the server, which holds the loss
             bytes_ = {k: v + 8 * config.batch_size * tokens for k, v in bytes_.items()}
         p = {"cut": c,
              "client_macs": sum(mac.get(m, 0) for m in client),
              "server_macs": sum(mac.get(m, 0) for m in server),
-             "client_ms": sum(ms[m] for m in client), "server_ms": sum(ms[m] for m in server),
+             **({"client_ms": sum(ms[m] for m in client), "server_ms": sum(ms[m] for m in server)} if timed else {}),
              "bytes": bytes_}
-        if link.link_mbps is not None:
+        if link.link_mbps is not None and timed:
             p["transfer_ms"] = link.rtt_ms + 8 * bytes_[link.wire_dtype] / (link.link_mbps * 1e3)
             p["step_ms"] = p["client_ms"] + p["server_ms"] / link.server_speedup + p["transfer_ms"]
         points.append(p)
-    u_points = u_shape_points(n, mac, ms, per_dir, config.mode, link)
-    out = {"mode": config.mode, "link": vars(link), "whole_model_ms": t.total.to_dict(),
+    u_points = u_shape_points(n, mac, ms, per_dir, config.mode, link, groups)
+    out = {"mode": config.mode, "link": vars(link), "whole_model_ms": t.total.to_dict() if timed else None,
            "latency_sum_check": timing.sum_check("", t.total.median, ms,
-                                                 max([t.total.spread] + [v.spread for v in t.modules.values()])).to_dict(),
+                                                 max([t.total.spread] + [v.spread for v in t.modules.values()])).to_dict()
+           if timed else None,
            "mac_mismatches": [vars(m) for m in counts.mismatches], "points": points,
            "u_points": u_points}
-    if link.link_mbps is not None:
+    if link.link_mbps is not None and timed:
         out["recommendation"] = recommend(points, link, n)
     return out
 
 
-def u_shape_points(n: int, mac: dict, ms: dict, per_dir: dict, mode: str, link: LinkConfig) -> list[dict]:
-    """Every U-shape pair c1 < c2 (client: embeddings, blocks [0, c1) and [c2, n), ln_f, lm_head;
-    server: blocks [c1, c2)): activations cross twice; in train mode gradients cross back twice
-    in a second round trip, and no labels travel."""
-    emb, head = ("wte", "wpe", "drop"), ("ln_f", "lm_head")
+class SideGroups:
+    """The rows (:func:`~.counting.named_submodules` names, top level) each side of a cut holds:
+    ``embed`` (the embeddings), ``layers[i]``, ``head`` (final norm(s) and the head) and
+    ``shared`` (rotary: every side with a layer computes it)."""
+
+    def __init__(self, embed: list, layers: list, head: list, shared: list):
+        self.embed, self.layers, self.head, self.shared = embed, layers, head, shared
+
+    def _side(self, before: list, layers, after: list) -> list:
+        layers = list(layers)
+        return before + [self.layers[i] for i in layers] + after + (self.shared if layers else [])
+
+    def two_way(self, c: int) -> tuple[list, list]:
+        """(client, server) of cut ``c``: embeddings + layers [0, c) | layers [c, n) + head."""
+        n = len(self.layers)
+        return self._side(self.embed, range(c), []), self._side([], range(c, n), self.head)
+
+    def u_shape(self, c1: int, c2: int) -> tuple[list, list]:
+        """(client, server) of cuts ``c1 < c2``: embeddings, layers [0, c1) and [c2, n), head |
+        layers [c1, c2)."""
+        n = len(self.layers)
+        return (self._side(self.embed, [*range(c1), *range(c2, n)], self.head),
+                self._side([], range(c1, c2), []))
+
+
+def side_groups(seg) -> SideGroups:
+    """:class:`SideGroups` of a whole-model segment."""
+    layer_names = [f"{seg.arch.layers_name}.{i}" for i in range(len(seg.layers_list))]
+    top = [name for name, (_, parent) in named_submodules(seg).items() if not parent]
+    embed = [m for m in top if m in seg.arch.embed_names]
+    head = [m for m in top if m in seg.arch.norm_names or m == seg.arch.head_name]
+    shared = [m for m in top if m not in embed + head + layer_names]
+    return SideGroups(embed, layer_names, head, shared)
+
+
+def u_shape_points(n: int, mac: dict, ms: Optional[dict], per_dir: dict, mode: str, link: LinkConfig,
+                   groups: SideGroups) -> list[dict]:
+    """Every U-shape pair c1 < c2 (client: embeddings, layers [0, c1) and [c2, n), the final
+    norm and the head; server: layers [c1, c2)): activations cross twice; in train mode gradients
+    cross back twice in a second round trip, and no labels travel. ``ms`` None: not timed."""
     trips = 2 if mode == "train" else 1
     out = []
     for c1 in range(n + 1):
         for c2 in range(c1 + 1, n + 1):
-            client = list(emb) + [f"h.{i}" for i in range(c1)] + [f"h.{i}" for i in range(c2, n)] + list(head)
-            server = [f"h.{i}" for i in range(c1, c2)]
+            client, server = groups.u_shape(c1, c2)
             p = {"cuts": [c1, c2],
                  "client_macs": sum(mac.get(m, 0) for m in client),
                  "server_macs": sum(mac.get(m, 0) for m in server),
-                 "client_ms": sum(ms[m] for m in client), "server_ms": sum(ms[m] for m in server),
+                 **({"client_ms": sum(ms[m] for m in client), "server_ms": sum(ms[m] for m in server)}
+                    if ms is not None else {}),
                  "bytes": {k: v * 2 * trips for k, v in per_dir.items()}}
-            if link.link_mbps is not None:
+            if link.link_mbps is not None and ms is not None:
                 p["transfer_ms"] = (trips * link.rtt_ms
                                     + 8 * p["bytes"][link.wire_dtype] / (link.link_mbps * 1e3))
                 p["step_ms"] = p["client_ms"] + p["server_ms"] / link.server_speedup + p["transfer_ms"]
@@ -144,12 +184,12 @@ class _Single:
 TIE = 0.01  # cuts whose step times span less than this fraction tie: timing noise is larger
 
 
-def recommend(points: list[dict], link: LinkConfig, n_layer: int) -> dict:
+def recommend(points: list[dict], link: LinkConfig, n_layers: int) -> dict:
     """The allowed cut with the least step time, and a sentence saying why. Where the allowed
     cuts tie (their steps span less than :data:`TIE`), time cannot choose: the sentence says so
     and why, and the fewest client blocks allowed are recommended (the least memory and compute
     on the client; the privacy floor is ``min_client_blocks``, or the sweep's ``--privacy``)."""
-    allowed = [p for p in points if link.min_client_blocks <= p["cut"] <= n_layer] or points
+    allowed = [p for p in points if link.min_client_blocks <= p["cut"] <= n_layers] or points
     best = min(allowed, key=lambda p: (round(p["step_ms"], 6), p["cut"]))
     worst = max(allowed, key=lambda p: (round(p["step_ms"], 6), p["cut"]))
     spread = (worst["step_ms"] - best["step_ms"]) / best["step_ms"] if best["step_ms"] else 0.0

@@ -2,7 +2,9 @@
 
 A cut carries (B, S, d) forward and, in training, its gradient back. Tensor bytes per wire
 dtype: float32 4, bfloat16/float16 2, int8 1 per element + one float32 scale per row of d
-(n + 4·B·S). KV cache: 2 · blocks · B · T · d elements. See docs/ANALYSIS.md."""
+(n + 4·B·S). KV cache: per layer 2 · B · T · num_key_value_heads · head_dim elements (a sliding
+layer holds at most its window), the adapter's :meth:`~splitlearn.model.arch.Arch.kv_bytes`;
+GPT-2: 2 · blocks · B · T · d. See docs/ANALYSIS.md."""
 from __future__ import annotations
 
 from ..model.partition import Partition
@@ -19,7 +21,7 @@ def wire_bytes(batch: int, tokens: int, width: int) -> dict[str, int]:
 def cut_traffic(part: Partition, batch: int, tokens: int, mode: str) -> list[dict]:
     """One entry per cut: where it is, and the bytes crossing it per direction and wire dtype
     (``tokens``: new tokens per step; gradients only in train mode)."""
-    d = part.config.n_embd
+    d = part.config.hidden_size
     out = []
     for i, c in enumerate(part.cuts):
         src, dst = part.segments[i], part.segments[i + 1]
@@ -32,19 +34,20 @@ def cut_traffic(part: Partition, batch: int, tokens: int, mode: str) -> list[dic
 
 
 def kv_cache_bytes(seg: Segment, batch: int, length: int) -> int:
-    """Bytes of ``seg``'s KV cache after ``length`` tokens (0 for a segment with no blocks)."""
-    if not len(seg.h):
+    """Bytes of ``seg``'s KV cache after ``length`` tokens (0 for a segment with no layers)."""
+    if not len(seg.layers_list):
         return 0
-    elem = seg.h[0].attn.c_attn.weight.element_size()
-    return 2 * len(seg.h) * batch * length * seg.config.n_embd * elem
+    elem = next(seg.layers_list.parameters()).element_size()
+    return batch * seg.arch.kv_bytes(length, elem, seg.start, seg.end)
 
 
 def tied_parameters(part: Partition) -> list[dict]:
-    """Tensors held by more than one segment (GPT-2: lm_head.weight is wte.weight)."""
+    """Tensors held by more than one segment (a tied embedding and head: GPT-2's, Gemma's)."""
     owners: dict[int, list[tuple[str, str, int]]] = {}
     for seg in part.segments:
         for name, p in seg.named_parameters():
-            owners.setdefault(p.data_ptr(), []).append((seg.kind, name, p.numel()))
+            key = id(p) if p.is_meta else p.data_ptr()  # meta tensors have no storage to compare
+            owners.setdefault(key, []).append((seg.kind, name, p.numel()))
     tied = []
     for holders in owners.values():
         if len(holders) > 1:
