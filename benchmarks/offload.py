@@ -91,6 +91,8 @@ def quantisation_error(model_name: str, ids: torch.Tensor) -> dict:
     ``sx sw (xq Wq) + b`` in float64 (what unmasking returns, exactly: tests/test_offload_field.py),
     no server. Max |logit difference| over the prompt, and whether greedy next tokens agree."""
     from splitlearn.offloadmath import field as F
+    from splitlearn.model.arch import arch_of
+    from splitlearn.offload.model import linear_modules
     from splitlearn.offloadmath.layers import linear_weights
 
     model = sl.load_model(model_name)
@@ -109,9 +111,9 @@ def quantisation_error(model_name: str, ids: torch.Tensor) -> dict:
             y = y + self.b if self.b is not None else y
             return y.reshape(*x.shape[:-1], -1)
 
-    for name, (w, b) in linear_weights(model).items():
-        parent, attr = ("", "lm_head") if name == "lm_head" else ("transformer." + name.rsplit(".", 1)[0], name.rsplit(".", 1)[1])
-        setattr(model.get_submodule(parent) if parent else model, attr, Emulated(w.detach(), None if b is None else b.detach()))
+    paths = arch_of(model.config).linear_paths(model)
+    for name, (w, b) in linear_weights(linear_modules(model)).items():
+        model.set_submodule(paths[name], Emulated(w.detach(), None if b is None else b.detach()))
     got = model(ids).logits
     return {"max_abs_logit_diff": (got - want).abs().max().item(),
             "logit_scale": want.abs().max().item(),

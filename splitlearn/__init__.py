@@ -20,6 +20,7 @@ _LAZY = {
     "Segment": "model.segments", "SegmentCache": "model.segments",
     "SplitClient": "client",  # requests, imported on first use
     "OffloadGPT2LMHeadModel": "offload",  # masked offload (docs/OFFLOAD.md)
+    "AutoOffloadModelForCausalLM": "offload",  # masked offload of any family (docs/OFFLOAD.md)
     "RemoteCache": "hf", "SplitGPT2LMHeadModel": "hf", "SplitGPT2ForSequenceClassification": "hf",
     "SplitGPT2Model": "hf", "split_model": "hf",  # split models as transformers models (issue 20)
     "AutoSplitModelForCausalLM": "hf",  # any family (docs/MODELS.md)
@@ -31,7 +32,7 @@ __all__ = [
     "ByteTokenizer", "ConfigError", "Partition", "Segment", "SegmentCache", "SegmentFileError",
     "SplitClient", "SplitLearnError", "export_segments", "get_tokenizer", "load_config",
     "load_corpus", "load_model", "load_segment", "load_segments", "partition", "validate_cuts",
-    "OffloadGPT2LMHeadModel",
+    "OffloadGPT2LMHeadModel", "AutoOffloadModelForCausalLM",
     "RemoteCache", "SplitGPT2LMHeadModel", "SplitGPT2ForSequenceClassification", "SplitGPT2Model", "split_model",
     "AutoSplitModelForCausalLM",
     "__version__",

@@ -13,26 +13,25 @@ CONVERTED = {"model/segments.py", "model/partition.py", "model/loading.py", "mod
              "model/headloss.py", "hf/auto.py", "hf/familytrunk.py", "hf/cache.py", "server/http/routing.py",
              "analysis/cli.py", "analysis/core.py", "analysis/counting.py", "analysis/diagnose.py",
              "analysis/plots.py", "analysis/sweep.py", "analysis/traffic.py",
-             "hf/lora.py", "model/lora.py", "hf/remote.py",  # LoRA and the remote segment: any family
              "privacy/attacks.py", "privacy/meter.py", "privacy/reference.py", "defense/defenses.py",
-             "apps/defensetrain.py"}  # the privacy meter's learned attacks and the defenses
+             "apps/defensetrain.py",
+             "hf/lora.py", "model/lora.py", "hf/remote.py",  # LoRA and the remote segment: any family
+             "server/engine/batching.py", "server/engine/priority.py"}  # decode batching, preemption: any family
+CONVERTED |= {"offload/model.py", "offloadmath/layers.py", "server/engine/offload.py"}  # masked offload: any family
+CONVERTED |= {"hf/federation.py", "hf/fedsync.py", "server/federation/clientside.py",  # the federation modes
+              "hf/pipeline.py", "hf/halves.py"}  # micro-batches and row groups: any family
 
 #: not converted yet (GPT-2 only, or partly: see docs/MODELS.md, "Not yet")
 NOT_YET = {
     "api/fingerprint.py", "api/openapi.py",
     "api/trust.py",  # reads n_layer of a GPT-2 server's config, num_hidden_layers of the others
     "apps/demo.py", "client/core.py", "hf/draft.py",
-    "hf/federation.py", "hf/fedsync.py", "hf/modeling.py", "hf/sources.py",
+    "hf/modeling.py", "hf/sources.py",
     "hf/trunk.py", "model/checkpoint.py", "model/loraspec.py", "model/tokenizer.py",
-    "offload/model.py",
-    "offloadmath/layers.py",
     "server/config.py", "server/engine/adapters.py",
-    "server/engine/batching.py",  # GPT-2's shared-rows decode; other families run per session
     "server/engine/budget.py",  # the workspace formulas are GPT-2's; KV bytes are the adapter's
-    "server/engine/graphs.py", "server/engine/offload.py",
-    "server/engine/priority.py",  # its docstring's example; heavy_modules is any family's
+    "server/engine/graphs.py",
     "server/engine/runtime.py",  # /v1/info's "n_positions" (a protocol field)
-    "server/federation/clientside.py",
     "server/http/api_sessions.py", "server/http/validate.py",  # "n_positions" in their 400s
     "hf/limits.py",  # /v1/info's "limits.n_positions" (a protocol field), named in its errors
 }

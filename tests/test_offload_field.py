@@ -8,14 +8,15 @@ import torch
 import splitlearn as sl
 from splitlearn.errors import ConfigError, IntegrityError, ServiceUnavailable
 from splitlearn.offloadmath import field as F
-from splitlearn.offloadmath.layers import QuantisedLayers, layer_names
+from splitlearn.offloadmath.layers import QuantisedLayers, linear_weights
+from splitlearn.offload.model import linear_modules
 from splitlearn.offload.pads import PadPool, Refiller
 from splitlearn.offload.verify import Freivalds
 
 
 @pytest.fixture(scope="module")
 def layers():
-    return QuantisedLayers(sl.load_model("tiny"))
+    return QuantisedLayers(linear_modules(sl.load_model("tiny")))
 
 
 def test_the_primes_are_prime_and_limits_keep_float64_exact():
@@ -65,10 +66,30 @@ def test_pads_are_uniform_over_the_field():
 
 
 def test_layer_names_cover_every_linear_and_the_head(layers):
-    assert list(layers) == layer_names(4) and len(layers) == 17
+    gpt2 = [f"h.{i}.{n}" for i in range(4) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert list(layers) == gpt2 + ["lm_head"]  # GPT-2's wire names, as before the adapter named them
     assert layers["lm_head"].shape == (32, 257) and layers["h.3.mlp.c_proj"].shape == (128, 32)
-    assert QuantisedLayers(sl.load_model("tiny")).digest() == layers.digest()
-    assert QuantisedLayers(sl.load_model("tiny", seed=1)).digest() != layers.digest()
+    assert QuantisedLayers(linear_modules(sl.load_model("tiny"))).digest() == layers.digest()
+    assert QuantisedLayers(linear_modules(sl.load_model("tiny", seed=1))).digest() != layers.digest()
+
+
+@pytest.mark.parametrize("name", ["llama-mha", "llama-gqa", "gemma2"])
+def test_a_llamas_linear_layers_are_its_tp_plans_in_in_out_layout(name):
+    import families as fam
+    model = fam.model(name)
+    c = model.config
+    modules = linear_modules(model)
+    plan = [k.replace("*", str(i)) for i in range(c.num_hidden_layers) for k in c.base_model_tp_plan]
+    assert list(modules) == plan + ["lm_head"]  # q, k, v, o, gate, up, down per layer, then the head
+    hd = c.head_dim or c.hidden_size // c.num_attention_heads
+    w = linear_weights(modules)
+    assert w["layers.0.self_attn.q_proj"][0].shape == (c.hidden_size, c.num_attention_heads * hd)
+    assert w["layers.2.self_attn.k_proj"][0].shape == (c.hidden_size, c.num_key_value_heads * hd)  # GQA: fewer
+    assert w["layers.3.mlp.down_proj"][0].shape == (c.intermediate_size, c.hidden_size)
+    assert w["lm_head"][0].shape == (c.hidden_size, c.vocab_size)
+    x = torch.randn(3, c.hidden_size)
+    lin = model.model.layers[1].mlp.up_proj  # nn.Linear: weight (out, in); x W must be its forward
+    assert torch.allclose(x @ w["layers.1.mlp.up_proj"][0], lin(x), atol=1e-6)
 
 
 def test_freivalds_catches_any_altered_element_in_either_prime(layers):

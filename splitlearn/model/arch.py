@@ -178,6 +178,20 @@ class Arch:
         """The ``*ForCausalLM``'s name of the layer list (``model.layers``, ``transformer.h``)."""
         return f"{self.base_path}.{self.layers_name}"
 
+    def linear_paths(self, model: nn.Module) -> dict:
+        """``{name: path in the *ForCausalLM}`` of every linear layer (``nn.Linear`` or transformers'
+        ``Conv1D``) of every layer, in module order, then the LM head: ``layers.0.self_attn.q_proj
+        -> model.layers.0.self_attn.q_proj`` (Llama: the 7 of ``config.base_model_tp_plan``),
+        ``h.0.attn.c_attn -> transformer.h.0.attn.c_attn``, ``lm_head -> lm_head`` (masked offload)."""
+        from transformers.pytorch_utils import Conv1D
+        out = {}
+        for i, layer in enumerate(self.parts(model)["layers"]):
+            for sub, m in layer.named_modules():
+                if isinstance(m, (nn.Linear, Conv1D)):
+                    out[f"{self.layers_name}.{i}.{sub}"] = f"{self.layer_prefix()}.{i}.{sub}"
+        out[self.head_name] = self.head_name
+        return out
+
     def new_model(self, config: Optional[PretrainedConfig] = None) -> nn.Module:
         """A new (random) ``*ForCausalLM`` of this family."""
         return _model_class(config or self.config)(config or self.config)

@@ -1,6 +1,9 @@
-"""``OffloadGPT2LMHeadModel``: a GPT-2 whose every ``Conv1D`` and LM head is a
-:class:`~.remote.RemoteLinear`, computed by an untrusted server on one-time-padded inputs;
-inference only. Usage, memory and costs: docs/OFFLOAD.md."""
+"""``AutoOffloadModelForCausalLM``: a causal LM of any family the adapter knows (docs/MODELS.md)
+whose every linear layer (``nn.Linear``, GPT-2's ``Conv1D``; ``Arch.linear_paths``) and LM head is
+a :class:`~.remote.RemoteLinear`, computed by an untrusted server on one-time-padded inputs;
+everything else (embeddings, norms, rotary, attention scores, softmax, the KV cache, softcaps) runs
+here, in the family's own forward. Inference only. ``OffloadGPT2LMHeadModel`` is GPT-2's class of
+it. Usage, memory and costs: docs/OFFLOAD.md."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +14,12 @@ from typing import Optional
 from transformers import GPT2LMHeadModel
 
 from ..api import protocol as P
+from ..api.fingerprint import config_differences
 from ..transport import Transport, TransportConfig
 from ..errors import ConfigError
+from ..model.arch import arch_of
 from ..model.loading import ModelSource, load_model
-from ..offloadmath.layers import HEAD, SCHEMES, QuantisedLayers, linear_weights
+from ..offloadmath.layers import SCHEMES, QuantisedLayers, linear_weights
 from .pads import ON_EMPTY, PadPool, Refiller
 from .remote import OffloadChannel, RemoteLinear, _Layer
 from .verify import Freivalds
@@ -47,17 +52,27 @@ class OffloadConfig:
             raise ConfigError("pad_rows, head_pad_rows, lanes and overlap_rows must be >= 1")
 
 
-class OffloadGPT2LMHeadModel(GPT2LMHeadModel):
-    """A ``GPT2LMHeadModel`` whose linear layers run remotely on masked inputs."""
+def linear_modules(model) -> dict:
+    """``{name on the wire: module}`` of every layer ``model`` offloads (``Arch.linear_paths``)."""
+    return {name: model.get_submodule(path) for name, path in arch_of(model.config).linear_paths(model).items()}
+
+
+class OffloadMixin:
+    """The offload side of a ``*ForCausalLM``: its linear layers replaced by remote ones
+    (:meth:`_attach`), its statistics, :meth:`close`. Mixed into the family's own class."""
 
     @classmethod
     def from_pretrained(cls, source: ModelSource, *, server: str, token: Optional[str] = None,
-                        seed: int = 0, **options) -> "OffloadGPT2LMHeadModel":
+                        seed: int = 0, **options):
         """``source``: what :func:`splitlearn.load_model` takes (``seed`` for random inits: the
         server's ``--seed``); ``options``: :class:`OffloadConfig` fields. Fills the pad pools."""
         cfg = OffloadConfig(server=server, token=token, **options)
         model = load_model(source, seed=seed)
-        model.__class__ = cls  # the same module tree; only the linear layers change below
+        want = offload_class(type(model))
+        if not issubclass(want, cls):
+            raise ConfigError(f"{source!r} is a {type(model).__name__}, not what {cls.__name__} offloads: "
+                              f"use splitlearn.AutoOffloadModelForCausalLM")
+        model.__class__ = want  # the same module tree; only the linear layers change below
         model._attach(cfg)
         return model
 
@@ -67,22 +82,24 @@ class OffloadGPT2LMHeadModel(GPT2LMHeadModel):
         info = self.offload_transport.get_json(P.INFO)
         if info.get("mode") != "offload":
             raise ConfigError(f"{cfg.server} is not an offload server (start it with --offload)")
-        theirs = info["model_config"]
-        for key in ("n_layer", "n_embd", "vocab_size", "n_positions"):
-            if theirs.get(key) != getattr(self.config, key):
-                raise ConfigError(f"the server's model has {key}={theirs.get(key)}, this one {getattr(self.config, key)}")
+        differ = config_differences(self.config.to_dict(), info["model_config"])
+        if differ:
+            raise ConfigError("the server's model is another model than this one: " + "; ".join(differ[:8]))
         if cfg.scheme not in info["offload"]["schemes"]:
             raise ConfigError(f"the server does not answer scheme {cfg.scheme!r} (it offers {info['offload']['schemes']})")
-        weights = linear_weights(self)
+        arch = arch_of(self.config)
+        paths = arch.linear_paths(self)  # name on the wire -> module path here
+        modules = linear_modules(self)
+        weights = linear_weights(modules)
         layers: dict[str, _Layer] = {}
         t0 = time.perf_counter()
         if cfg.scheme == "masked":
-            quantised = QuantisedLayers(self)
+            quantised = QuantisedLayers(modules)
             if quantised.digest() != info["offload"]["weights_digest"]:
                 raise ConfigError("the server holds other weights than this model (weights digest differs): "
                                   "load the same checkpoint, or the same spec and --seed, on both sides")
             for name, q in quantised.items():
-                pool = PadPool(q, cfg.head_pad_rows if name == HEAD else cfg.pad_rows, cfg.on_empty)
+                pool = PadPool(q, cfg.head_pad_rows if name == arch.head_name else cfg.pad_rows, cfg.on_empty)
                 layers[name] = _Layer(q, pool, Freivalds(q) if cfg.verify else None)
         else:
             layers = {name: _Layer(None, None, None) for name in weights}
@@ -93,13 +110,10 @@ class OffloadGPT2LMHeadModel(GPT2LMHeadModel):
         for pool in self.offload_pools:  # "offline": before the first request
             pool.refill()
         self.offload_precompute_s = time.perf_counter() - t0
-        for i, block in enumerate(self.transformer.h):
-            for sub in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-                parent_name, attr = sub.rsplit(".", 1)
-                conv = block.get_submodule(sub)
-                parent = block.get_submodule(parent_name)
-                setattr(parent, attr, RemoteLinear(f"h.{i}.{sub}", self.offload_channel, conv.weight, conv.bias, conv.nf))
-        self.lm_head = RemoteLinear(HEAD, self.offload_channel, self.lm_head.weight, None, self.config.vocab_size)
+        for name, path in paths.items():  # the module keeps its parameters (state dict, tying unchanged)
+            m = modules[name]
+            w, bias = weights[name]
+            self.set_submodule(path, RemoteLinear(name, self.offload_channel, m.weight, bias, w.shape[1]))
         self.offload_refiller = Refiller(self.offload_pools) if cfg.refill == "background" and self.offload_pools else None
         log.info("offload to %s: %d layers, scheme %s, setup %.2fs, pads precomputed in %.2fs",
                  cfg.server, len(layers), cfg.scheme, self.offload_setup_s, self.offload_precompute_s)
@@ -120,3 +134,33 @@ class OffloadGPT2LMHeadModel(GPT2LMHeadModel):
         if getattr(self, "offload_refiller", None) is not None:
             self.offload_refiller.close()
         self.offload_transport.close()
+
+
+class OffloadGPT2LMHeadModel(OffloadMixin, GPT2LMHeadModel):
+    """A ``GPT2LMHeadModel`` whose linear layers run remotely on masked inputs."""
+
+
+_CLASSES: dict[type, type] = {GPT2LMHeadModel: OffloadGPT2LMHeadModel}
+
+
+def offload_class(cls: type) -> type:
+    """The offload class of a family's ``*ForCausalLM`` (``OffloadLlamaForCausalLM``), made once."""
+    if issubclass(cls, OffloadMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Offload{cls.__name__}", (OffloadMixin, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+class AutoOffloadModelForCausalLM:
+    """Masked offload of any family: ``AutoOffloadModelForCausalLM.from_pretrained(source,
+    server=URL, token=...)`` -> the family's ``*ForCausalLM`` (its class mixed with
+    :class:`OffloadMixin`) whose linear layers run on the server (docs/OFFLOAD.md)."""
+
+    def __init__(self):
+        raise TypeError("use AutoOffloadModelForCausalLM.from_pretrained(source, server=..., token=...)")
+
+    @staticmethod
+    def from_pretrained(source: ModelSource, *, server: str, token: Optional[str] = None, seed: int = 0,
+                        **options):
+        return OffloadMixin.from_pretrained(source, server=server, token=token, seed=seed, **options)

@@ -1,7 +1,8 @@
 """The client side of masked offload: one product of a linear layer, remote, masked, checked.
 
 :class:`OffloadChannel` turns ``x (n, in) float32`` into ``x W`` (no bias) through the
-server; :class:`RemoteLinear` stands in for a ``Conv1D`` (or the LM head) and adds the bias.
+server; :class:`RemoteLinear` stands in for a linear layer (``nn.Linear``, ``Conv1D``, the LM
+head) and adds the bias.
 One product of scheme ``masked``::
 
     client                                                       server (--offload)
@@ -129,8 +130,9 @@ class OffloadChannel:
 
 
 class RemoteLinear(nn.Module):
-    """Stands in for a ``Conv1D`` (or the LM head): ``y = remote(x W) + b``, same shapes; keeps
-    the original ``weight``/``bias`` parameters (state dicts and weight tying unchanged)."""
+    """Stands in for a linear layer (``nn.Linear``, ``Conv1D``, the LM head): ``y = remote(x W) + b``,
+    same shapes; keeps the original ``weight``/``bias`` parameters (state dicts and weight tying
+    unchanged, the layout the family's: ``nn.Linear`` (out, in), ``Conv1D`` (in, out))."""
 
     def __init__(self, name: str, channel: OffloadChannel, weight: nn.Parameter,
                  bias: Optional[nn.Parameter], n_out: int):

@@ -1,15 +1,22 @@
 """The layers a masked-offload server computes, named the same on both sides, and their wire.
 
-Every linear layer of a GPT-2 (``W`` of shape (in, out); the server holds only ``Wq``, the
-client adds the biases)::
+Every linear layer of every layer of the model and its LM head, as the architecture adapter names
+them (``splitlearn.model.arch.Arch.linear_paths``: every ``nn.Linear`` or transformers ``Conv1D``
+inside a layer, in module order). The server holds only ``Wq`` of ``W`` in (in, out) layout:
+``Conv1D.weight`` as it is, ``nn.Linear.weight`` (out, in) transposed; the client adds the biases::
 
-    h.{i}.attn.c_attn   (d -> 3d)      h.{i}.mlp.c_fc      (d -> 4d)
-    h.{i}.attn.c_proj   (d -> d)       h.{i}.mlp.c_proj    (4d -> d)
-    lm_head             (d -> V)       W = wte^T, no bias
+    Llama, Gemma 2 (7 per layer)
+    layers.{i}.self_attn.q_proj  (d -> H hd)       layers.{i}.mlp.gate_proj  (d -> f)
+    layers.{i}.self_attn.k_proj  (d -> KV hd)      layers.{i}.mlp.up_proj    (d -> f)
+    layers.{i}.self_attn.v_proj  (d -> KV hd)      layers.{i}.mlp.down_proj  (f -> d)
+    layers.{i}.self_attn.o_proj  (H hd -> d)       lm_head                   (d -> V)
+
+GPT-2 (its names are the adapter's): 4 ``Conv1D`` per layer (the fused QKV, d -> 3d; the attention
+output, d -> d; the MLP's d -> 4d and 4d -> d) and the LM head, ``W`` = the tied embedding^T.
 
 Wire (``POST /v1/offload/linear``, one safetensors body, :mod:`splitlearn.api.wire`)::
 
-    request   __metadata__ {"layers": "h.0.mlp.c_fc,h.1.mlp.c_fc", "scheme": "masked"}
+    request   __metadata__ {"layers": "layers.0.mlp.gate_proj,layers.0.mlp.up_proj", "scheme": "masked"}
               x.0  I32 [2, n0, in0]   masked input of the first layer, one slice per prime
               x.1  I32 [2, n1, in1]   ...                               (at most MAX_PRODUCTS)
     answer    y.0  I32 [2, n0, out0]  Zi = Xi~ Wq mod pi, per prime
@@ -23,30 +30,29 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GPT2LMHeadModel
+from transformers.pytorch_utils import Conv1D
 
 from .field import Limits, limits_for, quantise_weight
 
-BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-HEAD = "lm_head"
+HEAD = "lm_head"  # the LM head's name (every family's: splitlearn.model.arch.Family.head)
 MAX_PRODUCTS = 8  # products in one request
 SCHEMES = ("masked", "plain")
 
 
-def layer_names(n_layer: int) -> list[str]:
-    return [f"h.{i}.{name}" for i in range(n_layer) for name in BLOCK_LINEARS] + [HEAD]
+def in_out(module: nn.Module) -> tuple[torch.Tensor, "torch.Tensor | None"]:
+    """``(W (in, out), bias (out,) or None)`` of an ``nn.Linear`` (its (out, in) weight, transposed:
+    a view) or a ``Conv1D`` (already (in, out))."""
+    if isinstance(module, Conv1D):
+        return module.weight, module.bias
+    if isinstance(module, nn.Linear):
+        return module.weight.t(), module.bias
+    raise TypeError(f"{type(module).__name__} is not a linear layer (nn.Linear or Conv1D)")
 
 
-def linear_weights(model: GPT2LMHeadModel) -> dict[str, tuple[torch.Tensor, "torch.Tensor | None"]]:
-    """``name -> (W (in, out), bias (out,) or None)`` of every offloaded layer (views, no copies)."""
-    out = {}
-    for i, block in enumerate(model.transformer.h):
-        for name in BLOCK_LINEARS:
-            conv = block.get_submodule(name)
-            out[f"h.{i}.{name}"] = (conv.weight, conv.bias)
-    head = model.lm_head
-    out[HEAD] = (head.weight.t(), head.bias if isinstance(head, nn.Linear) else None)
-    return out
+def linear_weights(modules: dict[str, nn.Module]) -> dict[str, tuple[torch.Tensor, "torch.Tensor | None"]]:
+    """``name -> (W (in, out), bias (out,) or None)`` of every offloaded layer (views, no copies);
+    ``modules``: ``name -> module``, as ``Arch.linear_paths`` names them."""
+    return {name: in_out(m) for name, m in modules.items()}
 
 
 @dataclass
@@ -62,11 +68,12 @@ class QuantisedLayer:
 
 
 class QuantisedLayers(dict):
-    """``name -> QuantisedLayer`` for every offloaded layer of ``model``, and their digest."""
+    """``name -> QuantisedLayer`` for every offloaded layer (``modules``: ``name -> nn.Linear |
+    Conv1D``, in the adapter's order), and their digest."""
 
-    def __init__(self, model: GPT2LMHeadModel):
+    def __init__(self, modules: dict[str, nn.Module]):
         super().__init__()
-        for name, (w, _) in linear_weights(model).items():
+        for name, (w, _) in linear_weights(modules).items():
             lim = limits_for(w.shape[0])
             wq, sw = quantise_weight(w, lim.wmax)
             self[name] = QuantisedLayer(name, lim, wq, sw)

@@ -2,8 +2,8 @@
 one-time-padded inputs, and nothing else.
 
 Where a split server runs blocks on activations it can read, this one only multiplies:
-it holds every block's four linear layers and the LM head in fixed point (``Wq``,
-:mod:`splitlearn.offloadmath.layers`) and answers ``POST /v1/offload/linear`` with
+it holds every layer's linear layers (any family: those the architecture adapter names,
+``Arch.linear_paths``) and the LM head in fixed point (``Wq``, :mod:`splitlearn.offloadmath.layers`) and answers ``POST /v1/offload/linear`` with
 ``Zi = Xi~ Wq mod pi`` for inputs the client masked with one-time pads (Slalom, Tramer &
 Boneh, ICLR 2019; the arithmetic: :mod:`splitlearn.offloadmath.field`). It never sees an
 activation, a bias, an attention score or a layer norm. The route goes through the app's
@@ -27,9 +27,10 @@ import torch
 
 from ...api import protocol as P
 from ...errors import BadRequest, PayloadTooLarge
+from ...model.arch import arch_of
 from ...model.loading import load_model
 from ...offloadmath.field import PRIMES, field_matmul
-from ...offloadmath.layers import MAX_PRODUCTS, SCHEMES, QuantisedLayers, layer_names, linear_weights
+from ...offloadmath.layers import MAX_PRODUCTS, SCHEMES, QuantisedLayers, linear_weights
 from .budget import body_account
 from .compute import ComputeThread
 from ..config import ServerConfig
@@ -59,13 +60,20 @@ class OffloadRuntime:
         cfg = self.cfg
         model = load_model(cfg.model, seed=cfg.seed)  # float32, cpu
         self.config = model.config
-        self.layers = QuantisedLayers(model)
+        arch = arch_of(model.config)
+        modules = {name: model.get_submodule(path) for name, path in arch.linear_paths(model).items()}
+        self.layers = QuantisedLayers(modules)
         self.digest = self.layers.digest()
-        self.names = layer_names(self.config.n_layer)
+        self.names = list(self.layers)
+        # what a 400 for an unknown layer lists: one layer's names, and the head
+        self.name_help = (", ".join(n.replace(f"{arch.layers_name}.0.", f"{arch.layers_name}.<i>.", 1)
+                                    for n in self.names if n.startswith(f"{arch.layers_name}.0."))
+                          + f" (i < {arch.n_layers}) and {arch.head_name}")
         # the plain baseline multiplies the float32 weights; kept only when it is enabled
-        self.plain = ({k: w.detach().contiguous() for k, (w, _) in linear_weights(model).items()}
+        self.plain = ({k: w.detach().contiguous() for k, (w, _) in linear_weights(modules).items()}
                       if cfg.offload_plain else None)
-        self.max_rows = cfg.max_batch * self.config.n_positions
+        positions = getattr(self.config, "max_position_embeddings", None) or 2048  # rows a request may hold
+        self.max_rows = cfg.max_batch * positions
         self.memory = cfg.max_request_memory_bytes or DEFAULT_MEMORY
         # tenants' bodies (reserved by the door as they are announced) and each request's products,
         # per tenant and in total, as on a segment server (--max-memory-gb, --max-tenant-memory-gb)
@@ -108,8 +116,7 @@ class OffloadRuntime:
         for k, name in enumerate(names):
             layer = self.layers.get(name)
             if layer is None:
-                raise BadRequest(f"unknown layer {name[:80]!r}: layers are h.<i>.attn.c_attn, h.<i>.attn.c_proj, "
-                                 f"h.<i>.mlp.c_fc, h.<i>.mlp.c_proj (i < {self.config.n_layer}) and lm_head")
+                raise BadRequest(f"unknown layer {name[:80]!r}: layers are {self.name_help}")
             n_in, out = layer.shape
             x = tensors[f"x.{k}"]
             if scheme == "masked":
