@@ -23,7 +23,8 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
     head, evaluation           B·V·(e + 4) [+ 2·e·N·d + c·V·8 with labels]
     update (training)          grads + 2·largest parameter               AdamW's temporaries (CPU)
                   on CUDA      grads + max(grads, 4·grads/e if e < 4)    foreach temporaries, or the norm's copies
-    KV cache                   2·L·tokens·d·e
+    KV cache                   2·L·tokens·d·e   (other families: 2·KV heads·head_dim per layer, a
+                                                 sliding layer's rows at most its window)
     in and out                 16·N·d                                    body, decoded, answer, encoded
                   on CUDA      (3e + 8)·N·d                              bodies in host memory
 
@@ -34,7 +35,9 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
     session step     (KV(rows·K) + one block's K, V copy + workspace + last logits + in/out) x 1.25
     session open     KV(min(rows·n_positions, --max-tokens-per-client))
 
-(16-bit compute adds the float32 copies of the logits and gradients it makes.) The kept
+(16-bit compute adds the float32 copies of the logits and gradients it makes.) Other families'
+layers (a gated MLP of width I, q/KV heads x head_dim, their norms, eager or sdpa attention) are
+counted in :mod:`.layercost` in place of the block's kept and workspace terms. The kept
 activations are the per-layer count of Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", arXiv:2205.05198, eq. 2: s·b·h·(34 + 5·a·s/h)
 bytes at 16 bits) redone for what this code runs, by counting the tensors autograd saves in a
@@ -135,8 +138,11 @@ import torch
 from torch import nn
 
 from ...errors import PayloadTooLarge
+from ...model.arch import SLIDING
 from ...model.headloss import CHUNK_LOGITS_BYTES, chunk_rows
 from ...model.packed import usable
+from . import layercost
+from .layercost import LayerShape
 from .memory import HOST_SHARE, TOTAL_FLAG, MemoryAccount, body_limits, charge
 
 log = logging.getLogger(__name__)
@@ -180,6 +186,10 @@ class Dims:
     # 2 x num_key_value_heads x head_dim per layer, docs/MODELS.md; sliding layers priced as full:
     # an upper bound); 0: 2·d per layer
     kv_token: int = 0
+    # sliding layers' bytes of one cached position (in kv_token too); a row holds at most `window`
+    kv_sliding: int = 0
+    window: int = 0  # config.sliding_window (0: none)
+    layer: Optional[LayerShape] = None  # another family's layer (.layercost); None: GPT-2's formulas
 
     @classmethod
     def of(cls, segment: nn.Module, dtype: torch.dtype, device: Union[torch.device, str] = "cpu") -> "Dims":
@@ -193,7 +203,8 @@ class Dims:
         inner = getattr(c, "n_inner", None) or getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None)
         elem = torch.empty((), dtype=dtype).element_size()
         arch = getattr(segment, "arch", None)  # KV bytes per token: 2 x KV heads x head_dim per layer
-        kv = sum(arch.kv_bytes_per_token(elem, segment.start, segment.end).values()) if arch else 0
+        per_type = arch.kv_bytes_per_token(elem, segment.start, segment.end) if arch else {}
+        window = int(getattr(c, "sliding_window", None) or 0)
         return cls(d=d, heads=heads, inner=inner or 4 * d, vocab=c.vocab_size,
                    blocks=len(segment.layers_list), head=segment.has_head,
                    elem=elem,
@@ -201,7 +212,8 @@ class Dims:
                    dropout=getattr(c, "resid_pdrop", getattr(c, "hidden_dropout", 0)) > 0,
                    grads=sum(sizes), largest=max(sizes, default=0),
                    cuda_kernels=cuda and attn == "sdpa" and fused_sdpa(dtype, d // heads),
-                   cuda=cuda, kv_token=kv)
+                   cuda=cuda, kv_token=sum(per_type.values()), kv_sliding=per_type.get(SLIDING, 0) if window else 0,
+                   window=window, layer=LayerShape.of(segment))
 
     @property
     def scores(self) -> bool:
@@ -234,6 +246,8 @@ LN_STATS_BYTES = 4  # CUDA's layer norm keeps its mean and 1/std in float32 (the
 def kept_per_block(m: Dims, B: int, T: int, K: int, padded: bool) -> int:
     """Bytes one block keeps for the backward in training: B rows, T positions, K keys."""
     e, N = m.elem, B * T
+    if m.layer is not None:
+        return e * N * layercost.kept(m.layer, m.d, m.inner, m.heads, K, padded, m.eager)
     b = e * N * (5 * m.inner + 7 * m.d)
     if m.cuda:  # ln_1's and ln_2's mean and 1/std; the block's output, kept by what reads it next
         b += 2 * 2 * LN_STATS_BYTES * N + e * N * m.d
@@ -257,6 +271,8 @@ def block_workspace(m: Dims, B: int, T: int, K: int, masked: bool, scores: bool)
     """Bytes one block needs beyond what it keeps, while it runs (forward or backward);
     ``masked``: sdpa gets a mask tensor (padding, or new positions after cached ones)."""
     e, N = m.elem, B * T
+    if m.layer is not None:
+        return e * N * layercost.workspace(m.layer, m.d, m.inner, m.heads, K, masked, scores)
     b = e * N * (4 * m.inner + 6 * m.d)  # the MLP's temporaries
     if masked:
         b += (1 + e) * B * T * K  # the boolean (B, 1, T, K) mask and sdpa's float copy of it
@@ -279,10 +295,12 @@ def io_bytes(m: Dims, B: int, T: int) -> int:
     return 4 * 4 * B * T * m.d
 
 
-def kv_bytes(m: Dims, tokens: int) -> int:
-    """The KV cache of ``tokens`` cached positions (rows x length) in every block."""
+def kv_bytes(m: Dims, tokens: int, rows: int = 0) -> int:
+    """The KV cache of ``tokens`` cached positions (rows x length) in every block; with ``rows``
+    given, a sliding layer's at most ``rows x window`` (else priced as full: an upper bound)."""
     if m.kv_token:
-        return tokens * m.kv_token
+        sliding = min(tokens, rows * m.window) if rows and m.window else tokens
+        return tokens * (m.kv_token - m.kv_sliding) + sliding * m.kv_sliding
     return 2 * m.blocks * tokens * m.d * m.elem
 
 
@@ -375,7 +393,8 @@ def session_step_cost(m: Dims, rows: int, past: int, T: int, padded: bool = True
     ``padded``: the new positions' mask pads some."""
     K = past + T
     masked = padded or past > 0  # sdpa's causal flag serves only a first, unpadded prefill
-    b = kv_bytes(m, rows * K) + 2 * rows * K * m.d * m.elem + block_workspace(m, rows, T, K, masked, m.eager)
+    kv_copy = 2 * rows * K * (m.layer.kv if m.layer is not None else m.d) * m.elem  # one layer's K, V grown
+    b = kv_bytes(m, rows * K, rows) + kv_copy + block_workspace(m, rows, T, K, masked, m.eager)
     if m.head:
         b += rows * m.vocab * (m.elem + 4)
     return _slack(m, b + io_bytes(m, rows, T))
@@ -430,7 +449,7 @@ class Budget:
     def session(self, rows: int, tokens: int) -> None:
         """Opening a session of ``rows`` whose KV cache may grow to ``tokens`` positions."""
         self.check(f"a session of {rows} rows (its KV cache of up to {tokens} positions)",
-                   kv_bytes(self.dims, tokens))
+                   kv_bytes(self.dims, tokens, rows))
 
     def session_step(self, rows: int, past: int, T: int, mask: Optional[torch.Tensor]) -> None:
         """A prefill or decode step of ``rows`` x T new positions after ``past`` cached ones."""
