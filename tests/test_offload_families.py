@@ -2,7 +2,8 @@
 and the LM head), MHA and GQA, and of a Gemma 2 (alternating sliding layers, softcaps), against a
 real ``--offload`` server of a saved tiny model (tests/offloadserver.py), on a left-padded batch:
 logits bit for bit those of the client-only model with its linear layers in the scheme's fixed
-point, within REL_TOL of the float model's, greedy tokens equal to the client-only model's; what
+point (also once q, k, v and gate, up go in one request each), within REL_TOL of the float model's,
+greedy tokens equal to the client-only model's; what
 the server receives is uniform and uncorrelated with the activations; a server that returns a
 wrong product is caught by Freivalds' check; another model is refused at connect."""
 import pytest
@@ -91,17 +92,25 @@ def test_logits_and_greedy_tokens_equal_the_client_only_model(served):
     ids, mask = fam.padded()  # row 0 left-padded by 3
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
-        got = model(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits  # learns the siblings: 7 requests a layer
+        again = model(ids, attention_mask=mask).logits  # q, k, v in one request, gate and up in one: 4
         exact = fixed_point(d)(ids, attention_mask=mask).logits
     keep = mask.bool()
     assert torch.equal(got, exact)  # masking, pads, CRT and the checks change no bit of the products
+    assert torch.equal(again, exact)
     assert (want[keep] - got[keep]).abs().max() < REL_TOL * want[keep].abs().max()
     kw = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=fam.PAD, attention_mask=mask)
     out = model.generate(ids, **kw)
     assert torch.equal(out, ref.generate(ids, **kw)) and out.shape[1] == ids.shape[1] + NEW
     s = model.offload_stats
-    products = len(remote) * (1 + NEW)  # every linear layer once per forward: the logits, then generate's
-    assert s["products"] == products and s["requests"] == products  # 14 rows: below the row-group size
+    forwards = 2 + NEW  # the logits twice, then generate's
+    assert s["products"] == len(remote) * forwards  # every linear layer once per forward
+    # 14 rows: below the row-group size; the first forward one request a product, then one per
+    # group of siblings: {q, k, v}, o, {gate, up}, down a layer, and the head
+    assert s["requests"] == len(remote) + (forwards - 1) * (4 * c.num_hidden_layers + 1)
+    assert s["ahead"] == (forwards - 1) * 3 * c.num_hidden_layers
+    assert model.offload_channel.groups["layers.2.self_attn.k_proj"] == tuple(
+        f"layers.2.self_attn.{p}_proj" for p in "qkv")
     assert s["pads_issued"] == s["rows"]  # a fresh pad for every row of every product
     model.close()
 
@@ -189,7 +198,10 @@ def test_a_server_returning_a_wrong_product_is_caught_by_freivalds(hostile):
     out = None
     with pytest.raises(IntegrityError, match="Freivalds"):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=fam.PAD)
-    assert out is None and model.offload_stats["requests"] == 40  # caught at the first altered answer
+    # caught at the first altered answer: the 40th product, layer 1's o_proj in the 35th request (the
+    # prefill's 29, then {q, k, v}, o, {gate, up}, down, {q, k, v}, o); the 39 before it passed
+    assert out is None and model.offload_stats["requests"] == 35
+    assert sum(layer.check.checks for layer in model.offload_channel.layers.values()) == 39
     model.close()
     unchecked = client(srv, d, verify=False)  # what the check prevents: silently wrong logits
     ids, mask = fam.padded(pad=0)  # the server alters row 0's first element: a real token here
@@ -198,3 +210,27 @@ def test_a_server_returning_a_wrong_product_is_caught_by_freivalds(hostile):
         want = reference(d)(ids, attention_mask=mask).logits
     assert not torch.allclose(bad, want, atol=1.0)
     unchecked.close()
+
+
+def test_a_product_sent_ahead_is_used_only_for_the_same_unchanged_input(served):
+    name, d, srv = served
+    if name != "llama-gqa":
+        pytest.skip("once")
+    model = client(srv, d)
+    ids, mask = fam.padded()
+    local = fixed_point(d).model.layers[0].self_attn  # the products, computed here
+    attn = model.model.layers[0].self_attn
+    stats = model.offload_channel.stats
+    with torch.no_grad():
+        model(ids, attention_mask=mask)  # learns {q, k, v}
+        x = torch.randn(2, 3, model.config.hidden_size)
+        attn.q_proj(x)  # sends q, k and v of x in one request
+        r0 = stats.requests
+        assert torch.equal(attn.k_proj(x), local.k_proj(x)) and stats.requests == r0  # the one sent ahead
+        attn.q_proj(x)
+        x.mul_(2)  # changed in place after q, k, v were sent: v's product is stale
+        assert torch.equal(attn.v_proj(x), local.v_proj(x)) and stats.requests == r0 + 2  # computed afresh
+        attn.q_proj(x)
+        y = x.clone()  # the same values in another tensor: not the input they were sent for
+        assert torch.equal(attn.k_proj(y), local.k_proj(y)) and stats.requests == r0 + 4
+    model.close()

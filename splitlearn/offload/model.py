@@ -39,6 +39,7 @@ class OffloadConfig:
     on_empty: str = "compute"  # a pool that runs out: compute | wait | raise (never reuse)
     lanes: int = 2  # row groups in flight at once for products of >= overlap_rows rows
     overlap_rows: int = 16  # rows from which a product is split across lanes
+    siblings: bool = True  # products of one input (a Llama's q, k, v; gate, up) in one request, learned on the first forward
     transport: dict = dc_field(default_factory=dict)  # extra TransportConfig fields (timeouts, retries)
 
     def __post_init__(self):
@@ -104,7 +105,8 @@ class OffloadMixin:
         else:
             layers = {name: _Layer(None, None, None) for name in weights}
         self.offload_setup_s = time.perf_counter() - t0
-        self.offload_channel = OffloadChannel(self.offload_transport, layers, cfg.scheme, cfg.lanes, cfg.overlap_rows)
+        self.offload_channel = OffloadChannel(self.offload_transport, layers, cfg.scheme, cfg.lanes, cfg.overlap_rows,
+                                             cfg.siblings)
         self.offload_pools = [layer.pool for layer in layers.values() if layer.pool is not None]
         t0 = time.perf_counter()
         for pool in self.offload_pools:  # "offline": before the first request
