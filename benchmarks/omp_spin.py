@@ -13,13 +13,16 @@ Both processes share the machine's cores (two here) with torch's default threads
 Each variant runs as a fresh script process whose whole environment (and so the server's, which
 inherits it) holds the variant's setting:
 
-- ``unset``: no ``GOMP_SPINCOUNT`` exported. The script's libgomp keeps its default spin
-  (300,000 iterations: milliseconds); the server, which imports splitlearn first, gets 20,000
-  (``splitlearn/procs/openmp.py``);
+- ``unset, no guard``: no ``GOMP_SPINCOUNT`` exported. The script's libgomp keeps its default
+  spin (300,000 iterations: ~2 ms of a core after each parallel operator here); the server,
+  which imports splitlearn first, gets 20,000 (``splitlearn/procs/openmp.py``); the split model's
+  ``quiet_openmp`` off: how every torch-first script ran before it;
 - ``20000``: ``GOMP_SPINCOUNT=20000`` exported: both processes spin briefly;
-- ``unset, client 1 thread``: ``unset``, with the client's generation on one torch thread
-  (``torch.set_num_threads(1)`` around ``SplitClient.generate``; the unsplit model keeps two);
-- ``unset, server 1 thread``: ``unset``, with the server on one torch thread (``--torch-threads 1``).
+- ``unset (default: ...)``: no variable, ``quiet_openmp`` on (the default): the split model's
+  ``generate`` sees the long spin and a server on its cores and runs on one torch thread (the
+  unsplit model keeps two);
+- ``unset, no guard, server 1 thread``: the first, with the server on one torch thread
+  (``--torch-threads 1``): the other way to keep the spinning worker off the server's cores.
 
 Reported per variant: tokens/s of each system and split / unsplit speed (median of the paired
 ratios: > 1 the split is faster). Writes ``benchmarks/results/cpu/omp_spin.json`` and ``.md``
@@ -38,11 +41,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "cpu" / "omp_spin.json"
-VARIANTS = {  # name -> (GOMP_SPINCOUNT or None, client's torch threads in generate or None, server's)
-    "unset": (None, None, None),
-    "20000": ("20000", None, None),
-    "unset, client 1 thread": (None, 1, None),
-    "unset, server 1 thread": (None, None, 1),
+VARIANTS = {  # name -> (GOMP_SPINCOUNT or None, the split model's quiet_openmp, the server's torch threads)
+    "unset, no guard": (None, False, None),
+    "20000": ("20000", True, None),
+    "unset (default: one thread while generating)": (None, True, None),
+    "unset, no guard, server 1 thread": (None, False, 1),
 }
 
 
@@ -54,7 +57,7 @@ def child(a) -> dict:
     from splitlearn.client import SplitClient
     from splitlearn.procs.localserver import LocalServer
 
-    spin, client_threads, server_threads = VARIANTS[a.variant]
+    spin, quiet, server_threads = VARIANTS[a.variant]
     src, cuts = ("tiny", (1, 3)) if a.quick else ("random:gpt2", (2, 10))
     prompt = 8 if a.quick else 32
     args = ["--model", src, *[x for c in cuts for x in ("--cut", str(c))], "--device", "cpu", "--log-level", "WARNING"]
@@ -65,14 +68,8 @@ def child(a) -> dict:
     ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
     with LocalServer(args) as srv, SplitClient(srv.url, src, token=srv.token, device="cpu", seed=0) as client:
-        def split():
-            if client_threads is None:
-                return client.generate(ids, max_new_tokens=a.tokens)
-            torch.set_num_threads(client_threads)
-            try:
-                return client.generate(ids, max_new_tokens=a.tokens)
-            finally:
-                torch.set_num_threads(threads)
+        client.model.quiet_openmp = quiet
+        split = lambda: client.generate(ids, max_new_tokens=a.tokens)  # noqa: E731
 
         systems = {"unsplit": lambda: unsplit.generate(ids, attention_mask=torch.ones_like(ids),
                                                        max_new_tokens=a.tokens, do_sample=False, pad_token_id=0),
@@ -85,7 +82,7 @@ def child(a) -> dict:
                 if r:  # round 0 warms up
                     times[k].append(time.perf_counter() - t0)
     return {"variant": a.variant, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"), "torch_threads": threads,
-            "client_threads": client_threads, "server_threads": server_threads, "times_s": times,
+            "quiet_openmp": quiet, "server_threads": server_threads, "times_s": times,
             "same_tokens": bool(torch.equal(outs["split"], outs["unsplit"])),
             "tokens_per_s": {k: a.tokens / statistics.median(v) for k, v in times.items()},
             "split_over_unsplit_speed": statistics.median(u / s for u, s in zip(times["unsplit"], times["split"]))}

@@ -37,3 +37,56 @@ def test_default_spin_does_nothing_once_torch_is_loaded(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert openmp.default_spin() is False and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_long_spin_reads_the_spin_libgomp_read():
+    import torch  # noqa: F401  (libgomp is loaded with it on Linux wheels)
+
+    if not openmp._libgomp_loaded():
+        import pytest
+        pytest.skip("torch runs no libgomp here")
+    assert openmp.long_spin({})  # libgomp's default: 300,000 iterations
+    assert not openmp.long_spin({"GOMP_SPINCOUNT": openmp.SPINCOUNT})
+    assert openmp.long_spin({"GOMP_SPINCOUNT": "300k"}) and openmp.long_spin({"GOMP_SPINCOUNT": "INFINITE"})
+    assert not openmp.long_spin({"GOMP_SPINCOUNT": "0"}) and openmp.long_spin({"GOMP_SPINCOUNT": "junk"})
+    assert not openmp.long_spin({"OMP_WAIT_POLICY": "passive"}) and openmp.long_spin({"OMP_WAIT_POLICY": "ACTIVE"})
+    assert not openmp.long_spin({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"})  # the count decides
+
+
+def test_a_split_model_generates_on_one_thread_where_its_workers_would_spin_on_the_servers_cores(
+        monkeypatch, varied_model):
+    """An inproc server shares this process's cores: with a long spin, generate's steps run on
+    one torch thread (no idle worker left to spin), the tokens unchanged, the threads restored."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from conftest import VARIED
+    from serverproc import TOKEN, InprocServerProcess
+    from splitlearn.hf import SplitGPT2LMHeadModel, generation
+
+    seen = []
+
+    class Threads(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            seen.append(torch.get_num_threads())
+            return scores
+
+    ids = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=256,
+              logits_processor=LogitsProcessorList([Threads()]))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with InprocServerProcess((1, 3), model=VARIED) as srv:
+            model = SplitGPT2LMHeadModel.from_pretrained(VARIED, server=srv.url, token=TOKEN)
+            expected = varied_model.generate(ids, **kw)
+            seen.clear()
+            for spins, quiet, want in ((True, True, {1}), (True, False, {2}), (False, True, {2})):
+                monkeypatch.setattr(generation, "long_spin", lambda spins=spins: spins)
+                model.quiet_openmp = quiet
+                seen.clear()
+                assert torch.equal(model.generate(ids, **kw), expected)
+                assert set(seen) == want and torch.get_num_threads() == 2
+            model.remote.close()
+    finally:
+        torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from ..errors import ConfigError
 from ..model.packed import PackedLinears
+from ..procs.openmp import long_spin, one_thread
 from ..transport import shares_cores_with_server
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,12 @@ class _GenerationScope(threading.local):
 
 
 _SCOPE = _GenerationScope()
+
+
+def _spins_against_server(model) -> bool:
+    """This process's idle OpenMP workers spin long and the model's server shares its cores."""
+    remote = getattr(getattr(model, "transformer", None), "remote", None) or getattr(model, "remote", None)
+    return remote is not None and long_spin() and shares_cores_with_server(remote.transport.cfg.url)
 
 
 class SplitGenerationMixin:
@@ -124,6 +131,13 @@ class SplitGenerationMixin:
     #: faster few-row products (the LM head above all); set False on the model to turn it off
     packed_weights: bool = True
 
+    #: where this process's idle OpenMP workers spin long (libgomp's default: a script that
+    #: imported torch before splitlearn and exported no ``GOMP_SPINCOUNT``;
+    #: :func:`splitlearn.procs.openmp.long_spin`) and the server shares its cores, ``generate``
+    #: runs on one torch thread (restored after), so no worker of this process spins on the
+    #: cores the server computes on while it waits (docs/PERFORMANCE.md, 'Import order'); False: never
+    quiet_openmp: bool = True
+
     #: ``generate(assistant_model=... | prompt_lookup_num_tokens=...)`` drafts at the link-aware
     #: length unless the caller sets a schedule (:func:`splitlearn.hf.draft.default_policy`);
     #: False: transformers' own schedule
@@ -162,6 +176,8 @@ class SplitGenerationMixin:
                     self.last_draft_policy = stack.enter_context(link_aware(self, policy))
                 if self.packed_weights:
                     stack.enter_context(PackedLinears(self).active())  # a no-op off the CPU or float32
+                if self.quiet_openmp and _spins_against_server(self):
+                    stack.enter_context(one_thread())  # no idle OpenMP worker spins on the server's cores
                 return super().generate(*args, **kwargs)
         finally:
             _SCOPE.depth -= 1

@@ -19,12 +19,20 @@ it, so every process splitlearn starts (``python -m splitlearn.server``, ``pytho
 splitlearn.client``, the demo) and every script that imports splitlearn before torch spins
 briefly; a script that imports torch first keeps libgomp's default unless it sets the variable
 (docs/PERFORMANCE.md). A value the user set (``GOMP_SPINCOUNT``, or ``OMP_WAIT_POLICY``, which libgomp
-lets decide the spin when no count is given) is kept."""
+lets decide the spin when no count is given) is kept.
+
+A process whose libgomp spins long (:func:`long_spin`: torch imported first) cannot shorten it
+any more; what it can do is have no idle workers: :func:`one_thread` runs a block on one torch
+thread, so no worker is woken and none spins afterwards (the split models' ``generate`` does so
+where the server shares the cores: docs/PERFORMANCE.md, 'Import order')."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import re
 import sys
-from typing import MutableMapping, Optional
+from typing import Iterator, MutableMapping, Optional
 
 SPINCOUNT = "20000"  # iterations of libgomp's wait loop before a worker sleeps
 _USER_SET = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -46,3 +54,56 @@ def default_spin() -> bool:
         return False
     spin_env()
     return True
+
+
+LONG = 100_000  # spin iterations from which a wait is "long" (libgomp's default: 300,000, ~2 ms here)
+_COUNT = re.compile(r"\s*(\d+)\s*([kKmMgGtT]?)\s*$")  # libgomp's GOMP_SPINCOUNT: a number, a k/M/G/T suffix
+
+
+def long_spin(env: Optional[MutableMapping[str, str]] = None) -> bool:
+    """Whether this process's idle OpenMP workers spin long: libgomp is loaded (torch's CPU
+    wheels on Linux) and ``env`` (default: ``os.environ``) gives it more than :data:`LONG`
+    iterations: no ``GOMP_SPINCOUNT`` (so libgomp's default: torch loaded before
+    :func:`default_spin` could set one), a larger one, ``INFINITE``, or only
+    ``OMP_WAIT_POLICY=ACTIVE``. A variable set after torch loaded is read as if libgomp had."""
+    env = os.environ if env is None else env
+    if not _libgomp_loaded():
+        return False
+    count = env.get("GOMP_SPINCOUNT")
+    if count is not None:
+        if count.strip().upper() in ("INFINITE", "INFINITY"):
+            return True
+        m = _COUNT.match(count)
+        if m:  # (unparsable: libgomp ignores it and keeps its default)
+            return int(m.group(1)) * 1000 ** " kmgt".index(m.group(2).lower() or " ") > LONG
+    return env.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
+
+
+@functools.lru_cache(maxsize=None)
+def _libgomp_maps() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" in f.read()
+    except OSError:  # no /proc (macOS, Windows): not libgomp's wheels
+        return False
+
+
+def _libgomp_loaded() -> bool:
+    """libgomp is in this process (read once torch is loaded; False before)."""
+    return "torch" in sys.modules and _libgomp_maps()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one torch thread (process-wide, restored after): no OpenMP worker is
+    woken inside it, so none spins on cores another process computes on."""
+    import torch
+
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
