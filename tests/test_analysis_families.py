@@ -162,3 +162,19 @@ def test_decode_inputs_rebuild_each_layers_cache_as_decoding_left_it():
             if i + 1 < len(inputs):
                 assert torch.equal(got, inputs[i + 1][0])
             x = expected
+
+
+def test_train_mode_times_a_falcon_whose_layer_adds_into_a_parts_output_in_place():
+    """Falcon's parallel residual adds the attention's output into the MLP's in place, which torch
+    forbids on an output carrying a backward hook: the layers are timed whole, the parts' latency
+    is None, and the counts are 3 x forward as for any family (before: a RuntimeError)."""
+    model = families.model("falcon-alibi")
+    cfg = dict(cuts=(1, 3), batch_size=B, seq_len=S, **FAST)
+    train = analyze(AnalysisConfig(mode="train", **cfg), model=model)
+    fwd = analyze(AnalysisConfig(**cfg), model=model)
+    for t, f in zip(train["segments"], fwd["segments"]):
+        assert t["macs"] == 3 * f["macs"] and t["mac_crosscheck"]["mismatches"] == []
+        rows = {x["name"]: x for x in t["submodules"]}
+        assert rows["h.0"]["latency_ms"]["median"] > 0 and rows["h.0.mlp"]["latency_ms"] is None
+        assert [c["parent"] for c in t["latency_sum_checks"]] == [""]
+    assert all(p.grad is None for p in model.parameters())

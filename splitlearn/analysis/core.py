@@ -182,6 +182,26 @@ def keys_of(args: tuple) -> int:
     return S + (getattr(args, "past", 0) or (max(int(k.shape[2]) for k in args[1::2]) if len(args) > 1 else 0))
 
 
+def time_segment(seg: Segment, run, prepare, mods: dict, subs: dict, device: torch.device,
+                 config: AnalysisConfig) -> timing.Timing:
+    """:func:`~.timing.time_runs` of ``seg`` with every row hooked. In train mode a family whose
+    layer adds into a part's output in place (Falcon's parallel residual: ``mlp_output +=
+    attention_output``) cannot carry a backward hook on that part (torch refuses an in-place
+    change of a hooked output): then only the top-level rows (layers, embeddings, head) are
+    timed, and the parts' latency is None."""
+    kw = dict(backward=config.mode == "train", prepare=prepare, max_seconds=config.max_seconds)
+    try:
+        return timing.time_runs(run, mods, device, config.repeats, config.warmup, **kw)
+    except RuntimeError as e:
+        if config.mode != "train" or "BackwardHookFunction" not in str(e):
+            raise
+    log.warning("%s %s: a layer changes a part's output in place, which a backward hook forbids; "
+                "timing the layers whole", seg.arch.model_type, seg.kind)
+    prepare()
+    top = {n: m for n, (m, p) in subs.items() if not p}
+    return timing.time_runs(run, top, device, config.repeats, config.warmup, **kw)
+
+
 def analyze_segment(seg: Segment, args: tuple, config: AnalysisConfig, device: torch.device,
                     peaks: Optional[roofline.DevicePeaks]) -> dict:
     """Every figure of one segment (see the module docstring); JSON-able."""
@@ -197,13 +217,11 @@ def analyze_segment(seg: Segment, args: tuple, config: AnalysisConfig, device: t
     checks = []
     if not meta:
         prepare, run = make_run(seg, args, config.mode, config.seed)
-        t = timing.time_runs(run, mods, device, config.repeats, config.warmup,
-                             backward=config.mode == "train", prepare=prepare,
-                             max_seconds=config.max_seconds)
+        t = time_segment(seg, run, prepare, mods, subs, device, config)
         prepare()
         peak_total, peak_sub = memory.measure_peaks(run, mods, device)
         prepare()
-        parents = {p for _, p in subs.values()}  # "" and every layer
+        parents = {p for n, (_, p) in subs.items() if n in t.modules}  # "" and every layer whose parts were timed
         for parent in [""] + [n for n, (_, p) in subs.items() if p == "" and n in parents]:
             kids = {n: t.modules[n].median for n, (_, p) in subs.items() if p == parent}
             whole = t.total if parent == "" else t.modules[parent]
@@ -214,7 +232,7 @@ def analyze_segment(seg: Segment, args: tuple, config: AnalysisConfig, device: t
     out = {"name": seg.kind, "blocks": [seg.start, seg.end], **row,
            "kv_cache_bytes": kv_cache_bytes(seg, config.batch_size, keys if config.mode == "decode"
                                             else S),
-           "submodules": [dict(_row(n, m, counts.fvcore, None if t is None else t.modules[n],
+           "submodules": [dict(_row(n, m, counts.fvcore, None if t is None else t.modules.get(n),
                                     None if meta else peak_sub.get(n, 0), shapes.get(n, ((0,), 0))), parent=p)
                           for n, (m, p) in subs.items()],
            "latency_sum_checks": checks,
