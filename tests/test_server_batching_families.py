@@ -181,3 +181,77 @@ def test_concurrent_llama_sessions_share_one_forward():
     with torch.no_grad():
         for o, x, c in zip(outs, new, ref):
             close(o, seg(x, None, c))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "gemma2"])
+def test_four_concurrent_sessions_through_a_server_share_each_pass_and_decode_as_generate(name, tmp_path,
+                                                                                          monkeypatch):
+    """A 2-way server of the saved model (two tenants: alice's and mallory's sessions batched
+    together), four sessions of 2 left-padded rows with prompts of 5-8 (past Gemma 2's window of 4):
+    each decode step of the four, posted from four threads at once, is one pass of the server's
+    batcher, and every session's logits are generate()'s within the server's decode tolerance
+    (1e-5, tests/test_server_families.py) and its greedy tokens generate()'s."""
+    from transformers import AutoModelForCausalLM
+
+    from serverproc import OTHER, TENANTS, TOKEN, post_tensors, tensors_of
+    from splitlearn.api import protocol as P
+    from splitlearn.server.config import ServerConfig
+    from splitlearn.server.http.app import create_app
+
+    passes = []
+    real = batching.family_decode
+    monkeypatch.setattr(batching, "family_decode", lambda seg, items: passes.append(len(items)) or real(seg, items))
+    fam.model(name).save_pretrained(tmp_path)
+    app = create_app(ServerConfig(model=str(tmp_path), cuts=(2,), tokens=TENANTS))
+    rt = app.extensions["splitlearn"]
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    bottom = partition(ref, (2,)).bottom
+    steps, n = 4, 4
+    sess = []
+    for i in range(n):
+        ids, mask = fam.padded(batch=2, length=5 + i, pad=1 + i % 3, seed=i)
+        g = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=fam.PAD)
+        token = TOKEN if i % 2 == 0 else OTHER
+        client = app.test_client()
+        r = client.post(P.SESSIONS, json={"rows": 2}, headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 201, r.get_data(as_text=True)
+        sess.append(dict(ids=ids, mask=mask, g=g, token=token, client=client, sid=r.get_json()["session_id"],
+                         cache=bottom.new_cache(), x=ids, m=mask, position=0, toks=[]))
+
+    def post(s, step):
+        full = s["mask"] if step == 0 else torch.cat([s["mask"], torch.ones(2, step, dtype=torch.long)], 1)
+        with torch.no_grad():
+            h = bottom(s["x"], full, s["cache"])
+        s["resp"] = post_tensors(s["client"], P.SESSION_STEP.format(session_id=s["sid"]), {P.HIDDEN: h, P.MASK: s["m"]},
+                                 P.SessionStepMeta(s["position"]).to_meta(), token=s["token"])
+        s["position"] += h.shape[1]
+
+    for step in range(steps):
+        before = (rt.batcher.batches, rt.batcher.items)
+        if step == 0:
+            for s in sess:  # prefills run at once, one by one
+                post(s, 0)
+        else:
+            busy = threading.Event()
+            rt.compute.submit(busy.wait, 30)  # the model is busy: the four steps queue behind it
+            threads = [threading.Thread(target=post, args=(s, step)) for s in sess]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while len(rt.batcher._queue) < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            busy.set()
+            for t in threads:
+                t.join(30)
+            assert (rt.batcher.batches - before[0], rt.batcher.items - before[1]) == (1, n)
+            assert passes[-1:] == [n]  # one shared pass through the layers, not one per session
+        for s in sess:
+            logits = tensors_of(s["resp"])[P.LOGITS]  # (2, V)
+            assert torch.allclose(logits, s["g"].logits[step], rtol=0, atol=1e-5), (step, name)
+            s["x"] = logits.clone().index_fill_(-1, torch.tensor([2]), -float("inf")).argmax(-1, keepdim=True)
+            s["toks"].append(s["x"])
+            s["m"] = torch.ones(2, 1, dtype=torch.long)
+    for s in sess:
+        assert torch.equal(torch.cat(s["toks"], 1), s["g"].sequences[:, s["ids"].shape[1]:])
+    assert passes == [n] * (steps - 1)
