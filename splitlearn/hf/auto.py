@@ -12,8 +12,10 @@ state-dict names are the family's. GPT-2 sources go to :class:`~.modeling.SplitG
 
 2-way: the server holds the final norm and the head; training needs ``labels`` (the server
 answers the loss), ``torch.no_grad()`` forwards answer the logits, generation the last positions'
-logits. What the other families do not have yet (docs/MODELS.md, "Not yet"): defenses,
-micro-batch pipelining, row groups in generation, exported-segment and split-folder sources.
+logits. Micro-batch pipelining (:class:`~.pipeline.FamilyPipeline`), row groups in generation
+(:class:`~.generation.FamilyRowGroups`) and the federation modes (:class:`~.federation.FamilyFederation`)
+are mixed into every ``Split<Name>``. What the other families do not have yet (docs/MODELS.md,
+"Not yet"): defenses, exported-segment and split-folder sources.
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ from ..model.arch import arch_of
 from ..model.loading import load_config, load_model
 from .config import RemoteConfig
 from .familytrunk import SplitDecoder
-from .generation import SplitGenerationMixin
+from .federation import FamilyFederation
+from .generation import FamilyRowGroups, SplitGenerationMixin
 from .lora import apply_lora
 from .modeling import _SPLIT_CLASSES, SplitGPT2LMHeadModel
+from .pipeline import FamilyPipeline
 from .remote import RemoteSegment
 from .sources import check_same_model, fingerprint_at_load
 
@@ -128,8 +132,8 @@ _MADE: dict[type, type] = {}
 def split_class(hf_cls: type) -> type:
     """``Split<Name>``: the family's class with :class:`SplitFamilyMixin` and the split generation."""
     if hf_cls not in _MADE:
-        bases = (SplitFamilyMixin, SplitGenerationMixin, hf_cls) if issubclass(hf_cls, GenerationMixin) \
-            else (SplitFamilyMixin, hf_cls)
+        bases = (FamilyFederation, FamilyPipeline, FamilyRowGroups, SplitFamilyMixin, SplitGenerationMixin, hf_cls) \
+            if issubclass(hf_cls, GenerationMixin) else (FamilyFederation, FamilyPipeline, SplitFamilyMixin, hf_cls)
         _MADE[hf_cls] = type(f"Split{hf_cls.__name__}", bases, {"__module__": __name__})
     return _MADE[hf_cls]
 
@@ -171,12 +175,14 @@ class AutoSplitModelForCausalLM:
             raise ConfigError("AutoSplitModelForCausalLM.from_pretrained needs server=URL")
         if token is not None:
             options["token"] = token
+        micro_batches = options.pop("micro_batches", 1)  # hf/pipeline.py
         lora = options.pop("lora", None)  # hf/lora.py
         remote = RemoteSegment(RemoteConfig.given(server, options, "AutoSplitModelForCausalLM"))
         try:
             model = load_model(source, seed=seed)
             check_same_model(model.config, fingerprint_at_load(model, remote.info), remote.info)
             model = split_family_model(model, remote).eval()
+            model.micro_batches = micro_batches
             apply_lora(model, lora, seed=seed)  # also refuses a model without LoRA on a LoRA server
             return model
         except BaseException:

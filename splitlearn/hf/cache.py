@@ -84,6 +84,14 @@ def _delete_session(transport, session_id: str) -> None:
         pass
 
 
+def _crop_filled(layers, remove: int) -> None:
+    """Drop the last ``remove`` positions of the layers that hold any: a slot of the server's
+    layers stays empty here (a sliding one cannot crop while empty: Gemma 2's assisted decoding)."""
+    for layer in layers:
+        if layer.is_initialized:
+            layer.crop(-remove)
+
+
 class RemoteCache(Cache, SendAhead):
     """The KV cache of a split GPT-2: client layers here, server layers in one server session.
 
@@ -452,7 +460,7 @@ class RemoteCache(Cache, SendAhead):
             raise ValueError(f"crop({n}): the cache holds {length} positions")
         if remove == 0:
             return
-        super().crop(-remove)  # the client's layers
+        _crop_filled(self.layers, remove)  # the client's layers
         self._length = length - remove
 
     def reset(self) -> None:

@@ -366,7 +366,8 @@ def measured_rtt_ms(model) -> Optional[float]:
     """The mean round trip of the calls ``model``'s client has made so far (its transport's
     ``WireStats``: request sent to answer decoded, server compute included), in ms; None
     before its first call."""
-    stats = model.transformer.remote.stats
+    trunk = getattr(model, "transformer", None)  # GPT-2's split classes; any family's: model.remote
+    stats = (trunk.remote if trunk is not None else model.remote).stats
     return 1000.0 * stats.round_trip_s / stats.calls if stats.calls else None
 
 

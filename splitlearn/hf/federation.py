@@ -17,7 +17,7 @@ with :meth:`SplitMixin.sync <splitlearn.hf.mixin.SplitMixin.sync>`::
   the model loads the shared weights, takes the turn and runs that forward again, so your
   loop does not see it (:meth:`SplitMixin.__call__`).
 - :meth:`sync` uploads the client's parameters under their Hugging Face names (a tied LM head
-  once, as ``wte``: what the server's schema takes, :mod:`splitlearn.server.federation.clientside`) and
+  once, under the embedding's name: what the server's schema takes, :mod:`splitlearn.server.federation.clientside`) and
   the rows trained since the last sync; sequential gives the turn back; splitfed waits until
   the round's other members have synced and loads the average.
 
@@ -28,6 +28,10 @@ and a sync carries peft's names, :func:`splitlearn.hf.lora.adapter_tensors`). Wi
 fed server (``from_pretrained(..., fed_url=..., fed_token=...)``, a segment server started with
 ``--client-weights external``) the weights go to the fed server instead, with the segment
 server's signed ticket, and come back from it.
+
+Any family's split class (:class:`splitlearn.hf.auto.AutoSplitModelForCausalLM`: ``LlamaForCausalLM``,
+``Gemma2ForCausalLM``, ...) takes part the same way (:class:`FamilyFederation`: ``sync()`` and the
+step's first forward), its weights under the family's names (``model.layers.0.self_attn.q_proj.weight``).
 """
 from __future__ import annotations
 
@@ -35,13 +39,13 @@ import torch
 from torch import nn
 
 
-REMOTE = "transformer.remote."  # the remote segment's own parameter (the gradient proxy) is not a weight
-
-
 def _named(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The client's parameters by Hugging Face name (``transformer.`` first for a bare trunk)."""
-    prefix = "" if hasattr(model, "transformer") else "transformer."
-    return {prefix + name: p for name, p in model.named_parameters() if not (prefix + name).startswith(REMOTE)}
+    """The client's parameters by Hugging Face name (``transformer.`` first for a bare GPT-2 trunk),
+    less the remote segment's own parameter (the gradient proxy: not a weight)."""
+    prefix = "transformer." if hasattr(model, "bottom_half") else ""  # SplitGPT2Model alone
+    remote = getattr(model, "remote", None)
+    skip = {id(p) for p in remote.parameters()} if isinstance(remote, nn.Module) else set()
+    return {prefix + name: p for name, p in model.named_parameters() if id(p) not in skip}
 
 
 def client_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -83,3 +87,44 @@ def shared_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
         return adapter_tensors(model)
     return client_weights(model)
+
+
+class FamilyFederation:
+    """The federation modes on any family's split class (see the module docstring): the step's
+    first forward takes the turn and loads the shared weights (:meth:`__call__`), :meth:`sync`
+    shares them. As :class:`splitlearn.hf.mixin.SplitMixin`'s, over ``self.remote``."""
+
+    def __call__(self, *args, **kwargs):
+        from ..errors import NotYourTurn, StaleWeights
+
+        remote = self.remote
+        if self.training:
+            remote.steps.prepare(self)
+        try:
+            return super().__call__(*args, **kwargs)
+        except (StaleWeights, NotYourTurn):
+            if not remote.steps.refused_for_federation():
+                raise
+            remote.steps.prepare(self)  # the shared weights loaded, the turn taken: the forward again
+            return super().__call__(*args, **kwargs)
+
+    def sync(self) -> dict:
+        """See :meth:`splitlearn.hf.mixin.SplitMixin.sync`."""
+        from ..errors import ConfigError
+
+        remote = self.remote
+        remote.link.notice_zero_grad()
+        if remote.pieces or remote.answered:
+            raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
+                              "(optimizer.step() or zero_grad() first)")
+        remote.flush()  # the last step's deferred apply, before the turn or the round closes
+        fed = federation_of(self)
+        status = fed.sync(shared_weights(self))
+        optimizer = remote.link.attached
+        if not fed.shared and optimizer is not None and remote.journal.on_disk:
+            remote.journal.persist(optimizer)
+        return status
+
+    def flush(self):
+        """Send the last optimizer step's apply now (see :meth:`splitlearn.hf.mixin.SplitMixin.flush`)."""
+        return self.remote.flush()

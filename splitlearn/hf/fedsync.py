@@ -155,7 +155,7 @@ class FederationState:
 
 def untied_weights(segments) -> dict[str, torch.Tensor]:
     """The segments' weights under their Hugging Face names, a tied tensor once (U-shape: the
-    LM head is ``wte``; sending it twice would add 154 MB to a GPT-2 small sync)."""
+    LM head is the token embedding; sending it twice would add 154 MB to a GPT-2 small sync)."""
     out, seen = {}, set()
     for seg in segments:
         for k, v in seg.hf_state_dict().items():
@@ -166,7 +166,7 @@ def untied_weights(segments) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(segments: list[Segment], tensors: dict[str, torch.Tensor]) -> None:
-    """Copy weights named as in Hugging Face's GPT-2 into the segments' parameters (a tied
+    """Copy weights named as in the family's Hugging Face model into the segments' parameters (a tied
     parameter sent once under its first name is loaded through that name)."""
     with torch.no_grad():
         for seg in segments:

@@ -7,6 +7,7 @@ import logging
 import threading
 from typing import Optional
 
+import torch
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..errors import ConfigError
@@ -188,3 +189,87 @@ class SplitGenerationMixin:
                         cache.close()
                     except Exception:  # noqa: BLE001 - never mask generate's own outcome
                         log.warning("closing a generation session failed", exc_info=True)
+
+
+class FamilyRowGroups:
+    """Row groups in generation on any family's split class (:class:`splitlearn.hf.auto.AutoSplitModelForCausalLM`),
+    as ``SplitGPT2LMHeadModel``'s (:attr:`SplitGenerationMixin.overlap`): a step of two row groups
+    runs each group's bottom and sends it, then reads each answer and runs that group's top, norm
+    and head (the family's, softcap included), so the server computes one group while this
+    process computes the other; greedy decoding sends the first group's next step ahead
+    (:mod:`.ahead`). The rows' logits are those of one batch."""
+
+    def overlaps(self) -> bool:
+        """Whether ``generate`` runs two row groups in flight (see :attr:`SplitGenerationMixin.overlap`)."""
+        if self.overlap is not None:
+            return bool(self.overlap)
+        return self.split_decoder.u_shape and not shares_cores_with_server(self.remote.transport.cfg.url)
+
+    def new_cache(self, **kwargs):
+        """The split model's :class:`~splitlearn.hf.cache.RemoteCache` (``overlap``: row groups, see
+        :meth:`RemoteCache.row_groups <splitlearn.hf.cache.RemoteCache.row_groups>`)."""
+        overlap = kwargs.pop("overlap", False)
+        cache = super().new_cache(**kwargs)
+        cache.overlap = bool(overlap)
+        return cache
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, logits_to_keep=0, **kwargs):
+        x = input_ids if input_ids is not None else inputs_embeds
+        groups = cache.row_groups(x.shape[0]) if hasattr(cache, "row_groups") and x is not None else None
+        if groups:
+            return grouped_forward(self, groups, cache, input_ids, attention_mask, position_ids, inputs_embeds,
+                                   labels, logits_to_keep)
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
+                               **kwargs)
+
+
+def grouped_forward(model, groups, cache, input_ids, attention_mask, position_ids, inputs_embeds, labels,
+                    logits_to_keep):
+    """A generation step over a cache with row groups (:meth:`RemoteCache.row_groups
+    <splitlearn.hf.cache.RemoteCache.row_groups>`) of a family's split model: the steps of
+    ``SplitGPT2LMHeadModel._grouped_forward`` (its docstring has the timeline) on the family's
+    halves (:mod:`.halves`) -> ``CausalLMOutputWithPast`` (logits of every row, one batch's)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from ..model.arch import arch_of
+    from .cache import _rows
+    from .halves import halves_of
+
+    if labels is not None:
+        raise ConfigError("a cache with row groups is for generation (no labels)")
+    t = halves_of(model)
+    arch = arch_of(model.config)
+    keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
+
+    def head(hidden):  # (b, T, d) -> (b, k or T, V): the family's head and softcap
+        return arch.logits(model.get_output_embeddings(), hidden[:, -keep:] if keep else hidden)
+
+    sent = []
+    for g, (rows, child) in enumerate(groups):
+        ids, mask, pos = _rows(input_ids, rows), _rows(attention_mask, rows), _rows(position_ids, rows)
+        ahead = None
+        if g == 0 and inputs_embeds is None:
+            ahead = cache.take_ahead(ids, mask, pos, keep)  # sent by the last forward
+        elif g == 0:
+            cache._settle()  # inputs no step is sent ahead for
+        if ahead is None:
+            h, ctx = t.bottom_half(ids, child, mask, None, pos, _rows(inputs_embeds, rows))
+            ahead = (child.start(h, ctx["mask"], keep), ctx)  # in flight while the next group runs
+        sent.append((ids, mask, pos, child, *ahead))
+    outs = []
+    for g, (ids, mask, pos, child, step, ctx) in enumerate(sent):
+        out = child.finish(step)  # U-shape: the server's output (b, T, d); 2-way: logits (b, k, V)
+        if t.u_shape:
+            out = head(t.top_half(out, ctx))
+        outs.append(out)
+        if g == 0 and inputs_embeds is None:
+            nxt = cache.next_inputs(out[:, -1], ids, mask, pos)
+            if nxt is not None:
+                h, nctx = t.bottom_half(nxt[0], child, nxt[1], None, nxt[2], None)
+                cache.sent_ahead(child.start(h, nctx["mask"], keep), nctx, *nxt, keep)
+    logits = torch.cat(outs, dim=0)
+    if not isinstance(logits_to_keep, int):
+        logits = logits[:, logits_to_keep]
+    return CausalLMOutputWithPast(logits=logits, cache=cache)

@@ -47,10 +47,11 @@ from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
-from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, CausalLMOutputWithCrossAttentions
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
 from ..api import protocol as P
 from ..errors import ConfigError
+from .halves import halves_of, precomputed
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ class _Run:
     """One pipelined forward's state, kept for its backward."""
 
     def __init__(self, model, n: int):
-        self.model, self.remote = model, model.transformer.remote
+        self.model, self.halves = model, halves_of(model)
+        self.remote = self.halves.remote
         self.lanes = _Lanes(self.remote, min(n, MAX_LANES))
         self.sent: list[torch.Tensor] = []  # per micro-batch: what crossed the cut (b, T, d)
         self.defense: list[Optional[torch.Tensor]] = []  # per micro-batch: the defense's extra loss
@@ -142,7 +144,7 @@ class _Run:
         """top⁻¹(i) (U-shape), then b(i) sent once b(i-1) is answered, then bottom⁻¹(i-1) while
         the server runs b(i): one backward on the server at a time, so it sums the pieces'
         gradients in one order (a replay after a crash sums them alike)."""
-        u = self.model.transformer.u_shape
+        u = self.halves.u_shape
         try:
             for i in range(len(self.sent)):
                 if u:
@@ -241,8 +243,7 @@ def server_on_this_machine(model) -> bool:
     """Does ``model``'s server run on this machine (loopback, ``unix://``, ``inproc://``)?"""
     from urllib.parse import urlsplit
 
-    url = getattr(getattr(getattr(getattr(getattr(model, "transformer", None), "remote", None), "transport", None),
-                          "cfg", None), "url", "") or ""
+    url = getattr(getattr(getattr(getattr(model, "remote", None), "transport", None), "cfg", None), "url", "") or ""
     host = urlsplit(url).hostname or ""
     return url.startswith(("unix://", "inproc://")) or host == "localhost" or host.startswith("127.") or host == "::1"
 
@@ -300,7 +301,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     """The pipelined training forward of a causal LM -> ``CausalLMOutputWithCrossAttentions``;
     ``hf_forward(**kw)``: the Hugging Face head's own forward (U-shape), run on each micro-batch's
     output. None when the batch cannot be split (fewer rows than 2, a micro-batch of no targets)."""
-    t = model.transformer
+    t = halves_of(model)
     m = min(model.__dict__.get("_micro_now", model.micro_batches), input_ids.shape[0])
     labels = labels.to(input_ids.device)
     counts = token_shares(labels, m)
@@ -341,11 +342,8 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             sent = run.sent[i]
             leaf = out[P.HIDDEN].to(device=sent.device, dtype=sent.dtype).requires_grad_()
             run.leaves.append(leaf)
-            t._precomputed = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=t.top_half(leaf, ctxs[i]))
-            try:
+            with precomputed(t, t.top_half(leaf, ctxs[i])):
                 head = hf_forward(input_ids=x, attention_mask=mask, labels=y, token_type_ids=tt, **kwargs)
-            finally:
-                t._precomputed = None
             run.losses.append(head.loss)
             del head  # its logits (b, T, V) are not kept: the loss's graph holds what the backward needs
             if run.eager is not None:  # top⁻¹(i) now, b(i) on its way while the client goes on
@@ -367,3 +365,35 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
     anchor = proxy if proxy.requires_grad else torch.zeros(1, requires_grad=True)
     loss = _Pipelined.apply(anchor, torch.tensor(value, dtype=torch.float32, device=ref.device), run)
     return CausalLMOutputWithCrossAttentions(loss=loss, logits=None)
+
+
+class FamilyPipeline:
+    """``micro_batches`` on any family's split class (:class:`splitlearn.hf.auto.AutoSplitModelForCausalLM`):
+    a training forward with ``labels`` runs in micro-batches, pipelined with the server, as on
+    ``SplitGPT2LMHeadModel`` (this module's docstring); the family's own forward runs its head,
+    softcap and loss on each micro-batch's top half (:mod:`.halves`)."""
+
+    #: see :attr:`splitlearn.hf.mixin.SplitMixin.choose_micro_batches`
+    choose_micro_batches = "auto"
+
+    @property
+    def micro_batches(self) -> int:
+        """Training forwards with ``labels`` split into this many micro-batches (1: whole)."""
+        return self.__dict__.get("_micro_batches", 1)
+
+    @micro_batches.setter
+    def micro_batches(self, m: int) -> None:
+        self.__dict__["_micro_batches"] = check_micro_batches(m)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, **kwargs):
+        given = cache if cache is not None else kwargs.get("past_key_values")
+        if applies(self, labels, given, inputs_embeds):
+            def head(token_type_ids=None, **kw):  # the family's forward on a micro-batch's top half
+                return super(FamilyPipeline, self).forward(**kw)
+
+            out = forward(self, head, input_ids, attention_mask, labels, None, position_ids, **kwargs)
+            if out is not None:
+                return out
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, **kwargs)

@@ -3,10 +3,11 @@ the weights every client starts from.
 
 The schema is computed from the server's own flags on the meta device, never from an upload::
 
-    full model   every client-side parameter under its Hugging Face name, float32
-                 (2-way: the bottom; U-shape: bottom + top, a tied lm_head once, as wte)
+    full model   every client-side parameter under the family's Hugging Face name, float32
+                 (2-way: the bottom; U-shape: bottom + top, a tied lm_head once, under the
+                 token embedding's name; any family the adapter cuts: model/arch.py)
     LoRA         the client-side adapters only, under peft's names
-                 (base_model.model.transformer.h.<i>.<module>.lora_{A,B}.weight)
+                 (base_model.model.<the layer's name>.<module>.lora_{A,B}.weight)
 
 Anything else is refused (400). :attr:`ClientSide.initial` rebuilds the initial weights (the
 first round's bound reference) once, or answers None (then the caller uses the first round's
@@ -19,9 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import PretrainedConfig
 
 from ...errors import BadRequest
+from ...model.arch import arch_of
 from ...model.lora import LoraSpec, hf_module_name, init_adapter_pair, target_modules
 from ...model.partition import partition
 
@@ -31,7 +33,7 @@ Schema = dict[str, tuple[int, ...]]
 DTYPE = torch.float32  # of every client-side tensor a server takes
 
 
-def _client_segments(model: GPT2LMHeadModel, cuts: tuple[int, ...]) -> list:
+def _client_segments(model: torch.nn.Module, cuts: tuple[int, ...]) -> list:
     parts = partition(model, cuts)
     return [parts.bottom, parts.top] if parts.u_shape else [parts.bottom]
 
@@ -47,10 +49,10 @@ def _untied(segments) -> dict[str, torch.Tensor]:
     return out
 
 
-def client_adapter_shapes(config: GPT2Config, cuts: tuple[int, ...], spec: LoraSpec) -> Schema:
+def client_adapter_shapes(config: PretrainedConfig, cuts: tuple[int, ...], spec: LoraSpec) -> Schema:
     """peft names and shapes of the client-side adapters (what a LoRA client's sync carries)."""
     with torch.device("meta"):  # shapes only, no memory
-        segs = _client_segments(GPT2LMHeadModel(config), cuts)
+        segs = _client_segments(arch_of(config).new_model(config), cuts)
     out = {}
     for seg in segs:
         for local, m in target_modules(seg, spec).items():
@@ -60,12 +62,12 @@ def client_adapter_shapes(config: GPT2Config, cuts: tuple[int, ...], spec: LoraS
     return out
 
 
-def client_schema(config: GPT2Config, cuts: tuple[int, ...], lora: Optional[LoraSpec] = None) -> Schema:
+def client_schema(config: PretrainedConfig, cuts: tuple[int, ...], lora: Optional[LoraSpec] = None) -> Schema:
     """Names and shapes of the client-side weights a sync carries (all float32)."""
     if lora is not None:
         return client_adapter_shapes(config, cuts, lora)
     with torch.device("meta"):  # shapes only, no memory
-        segs = _client_segments(GPT2LMHeadModel(config), cuts)
+        segs = _client_segments(arch_of(config).new_model(config), cuts)
     return {k: tuple(p.shape) for k, p in _untied(segs).items()}
 
 
@@ -88,7 +90,7 @@ def check_upload(tensors: dict[str, torch.Tensor], schema: Schema) -> None:
 class ClientSide:
     """What a server knows of the client side: its schema and (lazily) its initial weights."""
 
-    def __init__(self, config: GPT2Config, cuts: tuple[int, ...], *, model: Optional[str] = None,
+    def __init__(self, config: PretrainedConfig, cuts: tuple[int, ...], *, model: Optional[str] = None,
                  segment: Optional[str] = None, seed: int = 0, lora: Optional[LoraSpec] = None):
         self.config, self.cuts, self.lora = config, tuple(cuts), lora
         self.model, self.segment, self.seed = model, segment, seed  # where the initial weights come from

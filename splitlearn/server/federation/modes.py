@@ -40,7 +40,7 @@ MODES = ("shared", "sequential", "splitfed")
 
 def federation_options(cfg, config, cuts) -> dict:
     """The keyword options of :class:`Federation` from a ``ServerConfig`` (the model's
-    ``GPT2Config`` and cuts for the client-side schema)."""
+    config (any family's) and cuts for the client-side schema)."""
     side = None
     if cfg.federation != "shared":
         side = ClientSide(config, cuts, model=cfg.model, segment=cfg.segment, seed=cfg.seed, lora=cfg.lora)

@@ -1,0 +1,114 @@
+"""The federation modes (splitlearn/hf/federation.py, server/federation/) with any family's split
+class: two ``AutoSplitModelForCausalLM`` members of a tiny Llama (GQA) against a real in-process
+server. A SplitFed round equals one unsplit SGD step on the members' rows together (FedAvg of
+SGD steps weighted by target tokens: the mean loss over the union); sequential turns equal the
+unsplit steps in turn order. Both sides' weights are compared, under the family's names."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import families as fam
+from splitlearn.api import protocol as P
+from splitlearn.hf.federation import client_weights
+
+from serverproc import TENANTS, TOKEN, InprocServerProcess, auth, run_threads, web
+
+LR, NAME = 0.05, "llama-gqa"
+ATOL = 1e-6
+
+
+def serve(tmp_path, cuts, *extra):
+    fam.model(NAME).save_pretrained(tmp_path / "model")
+    (tmp_path / "tokens").write_text("\n".join(TENANTS) + "\n")
+    return InprocServerProcess(cuts, optimizer="sgd", lr=LR, model=str(tmp_path / "model"), checkpoint_dir=tmp_path / "ck",
+                               extra=["--token-file", str(tmp_path / "tokens"), *extra])
+
+
+def member(tmp_path, srv, name):
+    from splitlearn import AutoSplitModelForCausalLM
+
+    return AutoSplitModelForCausalLM.from_pretrained(str(tmp_path / "model"), server=srv.url, token=TOKEN,
+                                                     client_id=name).train()
+
+
+def batch(rows, seed):
+    """A left-padded batch whose labels' targets are the ones the server weighs a member by
+    (U-shape: each row's real positions but its last, so a row's first real token is no target)."""
+    ids, mask = fam.padded(batch=rows, seed=seed)
+    first = (mask.cumsum(-1) == 1) & (mask == 1)
+    return ids, mask, ids.masked_fill((mask == 0) | first, -100)
+
+
+def sgd_step(model, opt, ids, mask, labels):
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def unsplit(tmp_path, batches):
+    """The unsplit model after one SGD step on each batch in turn."""
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "model").train()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for ids, mask, labels in batches:
+        sgd_step(ref, opt, ids, mask, labels)
+    return ref.state_dict()
+
+
+def assert_both_sides(expected, model, srv, initial):
+    model.flush()
+    sides = {"client": client_weights(model), "server": srv.weights()}
+    for side, weights in sides.items():
+        moved = 0.0
+        for name, w in weights.items():
+            assert torch.allclose(w, expected[name], rtol=0, atol=ATOL), (side, name)
+            moved = max(moved, float((w - initial[name]).abs().max()))
+        assert moved > 1e-3, f"{side} weights barely moved: the test proves nothing"
+    assert set(expected) <= set(sides["client"]) | set(sides["server"]) | {"lm_head.weight"}  # nothing unchecked
+    assert "model.layers.0.self_attn.q_proj.weight" in sides["client"]  # the family's names
+
+
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+def test_a_splitfed_round_of_llama_members_equals_one_unsplit_step(cuts, tmp_path):
+    batches = [batch(2, 1), batch(3, 2)]
+    with serve(tmp_path, cuts, "--federation", "splitfed", "--clients-per-round", "2",
+               "--max-member-share", "1") as srv:
+        initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+        models = [member(tmp_path, srv, n) for n in "ab"]
+        opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+
+        def one_round(i):
+            return lambda: (sgd_step(models[i], opts[i], *batches[i]), models[i].sync())
+
+        run_threads([one_round(0), one_round(1)])
+        together = tuple(torch.cat([b[k] for b in batches]) for k in range(3))
+        expected = unsplit(tmp_path, [together])
+        for m in models:  # both continue from the average
+            assert m.remote.federation.version == 1
+            assert_both_sides(expected, m, srv, initial)
+        status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        tokens = sum(int((b[2][:, 1:] != -100).sum()) for b in batches)
+        assert status["last_round"]["members"] == 2 and status["last_round"]["samples"] == tokens
+        for m in models:
+            m.remote.close()
+
+
+def test_sequential_turns_of_llama_members_equal_the_unsplit_steps(tmp_path):
+    """a trains two steps and syncs, then b (its first forward takes the turn and loads a's
+    weights), then a again (the same, with b's)."""
+    order = [("a", batch(2, 1)), ("a", batch(2, 2)), ("b", batch(3, 3)), ("a", batch(2, 4))]
+    with serve(tmp_path, (1, 3), "--federation", "sequential") as srv:
+        initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+        models = {n: member(tmp_path, srv, n) for n in "ab"}
+        opts = {n: torch.optim.SGD(m.parameters(), lr=LR) for n, m in models.items()}
+        prev = None
+        for name, b in order:
+            if prev is not None and prev != name:
+                models[prev].sync()
+            sgd_step(models[name], opts[name], *b)
+            prev = name
+        models[prev].sync()
+        assert_both_sides(unsplit(tmp_path, [b for _, b in order]), models["a"], srv, initial)
+        status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
+        assert status["version"] == 3 and status["turn"] is None
+        for m in models.values():
+            m.remote.close()
