@@ -29,7 +29,7 @@ NOT_YET = {
     "hf/modeling.py", "hf/sources.py",
     "hf/trunk.py", "model/checkpoint.py", "model/loraspec.py", "model/tokenizer.py",
     "server/config.py", "server/engine/adapters.py",
-    "server/engine/budget.py",  # the workspace formulas are GPT-2's; KV bytes are the adapter's
+    "server/engine/budget.py",  # GPT-2's formulas (n_embd, n_inner, ln_f); other families: layercost.py
     "server/engine/graphs.py",
     "server/engine/runtime.py",  # /v1/info's "n_positions" (a protocol field)
     "server/http/api_sessions.py", "server/http/validate.py",  # "n_positions" in their 400s
