@@ -178,3 +178,15 @@ def test_train_mode_times_a_falcon_whose_layer_adds_into_a_parts_output_in_place
         assert rows["h.0"]["latency_ms"]["median"] > 0 and rows["h.0.mlp"]["latency_ms"] is None
         assert [c["parent"] for c in t["latency_sum_checks"]] == [""]
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt2"])
+def test_the_meta_device_counts_what_the_cpu_counts(name):
+    """Decode past Gemma 2's window and GPT-2's learned positions (whose range check reads values a
+    meta tensor lacks): params, MACs, output and KV bytes on meta equal those of the real model."""
+    cfg = dict(cuts=(1, 3), batch_size=B, seq_len=S, mode="decode", **FAST)
+    meta = analyze(AnalysisConfig(model=families.config(name), device="meta", **cfg))
+    cpu = analyze(AnalysisConfig(**cfg), model=families.model(name))
+    keys = ("params", "macs", "output_bytes", "kv_cache_bytes")
+    assert [[s[k] for k in keys] for s in meta["segments"]] == [[s[k] for k in keys] for s in cpu["segments"]]
+    assert meta["cuts"] == cpu["cuts"] and meta["segments"][0]["latency_ms"] is None

@@ -24,17 +24,17 @@ SHAPES = {
 }
 
 
-def shape_config(name: str) -> Optional[PretrainedConfig]:
+def shape_config(name) -> Optional[PretrainedConfig]:
     """The config of the named shape, or None when ``name`` is not one."""
-    if name not in SHAPES:
+    if not isinstance(name, str) or name not in SHAPES:
         return None
     from ..model.loading import config_from_dict
 
     return config_from_dict(dict(SHAPES[name]))
 
 
-def check_shape_device(name: str, device_type: str) -> None:
+def check_shape_device(name, device_type: str) -> None:
     """Refuse a named shape anywhere but on the meta device (see the module docstring)."""
-    if name in SHAPES and device_type != "meta":
+    if isinstance(name, str) and name in SHAPES and device_type != "meta":
         raise ConfigError(f"{name!r} is a shape without weights: analyse it with --device meta "
                           f"(parameters, MACs/FLOPs and bytes; nothing is timed)")
