@@ -255,3 +255,49 @@ def test_four_concurrent_sessions_through_a_server_share_each_pass_and_decode_as
     for s in sess:
         assert torch.equal(torch.cat(s["toks"], 1), s["g"].sequences[:, s["ids"].shape[1]:])
     assert passes == [n] * (steps - 1)
+
+
+def test_mixed_lora_adapters_batched_equal_each_session_alone():
+    """A LoRA server's sessions of different clients' adapters (and the base) batched on a Llama
+    GQA trunk: each row gets its own adapter's delta (splitlearn.model.lora's per-row router), as
+    alone; and the adapters matter (an adapted row differs from the base row on the same input)."""
+    from splitlearn.model.lora import LoraRouter, LoraSpec, lora_scope
+
+    seg = _segment(fam.model("llama-gqa"), (1, 3))
+    router = LoraRouter(seg, LoraSpec(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj")))
+    adapters = []
+    for seed in (1, 2):
+        ad = router.new_adapter(0, f"c{seed}")
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for b in ad.lora_B:
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+        adapters.append(ad)
+    adapters = [adapters[0], None, adapters[1], adapters[0]]
+    d = seg.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    caches = [[seg.new_cache() for _ in SESSIONS] for _ in range(2)]
+    prompts = [(torch.randn(r, t, d, generator=g), _mask(r, t, p)) for r, t, p in SESSIONS]
+    with torch.no_grad():
+        for copy_ in caches:
+            for c, (h, m), ad in zip(copy_, prompts, adapters):
+                with lora_scope(seg, ad):
+                    seg(h, m, c)
+    masks = [m for _, m in prompts]
+    for _ in range(3):
+        new = [torch.randn(r, 1, d, generator=g) for r, _, _ in SESSIONS]
+        masks = _grow(masks)
+        want = []
+        with torch.no_grad():
+            for x, m, c, ad in zip(new, masks, caches[0], adapters):
+                with lora_scope(seg, ad):
+                    want.append(seg(x, m, c))
+        got = batched_decode(seg, [DecodeItem(c, x, mask=m, adapter=ad)
+                                   for x, m, c, ad in zip(new, masks, caches[1], adapters)])
+        for w, o in zip(want, got):
+            close(o, w)
+    x = torch.randn(1, 1, d, generator=g)
+    a = [seg.new_cache() for _ in range(2)]
+    with torch.no_grad():
+        outs = batched_decode(seg, [DecodeItem(a[0], x, adapter=None), DecodeItem(a[1], x, adapter=adapters[0])])
+    assert not torch.allclose(outs[0], outs[1])
