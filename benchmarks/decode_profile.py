@@ -291,7 +291,8 @@ def markdown(res: dict) -> str:
     if cp:
         cats = {c for p in cp.values() for c in p["categories"]}
         g = lambda w, c: cp[w]["categories"].get(c, 0.0)  # noqa: E731
-        rows = sorted(cats, key=lambda c: -(g("request thread", c) + g("compute thread", c) - g("unsplit", c)))
+        rows = sorted(cats, key=lambda c: (c.startswith("waits"),
+                                           -(g("request thread", c) + g("compute thread", c) - g("unsplit", c))))
         L += ["", "## cProfile by category, us a token (own time; inflated by the profiler, compare rows)", "",
               "split inproc: the request thread (client, wire, Flask, routes) and the server's compute thread "
               "(the engine); the waits are each thread's idle time.", "",
@@ -299,7 +300,8 @@ def markdown(res: dict) -> str:
               "|---|---|---|---|---|"]
         for c in rows:
             a, b, u = g("request thread", c), g("compute thread", c), g("unsplit", c)
-            L.append(f"| {c} | {a:.0f} | {b:.0f} | {u:.0f} | {a + b - u:+.0f} |")
+            d = "(idle time)" if c.startswith("waits") else f"{a + b - u:+.0f}"
+            L.append(f"| {c} | {a:.0f} | {b:.0f} | {u:.0f} | {d} |")
     for where, prof in (res.get("cprofile") or {}).items():
         if where == "unsplit":
             continue
