@@ -112,3 +112,39 @@ def test_sequential_turns_of_llama_members_equal_the_unsplit_steps(tmp_path):
         assert status["version"] == 3 and status["turn"] is None
         for m in models.values():
             m.remote.close()
+
+
+def test_a_splitfed_round_through_a_fed_server_of_its_own_equals_one_unsplit_step(tmp_path):
+    """``--client-weights external``: the segment server answers syncs with signed tickets and the
+    members' Llama weights go to ``python -m splitlearn.server.http.fedapp`` (its schema built from
+    the same saved folder), two tenants; the round equals one unsplit step on their rows together."""
+    from serverproc import OTHER, InprocFedServer
+
+    secret = b"s" * 20 + b"3c9e1f7a5b2d4c6e8f0a1b2c"
+    fed_tokens = {"alice": "fed-alice-0d8e7c6b5a4f", "mallory": "fed-mallory-1e9f8d7c6b"}
+    (tmp_path / "secret").write_bytes(secret)
+    (tmp_path / "fed-tokens").write_text("".join(f"{k} {v}\n" for k, v in fed_tokens.items()))
+    seg = serve(tmp_path, (1, 3), "--federation", "splitfed", "--clients-per-round", "2", "--max-member-share", "1",
+                "--client-weights", "external", "--fed-secret-file", str(tmp_path / "secret"))
+    fed = InprocFedServer(["--model", str(tmp_path / "model"), "--cut", "1", "--cut", "3", "--mode", "splitfed",
+                           "--max-member-share", "1", "--fed-secret-file", str(tmp_path / "secret"),
+                           "--token-file", str(tmp_path / "fed-tokens")])
+    from splitlearn import AutoSplitModelForCausalLM
+
+    batches = [batch(2, 1), batch(3, 2)]
+    with fed, seg:
+        initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+        models = [AutoSplitModelForCausalLM.from_pretrained(str(tmp_path / "model"), server=seg.url, token=tok,
+                                                            client_id=cid, fed_url=fed.url, fed_token=fed_tokens[who],
+                                                            wait_timeout_s=120).train()
+                  for tok, cid, who in ((TOKEN, "a", "alice"), (OTHER, "m", "mallory"))]
+        opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
+        run_threads([lambda i=i: (sgd_step(models[i], opts[i], *batches[i]), models[i].sync()) for i in range(2)])
+        together = tuple(torch.cat([b[k] for b in batches]) for k in range(3))
+        expected = unsplit(tmp_path, [together])
+        for m in models:
+            assert m.remote.federation.version == 1
+            assert_both_sides(expected, m, seg, initial)
+        assert web.get(seg.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10).status_code == 404  # not there
+        for m in models:
+            m.remote.close()

@@ -18,6 +18,17 @@ LR, M = 0.05, 2
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
 @pytest.mark.parametrize("name", ["llama-gqa", "gemma2"])
 def test_a_pipelined_step_equals_the_unsplit_step(name, cuts, tmp_path):
+    pipelined_step(name, cuts, tmp_path)
+
+
+@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
+def test_1f1b_with_the_loss_gradient_known_equals_the_unsplit_step(cuts, tmp_path):
+    """``remote.loss_gradient = 1`` (what ``loss.backward()`` will send): each micro-batch's
+    backward runs during the forward (2-way: one fused request per micro-batch)."""
+    pipelined_step("llama-gqa", cuts, tmp_path, known=1.0)
+
+
+def pipelined_step(name, cuts, tmp_path, known=None):
     fam.model(name).save_pretrained(tmp_path / "model")
     (tmp_path / "tokens").write_text("\n".join(TENANTS) + "\n")
     with InprocServerProcess(cuts, optimizer="sgd", lr=LR, model=str(tmp_path / "model"), checkpoint_dir=tmp_path / "ck",
@@ -26,6 +37,7 @@ def test_a_pipelined_step_equals_the_unsplit_step(name, cuts, tmp_path):
                                                           micro_batches=M).train()
         model.choose_micro_batches = False
         assert model.micro_batches == M
+        model.remote.loss_gradient = known
         ref = AutoModelForCausalLM.from_pretrained(tmp_path / "model").train()
         ids, mask = fam.padded(batch=3)  # micro-batches of 2 and 1 rows, the first left-padded
         labels = ids.masked_fill(mask == 0, -100)
@@ -35,10 +47,11 @@ def test_a_pipelined_step_equals_the_unsplit_step(name, cuts, tmp_path):
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         want = ref(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
         assert out.logits is None  # the micro-batches' logits are not kept (pipeline.py)
-        assert out.loss.item() == pytest.approx(float(want.loss), rel=1e-6)
+        assert out.loss.detach().item() == pytest.approx(float(want.loss.detach()), rel=1e-6)
         out.loss.backward()
         want.loss.backward()
-        assert model.remote.stats.calls - calls == 2 * M  # a forward and a backward per micro-batch
+        # a forward and a backward per micro-batch (2-way 1F1B: one fused step request each)
+        assert model.remote.stats.calls - calls == (M if known and len(cuts) == 1 else 2 * M)
         grads, tied = dict(ref.named_parameters()), set()
         if len(cuts) == 1 and ref.config.tie_word_embeddings:  # 2-way: the server's head is its own copy
             tied = {"model.embed_tokens.weight", "lm_head.weight"}
