@@ -234,3 +234,27 @@ def test_a_product_sent_ahead_is_used_only_for_the_same_unchanged_input(served):
         y = x.clone()  # the same values in another tensor: not the input they were sent for
         assert torch.equal(attn.k_proj(y), local.k_proj(y)) and stats.requests == r0 + 4
     model.close()
+
+
+@pytest.mark.parametrize("name", [n for n in fam.NAMES if n not in ("llama-mha", "llama-gqa", "gemma2")])
+def test_every_other_family_offloads_exactly(name, tmp_path):
+    """Qwen2/3, Mistral, Gemma, Gemma 3, Phi-3 (fused qkv_proj, gate_up_proj), GPT-NeoX, OPT, Falcon
+    (alibi and rotary), GPT-2 through AutoOffloadModelForCausalLM: the logits bit for bit the
+    fixed-point model's (before and after siblings are learned), within REL_TOL of the float
+    model's, 3 greedy tokens equal."""
+    fam.model(name).save_pretrained(tmp_path)
+    with offload_server(model=str(tmp_path)) as srv:
+        model = client(srv, tmp_path)
+        ref = reference(tmp_path)
+        ids, mask = fam.padded()
+        with torch.no_grad():
+            got = model(ids, attention_mask=mask).logits
+            again = model(ids, attention_mask=mask).logits
+            exact = fixed_point(tmp_path)(ids, attention_mask=mask).logits
+            want = ref(ids, attention_mask=mask).logits
+        keep = mask.bool()
+        assert torch.equal(got, exact) and torch.equal(again, exact)
+        assert (want[keep] - got[keep]).abs().max() < REL_TOL * want[keep].abs().max()
+        kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=fam.PAD, attention_mask=mask)
+        assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+        model.close()
