@@ -149,3 +149,82 @@ def test_another_head_unsplits_to_its_own_class(tmp_path):
         ids, mask = batch(9)
         torch.testing.assert_close(logits(unsplit, ids, mask), logits(model, ids, mask), atol=2e-5, rtol=1e-4)
         model.remote.close()
+
+
+def served(srv):
+    from splitlearn.server.http.routing import SERVED
+
+    return srv.app.extensions[SERVED]
+
+
+def test_train_export_merged_is_refused_before_any_step_where_the_server_does_not_export(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """``train --export-merged DIR`` against a server of two tenants started without
+    ``--allow-weight-export`` (issue 51): the tenant's run ends before its first step with the
+    server's reason, nothing trained on the server, no folder written; the operator's passes."""
+    from splitlearn.client.cli import main
+
+    (tmp_path / "tokens").write_text("\n".join(TENANTS) + "\n")
+    with InprocServerProcess((1, 3), checkpoint_dir=tmp_path / "ckpt",
+                             extra=["--token-file", str(tmp_path / "tokens")]) as srv:
+        before = srv.weights()
+        argv = ["train", "--server", srv.url, "--model", "tiny", "--device", "cpu", "--steps", "2", "--batch-size",
+                "2", "--seq-len", "8", "--quiet", "--client-id", "m", "--export-merged", str(tmp_path / "whole")]
+        monkeypatch.setenv("SPLITLEARN_TOKEN", OTHER)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--export-merged" in err and "--allow-weight-export" in err and "nothing was trained" in err, err
+        after = srv.weights()
+        assert all(torch.equal(after[k], before[k]) for k in before)  # not one step applied
+        assert web.get(srv.url + P.INFO, headers=auth(OTHER), timeout=30).json()["steps_applied"] == 0
+        assert not (tmp_path / "whole").exists()
+        monkeypatch.setenv("SPLITLEARN_TOKEN", TOKEN)  # the operator may: trains, then exports
+        assert main(argv) == 0
+        assert (tmp_path / "whole" / "config.json").exists()
+        assert any(not torch.equal(srv.weights()[k], before[k]) for k in before)
+
+
+def test_the_weights_answer_is_counted_in_the_memory_budget(tmp_path):
+    """``GET /v1/clients/<id>/weights`` prices its answer (a host copy and the encoded bytes of
+    the segment) like any route: past the per-request limit 413 naming the flag; where the memory
+    account has less room left than that (other requests' holds), 503; then, with room, 200. (The
+    tiny model's ~0.1 MiB is below the flags' 1 MiB minimum: the live limits are set instead.)"""
+    url = P.CLIENT_WEIGHTS.format(client_id="a")
+    with InprocServerProcess((1, 3), extra=["--allow-weight-export"]) as srv:
+        r = web.get(srv.url + url, headers=auth(TOKEN), timeout=30)
+        assert r.status_code == 200
+        size = sum(t.numel() * t.element_size() for t in decode(r.content)[0].values())
+        s = served(srv)
+        limit, s.rt.budget.limit = s.rt.budget.limit, 2 * size - 1
+        r = web.get(srv.url + url, headers=auth(TOKEN), timeout=30)
+        assert r.status_code == 413 and "--max-request-memory-gb" in r.json()["message"], r.text
+        s.rt.budget.limit = limit
+        other = s.memory.reserve("", s.memory.limit - s.memory.reserved - size, "another request")  # room: size
+        r = web.get(srv.url + url, headers=auth(TOKEN), timeout=30)
+        assert r.status_code == 503 and "--max-memory-gb" in r.json()["message"], r.text
+        s.memory.release(other)
+        assert s.memory.reserved == 0  # the refused answers' reservations went with them
+        assert web.get(srv.url + url, headers=auth(TOKEN), timeout=30).status_code == 200
+
+
+def test_a_splitfed_member_gets_its_own_copy_not_the_base(tmp_path):
+    """In SplitFed a round's member trains a copy of the segment; its ``GET weights`` gives that
+    copy (what ``merge_and_unload`` must merge), not the base the round started from; after the
+    round closes, the base (now the average)."""
+    from splitlearn.client import SplitClient
+
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=0.05, checkpoint_dir=tmp_path / "ckpt", extra=[
+            "--federation", "splitfed", "--clients-per-round", "2", "--allow-weight-export"]) as srv:
+        base = srv.weights()
+        with SplitClient(srv.url, "tiny", token=TOKEN, optimizer="sgd", lr=0.05, device="cpu", client_id="a") as a:
+            for seed in range(2):
+                a.train_step(torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(seed)))
+            got = lambda cid: decode(web.get(srv.url + P.CLIENT_WEIGHTS.format(client_id=cid),  # noqa: E731
+                                             headers=auth(TOKEN), timeout=30).content)[0]
+            mine, other = got("a"), got("b")
+            assert any(not torch.equal(mine[k], base[k]) for k in base)  # a trained: its copy moved
+            assert all(torch.equal(other[k], base[k]) for k in base)  # b is no member: the base
+            (copy,) = served(srv).rt.federation.round.members.values()  # a's, the one member
+            member = copy.segment.hf_state_dict()
+            assert mine.keys() == member.keys()
+            assert all(torch.equal(mine[k], member[k].cpu()) for k in member)  # its own copy, exactly

@@ -75,7 +75,7 @@ def cmd_train(args) -> int:
     from ..model.inputs import read_tokens
     from ..hf.unsplit import export_merged
     from .core import SplitClient
-    from .runs import Evaluation, check_hub_source, check_save, eval_windows
+    from .runs import Evaluation, check_hub_source, check_save, check_weight_export, eval_windows
 
     if args.sync_every is not None and args.sync_every < 1:
         raise SplitLearnError(f"--sync-every must be >= 1, got {args.sync_every}")
@@ -96,6 +96,8 @@ def cmd_train(args) -> int:
                           lora="server" if args.lora else None)
     with SplitClient(args.server, args.model, config=config) as client:
         client.check_batch(args.batch_size, args.seq_len)  # before anything is sent: the model's and server's limits
+        if args.export_merged:
+            check_weight_export(client)  # the server's permission now, not after the whole run
         evaluation = Evaluation(eval_windows(held_out, args.seq_len, args.eval_rows), args.eval_every or 50,
                                 args.early_stop_patience or 0) if held_out is not None else None
         start = client.load(args.resume) if args.resume else 0

@@ -145,6 +145,26 @@ def check_hub_source(source: str, timeout_s: float = 5.0) -> None:
                           f"cache is used") from None
 
 
+# -- --export-merged: the server's permission, before the first step ----------------------------
+
+def check_weight_export(client) -> None:
+    """``train --export-merged DIR`` needs the server's segment weights at the end
+    (``GET /v1/clients/<id>/weights``, which the operator allows with ``--allow-weight-export``).
+    Asked before the first step: a server that refuses them (``/v1/info``'s ``you.weight_export``
+    false) answers that route with its 403 and reason now, which is raised, before any step is
+    trained. (The refusal is answered before the server reads a weight: a cheap request.)"""
+    from ..api import protocol as P
+    from ..errors import Forbidden, SplitLearnError
+
+    if client.info.get("you", {}).get("weight_export", True):
+        return  # allowed (or a server that does not say: its answer at the end decides)
+    try:
+        client.transport.get_bytes(P.CLIENT_WEIGHTS.format(client_id=client.client_id))
+    except SplitLearnError as e:
+        raise Forbidden(f"--export-merged: the server will not give its weights: {e.message} "
+                        f"(nothing was trained)") from None
+
+
 # -- evaluation while training ----------------------------------------------------------------
 
 def eval_windows(ids: Sequence[int], seq_len: int, max_rows: int):

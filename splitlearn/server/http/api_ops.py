@@ -11,6 +11,7 @@ from flask import Blueprint, Response, g, jsonify, request
 
 from ...api import protocol as P
 from ...errors import BadRequest, Forbidden, PayloadTooLarge
+from ..engine.memory import scope as memory_scope
 from ..tenants import SEP
 from . import probes
 from .metrics import operator_exposition
@@ -136,8 +137,11 @@ def checkpoint():
 def client_weights(client_id: str):
     """The segment's weights as they are now (Hugging Face names, the compute dtype) and, on a LoRA
     server, this client's own adapter (peft names; another tenant's id reaches only its own key):
-    what ``merge_and_unload`` builds the whole model from. 403 unless ``--allow-weight-export``
-    allows it (default: a server with one tenant, and the operator's token)."""
+    what ``merge_and_unload`` builds the whole model from. In SplitFed, a member of the open round
+    gets its own copy (what it trained since the round opened), anyone else the base. 403 unless
+    ``--allow-weight-export`` allows it (default: a server with one tenant, and the operator's
+    token). The answer is priced like any route's (its host copy and its encoded bytes): 413 past
+    the per-request limit, 503 past the memory account's total, before a tensor is copied."""
     s = served()
     if not s.cfg.weight_export(g.tenant.operator):
         raise Forbidden("this server does not export its weights to its tenants: the operator allows it with "
@@ -146,18 +150,37 @@ def client_weights(client_id: str):
     rt = s.rt
     g_operator, g_tenant = g.tenant.operator, g.tenant.name  # read here: ``read`` runs on the compute thread
 
-    def read() -> bytes:
+    def read(held) -> bytes:
         from ...api.wire import encode
 
-        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in rt.segment.hf_state_dict().items()}
-        # a tenant sees its own steps (docs/SECURITY.md, 'Tenants see their own'); the operator all
-        steps = rt.steps_applied if g_operator else tenant_steps(rt.ledger, g_tenant)
-        meta = {"steps_applied": str(steps)}
-        adapter = rt.adapters.adapter_for(key, rt.cfg.federation) \
-            if rt.adapters is not None and rt.ledger.known(key) else None
-        if adapter is not None:
-            tensors.update(adapter.tensors())
-            meta["lora"] = json.dumps(rt.adapters.spec.to_dict())
-        return encode(tensors, meta)
+        with held.on_this_thread():
+            state = segment_of(rt, key).hf_state_dict()
+            adapter = rt.adapters.adapter_for(key, rt.cfg.federation) \
+                if rt.adapters is not None and rt.ledger.known(key) else None
+            extra = adapter.tensors() if adapter is not None else {}
+            size = sum(t.numel() * t.element_size() for t in (*state.values(), *extra.values()))
+            rt.budget.check(f"the segment's weights ({size / 2**20:.1f} MiB)", 2 * size)  # copy + encoded
+            tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+            # a tenant sees its own steps (docs/SECURITY.md, 'Tenants see their own'); the operator all
+            steps = rt.steps_applied if g_operator else tenant_steps(rt.ledger, g_tenant)
+            meta = {"steps_applied": str(steps)}
+            if adapter is not None:
+                tensors.update(extra)
+                meta["lora"] = json.dumps(rt.adapters.spec.to_dict())
+            return encode(tensors, meta)
 
-    return Response(rt.compute.run(read), status=200, mimetype=P.CONTENT_TYPE)
+    with memory_scope(s.memory, g_tenant) as held:  # released once the answer is built
+        body = rt.compute.run(lambda: read(held))
+    return Response(body, status=200, mimetype=P.CONTENT_TYPE)
+
+
+def segment_of(rt, key: str):
+    """The segment ``key`` trains: in SplitFed, its copy while it is a member of the open round
+    (synced or not, until the round closes); else the server's (base) segment."""
+    fed = getattr(rt, "federation", None)
+    if fed is not None and fed.mode == "splitfed":
+        with fed.lock:
+            member = fed.round.members.get(key)
+        if member is not None:
+            return member.segment
+    return rt.segment
