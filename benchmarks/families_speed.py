@@ -1,7 +1,7 @@
 """GPT-2 small beside a Llama of its size, on two emulated devices (issue 52, item 7).
 
-    python benchmarks/families_speed.py                # random:gpt2 and random:llama-small, U (2, 10)
-    python benchmarks/families_speed.py --quick        # tiny and tiny-llama, seconds
+    python benchmarks/families_speed.py                # random:gpt2 and configs/llama-small.json, U (2, 10)
+    python benchmarks/families_speed.py --quick        # tiny-varied and configs/tiny-llama.json, seconds
 
 Client on core 0, server on core 1, one torch thread each (``benchmarks/timing.py``'s
 ``pinned_u_server``); the reference is the unsplit model on the client's core with one thread.
@@ -14,7 +14,7 @@ over the rounds after a warm-up round. Rows, each a ratio to the unsplit model o
 - **greedy b1 / b8**: ``generate()`` of 32 new tokens from a 16-token prompt, tokens/s split ÷
   unsplit (the split tokens are checked equal to the unsplit ones).
 
-The Llama (``models/llama-small.json``): hidden 768, 12 layers, 12 heads / 4 KV heads, a gated MLP
+The Llama (``benchmarks/configs/llama-small.json``, a config file: a random model): hidden 768, 12 layers, 12 heads / 4 KV heads, a gated MLP
 of 2,048 (GPT-2 small's MLP parameters), vocabulary 32,000.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from benchmarks.timing import pinned_u_server, write_result  # noqa: E402
 from splitlearn import AutoSplitModelForCausalLM, load_model  # noqa: E402
 
+CONFIGS = Path(__file__).resolve().parent / "configs"
 OUT = Path(__file__).resolve().parent / "results" / "cpu" / "families_speed.json"
 
 
@@ -98,7 +99,7 @@ def measure(model_src: str, cuts, batch, rounds: int, new_tokens: int, prompt_le
         ratio = {f"train m={m}": med[f"train split m={m}"] / med["train unsplit"] for m in split}
         for b in (1, 8):  # tokens/s split ÷ unsplit = unsplit time ÷ split time
             ratio[f"greedy b{b} tokens/s"] = med[f"greedy b{b} unsplit"] / med[f"greedy b{b} split"]
-        return {"model": model_src, "cuts": list(cuts), "train_batch": [B, T], "rounds": rounds,
+        return {"model": Path(model_src).stem if model_src.endswith(".json") else model_src, "cuts": list(cuts), "train_batch": [B, T], "rounds": rounds,
                 "new_tokens": new_tokens, "prompt_len": prompt_len, "median_s": med, "ratio": ratio,
                 "greedy_tokens_equal": mismatches == 0}
     finally:
@@ -125,10 +126,10 @@ def main(argv=None) -> int:
         print("needs two cores", file=sys.stderr)
         return 2
     if a.quick:
-        models, cuts, batch, rounds, n, plen = ("tiny-varied", "tiny-llama"), (1, 3), (2, 16), 1, 4, 4
+        models, cuts, batch, rounds, n, plen = ("random:tiny-varied", CONFIGS / "tiny-llama.json"), (1, 3), (2, 16), 1, 4, 4
     else:
-        models, cuts, batch, rounds, n, plen = ("gpt2", "llama-small"), (2, 10), (8, 128), a.rounds, 32, 16
-    results = [measure(f"random:{m}", cuts, batch, rounds, n, plen, (1, 2)) for m in models]
+        models, cuts, batch, rounds, n, plen = ("random:gpt2", CONFIGS / "llama-small.json"), (2, 10), (8, 128), a.rounds, 32, 16
+    results = [measure(str(m), cuts, batch, rounds, n, plen, (1, 2)) for m in models]
     out = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, pinned client core 0, server core 1",
            "results": results, "table": table(results)}
     print(out["table"])
