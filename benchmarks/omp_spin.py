@@ -118,6 +118,9 @@ def main(argv=None) -> int:
         print(json.dumps(child(a)))
         return 0
     sys.path.insert(0, str(ROOT))
+    from benchmarks.timing import command_line, machine_info, write_result
+
+    machine = machine_info(0)  # the load average at the start
     rows = []
     for cycle in range(a.cycles):
         for v in a.variants:
@@ -138,10 +141,8 @@ def main(argv=None) -> int:
             print(f"{v:>24}: unsplit {row['tokens_per_s']['unsplit']:.1f} tok/s, split "
                   f"{row['tokens_per_s']['split']:.1f} tok/s, split/unsplit {row['split_over_unsplit_speed']:.3f}",
                   file=sys.stderr, flush=True)
-    from benchmarks.timing import command_line, machine_info, write_result
-
     res = {"command": command_line(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": machine_info(0), "model": "tiny" if a.quick else "random:gpt2",
+           "machine": machine, "model": "tiny" if a.quick else "random:gpt2",
            "cuts": [1, 3] if a.quick else [2, 10], "tokens": a.tokens, "rounds": a.rounds, "rows": rows}
     write_result(res, a.out)
     Path(a.out).with_suffix(".md").write_text(markdown(res))
