@@ -136,3 +136,72 @@ def test_a_tenant_holding_each_step_just_under_the_timeout_gets_its_share_not_th
     assert r["hog_time_share"] <= 0.6, r
     # alice's steps: half of alone in theory (step for step < 1%); the machine's load moves them
     assert r["beside"] >= 0.3 * r["alone"], r
+
+
+def test_a_tenants_second_id_taking_over_its_first_ids_expired_lease_is_still_a_lapse():
+    """The hog's trick (tests/test_server_lease_hog.py): mallory's m1 sends a forward and never its
+    backward; her m2, asking every 20 ms, is the first to find the lease expired and takes it over.
+    That was no lapse (same tenant), so mallory was never demoted and kept half the segment's time
+    by the lease clock (alice 0.494 of her steps alone). Held past the timeout while alice asked, it
+    is a lapse whoever takes it over; a tenant's own new run taking over its step uncontended is not."""
+    now = [0.0]
+    lease = StepLease(0.25, clock=lambda: now[0])
+    lease.acquire("mallory:m1", 1)
+    now[0] = 0.05
+    with pytest.raises(ServiceUnavailable):
+        lease.acquire("alice:a", 1)  # alice asks: the hold is contended
+    now[0] = 0.26
+    with pytest.raises(ServiceUnavailable, match="lease timeout"):
+        lease.acquire("mallory:m2", 1)  # takes m1's expired lease over: a lapse, demoted
+    assert lease.demoted_for("mallory:m2") > 0
+    lease.acquire("alice:a", 1)  # alice's
+    assert lease.held_by() == "alice:a"
+
+    quiet = StepLease(0.25, clock=lambda: now[0])
+    now[0] = 10.0
+    quiet.acquire("bob:run1", 1)
+    now[0] = 10.3  # bob's run died mid-step; his new run takes it over, nobody else asked
+    quiet.acquire("bob:run2", 1)
+    assert quiet.demoted_for("bob:run2") == 0 and quiet.held_by() == "bob:run2"
+
+
+def test_a_hog_with_two_ids_holds_the_segment_at_most_1_plus_log2_d_over_timeout_times():
+    """tests/test_server_lease_hog.py's attack on the policy (fake clock, 1 ms ticks): mallory's m1
+    and m2 each send a forward every 22 ms and never a backward (a replay while its own forward is
+    pending takes nothing); alice steps 15 ms with 8 ms between, backing off as the library does.
+    In D = 8 s at a 0.25 s timeout mallory takes the segment at most 1 + log2(D / timeout) = 6
+    times (it was 16: her other id took each expired lease without a lapse) and alice keeps more
+    than half of her steps alone."""
+    def run(hog: bool, D: float = 8.0, timeout: float = 0.25) -> tuple[int, int]:
+        now = [0.0]
+        lease = StepLease(timeout, clock=lambda: now[0])
+        steps = holds = 0
+        alice_at, alice_until, wait = 0.0, None, 0.02
+        poll = {"mallory:m1": 0.0, "mallory:m2": 0.011}
+        for tick in range(int(D * 1000)):
+            t = now[0] = tick / 1000
+            for c in poll if hog else ():
+                if t >= poll[c]:
+                    poll[c] = t + 0.022
+                    if lease.held_by() != c:
+                        try:
+                            lease.acquire(c, 1)
+                            holds += 1
+                        except ServiceUnavailable:
+                            pass
+            if alice_until is not None and t >= alice_until:
+                steps += lease.held_by() == "alice:a"
+                lease.release("alice:a")
+                alice_at, alice_until, wait = t + 0.008, None, 0.02
+            if alice_until is None and t >= alice_at:
+                try:
+                    lease.acquire("alice:a", 1)
+                    alice_until = t + 0.015
+                except ServiceUnavailable as e:
+                    alice_at, wait = t + wait, min(2 * wait, e.retry_after or 1.0, 1.0)
+        return steps, holds
+
+    alone, _ = run(False)
+    beside, holds = run(True)
+    assert 1 <= holds <= 6, holds
+    assert beside >= 0.5 * alone, (beside, alone)

@@ -7,6 +7,9 @@ bound (splitlearn/server/engine/lease.py): a lapsing owner is demoted for timeou
 lapse, so in D seconds it holds the segment against a busy owner at most 1 + log2(D / timeout)
 times; here (D = 4 s, timeout 0.25 s: at most 5 holds, 1.25 s) the honest owner keeps ~2/3 of its
 steps alone in the worst case, and the test asks for half (a margin for a loaded machine).
+Its steps alone are counted 2 s before the hog and 2 s after (the machine's load drifts). A
+lease taken over by the hog's own second id counts as its lapse too (else it was never demoted:
+0.494 of alone; a policy simulation of this test gives 0.40 then, 0.78 now).
 """
 import threading
 import time
@@ -25,10 +28,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]  # measures throughput: run 
 
 LEASE_S = 0.25
 RUN_S = 4.0
-# the honest owner's steps with the hog / alone, at least. The lease shares the segment's time
-# (issue 50): 1/(N+1) = 0.5 of it here, less at most one of the owner's own steps per switch
-# (measured 0.494 in a serial run: 84 of 170), so the bound is 0.45, not 0.5
-KEPT = 0.45
+# the honest owner's steps with the hog / alone, at least (issue 50: 1/(N+1) = 0.5). It was 0.494
+# while the hog's second id took its first id's expired lease over without a lapse (never demoted,
+# so only the lease clock's half of the time held it back); now that is a lapse
+KEPT = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,7 @@ def test_a_tenant_that_never_sends_its_backward_cannot_hold_the_segment(server):
         # at once (apply_now), and the ratio below is the lease's effect, not the carried apply's
         honest.model.remote.applier.carry = False
         steps_in(honest, 0.5)  # warm-up
-        alone = steps_in(honest, RUN_S)
+        alone = steps_in(honest, RUN_S / 2)  # half before the hog, half after: a loaded machine's drift
 
         stop = threading.Event()
         seen = {"held": 0, "demoted": 0}
@@ -83,6 +86,8 @@ def test_a_tenant_that_never_sends_its_backward_cannot_hold_the_segment(server):
             stop.set()
             for t in hogs:
                 t.join(30)
+        time.sleep(2 * LEASE_S)  # the hog's last forward lapses
+        alone += steps_in(honest, RUN_S / 2)
     print(f"honest steps: alone {alone}, with the hog {with_hog}; hog {seen}")
     assert seen["demoted"] > 0, seen  # the hog did lapse and was held back
     assert with_hog >= KEPT * alone, (with_hog, alone, seen)

@@ -251,7 +251,9 @@ class StepLease:
                     self._wait(client_id, now)
                     raise self.busy_with(h, client_id, now, left)
                 self.expired += 1
-                if owner_of(h.client_id) != owner:
+                if owner_of(h.client_id) != owner or h.contended:
+                    # a lapse whoever takes it over: else a tenant's second client id, asking at
+                    # once, takes its first id's expired lease and escapes the demotion (issue 50)
                     self._lapse(h.client_id, now)
                 self.on_expire(h.client_id)
                 self.holder = None
