@@ -50,7 +50,9 @@ time, less one of its own steps and its share of the back-off (``BACKOFF_S``) pe
 (tests/test_server_lease_fair.py, benchmarks/lease_share.py).
 
 No hogging: a lease held past ``timeout_s`` while another owner asked for it (taken over on
-expiry, or given back late) is a *lapse* of its owner. After its k-th lapse an owner is
+expiry by anyone, the owner's own other client ids included, or given back late) is a *lapse*
+of its owner; only an uncontended takeover by its own tenant (a new run taking over the step
+its dead one left) is none. After its k-th lapse an owner is
 *demoted* for ``timeout_s * 2**k``: it is never kept for, and takes the lease only while no
 other owner has held it or asked for it within ``timeout_s`` (otherwise 503). A lapse is
 forgotten after 8 x its demotion without another. So a tenant that sends forwards and never
