@@ -147,6 +147,15 @@ def state(url: str, checkpoint: bool, operator: str = OPERATOR, tenant: str = FU
     client states, and (``checkpoint``) the digest of a checkpoint by the ``operator``."""
     op, fz = {"Authorization": f"Bearer {operator}"}, {"Authorization": f"Bearer {tenant}"}
     info = requests.get(url + P.INFO, headers=op, timeout=30).json()  # server-wide: a tenant sees its own only
+    # a request's body reservation is released when its answer's connection is done with it, a
+    # moment after the client read the answer: the memory figures are read until two reads 50 ms
+    # apart agree (a reservation that stays is still a change; one being released is not)
+    for _ in range(40):
+        time.sleep(0.05)
+        again = requests.get(url + P.INFO, headers=op, timeout=30).json()
+        if again.get("memory") == info.get("memory"):
+            break
+        info = again
     fed = requests.get(url + P.FEDERATION, headers=fz, timeout=30).json()
     out = {"steps_applied": info["steps_applied"], "sessions": info["generation"]["sessions"],
            "decode_steps": info["generation"]["decode_steps"],
