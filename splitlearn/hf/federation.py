@@ -89,6 +89,24 @@ def shared_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return client_weights(model)
 
 
+def sync_model(model, remote) -> dict:
+    """A split model's ``sync()`` (any family; ``remote``: its segment): the end of its owner's
+    turn or of its part of a round (:meth:`splitlearn.hf.mixin.SplitMixin.sync`)."""
+    from ..errors import ConfigError
+
+    remote.link.notice_zero_grad()
+    if remote.pieces or remote.answered:
+        raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
+                          "(optimizer.step() or zero_grad() first)")
+    remote.flush()  # the last step's deferred apply, before the turn or the round closes
+    fed = federation_of(model)
+    status = fed.sync(shared_weights(model))
+    optimizer = remote.link.attached
+    if not fed.shared and optimizer is not None and remote.journal.on_disk:
+        remote.journal.persist(optimizer)  # journal_dir: the server checkpoints at a sync; the average is loaded
+    return status
+
+
 class FamilyFederation:
     """The federation modes on any family's split class (see the module docstring): the step's
     first forward takes the turn and loads the shared weights (:meth:`__call__`), :meth:`sync`
@@ -110,20 +128,7 @@ class FamilyFederation:
 
     def sync(self) -> dict:
         """See :meth:`splitlearn.hf.mixin.SplitMixin.sync`."""
-        from ..errors import ConfigError
-
-        remote = self.remote
-        remote.link.notice_zero_grad()
-        if remote.pieces or remote.answered:
-            raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
-                              "(optimizer.step() or zero_grad() first)")
-        remote.flush()  # the last step's deferred apply, before the turn or the round closes
-        fed = federation_of(self)
-        status = fed.sync(shared_weights(self))
-        optimizer = remote.link.attached
-        if not fed.shared and optimizer is not None and remote.journal.on_disk:
-            remote.journal.persist(optimizer)
-        return status
+        return sync_model(self, self.remote)
 
     def flush(self):
         """Send the last optimizer step's apply now (see :meth:`splitlearn.hf.mixin.SplitMixin.flush`)."""

@@ -227,44 +227,59 @@ class FamilyRowGroups:
 
 def grouped_forward(model, groups, cache, input_ids, attention_mask, position_ids, inputs_embeds, labels,
                     logits_to_keep):
-    """A generation step over a cache with row groups (:meth:`RemoteCache.row_groups
-    <splitlearn.hf.cache.RemoteCache.row_groups>`) of a family's split model: the steps of
-    ``SplitGPT2LMHeadModel._grouped_forward`` (its docstring has the timeline) on the family's
-    halves (:mod:`.halves`) -> ``CausalLMOutputWithPast`` (logits of every row, one batch's)."""
+    """A generation step over a cache with row groups of a family's split model: :func:`grouped_logits`
+    on the family's halves (:mod:`.halves`) and head (with its softcap) -> ``CausalLMOutputWithPast``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from ..model.arch import arch_of
-    from .cache import _rows
     from .halves import halves_of
 
     if labels is not None:
         raise ConfigError("a cache with row groups is for generation (no labels)")
-    t = halves_of(model)
     arch = arch_of(model.config)
+    logits = grouped_logits(halves_of(model), lambda hidden: arch.logits(model.get_output_embeddings(), hidden),
+                            groups, cache, input_ids, attention_mask, None, position_ids, inputs_embeds, logits_to_keep)
+    return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+
+def grouped_logits(t, head, groups, cache, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                   logits_to_keep) -> torch.Tensor:
+    """The logits of a generation step over a cache with row groups (:meth:`RemoteCache.row_groups
+    <splitlearn.hf.cache.RemoteCache.row_groups>`), of one batch's rows. ``t``: the model's halves
+    (``bottom_half``/``top_half``, ``u_shape``: the split GPT-2's trunk or a family's :mod:`.halves`);
+    ``head``: hidden states (b, k, d) -> logits. Each group's bottom runs and is sent at once (its
+    own session and lane), then each answer is read and that group's top and head run (U-shape), so
+    the server computes one group while this process computes the other. In greedy decoding the
+    first group's next step is sent ahead as soon as its logits are known (:meth:`RemoteCache.next_inputs
+    <splitlearn.hf.cache.RemoteCache.next_inputs>`), so the overlap crosses steps::
+
+        client: top A, bottom A' | top B, (generate) bottom B' | top A', bottom A'' | ...
+        server: trunk B          | trunk A'                    | trunk B'           | ...
+    """
+    from .cache import _rows
+
     keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
-
-    def head(hidden):  # (b, T, d) -> (b, k or T, V): the family's head and softcap
-        return arch.logits(model.get_output_embeddings(), hidden[:, -keep:] if keep else hidden)
-
+    plain = inputs_embeds is None and token_type_ids is None  # inputs a next step can be sent ahead for
     sent = []
     for g, (rows, child) in enumerate(groups):
         ids, mask, pos = _rows(input_ids, rows), _rows(attention_mask, rows), _rows(position_ids, rows)
         ahead = None
-        if g == 0 and inputs_embeds is None:
+        if g == 0 and plain:
             ahead = cache.take_ahead(ids, mask, pos, keep)  # sent by the last forward
         elif g == 0:
             cache._settle()  # inputs no step is sent ahead for
         if ahead is None:
-            h, ctx = t.bottom_half(ids, child, mask, None, pos, _rows(inputs_embeds, rows))
+            h, ctx = t.bottom_half(ids, child, mask, _rows(token_type_ids, rows), pos, _rows(inputs_embeds, rows))
             ahead = (child.start(h, ctx["mask"], keep), ctx)  # in flight while the next group runs
         sent.append((ids, mask, pos, child, *ahead))
     outs = []
     for g, (ids, mask, pos, child, step, ctx) in enumerate(sent):
         out = child.finish(step)  # U-shape: the server's output (b, T, d); 2-way: logits (b, k, V)
         if t.u_shape:
-            out = head(t.top_half(out, ctx))
+            hidden = t.top_half(out, ctx)
+            out = head(hidden[:, -keep:] if keep else hidden)  # (b, k or T, V)
         outs.append(out)
-        if g == 0 and inputs_embeds is None:
+        if g == 0 and plain:
             nxt = cache.next_inputs(out[:, -1], ids, mask, pos)
             if nxt is not None:
                 h, nctx = t.bottom_half(nxt[0], child, nxt[1], None, nxt[2], None)
@@ -272,4 +287,4 @@ def grouped_forward(model, groups, cache, input_ids, attention_mask, position_id
     logits = torch.cat(outs, dim=0)
     if not isinstance(logits_to_keep, int):
         logits = logits[:, logits_to_keep]
-    return CausalLMOutputWithPast(logits=logits, cache=cache)
+    return logits

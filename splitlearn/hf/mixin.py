@@ -72,20 +72,9 @@ class SplitMixin:
         average. A no-op in shared mode. Call it between optimizer steps. Returns the server's
         federation status. With a ``journal_dir`` and an attached optimizer, the client
         checkpoint is written again after it. See :mod:`splitlearn.hf.federation`."""
-        from .federation import federation_of, shared_weights
+        from .federation import sync_model
 
-        remote = self.transformer.remote
-        remote.link.notice_zero_grad()
-        if remote.pieces or remote.answered:
-            raise ConfigError("sync() between optimizer steps: this step has pieces on the server "
-                              "(optimizer.step() or zero_grad() first)")
-        remote.flush()  # the last step's deferred apply, before the turn or the round closes
-        fed = federation_of(self)
-        status = fed.sync(shared_weights(self))
-        optimizer = remote.link.attached
-        if not fed.shared and optimizer is not None and remote.journal.on_disk:
-            remote.journal.persist(optimizer)  # journal_dir: the server checkpoints at a sync; the average is loaded
-        return status
+        return sync_model(self, self.transformer.remote)
 
     #: measure ``micro_batches`` against whole batches over the first training steps and keep the
     #: faster (:class:`splitlearn.hf.pipeline.Chooser`): "auto" (the default) on a CUDA device, True

@@ -49,9 +49,8 @@ from ..errors import ConfigError
 from ..model.loading import load_model
 from ..model.partition import partition
 from . import pipeline
-from .cache import _rows
 from .config import ModelOptions, RemoteConfig, SplitOptions, with_options
-from .generation import SplitGenerationMixin
+from .generation import SplitGenerationMixin, grouped_logits
 from .mixin import SplitMixin
 from .remote import RemoteSegment
 from .sources import (KEPT_ATTR, _client_segments, _hf_from_segments, _is_export, check_same_model,
@@ -132,49 +131,12 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
 
     def _grouped_forward(self, groups, cache, input_ids, attention_mask, token_type_ids, position_ids,
                          inputs_embeds, labels, logits_to_keep) -> CausalLMOutputWithCrossAttentions:
-        """A generation step over a cache with row groups (:meth:`RemoteCache.row_groups
-        <splitlearn.hf.cache.RemoteCache.row_groups>`): each group's bottom runs and is sent at
-        once (its own session and lane), then each answer is read and that group's top and LM
-        head run (U-shape), so the server computes one group while this process computes the
-        other. In greedy decoding the first group's next step is sent ahead as soon as its
-        logits are known (:meth:`RemoteCache.next_inputs
-        <splitlearn.hf.cache.RemoteCache.next_inputs>`), so the overlap crosses steps::
-
-            client: top A, bottom A' | top B, (generate) bottom B' | top A', bottom A'' | ...
-            server: trunk B          | trunk A'                    | trunk B'           | ...
-
-        The rows' logits are those of one batch (each row's computation is its own)."""
+        """A generation step over a cache with row groups: :func:`~.generation.grouped_logits`
+        (its docstring has the timeline) on this model's trunk and LM head."""
         if labels is not None:
             raise ConfigError("a cache with row groups is for generation (no labels)")
-        t = self.transformer
-        keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
-        sent = []
-        for g, (rows, child) in enumerate(groups):
-            ids, mask, pos = _rows(input_ids, rows), _rows(attention_mask, rows), _rows(position_ids, rows)
-            ahead = None
-            if g == 0 and inputs_embeds is None and token_type_ids is None:
-                ahead = cache.take_ahead(ids, mask, pos, keep)  # sent by the last forward
-            elif g == 0:
-                cache._settle()  # inputs no step is sent ahead for
-            if ahead is None:
-                h, ctx = t.bottom_half(ids, child, mask, _rows(token_type_ids, rows), pos, _rows(inputs_embeds, rows))
-                ahead = (child.start(h, ctx["mask"], keep), ctx)  # in flight while the next group runs
-            sent.append((ids, mask, pos, child, *ahead))
-        outs = []
-        for g, (ids, mask, pos, child, step, ctx) in enumerate(sent):
-            out = child.finish(step)  # U-shape: the trunk's output (b, T, d); 2-way: logits (b, k, V)
-            if t.u_shape:
-                hidden = t.top_half(out, ctx)
-                out = self.lm_head(hidden[:, -keep:] if keep else hidden)  # (b, k or T, V)
-            outs.append(out)
-            if g == 0 and inputs_embeds is None and token_type_ids is None:
-                nxt = cache.next_inputs(out[:, -1], ids, mask, pos)
-                if nxt is not None:
-                    h, nctx = t.bottom_half(nxt[0], child, nxt[1], None, nxt[2], None)
-                    cache.sent_ahead(child.start(h, nctx["mask"], keep), nctx, *nxt, keep)
-        logits = torch.cat(outs, dim=0)
-        if not isinstance(logits_to_keep, int):
-            logits = logits[:, logits_to_keep]
+        logits = grouped_logits(self.transformer, self.lm_head, groups, cache, input_ids, attention_mask,
+                                token_type_ids, position_ids, inputs_embeds, logits_to_keep)
         return CausalLMOutputWithCrossAttentions(logits=logits, cache=cache)
 
 
