@@ -1,6 +1,6 @@
 """The federation modes (splitlearn/hf/federation.py, server/federation/) with any family's split
-class: two ``AutoSplitModelForCausalLM`` members of a tiny Llama (GQA) against a real in-process
-server. A SplitFed round equals one unsplit SGD step on the members' rows together (FedAvg of
+class: two ``AutoSplitModelForCausalLM`` members of a tiny Llama (GQA), or Gemma 2 (its sliding
+layers shorter than the rows, both softcaps), against a real in-process server. A SplitFed round equals one unsplit SGD step on the members' rows together (FedAvg of
 SGD steps weighted by target tokens: the mean loss over the union); sequential turns equal the
 unsplit steps in turn order. Both sides' weights are compared, under the family's names."""
 import pytest
@@ -17,8 +17,8 @@ LR, NAME = 0.05, "llama-gqa"
 ATOL = 1e-6
 
 
-def serve(tmp_path, cuts, *extra):
-    fam.model(NAME).save_pretrained(tmp_path / "model")
+def serve(tmp_path, cuts, *extra, name=NAME):
+    fam.model(name).save_pretrained(tmp_path / "model")
     (tmp_path / "tokens").write_text("\n".join(TENANTS) + "\n")
     return InprocServerProcess(cuts, optimizer="sgd", lr=LR, model=str(tmp_path / "model"), checkpoint_dir=tmp_path / "ck",
                                extra=["--token-file", str(tmp_path / "tokens"), *extra])
@@ -32,15 +32,19 @@ def member(tmp_path, srv, name):
 
 
 def batch(rows, seed):
-    """A left-padded batch whose labels' targets are the ones the server weighs a member by
-    (U-shape: each row's real positions but its last, so a row's first real token is no target)."""
+    """A left-padded batch with the stock collator's labels (the padding -100): a left-padded row's
+    first real token is a target (predicted from the last pad's position), which the server's
+    FedAvg weight must count (U-shape: the labels never reach it)."""
     ids, mask = fam.padded(batch=rows, seed=seed)
-    first = (mask.cumsum(-1) == 1) & (mask == 1)
-    return ids, mask, ids.masked_fill((mask == 0) | first, -100)
+    return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
 def sgd_step(model, opt, ids, mask, labels):
-    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    """Positions given, from the mask (as generate() derives them): Gemma 2's eager attention
+    backpropagates into q and k from a pad's query (its row wholly masked, the last pad's logits a
+    target), so its gradients (not its loss) follow the positions a pad is given (docs/MODELS.md)."""
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
     opt.step()
     opt.zero_grad()
 
@@ -60,18 +64,19 @@ def assert_both_sides(expected, model, srv, initial):
     for side, weights in sides.items():
         moved = 0.0
         for name, w in weights.items():
-            assert torch.allclose(w, expected[name], rtol=0, atol=ATOL), (side, name)
+            assert torch.allclose(w, expected[name], rtol=0, atol=ATOL), (side, name, float((w - expected[name]).abs().max()))
             moved = max(moved, float((w - initial[name]).abs().max()))
         assert moved > 1e-3, f"{side} weights barely moved: the test proves nothing"
     assert set(expected) <= set(sides["client"]) | set(sides["server"]) | {"lm_head.weight"}  # nothing unchecked
     assert "model.layers.0.self_attn.q_proj.weight" in sides["client"]  # the family's names
 
 
-@pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
-def test_a_splitfed_round_of_llama_members_equals_one_unsplit_step(cuts, tmp_path):
+@pytest.mark.parametrize("name, cuts", [(NAME, (1, 3)), (NAME, (2,)), ("gemma2", (1, 3))],
+                         ids=["u", "2way", "gemma2-u"])
+def test_a_splitfed_round_of_family_members_equals_one_unsplit_step(name, cuts, tmp_path):
     batches = [batch(2, 1), batch(3, 2)]
     with serve(tmp_path, cuts, "--federation", "splitfed", "--clients-per-round", "2",
-               "--max-member-share", "1") as srv:
+               "--max-member-share", "1", name=name) as srv:
         initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
         models = [member(tmp_path, srv, n) for n in "ab"]
         opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
@@ -92,11 +97,12 @@ def test_a_splitfed_round_of_llama_members_equals_one_unsplit_step(cuts, tmp_pat
             m.remote.close()
 
 
-def test_sequential_turns_of_llama_members_equal_the_unsplit_steps(tmp_path):
+@pytest.mark.parametrize("name", [NAME, "gemma2"])
+def test_sequential_turns_of_family_members_equal_the_unsplit_steps(name, tmp_path):
     """a trains two steps and syncs, then b (its first forward takes the turn and loads a's
     weights), then a again (the same, with b's)."""
     order = [("a", batch(2, 1)), ("a", batch(2, 2)), ("b", batch(3, 3)), ("a", batch(2, 4))]
-    with serve(tmp_path, (1, 3), "--federation", "sequential") as srv:
+    with serve(tmp_path, (1, 3), "--federation", "sequential", name=name) as srv:
         initial = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
         models = {n: member(tmp_path, srv, n) for n in "ab"}
         opts = {n: torch.optim.SGD(m.parameters(), lr=LR) for n, m in models.items()}

@@ -43,7 +43,8 @@ def as_client(model):
 
 @pytest.mark.parametrize("cuts", [(1, 3), (2,)], ids=["u", "2way"])
 def test_a_splitfed_round_of_model_classes_equals_one_unsplit_step(cuts, tmp_path):
-    batches = [same_batch(10), (torch.cat([same_batch(11)[0], same_batch(12)[0]]), None)]  # 2 and 4 rows
+    # 2 rows, one left-padded by 3 (its first real token a target, as the stock loss counts it), and 4 full rows
+    batches = [BATCHES[1], (torch.cat([same_batch(11)[0], same_batch(12)[0]]), None)]
     with InprocServerProcess(cuts, optimizer="sgd", lr=LR["sgd"], checkpoint_dir=tmp_path,  # 2 vs 4 rows: no share cap
                              extra=["--federation", "splitfed", "--clients-per-round", "2", "--max-member-share", "1"]) as srv:
         models = [member(srv, n) for n in "ab"]
@@ -53,12 +54,14 @@ def test_a_splitfed_round_of_model_classes_equals_one_unsplit_step(cuts, tmp_pat
             return lambda: (sgd_step(models[i], opts[i], *batches[i]), models[i].sync())
 
         run_threads([one_round(0), one_round(1)])
-        reference, _ = unsplit_steps(cuts, "sgd", [(torch.cat([b[0] for b in batches]), None)])
+        union_mask = torch.cat([batches[0][1], torch.ones_like(batches[1][0])])
+        reference, _ = unsplit_steps(cuts, "sgd", [(torch.cat([b[0] for b in batches]), union_mask)])
         for m in models:  # both continue from the average
             assert m.remote.federation.version == 1
             assert_both_sides_equal(reference, as_client(m), srv)
         status = web.get(srv.url + P.FEDERATION, headers=auth(), timeout=10).json()
-        assert status["last_round"]["members"] == 2 and status["last_round"]["samples"] == 66  # target tokens
+        # target tokens: 11 and 9 (its 3 pads), 4 x 11
+        assert status["last_round"]["members"] == 2 and status["last_round"]["samples"] == 20 + 44
         # a copy that fell behind (as if another member's sync closed a round without it): the
         # server refuses its step's first forward; the model loads the shared weights, runs again
         a, b = models

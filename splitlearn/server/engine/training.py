@@ -79,13 +79,17 @@ def target_tokens(shape: torch.Size, mask: Optional[torch.Tensor],
     """A piece's FedAvg weight: its tokens that carry a target (counted once its backward is in).
     2-way: the labels kept after the causal shift (not -100), a 0-dim tensor on the labels'
     device (read back with the piece's checks, :func:`.guard.settle`); U-shape, where the labels
-    never leave the client: each row's real positions but its last (which predicts nothing; the
-    mask is in host memory). A 1-token row counts 0, so rows of nothing buy no weight."""
+    never leave the client: the real positions after each row's first (the mask is in host
+    memory), the targets of the stock collator's labels (the padding -100): a left-padded row's
+    first real token is one (the last pad's position predicts it), the row's position 0 never is.
+    It is what the batch shows, so a client cannot buy weight beyond the positions it sends
+    (labels that leave more out, a masked prompt, weigh as these: docs/FEDERATION.md). A
+    right-padded or full 1-token row counts 0, so rows of nothing buy no weight."""
     if labels is not None:
         return (labels[:, 1:] != IGNORE).sum()
     if mask is None:
         return shape[0] * (shape[1] - 1)
-    return int((mask.sum(dim=1) - 1).clamp(min=0).sum())
+    return int(mask[:, 1:].sum())
 
 
 def release(st: StepInFlight, account) -> None:
