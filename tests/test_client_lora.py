@@ -17,6 +17,7 @@ from splitlearn.client import SplitClient
 from splitlearn.hf.lora import adapter_tensors
 from splitlearn.errors import ConfigError
 from splitlearn.model.lora import LoraSpec, init_adapter_pair
+from splitlearn.model.segments import labels_from_batch
 from splitlearn.model.segments import labels_from_batch, positions_from_mask
 from splitlearn.api.wire import decode
 
@@ -207,8 +208,9 @@ def test_lora_and_plain_clients_and_servers_refuse_each_other_at_connect():
 
 def test_splitfed_averages_both_sides_adapters_and_nothing_else(tmp_path):
     """SplitLoRA: two members train copies of the round's adapter; the round averages the server
-    adapters and the client adapters by target tokens trained (each row's real positions but its
-    last: 41 and 17 here); the base never changes on either side. Uncapped (--max-member-share 1:
+    adapters and the client adapters by target tokens trained (each row's real positions after its
+    position 0, a left-padded row's first real token a target: 42 and 18 here); the base never
+    changes on either side. Uncapped (--max-member-share 1:
     the default 0.5 would weigh this round 1:1)."""
     data = {"a": BATCHES[:2], "b": BATCHES[2:3]}  # 4 and 2 samples
     with lora_server((1, 3), "sgd", tmp_path / "ckpt",
@@ -224,9 +226,8 @@ def test_splitfed_averages_both_sides_adapters_and_nothing_else(tmp_path):
 
         run_threads([lambda n=n: member(n) for n in data], 120)
         refs = {n: get_peft_model_state_dict(peft_reference(n, "sgd", data[n], init_id="")[0]) for n in data}
-        w = {n: sum(int(m.sum(1).sub(1).sum()) if m is not None else ids.numel() - ids.shape[0]
-                    for ids, m in data[n]) for n in data}
-        assert w == {"a": 41, "b": 17}
+        w = {n: sum(int((labels_from_batch(ids, m)[:, 1:] != -100).sum()) for ids, m in data[n]) for n in data}
+        assert w == {"a": 42, "b": 18}
         want = {k: (refs["a"][k] * w["a"] + refs["b"][k] * w["b"]) / (w["a"] + w["b"]) for k in refs["a"]}
         for n, c in clients.items():
             got = both_sides(c, srv)  # in splitfed the server side is the round's average
