@@ -154,3 +154,88 @@ def test_a_splitfed_round_through_a_fed_server_of_its_own_equals_one_unsplit_ste
         assert web.get(seg.url + P.FEDERATION_WEIGHTS, headers=auth(), timeout=10).status_code == 404  # not there
         for m in models:
             m.remote.close()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_ARGS = ["--lora-r", "4", "--lora-alpha", "8", "--lora-targets", ",".join(LORA_TARGETS)]
+
+
+def lora_member(tmp_path, srv, name):
+    from peft import LoraConfig
+
+    from splitlearn import AutoSplitModelForCausalLM
+
+    return AutoSplitModelForCausalLM.from_pretrained(
+        str(tmp_path / "model"), server=srv.url, token=TOKEN, client_id=name,
+        lora=LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)).train()
+
+
+def peft_unsplit(tmp_path, batches):
+    """Single-process peft on the stock class after one SGD step on each batch in turn, its adapters
+    initialised as every federation member's (:func:`init_adapter_pair` seeded without a client id)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from splitlearn.model.lora import init_adapter_pair
+
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "model"),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)).train()
+    for name, m in ref.base_model.model.named_modules():
+        if hasattr(m, "lora_A") and "default" in m.lora_A:
+            a, b = init_adapter_pair(0, "", name, m.in_features, m.out_features, 4)
+            with torch.no_grad():
+                m.lora_A["default"].weight.copy_(a)
+                m.lora_B["default"].weight.copy_(b)
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    for ids, mask, labels in batches:
+        sgd_step(ref, opt, ids, mask, labels)
+    return get_peft_model_state_dict(ref)
+
+
+def assert_adapters(expected, model, srv, base):
+    """Both sides' adapters (the server's: the shared one, read as the member's) equal ``expected``
+    and moved; the server's base layers never trained."""
+    from splitlearn.api.wire import decode
+    from splitlearn.hf.lora import adapter_tensors
+
+    model.flush()
+    r = web.get(srv.url + P.CLIENT_ADAPTER.format(client_id=model.remote.client_id), headers=auth(), timeout=30)
+    assert r.status_code == 200, r.text
+    server_side = decode(r.content)[0]
+    got = {**adapter_tensors(model), **server_side}
+    assert set(got) == set(expected) and len(server_side) == 2 * 2 * len(LORA_TARGETS)  # 2 server layers, A and B
+    for k, w in expected.items():
+        assert torch.allclose(got[k], w, rtol=0, atol=ATOL), (k, float((got[k] - w).abs().max()))
+    assert max(float(w.abs().max()) for k, w in expected.items() if "lora_B" in k) > 1e-3  # B moved from 0
+    assert all(torch.equal(v, base[k]) for k, v in srv.weights().items())
+
+
+def test_lora_in_a_splitfed_round_of_llama_members_equals_one_peft_step(tmp_path):
+    """SplitLoRA: both members start from the same adapters; the round averages both sides'
+    adapters by target tokens, which equals peft's single-process step on their rows together."""
+    batches = [batch(2, 1), batch(3, 2)]
+    with serve(tmp_path, (1, 3), "--federation", "splitfed", "--clients-per-round", "2",
+               "--max-member-share", "1", *LORA_ARGS) as srv:
+        base = srv.weights()
+        models = [lora_member(tmp_path, srv, n) for n in "ab"]
+        opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR) for m in models]
+        run_threads([lambda i=i: (sgd_step(models[i], opts[i], *batches[i]), models[i].sync()) for i in range(2)])
+        expected = peft_unsplit(tmp_path, [tuple(torch.cat([b[k] for b in batches]) for k in range(3))])
+        for m in models:
+            assert m.remote.federation.version == 1
+            assert_adapters(expected, m, srv, base)
+        for m in models:
+            m.remote.close()
+
+
+def test_lora_in_sequential_turns_of_llama_members_equals_peft_steps_in_turn_order(tmp_path):
+    order = [("a", batch(2, 1)), ("b", batch(3, 2)), ("a", batch(2, 3))]
+    with serve(tmp_path, (1, 3), "--federation", "sequential", *LORA_ARGS) as srv:
+        base = srv.weights()
+        models = {n: lora_member(tmp_path, srv, n) for n in "ab"}
+        opts = {n: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LR) for n, m in models.items()}
+        for name, b in order:
+            sgd_step(models[name], opts[name], *b)
+            models[name].sync()
+        assert_adapters(peft_unsplit(tmp_path, [b for _, b in order]), models["a"], srv, base)
+        for m in models.values():
+            m.remote.close()
