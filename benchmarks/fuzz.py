@@ -427,7 +427,7 @@ def hostile(url: str, *, operator: str = OPERATOR, tenant: str = FUZZER, client_
     if limits["max_body_bytes"] <= 64 << 20:
         refused("413 body over --max-body-mb", 413, "post", route, data=b"\0" * (limits["max_body_bytes"] + 1),
                 headers={"Content-Type": P.CONTENT_TYPE})
-    big = (limits["max_batch"], limits["n_positions"])
+    big = (limits["max_batch"], limits["max_position_embeddings"])
     if big[0] * big[1] * d * 4 * 4 < limits["max_body_bytes"]:
         refused("413 forward over --max-request-memory-gb", 413, "post", P.FORWARD,
                 data=encode({P.HIDDEN: torch.zeros(*big, d)}), headers={"Content-Type": P.CONTENT_TYPE})

@@ -50,7 +50,7 @@ class Stepper:
         self.url, self.http = srv.url, requests.Session()
         self.http.headers["Authorization"] = f"Bearer {srv.token}"
         info = self.http.get(self.url + P.INFO, timeout=30).json()
-        self.d, self.npos = info["model_config"]["n_embd"], info["model_config"]["n_positions"]
+        self.d, self.npos = info["model_config"]["n_embd"], info["limits"]["max_position_embeddings"]
         self.sid, self.pos = None, 0
         self.g = torch.Generator().manual_seed(0)
 
@@ -168,7 +168,7 @@ def hook_cost(model: str, cuts: tuple[int, int], steps: int, log_path: Path) -> 
     try:
         sids = {k: c.post(P.SESSIONS, json={"rows": 1}, headers=auth).get_json()["session_id"] for k, c in apps.items()}
         d = apps["on"].get(P.INFO, headers=auth).get_json()["model_config"]["n_embd"]
-        npos = apps["on"].get(P.INFO, headers=auth).get_json()["model_config"]["n_positions"]
+        npos = apps["on"].get(P.INFO, headers=auth).get_json()["limits"]["max_position_embeddings"]
         g = torch.Generator().manual_seed(0)
         for i in range(steps):
             pos = i % (npos - 1)

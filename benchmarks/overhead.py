@@ -35,7 +35,7 @@ def _row(system, samples_s, **extra) -> dict:
 
 def decode_step_overheads(client, calls: int) -> tuple[list[float], list[float]]:
     """Round trip and server-reported compute (seconds) of ``calls`` decode steps, batch 1."""
-    d, n_pos = client.info["model_config"]["n_embd"], client.info["model_config"]["n_positions"]
+    d, n_pos = client.info["model_config"]["n_embd"], client.info["limits"]["max_position_embeddings"]
     calls = min(calls, n_pos - 2)
     sid = client.transport.post_json(P.SESSIONS, {"rows": 1})["session_id"]
     path = P.SESSION_STEP.format(session_id=sid)

@@ -99,8 +99,15 @@ def weights(model) -> dict:
 # -- the split: refused before anything is sent -------------------------------------------
 
 def test_the_pins_are_checked_on_their_own():
-    info = {"protocol_version": P.PROTOCOL_VERSION, "cuts": [1, 3], "model_config": {"n_layer": 4}}
+    info = {"protocol_version": P.PROTOCOL_VERSION, "cuts": [1, 3], "model_config": {"model_type": "llama",
+                                                                                   "num_hidden_layers": 4}}
     assert check_info(info, Pins()) == (1, 3)
+    # a family that names the layers its own way (transformers' attribute_map): read there
+    assert check_info({**info, "model_config": {"model_type": "gpt2", "n_layer": 4}}, Pins()) == (1, 3)
+    for lying in ({"model_type": "gpt2", "num_layers": 4}, {"model_type": ["gpt2"], "n_layer": 4},
+                  {"model_type": "no-such-family", "n_layer": 4}, None):
+        with pytest.raises(ConfigError, match="for a model of None blocks"):
+            check_info({**info, "model_config": lying}, Pins())
     for change, pins, words in [({"cuts": [0, 3]}, Pins(), "raw token embeddings"),
                                 ({"cuts": [2]}, Pins(shape="u"), "labels"),
                                 ({"cuts": [1, 2]}, Pins(expected_cuts=(1, 3)), r"expects \[1, 3\]"),

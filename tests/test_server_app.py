@@ -116,7 +116,7 @@ BAD_STEPS = {  # name: (tensors, meta, raw body or None, content type, status, w
     "nan": (*_with(hidden=_nan()), None, P.CONTENT_TYPE, 400, "NaN"),
     "inf": (*_with(hidden=_inf()), None, P.CONTENT_TYPE, 400, "inf"),
     "too-long": ({P.HIDDEN: hidden(1, NPOS + 1), P.LABELS: torch.zeros(1, NPOS + 1, dtype=torch.long)},
-                 P.StepMeta("c1", 1).to_meta(), None, P.CONTENT_TYPE, 400, "n_positions"),
+                 P.StepMeta("c1", 1).to_meta(), None, P.CONTENT_TYPE, 400, "max_position_embeddings"),
     "labels-shape": (*_with(labels=torch.zeros(2, 5, dtype=torch.long)), None, P.CONTENT_TYPE, 400,
                      "labels"),
     "labels-range": (*_with(labels=torch.full((2, 6), VOCAB)), None, P.CONTENT_TYPE, 400, "labels"),
@@ -182,7 +182,7 @@ def test_bad_u_shape_requests_change_nothing(u_app, u):
     assert_error(post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: _nan()}, meta), 400, "NaN")
     assert_error(post_tensors(u, P.TRAIN_FORWARD, {"h": hidden()}, meta), 400, "'hidden'")
     assert_error(post_tensors(u, P.TRAIN_STEP, *step_body()), 400, "2-way")  # wrong shape of split
-    assert_error(post_tensors(u, P.FORWARD, {P.HIDDEN: hidden(1, NPOS + 1)}, {}), 400, "n_positions")
+    assert_error(post_tensors(u, P.FORWARD, {P.HIDDEN: hidden(1, NPOS + 1)}, {}), 400, "max_position_embeddings")
     # a grad that does not match the pending forward
     assert tensors_of(post_tensors(u, P.TRAIN_FORWARD, {P.HIDDEN: hidden()}, meta))
     assert_error(post_tensors(u, P.TRAIN_BACKWARD, {P.GRAD: hidden(2, 5)}, meta), 400, "shape")

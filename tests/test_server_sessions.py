@@ -84,7 +84,7 @@ def test_wrong_position_is_409_and_the_cache_is_unchanged(u, tiny_model):
         assert_error(step(u, sid, h, ones, wrong), 409, "has seen 5 positions")
     assert_error(step(u, sid, hidden(2, 1).mul(float("nan")), ones, 5), 400, "NaN")
     assert_error(step(u, sid, hidden(3, 1), torch.ones(3, 1, dtype=torch.long), 5), 400, "rows")
-    assert_error(step(u, sid, hidden(2, NPOS - 4), None, 5), 400, "n_positions")
+    assert_error(step(u, sid, hidden(2, NPOS - 4), None, 5), 400, "max_position_embeddings")
     out = tensors_of(step(u, sid, h, ones, 5))[P.HIDDEN]
     assert torch.allclose(out, local(h, ones), atol=1e-6)
 

@@ -13,6 +13,7 @@ from typing import Optional
 
 from .. import errors as E
 from . import protocol as P
+from .trust import config_value
 
 OPENAPI_VERSION = "3.1.0"
 BEARER = [{"bearer": []}]
@@ -132,10 +133,10 @@ def link(route: str, **parameters: str) -> dict:
 
 def operations(info: dict) -> list[Op]:
     """Every operation, with the limits of the server that ``info`` (its ``/v1/info``) describes."""
-    limits = info.get("limits", {})
-    d = info.get("model_config", {}).get("n_embd", "d")
+    limits, model_config = info.get("limits", {}), info.get("model_config", {})
+    d = config_value(model_config, "hidden_size") or "d"
     max_batch = limits.get("max_batch", 64)
-    npos = limits.get("n_positions", info.get("model_config", {}).get("n_positions", 1024))
+    npos = limits.get("max_position_embeddings") or config_value(model_config, "max_position_embeddings") or 1024
     hidden = f"activations [B, T, {d}] (B <= {max_batch}, T <= {npos}), F32/BF16/F16, or I8 with `hidden.scale`"
     mask = f"optional I64 [B, T] of 0/1, left padding (absent: no padding)"
     labels = "I64 [B, T], -100 ignored"
@@ -172,7 +173,8 @@ def operations(info: dict) -> list[Op]:
            answer=_json_object({"client_id": {"type": "string"}, "step": {"type": "integer"},
                                 "durable": {"type": ["integer", "null"]}}, ["client_id", "step"])),
         Op("CLIENT_ADAPTER", "get", "LoRA: the server side's adapter of a client", path_params=cid, errors=(400, 404),
-           answer=Tensors({"base_model.model.transformer.h.<i>.<module>.lora_A.weight": "(r, in)",
+           answer=Tensors({"base_model.model.<layers>.<i>.<module>.lora_A.weight":
+                               "(r, in); <layers>: the family's (model.layers for Llama)",
                            "...lora_B.weight": "(out, r)"}, {"lora": "the adapter spec, JSON"})),
         Op("CLIENT_WEIGHTS", "get", "the segment's weights now and the client's own LoRA adapter (403 unless the "
            "operator allows it: --allow-weight-export)", path_params=cid, errors=(400, 403),

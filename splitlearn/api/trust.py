@@ -56,8 +56,7 @@ def check_info(info: dict, pins: Pins, server: str = "the server") -> tuple[int,
         raise ConfigError(f"{server} speaks protocol {got}, this client {P.PROTOCOL_VERSION}")
     if info.get("mode") == "offload":
         raise ConfigError("this is a masked-offload server: use splitlearn.OffloadGPT2LMHeadModel")
-    mc = info.get("model_config") or {}
-    cuts, n = info.get("cuts"), mc.get("num_hidden_layers", mc.get("n_layer"))  # any family (docs/MODELS.md)
+    cuts, n = info.get("cuts"), config_value(info.get("model_config"), "num_hidden_layers")  # any family
     if not (isinstance(cuts, list) and len(cuts) in (1, 2) and isinstance(n, int)
             and all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
             and 0 <= cuts[0] and cuts[-1] <= n and (len(cuts) == 1 or cuts[0] < cuts[1])):
@@ -77,6 +76,26 @@ def check_info(info: dict, pins: Pins, server: str = "the server") -> tuple[int,
                           f"this client's labels); this client requires shape='u'" if pins.shape == "u" else
                           f"{server} is a U-shape server (cuts {list(cuts)}); this client requires shape='2way'")
     return cuts
+
+
+def config_value(model_config, name: str):
+    """``name`` (transformers' generic config name: ``num_hidden_layers``, ``hidden_size``,
+    ``max_position_embeddings``, ...) of a config as ``/v1/info``'s ``model_config`` sends it
+    (``config.to_dict()``), None if absent: a family whose config stores it under its own name
+    (transformers' ``attribute_map`` of its ``model_type``) is read there. It reads the dict only:
+    nothing is built from a server's answer (docs/MODELS.md)."""
+    if not isinstance(model_config, dict):
+        return None
+    if name in model_config:
+        return model_config[name]
+    kind = model_config.get("model_type")
+    if not isinstance(kind, str):
+        return None
+    from transformers import CONFIG_MAPPING  # the families' config classes, imported when asked
+    if kind not in CONFIG_MAPPING:
+        return None
+    own = (getattr(CONFIG_MAPPING[kind], "attribute_map", None) or {}).get(name)
+    return model_config.get(own) if isinstance(own, str) else None
 
 
 def answer(tensors: dict, name: str, shape: Sequence[int], what: str) -> torch.Tensor:

@@ -1,16 +1,16 @@
 """What a split model checks before it sends (issue 51, item 6): positions past the model's,
 rows past the server's limit.
 
-The server refuses a sequence longer than the model's positions (``n_positions``; other
-families: ``max_position_embeddings``) and a request of more rows than its ``--max-batch``
-(400, "takes 1..N rows"); both limits are in its ``/v1/info`` (``limits.n_positions``,
+The server refuses a sequence longer than the model's positions (the config's
+``max_position_embeddings``, every family's name) and a request of more rows than its ``--max-batch``
+(400, "takes 1..N rows"); both limits are in its ``/v1/info`` (``limits.max_position_embeddings``,
 ``limits.max_batch``). The split classes apply them on this side (:mod:`.trunk`,
 :mod:`.familytrunk`, :mod:`.remote`, :mod:`.pieces`, :mod:`.generation` call this module):
 
 - a forward whose sequence (past positions + new ones) passes the model's positions, or whose
   ``position_ids`` do, is a ``ConfigError`` naming the limit, before the client computes or sends
-  anything (unsplit GPT-2: a raw ``IndexError`` in its position embedding); so is ``generate(max_new_tokens=n)``
-  whose prompt + ``n`` passes it;
+  anything (an unsplit model with learned positions: a raw ``IndexError`` in its position
+  embedding); so is ``generate(max_new_tokens=n)`` whose prompt + ``n`` passes it;
 - a no-grad forward (evaluation) of more rows than the server takes goes as several requests of
   at most ``max_batch`` rows: the answers (trunk outputs, logits) are concatenated and the loss
   is the whole batch's (each group's mean weighted by its targets), as one request would give;
@@ -44,8 +44,9 @@ def max_rows(info: dict) -> Optional[int]:
 
 
 def max_positions(info: dict, config) -> Optional[int]:
-    """The model's positions: the server's ``limits.n_positions``, else the config's."""
-    n = (info.get("limits") or {}).get("n_positions") or getattr(config, "max_position_embeddings", None)
+    """The model's positions: the server's ``limits.max_position_embeddings``, else the config's."""
+    limits = info.get("limits") or {}
+    n = limits.get("max_position_embeddings") or getattr(config, "max_position_embeddings", None)
     return int(n) if n else None
 
 
@@ -57,11 +58,11 @@ def check_positions(info: dict, config, length: int, position_ids: Optional[torc
         return
     if length > limit:
         raise ConfigError(f"a sequence of {length} positions passes the model's {limit} positions "
-                          f"(n_positions / max_position_embeddings): use at most {limit} tokens per row, "
+                          f"(max_position_embeddings): use at most {limit} tokens per row, "
                           f"past ones included (nothing was sent)")
     if position_ids is not None and position_ids.numel() and int(position_ids.max()) >= limit:
         raise ConfigError(f"position_ids reach {int(position_ids.max())}, past the model's {limit} positions "
-                          f"(n_positions / max_position_embeddings: 0..{limit - 1}; nothing was sent)")
+                          f"(max_position_embeddings: 0..{limit - 1}; nothing was sent)")
 
 
 def check_training_rows(info: dict, rows: int) -> None:
@@ -140,7 +141,7 @@ def generate_groups(model, args: tuple, kwargs: dict) -> Optional[list[slice]]:
         limit = max_positions(info, model.config)
         if limit is not None and inputs.shape[1] + n > limit:
             raise ConfigError(f"a prompt of {inputs.shape[1]} tokens + max_new_tokens={n} passes the model's "
-                              f"{limit} positions (n_positions / max_position_embeddings; nothing was sent)")
+                              f"{limit} positions (max_position_embeddings; nothing was sent)")
     per_prompt = max(int(_option(kwargs, gc, "num_beams") or 1), int(_option(kwargs, gc, "num_return_sequences") or 1))
     limit, rows = max_rows(info), inputs.shape[0] * per_prompt
     if limit is None or rows <= limit:

@@ -215,7 +215,8 @@ class SegmentRuntime:
             "federation": c.federation,
             "limits": {"max_body_bytes": c.max_body_bytes, "max_echo_bytes": c.max_echo_bytes,
                        **c.door_limits().as_info(), "max_batch": c.max_batch,
-                       "n_positions": self.config.max_position_embeddings, "max_sessions": c.max_sessions,
+                       "max_position_embeddings": self.config.max_position_embeddings,  # every family's name
+                       "max_sessions": c.max_sessions,
                        "max_tokens_per_client": c.max_tokens_per_client,
                        "max_sessions_per_tenant": c.max_sessions_per_tenant,
                        "max_clients_per_tenant": c.max_clients_per_tenant,

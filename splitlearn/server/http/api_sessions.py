@@ -70,7 +70,8 @@ def session_step(s: Served, t: dict, meta: dict, session_id: str, owner: Tenant)
     checks = validate.Checks()  # the values' checks and the mask: one read (validate.py)
     h = validate.hidden(t, P.HIDDEN, d, cfg.max_batch, npos, rows=rows, checks=checks)
     if m.position + h.shape[1] > npos:
-        checks.refuse(f"position {m.position} + {h.shape[1]} new tokens passes n_positions={npos}")
+        checks.refuse(f"position {m.position} + {h.shape[1]} new tokens passes the model's {npos} positions "
+                      f"(max_position_embeddings)")
     positions = validate.position_ids(t, P.POSITIONS, rows, h.shape[1], npos, checks=checks)  # optional
     mask = checks.verify(validate.attention_mask(t, P.MASK, rows, h.shape[1], npos, checks=checks))  # new positions only
     step_budget(rt.budget, rows, m.position, h.shape[1], mask, m.logits, rt.segment.has_head,

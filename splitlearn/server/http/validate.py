@@ -87,7 +87,7 @@ def hidden(tensors: dict, name: str, d: int, max_batch: int, max_len: int,
     if not 1 <= B <= max_batch:
         checks.refuse(f"tensor {name!r} has batch {B}; this server takes 1..{max_batch} rows")
     if not 1 <= T <= max_len:
-        checks.refuse(f"tensor {name!r} has {T} positions; the model's n_positions is {max_len}")
+        checks.refuse(f"tensor {name!r} has {T} positions; the model has {max_len} (max_position_embeddings)")
     if rows is not None and B != rows:
         checks.refuse(f"tensor {name!r} has {B} rows, expected {rows}")
     if length is not None and T != length:
@@ -115,7 +115,7 @@ def attention_mask(tensors: dict, name: str, rows: int, length: int,
     if list(m.shape) != [rows, length]:
         checks.refuse(f"tensor {name!r} must have shape {[rows, length]}, got {list(m.shape)}")
     if length > max_len:
-        checks.refuse(f"sequence of {length} positions is longer than n_positions={max_len}")
+        checks.refuse(f"sequence of {length} positions is longer than the model's {max_len} (max_position_embeddings)")
     checks.require(((m == 0) | (m == 1)).all(), f"tensor {name!r} must hold only 0 and 1")
     if left_padded:
         checks.require(m[:, -1].bool().all(), f"tensor {name!r}: the last position of every row must "
