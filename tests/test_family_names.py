@@ -20,6 +20,7 @@ CONVERTED = {"model/segments.py", "model/partition.py", "model/loading.py", "mod
 CONVERTED |= {"offload/model.py", "offloadmath/layers.py", "server/engine/offload.py"}  # masked offload: any family
 CONVERTED |= {"hf/federation.py", "hf/fedsync.py", "server/federation/clientside.py",  # the federation modes
               "hf/pipeline.py", "hf/halves.py"}  # micro-batches and row groups: any family
+CONVERTED |= {"hf/trunk.py", "hf/modeling.py", "hf/sources.py", "hf/splittrunk.py"}  # the split GPT-2 classes
 CONVERTED |= {"server/engine/runtime.py", "server/http/api_sessions.py", "server/http/validate.py",
               "hf/limits.py",  # /v1/info's limits.max_position_embeddings (was n_positions) and the 400s
               "api/openapi.py", "api/trust.py"}  # a config's generic names: trust.config_value (attribute_map)
@@ -28,8 +29,7 @@ CONVERTED |= {"server/engine/runtime.py", "server/http/api_sessions.py", "server
 NOT_YET = {
     "api/fingerprint.py",
     "apps/demo.py", "client/core.py", "hf/draft.py",
-    "hf/modeling.py", "hf/sources.py",
-    "hf/trunk.py", "model/checkpoint.py", "model/loraspec.py", "model/tokenizer.py",
+    "model/checkpoint.py", "model/loraspec.py", "model/tokenizer.py",
     "server/config.py", "server/engine/adapters.py",
     "server/engine/budget.py",  # GPT-2's formulas (n_embd, n_inner, ln_f); other families: layercost.py
     "server/engine/graphs.py",

@@ -14,8 +14,9 @@ state-dict names are the family's. GPT-2 sources go to :class:`~.modeling.SplitG
 answers the loss), ``torch.no_grad()`` forwards answer the logits, generation the last positions'
 logits. Micro-batch pipelining (:class:`~.pipeline.FamilyPipeline`), row groups in generation
 (:class:`~.generation.FamilyRowGroups`) and the federation modes (:class:`~.federation.FamilyFederation`)
-are mixed into every ``Split<Name>``. What the other families do not have yet (docs/MODELS.md,
-"Not yet"): defenses, exported-segment and split-folder sources.
+are mixed into every ``Split<Name>``, and the privacy defenses (``defense=``: the same
+:class:`~.splittrunk.SplitTrunk` as GPT-2's trunk applies them). What the other families do not have
+yet (docs/MODELS.md, "Not yet"): exported-segment and split-folder sources.
 """
 from __future__ import annotations
 
@@ -38,16 +39,22 @@ from .modeling import _SPLIT_CLASSES, SplitGPT2LMHeadModel
 from .pipeline import FamilyPipeline
 from .remote import RemoteSegment
 from .sources import check_same_model, fingerprint_at_load
+from .splittrunk import DefendedModel
 
 
-class SplitFamilyMixin:
-    """What a split model of any family adds to the family's ``*ForCausalLM``."""
+class SplitFamilyMixin(DefendedModel):
+    """What a split model of any family adds to the family's ``*ForCausalLM`` (``defense`` and
+    ``defense_loss``: :class:`~.splittrunk.DefendedModel`, as the split GPT-2 classes)."""
 
     causal_lm = False  # generate() runs no row groups here (SplitGPT2LMHeadModel's forward does)
 
     @property
     def split_decoder(self) -> SplitDecoder:
         return arch_of(self.config).base_of(self)
+
+    @property
+    def split_trunk(self) -> SplitDecoder:
+        return self.split_decoder
 
     @property
     def remote(self) -> RemoteSegment:
@@ -68,9 +75,11 @@ class SplitFamilyMixin:
             ids = input_ids if input_ids is not None else inputs_embeds
             attention_mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device)
         if dec.u_shape:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                   logits_to_keep=logits_to_keep, **kwargs)
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                  logits_to_keep=logits_to_keep, **kwargs)
+            # a micro-batch's head (dec._precomputed: .pipeline adds the defense's loss itself)
+            return out if dec._precomputed is not None else self._add_defense_loss(out)
         out = dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                   inputs_embeds=inputs_embeds)
         h = out.last_hidden_state  # (B, T, d): the bottom's output
@@ -94,7 +103,7 @@ class SplitFamilyMixin:
             logits, loss = dec.remote.evaluate(h, attention_mask, labels, position_ids)
             if isinstance(logits_to_keep, int) and logits_to_keep:
                 logits = logits[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+        return self._add_defense_loss(CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache))
 
     def new_cache(self, **kwargs):
         """A :class:`~splitlearn.hf.cache.RemoteCache` for this model's server (its session holds
@@ -165,7 +174,9 @@ class AutoSplitModelForCausalLM:
                         seed: int = 0, **options) -> nn.Module:
         """``source`` split against the server at ``server`` (``token``: its bearer token; ``lora``: a
         ``peft.LoraConfig`` or ``"server"`` for a server started with ``--lora-r``, adapters on both
-        sides for this ``client_id``, :mod:`splitlearn.hf.lora`; other ``options``:
+        sides for this ``client_id``, :mod:`splitlearn.hf.lora`; ``defense``: a
+        :class:`splitlearn.privacy.Defense` on what crosses the cut, :attr:`SplitFamilyMixin.defense`;
+        other ``options``:
         :class:`~splitlearn.hf.config.RemoteConfig`'s fields). Eval mode."""
         hf_cls = arch_of(load_config(source)).model_class()
         if hf_cls in _SPLIT_CLASSES:  # the split GPT-2 classes: every feature
@@ -177,11 +188,13 @@ class AutoSplitModelForCausalLM:
             options["token"] = token
         micro_batches = options.pop("micro_batches", 1)  # hf/pipeline.py
         lora = options.pop("lora", None)  # hf/lora.py
+        defense = options.pop("defense", None)  # hf/splittrunk.py
         remote = RemoteSegment(RemoteConfig.given(server, options, "AutoSplitModelForCausalLM"))
         try:
             model = load_model(source, seed=seed)
             check_same_model(model.config, fingerprint_at_load(model, remote.info), remote.info)
             model = split_family_model(model, remote).eval()
+            model.defense = defense
             model.micro_batches = micro_batches
             apply_lora(model, lora, seed=seed)  # also refuses a model without LoRA on a LoRA server
             return model

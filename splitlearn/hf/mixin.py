@@ -11,12 +11,13 @@ from ..errors import ConfigError, NotYourTurn, StaleWeights
 from .config import SplitOptions, with_options
 from .remote import RemoteSegment
 from .sources import from_source
+from .splittrunk import DefendedModel, check_defense
 from .trunk import SplitGPT2Model
 
 log = logging.getLogger(__name__)
 
 
-class SplitMixin:
+class SplitMixin(DefendedModel):
     """What every split head model has: the remote segment, the optimizer hook, ``zero_grad``."""
 
     @property
@@ -92,11 +93,7 @@ class SplitMixin:
         from .pipeline import check_micro_batches
 
         check_micro_batches(m)
-        if m > 1 and getattr(self.defense, "residual", False):
-            raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
-        if m > 1 and getattr(self.defense, "defends_gradient", False):
-            raise ConfigError("a defense of the gradient channel trains whole batches (micro_batches=1: "
-                              "its clip is per token of the whole batch's loss)")
+        check_defense(self.defense, True, m)  # the residual design, the gradient defense: whole batches
         if m > 1 and not self.causal_lm:
             raise ConfigError(f"micro_batches works with SplitGPT2LMHeadModel (a causal-LM loss); "
                               f"{type(self).__name__} trains whole batches")
@@ -156,40 +153,8 @@ class SplitMixin:
         self.transformer.remote.loss_gradient = None if g is None else float(g)
 
     @property
-    def defense(self):
-        """A :class:`splitlearn.privacy.Defense` (``GaussianNoise``, ``NoPeek``) on every
-        activation this model sends, in training, evaluation and generation; its extra loss is
-        added to the loss the model computes from ``labels`` (and is ``transformer.defense_loss``
-        for a loss of your own). None: none."""
-        return getattr(self.remote, "defense", None)
-
-    @defense.setter
-    def defense(self, defense) -> None:
-        from ..defense.defenses import Defense
-
-        if defense is not None and not isinstance(defense, Defense):
-            raise ConfigError(f"defense must be a splitlearn.privacy Defense (GaussianNoise, NoPeek), "
-                              f"got {type(defense).__name__}")
-        if getattr(defense, "residual", False):
-            if not self.transformer.u_shape:
-                raise ConfigError("a defense's residual design needs a U-shape server (the client "
-                                  "keeps the residual stream between the two cuts)")
-            if self.micro_batches > 1:
-                raise ConfigError("a defense's residual design trains whole batches (micro_batches=1)")
-        if getattr(defense, "defends_gradient", False):
-            if not self.transformer.u_shape:
-                raise ConfigError("a defense of the gradient channel (grad_clip, grad_sigma) clips the "
-                                  "gradient a U-shape client sends back at the second cut; a 2-way "
-                                  "client sends none (the server computes the loss from the labels)")
-            if self.micro_batches > 1:
-                raise ConfigError("a defense of the gradient channel trains whole batches (micro_batches=1)")
-        self.remote.defense = defense
-
-    def _add_defense_loss(self, out):
-        extra = self.transformer.defense_loss
-        if extra is not None and getattr(out, "loss", None) is not None:
-            out.loss = out.loss + extra
-        return out
+    def split_trunk(self) -> SplitGPT2Model:
+        return self.transformer
 
     # -- construction --------------------------------------------------------------------
 

@@ -1,21 +1,22 @@
 """A split GPT-2 that is a ``transformers`` model: ``SplitGPT2LMHeadModel``,
 ``SplitGPT2ForSequenceClassification``, ``SplitGPT2Model`` and :func:`split_model`.
 
-The client keeps Hugging Face's own modules for what it holds (``wte``, ``wpe``, its
-``GPT2Block``\\ s with their global ``layer_idx``, ``ln_f``, the heads); the blocks the server
-holds are replaced by one :class:`~splitlearn.hf.remote.RemoteSegment` (``transformer.remote``)
-and parameterless :class:`ServerBlock` placeholders in ``transformer.h`` (so every client
-parameter keeps its Hugging Face name: ``transformer.h.3.attn.c_attn.weight``; peft's
+The client keeps Hugging Face's own modules for what it holds (the token and position
+embeddings, its ``GPT2Block``\\ s with their global ``layer_idx``, the final norm, the heads),
+under the names the architecture adapter gives GPT-2 (:mod:`splitlearn.model.arch`); the blocks the
+server holds are replaced by one :class:`~splitlearn.hf.remote.RemoteSegment` (``transformer.remote``)
+and parameterless :class:`ServerBlock` placeholders in the trunk's layer list (so every client
+parameter keeps its Hugging Face name, the stock class's state-dict names; peft's
 ``target_modules`` and ``state_dict`` loading work unchanged)::
 
-    U-shape (cuts c1 < c2):  wte + wpe -> h[0:c1] -> remote.trunk (server h[c1:c2]) -> h[c2:n] -> ln_f -> head
-    2-way (cut c):           wte + wpe -> h[0:c]  -> remote.loss (server h[c:n] + ln_f + lm_head + loss)
+    U-shape (cuts c1 < c2):  embed -> layers[0:c1] -> remote.trunk (server layers[c1:c2]) -> layers[c2:n] -> norm -> head
+    2-way (cut c):           embed -> layers[0:c]  -> remote.loss (server layers[c:n] + norm + lm_head + loss)
 
 A U-shape server holds only the trunk, so any head works (the labels never leave the
-client); a 2-way server holds ``ln_f`` and the LM head, so only :class:`SplitGPT2LMHeadModel`
+client); a 2-way server holds the final norm and the LM head, so only :class:`SplitGPT2LMHeadModel`
 works there: training needs ``labels`` (the server computes the loss and answers only it:
 ``logits`` is None), evaluation under ``torch.no_grad()`` answers every position's logits. In
-2-way the server's LM head is its own copy of ``wte`` (untied), as with ``SplitClient``.
+2-way the server's LM head is its own copy of the token embedding (untied), as with ``SplitClient``.
 
 Positions, masks and losses are computed by the same code as ``GPT2Model`` (``position_ids``
 default to ``arange`` past the cache, ``create_causal_mask``, ``self.loss_function``), so a
@@ -68,8 +69,8 @@ class SplitGPT2LMHeadModel(SplitMixin, SplitGenerationMixin, GPT2LMHeadModel):
         GPT2PreTrainedModel.__init__(self, config)
         self.transformer = SplitGPT2Model(config)
         if self.transformer.u_shape:
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        else:  # the server holds ln_f and the LM head (its own copy of wte: untied)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:  # the server holds the final norm and the LM head (its own copy of the token embedding: untied)
             self.lm_head = None
             self._tied_weights_keys = {}
         self.post_init()
@@ -150,7 +151,7 @@ class SplitGPT2ForSequenceClassification(SplitMixin, GPT2ForSequenceClassificati
         self.num_labels = config.num_labels
         self.transformer = SplitGPT2Model(config)
         need_u_shape(self.transformer, type(self).__name__)
-        self.score = nn.Linear(config.n_embd, self.num_labels, bias=False)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
 
     def forward(self, *args, **kwargs):
@@ -185,7 +186,7 @@ def split_model(model: nn.Module, server: Optional[str] = None, *, remote: Optio
                 **options):
     """Split a Hugging Face GPT-2 (``GPT2Model``, ``GPT2LMHeadModel``, ``GPT2ForSequenceClassification``
     or any GPT-2 head class) against the splitlearn server at ``server``: **in place**, like
-    peft's ``get_peft_model``. Its server-side blocks (and, 2-way, ``ln_f`` and the LM head)
+    peft's ``get_peft_model``. Its server-side blocks (and, 2-way, the final norm and the LM head)
     are dropped, its own modules are kept as they are (no copy), and it becomes the split
     class (``SplitGPT2LMHeadModel``, ...). Returns the model.
 

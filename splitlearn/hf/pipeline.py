@@ -52,6 +52,7 @@ from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 from ..api import protocol as P
 from ..errors import ConfigError
 from .halves import halves_of, precomputed
+from .splittrunk import check_defense
 
 log = logging.getLogger(__name__)
 
@@ -383,7 +384,8 @@ class FamilyPipeline:
 
     @micro_batches.setter
     def micro_batches(self, m: int) -> None:
-        self.__dict__["_micro_batches"] = check_micro_batches(m)
+        check_defense(getattr(self, "defense", None), True, check_micro_batches(m))  # residual/gradient: whole batches
+        self.__dict__["_micro_batches"] = m
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, **kwargs):

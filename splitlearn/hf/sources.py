@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 from ..api.fingerprint import config_differences, weight_differences, weight_parts
 from ..errors import ConfigError
+from ..model.arch import arch_of
 from ..model.export import load_segments
 from ..model.loading import _LOAD_LOCK, is_spec_source, load_model
 from .remote import RemoteSegment
@@ -102,16 +103,20 @@ def _hf_from_segments(hf_cls: type, segments: list, seed: int = 0, **config_kwar
         setattr(config, k, v)
     with torch.device("meta"):
         hf = hf_cls(config)
-    t = hf if isinstance(hf, GPT2Model) else hf.transformer
-    t.wte, t.wpe, t.drop = segments[0].wte, segments[0].wpe, segments[0].drop
+    arch = arch_of(config)
+    t = hf if isinstance(hf, GPT2Model) else arch.base_of(hf)
+    for name in arch.embed_names:
+        setattr(t, name, getattr(segments[0], name))
+    layers = getattr(t, arch.layers_name)
     for seg in segments:
-        for j, block in enumerate(seg.h):
-            t.h[seg.start + j] = block
-    if len(segments) == 2:  # U-shape: the top holds ln_f and the LM head
-        t.ln_f = segments[1].ln_f
+        for j, block in enumerate(seg.layers_list):
+            layers[seg.start + j] = block
+    if len(segments) == 2:  # U-shape: the top holds the final norm and the LM head
+        for name in arch.norm_names:
+            setattr(t, name, getattr(segments[1], name))
         if getattr(hf, "lm_head", None) is not None:
-            hf.lm_head = segments[1].lm_head
-    device = segments[0].wte.weight.device
+            hf.lm_head = segments[1].head_module
+    device = getattr(segments[0], arch.embed_names[0]).weight.device
     for name, child in hf.named_children():
         if child is not t and name != "lm_head" and any(p.is_meta for p in child.parameters()):
             child.to_empty(device=device)
@@ -171,7 +176,8 @@ def split_into(model: nn.Module, remote: RemoteSegment, cls: type, trunk_cls: ty
     becomes the trunk itself. Returns the model."""
     fingerprint = fingerprint_at_load(model, remote.info)  # before the server's parts are dropped
     check_same_model(model.config, fingerprint, remote.info)  # first: another family is named as such
-    trunk_hf = model if isinstance(model, GPT2Model) else model.transformer
+    arch = arch_of(model.config)
+    trunk_hf = model if isinstance(model, GPT2Model) else arch.base_of(model)
     loss_type = stock_loss_type(type(model), model.config)  # the unsplit class's, whatever transformers does
     config = copy.deepcopy(model.config)
     setattr(config, CUTS_KEY, list(remote.cuts))
@@ -183,12 +189,15 @@ def split_into(model: nn.Module, remote: RemoteSegment, cls: type, trunk_cls: ty
         config.pad_token_id = config.eos_token_id
     with torch.device("meta"):
         trunk = trunk_cls(config)
-    trunk.wte, trunk.wpe, trunk.drop = trunk_hf.wte, trunk_hf.wpe, trunk_hf.drop
+    for name in arch.embed_names:  # the adapter's names of the parts (the stock model's)
+        setattr(trunk, name, getattr(trunk_hf, name))
+    theirs, ours = getattr(trunk_hf, arch.layers_name), getattr(trunk, arch.layers_name)
     for a, b in trunk.client_blocks:
         for i in range(a, b):
-            trunk.h[i] = trunk_hf.h[i]
+            ours[i] = theirs[i]
     if trunk.u_shape:
-        trunk.ln_f = trunk_hf.ln_f
+        for name in arch.norm_names:
+            setattr(trunk, name, getattr(trunk_hf, name))
     trunk.remote = remote
     if isinstance(model, GPT2Model):
         need_u_shape(trunk, trunk_cls.__name__)
@@ -198,7 +207,7 @@ def split_into(model: nn.Module, remote: RemoteSegment, cls: type, trunk_cls: ty
         need_u_shape(trunk, cls.__name__)
     model.transformer = trunk
     model.config = config
-    if not trunk.u_shape:  # the server holds ln_f and the LM head
+    if not trunk.u_shape:  # the server holds the final norm and the LM head
         model.lm_head = None
         model._tied_weights_keys = {}
     model.__class__ = cls
