@@ -24,15 +24,15 @@ CONVERTED |= {"hf/trunk.py", "hf/modeling.py", "hf/sources.py", "hf/splittrunk.p
 CONVERTED |= {"server/engine/runtime.py", "server/http/api_sessions.py", "server/http/validate.py",
               "hf/limits.py",  # /v1/info's limits.max_position_embeddings (was n_positions) and the 400s
               "api/openapi.py", "api/trust.py"}  # a config's generic names: trust.config_value (attribute_map)
+CONVERTED |= {"model/loraspec.py", "server/config.py", "server/engine/adapters.py",  # LoRA: the family's default
+              "server/engine/budget.py",  # GPT-2's formulas on generic config names (layercost.py: the others)
+              "server/engine/graphs.py"}  # the CUDA decode graphs: GPT-2's stages are arch.Family.decode_stages
 
 #: not converted yet (GPT-2 only, or partly: see docs/MODELS.md, "Not yet")
 NOT_YET = {
     "api/fingerprint.py",
     "apps/demo.py", "client/core.py", "hf/draft.py",
-    "model/checkpoint.py", "model/loraspec.py", "model/tokenizer.py",
-    "server/config.py", "server/engine/adapters.py",
-    "server/engine/budget.py",  # GPT-2's formulas (n_embd, n_inner, ln_f); other families: layercost.py
-    "server/engine/graphs.py",
+    "model/checkpoint.py", "model/tokenizer.py",
 }
 
 

@@ -12,7 +12,7 @@ and ``AutoSplitModelForCausalLM.from_pretrained(dir, lora=peft.LoraConfig(...))`
   equal to the split model's; generate() through the server's session (this client's adapter)
   gives the peft model's tokens;
 * a model without LoRA is refused by the LoRA server, and GPT-2's Conv1D names are refused for
-  a Llama (the spec refuses a mix of both).
+  a Llama (naming the modules it has); ``--lora-r`` alone adapts peft's default for the family.
 """
 import json
 
@@ -118,17 +118,47 @@ def test_lora_trains_as_peft_and_its_export_loads_on_the_stock_class(name, cuts,
 def test_the_spec_takes_one_familys_names():
     assert LoraSpec(4, 8.0, ("q_proj", "down_proj")).to_peft().fan_in_fan_out is False
     assert LoraSpec(4, 8.0, ("c_attn",)).to_peft().fan_in_fan_out is True  # GPT-2's Conv1D
-    with pytest.raises(ConfigError, match="mix"):
-        LoraSpec(4, 8.0, ("c_attn", "q_proj"))
-    with pytest.raises(ConfigError, match="unknown LoRA target"):
-        LoraSpec(4, 8.0, ("wqkv",))
+    with pytest.raises(ConfigError, match="not module names"):
+        LoraSpec(4, 8.0, ("q_proj", "self_attn.q_proj"))
 
 
 def test_a_llama_server_refuses_gpt2_targets(tmp_path):
+    """A target the model lacks is refused at start, naming the linear modules its layers have."""
     folder = tmp_path / "model"
     fam.model("llama-gqa").save_pretrained(folder)
-    with pytest.raises(ConfigError, match="no LoRA target"):
-        InprocServerProcess((1, 3), model=str(folder), extra=["--lora-r", "4", "--lora-targets", "c_attn"]).start()
+    for targets in ("c_attn", "c_attn,q_proj"):  # a mix of GPT-2's names and Llama's too
+        with pytest.raises(ConfigError, match="no LoRA target module 'c_attn'.* down_proj, gate_proj, k_proj, "
+                                              "o_proj, q_proj, up_proj, v_proj"):
+            InprocServerProcess((1, 3), model=str(folder), extra=["--lora-r", "4", "--lora-targets", targets]).start()
+
+
+def test_lora_r_alone_targets_the_familys_attention_as_peft(tmp_path):
+    """``--lora-r`` alone on a Llama server adapts peft's default for the family (q_proj, v_proj:
+    ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``), said in /v1/info; a client's
+    ``LoraConfig`` without ``target_modules`` (peft's own default) is the same spec, and two SGD
+    steps equal single-process peft's on the stock class with peft's default targets."""
+    folder = tmp_path / "model"
+    fam.model("llama-gqa").save_pretrained(folder)
+    with InprocServerProcess((1, 3), optimizer="sgd", lr=LR, model=str(folder),
+                             extra=["--lora-r", "4", "--lora-alpha", "8"]) as srv:
+        info = web.get(srv.url + P.INFO, headers=auth(), timeout=30).json()
+        assert info["lora"]["targets"] == ["q_proj", "v_proj"]
+        model = AutoSplitModelForCausalLM.from_pretrained(str(folder), server=srv.url, token=TOKEN,
+                                                          client_id="alice", lora=LoraConfig(r=4, lora_alpha=8))
+        assert model.lora_spec.targets == ("q_proj", "v_proj")
+        ref = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(r=4, lora_alpha=8))
+        names = set()
+        for n, m in ref.base_model.model.named_modules():
+            if hasattr(m, "lora_A") and "default" in m.lora_A:
+                names.add(n.rsplit(".", 1)[-1])
+                a, b = init_adapter_pair(0, "alice", n, m.in_features, m.out_features, 4)
+                with torch.no_grad():
+                    m.lora_A["default"].weight.copy_(a)
+                    m.lora_B["default"].weight.copy_(b)
+        assert names == {"q_proj", "v_proj"}  # peft's own choice
+        losses = sgd(model, steps=2)
+        assert losses == pytest.approx(sgd(ref, steps=2), abs=1e-5) and losses[1] != losses[0]
+        model.remote.close()
 
 
 @pytest.mark.parametrize("name", ["phi3", "gpt_neox", "opt", "falcon"])

@@ -17,12 +17,30 @@ SPEC = LoraSpec(r=4, alpha=8.0, targets=("c_attn", "c_proj", "c_fc"))
 @pytest.mark.parametrize("kwargs, words", [
     (dict(r=0), "r must be"), (dict(r=-2), "r must be"), (dict(r=2.5), "r must be"),
     (dict(alpha=0), "alpha"), (dict(alpha=-1.0), "alpha"), (dict(dropout=1.0), "dropout"),
-    (dict(targets=("wqkv",)), "c_attn, c_proj, c_fc"), (dict(targets=()), "at least one"),
-    (dict(targets=("c_attn", "q_proj")), "mix"),  # one family's names (GPT-2's Conv1D or the linear ones)
+    (dict(targets=("attn.c_attn",)), "not module names"), (dict(targets=()), "at least one"),
+    (dict(targets=("c_attn", "c_attn")), "duplicated"),
 ])
 def test_bad_specs_are_config_errors(kwargs, words):
     with pytest.raises(ConfigError, match=words):
         LoraSpec(**kwargs)
+
+
+@pytest.mark.parametrize("targets, missing", [(("wqkv",), "'wqkv'"), (("c_attn", "q_proj"), "'q_proj'"),
+                                              (("wte",), "'wte'")])  # an embedding is no target
+def test_a_target_the_segment_lacks_is_refused_naming_what_it_has(targets, missing):
+    seg = sl.partition(sl.load_model("tiny"), (1, 3)).trunk
+    with pytest.raises(ConfigError, match=f"no LoRA target module {missing}: its layers' linear modules are "
+                                          f"c_attn, c_fc, c_proj \\("):
+        LoraRouter(seg, LoraSpec(r=4, targets=targets))
+    assert not any(m._forward_hooks for m in seg.modules()) and not hasattr(seg, "lora_router")  # nothing hooked
+
+
+def test_no_targets_is_the_familys_default_from_peft():
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
+    seg = sl.partition(sl.load_model("tiny"), (1, 3)).trunk
+    router = LoraRouter(seg, LoraSpec(r=4))
+    assert router.spec.targets == tuple(table["gpt2"]) == ("c_attn",)  # GPT-2's default, as before
+    assert LoraSpec(r=4) == LoraSpec.from_dict(LoraSpec(r=4).to_dict())  # unresolved round-trips
 
 
 @pytest.mark.parametrize("argv", [["--lora-r", "0"], ["--lora-r", "4", "--lora-targets", "c_attn,wte"],

@@ -38,14 +38,15 @@ from ..model.lora import ADAPTER, PREFIX, LoraSpec, as_spec, check_server, injec
 log = logging.getLogger(__name__)
 
 
-def resolve_spec(info: dict, lora):
+def resolve_spec(info: dict, lora, config=None):
     """The :class:`LoraSpec` for ``lora`` (a ``peft.LoraConfig``, a ``LoraSpec``, ``"server"`` or
-    None) checked against the server's ``/v1/info``; None for no LoRA."""
+    None) checked against the server's ``/v1/info``; None for no LoRA. With the model's ``config``,
+    no targets (``target_modules=None``, as peft) means the family's default."""
     if lora == "server":
         if info.get("lora") is None:
             raise ConfigError("lora=\"server\": the server trains its whole segment (started without --lora-r)")
         lora = LoraSpec.from_dict(info["lora"])
-    spec = None if lora is None else as_spec(lora)
+    spec = None if lora is None else as_spec(lora, config)
     check_server(info, spec)
     return spec
 
@@ -74,7 +75,7 @@ def apply_lora(model, lora, *, seed: int = 0) -> list[torch.nn.Parameter]:
     and the remote segment's gradient-norm proxy (the global clip). ``model``: a split model
     class instance (the split GPT-2 classes, :class:`~splitlearn.hf.auto.AutoSplitModelForCausalLM`'s)."""
     remote = _remote(model)
-    spec = resolve_spec(remote.info, lora)
+    spec = resolve_spec(remote.info, lora, model.config)
     if spec is None:
         return []
     if getattr(model, "lora_spec", None) is not None:

@@ -12,7 +12,7 @@ transformers 5 names the parts of most families itself, and this module follows 
 * every layer is callable alone: ``layer(hidden, attention_mask=, position_ids=,
   position_embeddings=, cache=)`` (GPT-NeoX and Falcon name the cache ``layer_past=``).
 
-A family that differs is a :class:`Family` entry in :data:`FAMILIES` (GPT-2, OPT, Falcon): data,
+A family that differs is a :class:`Family` entry in :data:`FAMILIES` (GPT-2, OPT, Falcon; Phi-3's LoRA default): data,
 not ``if model_type ==`` across the code. Facts this relies on, measured on transformers 5.24
 (docs/MODELS.md, "What each side of a cut needs"): rotary is recomputed on each side from the
 first segment's ``position_ids``; one mask per layer type with ``layer_idx`` = the segment's first
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -73,12 +74,19 @@ class Family:
     materialize_mask: bool = False
     max_positions: Optional[str] = None
     decode_batching: bool = False  # the server's hand-written cross-session decode (GPT-2's layer layout)
+    # that decode's row-wise parts of a layer (module paths, applied in order): (norm, attention's
+    # input projection), (attention's output projection,), (norm, MLP): server/engine/graphs.py
+    decode_stages: tuple = ()
+    conv1d: tuple[str, ...] = ()  # its layers' transformers Conv1D modules ((in, out) weights: peft's fan_in_fan_out)
+    lora_targets: Optional[tuple[str, ...]] = None  # LoRA's default targets where peft's table has none
     notes: str = field(default="", compare=False)
 
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(base="transformer", embed=("wte", "wpe", "drop"), layers="h", norm=("ln_f",),
                    embedding="learned_positions", max_positions="n_positions", decode_batching=True,
+                   decode_stages=(("ln_1", "attn.c_attn"), ("attn.c_proj",), ("ln_2", "mlp")),
+                   conv1d=("c_attn", "c_proj", "c_fc"),
                    notes="learned positions (wpe); Conv1D linear layers; no base_model_pp_plan"),
     "opt": Family(base="model.decoder", embed=("embed_tokens", "embed_positions", "project_in"), layers="layers",
                   norm=("final_layer_norm", "project_out"), embedding="opt", positions="opt",
@@ -88,6 +96,7 @@ FAMILIES: dict[str, Family] = {
                      alibi=True, materialize_mask=True,
                      notes="alibi (when config.alibi) rebuilt per side from the 2-D mask; fused QKV, "
                            "parallel residual; layers take layer_past="),
+    "phi3": Family(lora_targets=("qkv_proj",), notes="fused qkv_proj (peft's LoRA table has no phi3)"),
 }
 
 
@@ -141,6 +150,7 @@ class Arch:
             types = [SLIDING if sliding else FULL] * self.n_layers
         self.layer_types = list(types)
         self.uses_alibi = f.alibi and bool(getattr(config, "alibi", False))
+        self._stages = tuple(tuple(map(operator.attrgetter, s)) for s in f.decode_stages)
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
     # -- names ----------------------------------------------------------------------------
@@ -336,6 +346,20 @@ class Arch:
         out = layer(hidden, **kw)
         return out[0] if isinstance(out, tuple) else out  # (B, T, d)
 
+    def decode_attn_input(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The hand-written decode's (``decode_batching``) first row-wise part of ``layer``: its
+        norm and attention input projection, (N, 1, d) -> (N, 1, 3d) (``Family.decode_stages``)."""
+        for get in self._stages[0]:
+            x = get(layer)(x)
+        return x
+
+    def decode_rest(self, layer: nn.Module, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of ``layer`` after its attention's output ``o`` (N, 1, d): the output
+        projection and its residual, the norm, the MLP and its residual: (N, 1, d)."""
+        x = x + self._stages[1][0](layer)(o)
+        norm, mlp = self._stages[2]
+        return x + mlp(layer)(norm(layer)(x))
+
     # -- the head --------------------------------------------------------------------------
 
     def head_hidden(self, norms: dict, hidden: torch.Tensor) -> torch.Tensor:
@@ -381,6 +405,34 @@ class Arch:
         for t, per in self.kv_bytes_per_token(dtype_bytes, start, end).items():
             total += per * (min(tokens, window) if t == SLIDING and window else tokens)
         return total
+
+
+def mlp_width(config: PretrainedConfig) -> int:
+    """The MLP's hidden width: ``intermediate_size`` (most families), OPT's ``ffn_dim``, GPT-2's
+    own field (None there: 4 x ``hidden_size``)."""
+    width = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+             or getattr(config, "n_inner", None))
+    return int(width or 4 * config.hidden_size)
+
+
+def lora_default_targets(config: PretrainedConfig) -> tuple[str, ...]:
+    """LoRA's default target modules for ``config``'s family, its attention's: peft's own table
+    (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``: GPT-2 ``c_attn``, Llama ``q_proj``,
+    ``v_proj``), else the family's :class:`Family` entry; ConfigError where neither has one."""
+    try:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as table
+    except ImportError:  # peft is the server's and the "lora" extra's
+        table = {}
+    targets = table.get(config.model_type) or FAMILIES.get(config.model_type, Family()).lora_targets
+    if not targets:
+        raise ConfigError(f"no default LoRA targets for {config.model_type!r} (neither peft's table nor "
+                          f"splitlearn.model.arch.FAMILIES has one): name them (--lora-targets)")
+    return tuple(sorted(targets))
+
+
+def conv1d_names() -> frozenset:
+    """The families' ``Conv1D`` module names (GPT-2's): LoRA on them is peft's ``fan_in_fan_out``."""
+    return frozenset(n for f in FAMILIES.values() for n in f.conv1d)
 
 
 _ARCHS: "dict[int, tuple[PretrainedConfig, Arch]]" = {}  # id(config) -> (config, its adapter), the last 64

@@ -19,7 +19,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..errors import ConfigError
-from .loraspec import TARGETS, LoraSpec  # noqa: F401 (re-exported: plain data, no torch)
+from .loraspec import LoraSpec  # noqa: F401 (re-exported: plain data, no torch)
 
 
 def target_modules(module: nn.Module, spec: LoraSpec) -> dict[str, nn.Module]:
@@ -27,6 +27,25 @@ def target_modules(module: nn.Module, spec: LoraSpec) -> dict[str, nn.Module]:
     last name component is a target."""
     return {name: m for name, m in module.named_modules()
             if isinstance(m, (Conv1D, nn.Linear)) and name.rsplit(".", 1)[-1] in spec.targets}
+
+
+def layer_linear_names(segment: nn.Module) -> list[str]:
+    """The names (last component) of the ``Conv1D`` / ``nn.Linear`` modules of ``segment``'s layers
+    (``layers_list``; any module without one): what a LoRA target may name."""
+    layers = getattr(segment, "layers_list", segment)
+    return sorted({name.rsplit(".", 1)[-1] for name, m in layers.named_modules()
+                   if isinstance(m, (Conv1D, nn.Linear))})
+
+
+def check_targets(segment: nn.Module, spec: LoraSpec) -> None:
+    """Refuse targets ``segment``'s layers do not have, naming the ones they have."""
+    have = layer_linear_names(segment)
+    missing = [t for t in spec.targets if t not in have]
+    if missing:
+        kind = getattr(segment, "kind", "")
+        raise ConfigError(f"the {kind + ' ' if kind else ''}segment has no LoRA target module "
+                          f"{', '.join(map(repr, missing))}: its layers' linear modules are "
+                          f"{', '.join(have) or 'none'} (--lora-targets, LoraConfig.target_modules)")
 
 
 def in_out(m: nn.Module) -> tuple[int, int]:
@@ -106,12 +125,11 @@ class LoraRouter:
     in row order; set it with :meth:`use` / :meth:`per_rows` around a forward."""
 
     def __init__(self, segment: nn.Module, spec: LoraSpec):
+        spec = spec.for_config(segment.config)  # no targets: the family's default
+        check_targets(segment, spec)
         self.spec = spec
         self.segment = segment
         mods = target_modules(segment, spec)
-        if not mods:
-            raise ConfigError(f"the {getattr(segment, 'kind', '')} segment has no LoRA target among "
-                              f"{list(spec.targets)}")
         self.shapes = {hf_module_name(segment, n): in_out(m) for n, m in mods.items()}  # (in, out)
         self.plan: Plan = None
         self._handles = [m.register_forward_hook(self._hook(hf_module_name(segment, n)))
@@ -216,13 +234,15 @@ def lora_rows(segment: nn.Module, groups: Sequence[tuple[int, Optional[Adapter]]
 PREFIX = "base_model.model."  # peft's prefix of a saved adapter's tensor names
 ADAPTER = "default"  # the adapter name peft uses inside the modules
 
-def as_spec(lora) -> LoraSpec:
+def as_spec(lora, config=None) -> LoraSpec:
     """A :class:`LoraSpec` from a ``peft.LoraConfig`` or a :class:`LoraSpec` (``"server"``,
-    the server's own options, is resolved by :func:`setup`)."""
+    the server's own options, is resolved by :func:`setup`); with the model's ``config``, no
+    targets means the family's default (:meth:`LoraSpec.for_config`)."""
     if isinstance(lora, LoraSpec):
-        return lora
+        return lora.for_config(config) if config is not None else lora
     if type(lora).__name__ == "LoraConfig":
-        return LoraSpec.from_peft(lora)
+        spec = LoraSpec.from_peft(lora)
+        return spec.for_config(config) if config is not None else spec
     raise ConfigError(f"lora must be a peft.LoraConfig or a splitlearn.model.lora.LoraSpec, got {type(lora).__name__}")
 
 def check_server(info: dict, spec: Optional[LoraSpec]) -> None:

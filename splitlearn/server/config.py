@@ -249,15 +249,15 @@ class LoraOptions:
 
     lora_r: Optional[int] = opt(None, "train per-client LoRA adapters of this rank on a frozen segment (docs/LORA.md)")
     lora_alpha: Optional[float] = opt(None, "LoRA scale alpha/r (default: 2r)")
-    lora_targets: str = opt("c_attn", "comma-separated: GPT-2's c_attn, c_proj, c_fc, or the other families' "
-                                      "linear layers (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                                      "down_proj, ...: docs/LORA.md)")
+    lora_targets: Optional[str] = opt(None, "comma-separated module names of the model's layers (q_proj, v_proj, "
+                                            "...: docs/LORA.md); default: the family's attention default "
+                                            "(peft's table: Llama's q_proj,v_proj, GPT-2's fused q/k/v)")
     lora_dropout: float = opt(0.0, "dropout on the adapters' input")
 
     def spec(self) -> Optional[LoraSpec]:
         """These options as a :class:`LoraSpec` (ConfigError if invalid); None without ``--lora-r``."""
         if self.lora_r is None:
-            if self.lora_alpha is not None or self.lora_targets != "c_attn" or self.lora_dropout:
+            if self.lora_alpha is not None or self.lora_targets is not None or self.lora_dropout:
                 raise ConfigError("--lora-alpha, --lora-targets and --lora-dropout need --lora-r")
             return None
         alpha = 2.0 * self.lora_r if self.lora_alpha is None else self.lora_alpha

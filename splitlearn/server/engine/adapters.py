@@ -1,7 +1,8 @@
 """Per-client LoRA adapters on the server: one frozen segment, an adapter + optimizer per client.
 
-Started with ``--lora-r R --lora-alpha A --lora-targets c_attn,...``, the server freezes its
-segment and trains adapters only (:mod:`splitlearn.model.lora`)::
+Started with ``--lora-r R --lora-alpha A [--lora-targets q_proj,...]`` (no targets: the family's
+attention default, peft's table), the server freezes its segment and trains adapters only
+(:mod:`splitlearn.model.lora`)::
 
     shared      each client id gets its own adapter and optimizer at its first training
                 step; a step changes that client's adapter only, so clients never wait for
@@ -18,7 +19,8 @@ always: :class:`LoraFederation` answers with an :class:`~splitlearn.model.lora.A
 
 Ownership: adapters are keyed by the scoped key ``<tenant>:<client_id>``
 (:mod:`.tenants`), so a client id belongs to its tenant and nothing is first-come: another
-tenant's request for ``alice`` reaches its own ``alice`` (or nothing), never this one. Memory per client (GPT-2 small, blocks 2-10, r=8 on c_attn): the adapter
+tenant's request for ``alice`` reaches its own ``alice`` (or nothing), never this one. Memory per
+client (GPT-2 small, blocks 2-10, r=8 on its default target, the fused q/k/v projection): the adapter
 (8 x (768 + 2304) x 9 = 221k parameters, 0.88 MB) plus AdamW's two moments (1.8 MB),
 against 680 MB for a full copy of the segment with AdamW state (benchmarks/lora.py).
 
@@ -53,7 +55,7 @@ class AdapterBank:
     """Adapters and their optimizers, keyed by scoped client key; called on the compute thread."""
 
     def __init__(self, segment: Segment, spec: LoraSpec, seed: int, make_optimizer: Callable):
-        self.spec = spec
+        self.spec = spec = spec.for_config(segment.config)  # no targets given: the family's default
         self.seed = seed
         self.make_optimizer = make_optimizer  # params -> the server's optimizer
         self.router = LoraRouter(segment, spec)
@@ -173,6 +175,7 @@ def attach(runtime) -> AdapterBank:
     and restore checkpointed adapters (called once from ``SegmentRuntime._load``)."""
     cfg = runtime.cfg
     bank = AdapterBank(runtime.segment, cfg.lora, cfg.seed, runtime.make_optimizer)
+    cfg.lora = bank.spec  # the targets fixed (the family's default): what /v1/info and checkpoints say
     old = runtime.federation
     # the same options as the federation it replaces (strategy, schema, --client-weights, secret, fairness)
     runtime.federation = LoraFederation(bank, cfg.federation, cfg.clients_per_round, cfg.round_timeout_s,

@@ -54,7 +54,7 @@ from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
 from ...model.lora import lora_rows
 from ...model.segments import Segment, SegmentCache
 from .compute import ComputeThread
-from .graphs import DecodeGraphs, post, pre
+from .graphs import DecodeGraphs
 from .priority import DecodeBudget, fair_take
 
 
@@ -127,8 +127,9 @@ def batched_decode(segment: Segment, items: list[DecodeItem], graphs: Optional[D
         x = graphs.run(cap, x, lambda i, qkv: attention(segment.h[i], qkv))  # (N, 1, d|V)
     else:
         with lora_rows(segment, [(n, it.adapter) for it, n in zip(items, rows)]):  # per-row adapters
+            arch = segment.arch  # the family's row-wise parts of a layer (Family.decode_stages)
             for block in segment.h:
-                x = post(block, x, attention(block, pre(block, x)))  # (N, 1, d)
+                x = arch.decode_rest(block, x, attention(block, arch.decode_attn_input(block, x)))  # (N, 1, d)
         if segment.has_head:
             x = segment.logits(x)  # (N, 1, V): the final norm, the head
     for it in items:

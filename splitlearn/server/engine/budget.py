@@ -6,9 +6,9 @@ logits alone. Every route that allocates by request size asks :meth:`Budget.chec
 right after its shapes are validated; a request over the limit gets 413 naming the limit and
 the flag that raises it, and nothing is allocated or changed.
 
-The model (bytes; B rows, T new positions, K = past + T keys, N = B·T, d = n_embd, I = n_inner
-(4d), a = n_head, V = vocab, L = the segment's blocks, e = bytes per element of the compute
-dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
+The model (bytes; B rows, T new positions, K = past + T keys, N = B·T, d = hidden_size, I = the
+MLP's width (GPT-2: 4d), a = num_attention_heads, V = vocab, L = the segment's blocks, e = bytes per
+element of the compute dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
 
     kept per block (training)  e·N·(5I + 7d + a + 4)                     sdpa (flash), no dropout
                                + e·B·T·K                                 padded: sdpa's float mask
@@ -19,7 +19,7 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
     block workspace            e·N·(4I + 6d) [+ (1 + e)·B·T·K masked] [+ 3e·B·a·T·K scores]
                                [+ 4·N·(d + a) on CUDA]                   the fused backward's accumulators
     head, training             4·e·N·d + 4·V·d + c·V·16                  x, grad of x; grad of W; a chunk
-                  on CUDA      3·e·N·d + 4·V·d + c·V·16                  ln_f's input is in kept
+                  on CUDA      3·e·N·d + 4·V·d + c·V·16                  the final norm's input is in kept
     head, evaluation           B·V·(e + 4) [+ 2·e·N·d + c·V·8 with labels]
     update (training)          grads + 2·largest parameter               AdamW's temporaries (CPU)
                   on CUDA      grads + max(grads, 4·grads/e if e < 4)    foreach temporaries, or the norm's copies
@@ -33,7 +33,7 @@ dtype, c = the loss's chunk of positions, 64 MiB of float32 logits)::
                      backward = workspace + grads [+ e·N·d, the head's grad of x]
     forward          (e·N·d + workspace + head + in/out) x 1.25
     session step     (KV(rows·K) + one block's K, V copy + workspace + last logits + in/out) x 1.25
-    session open     KV(min(rows·n_positions, --max-tokens-per-client))
+    session open     KV(min(rows·max_position_embeddings, --max-tokens-per-client))
 
 (16-bit compute adds the float32 copies of the logits and gradients it makes.) Other families'
 layers (a gated MLP of width I, q/KV heads x head_dim, their norms, eager or sdpa attention) are
@@ -68,7 +68,7 @@ On a CUDA device (``Dims.of(..., device)``) these things differ, and the model f
   gradient of q and the (B, a, T) softmax sums join the block's workspace (4·N·(d + a));
 - the residual dropout is CUDA's fused kernel, whose mask is bool (the CPU's keeps a mask in
   the compute dtype), and layer norm keeps its mean and 1/std in float32; the block's output,
-  which the next block's ln_1, ln_f or the answer keeps, is counted in the block;
+  which the next block's ln_1, the final norm or the answer keeps, is counted in the block;
 - AdamW takes torch's foreach path (its default for CUDA tensors), which makes one
   temporary of every parameter's size at once (``torch._foreach_sqrt`` of the second
   moments), after the step's norm has freed its float32 copies of 16-bit gradients: the
@@ -86,7 +86,7 @@ On a CUDA device (``Dims.of(..., device)``) these things differ, and the model f
 Measured: the GPU test's 2-way step (d = 768, 3 blocks + GPT-2's head, bfloat16, 8 x 1024,
 GPT-2's dropouts) peaked on an H100 at 1.43 GiB of ``torch.cuda.max_memory_allocated()``:
 the head's forward: 1.02 GiB of kept activations + 0.05 GiB of (B, T, d) tensors (the input,
-ln_f's output, the shifted copy, grad of x) + 0.14 GiB for grad of W in float32 + 0.22 GiB
+the final norm's output, the shifted copy, grad of x) + 0.14 GiB for grad of W in float32 + 0.22 GiB
 for one chunk of the loss (14 bytes a logit at once in bfloat16) = 1.430 GiB, the tensors
 the same route keeps on the CPU (``tests/tensorpeak.py``: live storages of the operators'
 outputs; a 2 x 256 step, per position) with CUDA's bool masks and float32 statistics.
@@ -138,7 +138,7 @@ import torch
 from torch import nn
 
 from ...errors import PayloadTooLarge
-from ...model.arch import SLIDING
+from ...model.arch import SLIDING, mlp_width
 from ...model.headloss import CHUNK_LOGITS_BYTES, chunk_rows
 from ...model.packed import usable
 from . import layercost
@@ -166,12 +166,12 @@ CUDA_SLACK = 1.1
 class Dims:
     """What a request's memory depends on, besides its shape."""
 
-    d: int  # n_embd
-    heads: int  # n_head
-    inner: int  # the MLP's width (n_inner or 4d)
+    d: int  # config.hidden_size
+    heads: int  # config.num_attention_heads
+    inner: int  # the MLP's width (splitlearn.model.arch.mlp_width; GPT-2: 4d by default)
     vocab: int
     blocks: int  # blocks the segment holds
-    head: bool  # the segment holds ln_f + lm_head (a top)
+    head: bool  # the segment holds the final norm + the LM head (a top)
     elem: int  # bytes per element of the compute dtype
     eager: bool  # attention materialises (B, a, T, K) scores always (not sdpa)
     attn_dropout: bool  # attention dropout in training: sdpa on CPU falls back to the math path (scores)
@@ -200,12 +200,11 @@ class Dims:
         sizes = [p.numel() * p.element_size() for p in segment.parameters() if p.requires_grad]
         cuda = torch.device(device).type == "cuda"
         d, heads = c.hidden_size, c.num_attention_heads  # any family's config (docs/MODELS.md)
-        inner = getattr(c, "n_inner", None) or getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None)
         elem = torch.empty((), dtype=dtype).element_size()
         arch = getattr(segment, "arch", None)  # KV bytes per token: 2 x KV heads x head_dim per layer
         per_type = arch.kv_bytes_per_token(elem, segment.start, segment.end) if arch else {}
         window = int(getattr(c, "sliding_window", None) or 0)
-        return cls(d=d, heads=heads, inner=inner or 4 * d, vocab=c.vocab_size,
+        return cls(d=d, heads=heads, inner=mlp_width(c), vocab=c.vocab_size,
                    blocks=len(segment.layers_list), head=segment.has_head,
                    elem=elem,
                    eager=attn != "sdpa", attn_dropout=getattr(c, "attn_pdrop", getattr(c, "attention_dropout", 0)) > 0,
@@ -312,11 +311,12 @@ def kv_bytes(m: Dims, tokens: int, rows: int = 0) -> int:
 SESSION_SLACK = 2.25
 
 
-def session_bytes(m: Dims, tokens: int) -> int:
-    """What a session whose cache holds ``tokens`` positions is reserved for (:mod:`.memory`):
-    its KV cache times ``SESSION_SLACK`` (on CUDA the caching allocator's ``CUDA_SLACK``: its
-    freed blocks serve the next tensors)."""
-    return int(kv_bytes(m, tokens) * (CUDA_SLACK if m.cuda else SESSION_SLACK))
+def session_bytes(m: Dims, tokens: int, rows: int = 0) -> int:
+    """What a session whose cache holds ``tokens`` positions (in ``rows`` rows: a sliding layer's
+    at most ``rows x window``, :func:`kv_bytes`) is reserved for (:mod:`.memory`): its KV cache
+    times ``SESSION_SLACK`` (on CUDA the caching allocator's ``CUDA_SLACK``: its freed blocks
+    serve the next tensors)."""
+    return int(kv_bytes(m, tokens, rows) * (CUDA_SLACK if m.cuda else SESSION_SLACK))
 
 
 def update_bytes(m: Dims) -> int:
@@ -339,7 +339,7 @@ def train_cost(m: Dims, B: int, T: int, padded: bool) -> int:
     e, N = m.elem, B * T
     kept = m.blocks * kept_per_block(m, B, T, T, padded)
     workspace = block_workspace(m, B, T, T, padded, m.scores)
-    # the head's loss, its gradients made in the forward: ln_f's input (on CUDA: the last block's
+    # the head's loss, its gradients made in the forward: the final norm's input (on CUDA: the last block's
     # output, counted in kept) and output, the shifted copy, grad of x; grad of W; one chunk
     head = 0
     if m.head:
@@ -355,7 +355,7 @@ def graph_bytes(m: Dims, B: int, T: int, padded: bool, loss: bool = False) -> in
     """What one training forward leaves waiting for its backward (:mod:`.memory` holds it):
     every block's kept tensors, its input and output and the answer sent (a tensor and its
     encoded bytes, float32 at most); ``loss``: a 2-way open-ended piece, whose chunked loss
-    keeps ln_f's tensors and the gradients of x and W (:mod:`splitlearn.model.headloss`)."""
+    keeps the final norm's tensors and the gradients of x and W (:mod:`splitlearn.model.headloss`)."""
     e, N = m.elem, B * T
     b = m.blocks * kept_per_block(m, B, T, T, padded) + 2 * e * N * m.d + 2 * 4 * N * m.d
     if loss:

@@ -3,14 +3,17 @@
 A decode step of GPT-2 small's trunk launches ~30 kernels a block, each a few microseconds of
 work: on a GPU the step is bound by launching them, not by computing (the H100 of issue 42: the
 server's 8 blocks took 7.5 ms a token). Everything in a block whose shapes depend only on the
-batch's rows N (ln_1 and c_attn; c_proj and its residual; ln_2, the MLP and its residual) is
-captured once per N as a CUDA graph and replayed; attention, whose key length grows every step,
-runs as before, per session with its own cache. A step of N rows through L blocks::
+batch's rows N (the first norm and the attention's input projection; the output projection and
+its residual; the second norm, the MLP and its residual: the family's ``decode_stages`` in
+:mod:`splitlearn.model.arch`, GPT-2's only) is captured once per N as a CUDA graph and replayed;
+attention, whose key length grows every step, runs as before, per session with its own cache.
+A step of N rows through L blocks::
 
-    x (N, 1, d) -> stage 0: ln_1, c_attn of block 0                           -> qkv
+    x (N, 1, d) -> stage 0: norm, input projection of block 0                  -> qkv
     block i:       attention of each session (eager, its cache grows)        -> o (N, 1, d)
-                   stage i + 1: x += c_proj(o); x += mlp(ln_2(x));
-                                ln_1, c_attn of block i + 1 (the last stage: ln_f, lm_head)
+                   stage i + 1: x += out_proj(o); x += mlp(norm_2(x));
+                                norm, input projection of block i + 1
+                                (the last stage: the final norm, the LM head)
 
 L + 1 graph launches and the attention's few kernels per block, instead of every kernel.
 Replaying a graph launches the kernels eager code launched when it was captured, for the same
@@ -42,17 +45,6 @@ from typing import Any, Callable, Optional
 import torch
 
 log = logging.getLogger(__name__)
-
-
-def pre(block, x: torch.Tensor) -> torch.Tensor:
-    """ln_1 and c_attn of ``block``: (N, 1, d) -> (N, 1, 3d)."""
-    return block.attn.c_attn(block.ln_1(x))
-
-
-def post(block, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """The rest of ``block`` after its attention's output ``o`` (N, 1, d): (N, 1, d)."""
-    x = x + block.attn.c_proj(o)
-    return x + block.mlp(block.ln_2(x))
 
 
 @dataclass
@@ -128,7 +120,7 @@ class DecodeGraphs:
         """Whether ``items`` (DecodeItems; their rows ``x``) may run on graphs: on a CUDA device
         (or a stand-in capture), where the outputs cannot differ from eager's."""
         seg = self.segment
-        return (self.max_graphs > 0 and len(seg.h) > 0 and not seg.training
+        return (self.max_graphs > 0 and len(seg.layers_list) > 0 and not seg.training
                 and (x.is_cuda or self.capture is not capture_cuda)
                 and all(it.adapter is None and it.cache.length > 0 for it in items))
 
@@ -176,17 +168,17 @@ class DecodeGraphs:
         x = torch.zeros_like(like)  # (N, 1, d)
         o = torch.zeros_like(like)
         pool = torch.cuda.graph_pool_handle() if cuda else None
-        blocks = list(seg.h)
-        stages = [self.capture(lambda: (pre(blocks[0], x),), pool)]
+        blocks, arch = list(seg.layers_list), seg.arch
+        stages = [self.capture(lambda: (arch.decode_attn_input(blocks[0], x),), pool)]
         h = x
         for i, block in enumerate(blocks):
             nxt = blocks[i + 1] if i + 1 < len(blocks) else None
 
             def stage(block=block, h=h, nxt=nxt):
-                y = post(block, h, o)
+                y = arch.decode_rest(block, h, o)
                 if nxt is not None:
-                    return y, pre(nxt, y)
-                return (y, seg.lm_head(seg.ln_f(y))) if seg.has_head else (y,)
+                    return y, arch.decode_attn_input(nxt, y)
+                return (y, seg.logits(y)) if seg.has_head else (y,)  # the final norm, the LM head
 
             stages.append(self.capture(stage, pool))
             h = stages[-1].outputs[0]

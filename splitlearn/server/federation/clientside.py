@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from ...errors import BadRequest
 from ...model.arch import arch_of
-from ...model.lora import LoraSpec, hf_module_name, init_adapter_pair, target_modules
+from ...model.lora import LoraSpec, hf_module_name, in_out, init_adapter_pair, target_modules
 from ...model.partition import partition
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,9 @@ def client_adapter_shapes(config: PretrainedConfig, cuts: tuple[int, ...], spec:
     for seg in segs:
         for local, m in target_modules(seg, spec).items():
             name = f"base_model.model.{hf_module_name(seg, local)}"
-            out[f"{name}.lora_A.weight"] = (spec.r, m.nx)
-            out[f"{name}.lora_B.weight"] = (m.nf, spec.r)
+            fan_in, fan_out = in_out(m)  # Conv1D or nn.Linear
+            out[f"{name}.lora_A.weight"] = (spec.r, fan_in)
+            out[f"{name}.lora_B.weight"] = (fan_out, spec.r)
     return out
 
 
@@ -92,6 +93,7 @@ class ClientSide:
 
     def __init__(self, config: PretrainedConfig, cuts: tuple[int, ...], *, model: Optional[str] = None,
                  segment: Optional[str] = None, seed: int = 0, lora: Optional[LoraSpec] = None):
+        lora = lora.for_config(config) if lora is not None else None  # no targets: the family's default
         self.config, self.cuts, self.lora = config, tuple(cuts), lora
         self.model, self.segment, self.seed = model, segment, seed  # where the initial weights come from
         self.schema: Schema = client_schema(config, self.cuts, lora)
@@ -133,7 +135,7 @@ class ClientSide:
         for seg in segs:  # a fed client's adapters all start from the common id ""
             for local, m in target_modules(seg, self.lora).items():
                 name = hf_module_name(seg, local)
-                a, b = init_adapter_pair(self.seed, "", name, m.nx, m.nf, self.lora.r)
+                a, b = init_adapter_pair(self.seed, "", name, *in_out(m), self.lora.r)
                 out[f"base_model.model.{name}.lora_A.weight"] = a
                 out[f"base_model.model.{name}.lora_B.weight"] = b
         return out
