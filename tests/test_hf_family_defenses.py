@@ -191,6 +191,33 @@ def test_the_residual_design_is_the_hand_computed_one(served):
     model.remote.close()
 
 
+def test_micro_batches_defend_each_micro_batch(served):
+    """micro_batches=2: each micro-batch's activations are defended as they are sent (the seeded
+    noise drawn per micro-batch, in order), NoPeek's loss is each micro-batch's weighted by its rows."""
+    d, srv = served
+    ids, mask = fam.padded(batch=4)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        clean = _ref_forward(_ref(d), ids, mask, hidden=True).hidden_states[1]  # (4, T, d)
+    sigma, clip, weight = 0.5, 1.0, 0.3
+    model = _split(d, srv, micro_batches=2, defense=GaussianNoPeek(
+        sigma=sigma, clip=clip, weight=weight, generator=torch.Generator().manual_seed(SEED))).train()
+    seen = _sent(model)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(seen) == 2  # one request per micro-batch
+    g = torch.Generator().manual_seed(SEED)
+    tokens = model.get_input_embeddings()(ids).detach()
+    extra = 0.0
+    for sent, part, tok in zip(seen, torch.tensor_split(clean, 2), torch.tensor_split(tokens, 2)):
+        want = _clip(part, clip) + sigma * clip * torch.randn(part.shape, generator=g)
+        assert torch.allclose(sent, want, rtol=0, atol=1e-6)
+        extra += 0.5 * weight * distance_correlation(tok.reshape(2, -1), part.reshape(2, -1)).item()
+    assert abs(model.defense_loss.item() - extra) < 1e-5
+    out.loss.backward()
+    model.zero_grad()
+    model.remote.close()
+
+
 def _sent_gradient(model, ids, mask, labels):
     """The gradient the client sends back at the second cut in one training backward."""
     sent, steps = [], model.remote.steps
@@ -318,4 +345,24 @@ def test_two_way_sends_the_defended_activations_and_adds_the_nopeek_loss(name, t
         for bad in (GaussianNoise(sigma=1.0, clip=1.0, residual=True), GaussianNoise(1.0, 1.0, grad_clip=1.0)):
             with pytest.raises(ConfigError, match="U-shape"):
                 model.defense = bad
+        model.remote.close()
+
+
+def test_gpt2s_split_classes_expose_defense_loss_on_the_model_too(tmp_path):
+    """``model.defense_loss`` on every split model (SplitClient reads it): GPT-2's is its trunk's."""
+    from splitlearn import SplitGPT2LMHeadModel
+
+    (tmp_path / "tokens").write_text("\n".join(TENANTS) + "\n")
+    with InprocServerProcess((1, 3), extra=["--token-file", str(tmp_path / "tokens")]) as srv:
+        model = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN,
+                                                     defense=NoPeek(weight=0.5)).train()
+        ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        out = model(input_ids=ids, labels=ids)
+        extra = model.defense_loss
+        assert extra is not None and extra is model.transformer.defense_loss
+        model.defense = None
+        base = model(input_ids=ids, labels=ids).loss
+        assert model.defense_loss is None
+        assert abs(out.loss.item() - (base.item() + extra.item())) < 1e-5
+        model.zero_grad()
         model.remote.close()
