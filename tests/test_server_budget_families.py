@@ -122,3 +122,49 @@ def test_kv_bytes_follow_kv_heads_and_a_sliding_layer_holds_its_window():
     assert held <= priced and priced <= 1.5 * held, (held, priced)
     llama = bm.Dims.of(partition(fam.model("llama-gqa"), (1, 3)).trunk, torch.float32)
     assert bm.kv_bytes(llama, 100) == 100 * 2 * 2 * (2 * 8) * 4  # 2 layers, 2 KV heads of 8: half of 2·d
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "gpt2"])
+def test_a_sessions_reservation_is_its_cache_as_the_family_prices_it(name, tmp_path):
+    """What a session reserves as its cache grows past the window (window 4: a 7-token prefill,
+    2 decode steps) covers the storages its cache keeps alive, and after a decode step is its KV
+    cache as ``Arch.kv_bytes`` prices it (a sliding layer's rows at most the window) times the
+    session slack. Right after a prefill a sliding layer keeps all of it (transformers keeps its
+    last ``window - 1`` as a view of the step's concatenation), and so is priced. GPT-2's is
+    2·L·tokens·d as before."""
+    from splitlearn.api import protocol as P
+    from splitlearn.model.arch import SLIDING
+    from splitlearn.server.config import ServerConfig
+    from splitlearn.server.http.app import create_app
+
+    from serverproc import TENANTS, TOKEN, auth, post_tensors, segment_of
+
+    fam.model(name).save_pretrained(tmp_path)
+    app = create_app(ServerConfig(model=str(tmp_path), cuts=(1, 4), tokens=TENANTS))
+    client, rt, seg = app.test_client(), app.extensions["splitlearn"], segment_of(app)
+    per = seg.arch.kv_bytes_per_token(4, seg.start, seg.end)  # float32, by layer type
+    window = getattr(seg.config, "sliding_window", None) or 0
+    rows, length = 2, 0
+    r = client.post(P.SESSIONS, json={"rows": rows}, headers=auth(TOKEN))
+    assert r.status_code == 201, r.get_data(as_text=True)
+    sid = r.get_json()["session_id"]
+    g = torch.Generator().manual_seed(0)
+    for T in (7, 1, 1):
+        h = torch.randn(rows, T, fam.D, generator=g)
+        resp = post_tensors(client, P.SESSION_STEP.format(session_id=sid), {P.HIDDEN: h}, P.SessionStepMeta(length).to_meta())
+        assert resp.status_code == 200, resp.get_data(as_text=True)
+        length += T
+        sliding = per.get(SLIDING, 0) * min(length, window - 1 + T) if window else 0
+        kv = rows * (sum(per.values()) * length - per.get(SLIDING, 0) * length + sliding)
+        sess = rt.sessions._sessions[sid]
+        assert sess.hold.nbytes == int(kv * bm.SESSION_SLACK), (length, kv)
+        kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in sess.cache.layers
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)}
+        assert sum(kept.values()) <= kv, (length, sum(kept.values()), kv)  # what the cache keeps alive: priced
+        if T == 1:
+            assert kv == rows * seg.arch.kv_bytes(length, 4, seg.start, seg.end)
+    full = rows * length * sum(per.values())
+    if name == "gpt2":
+        assert kv == full == 2 * 3 * rows * length * fam.D * 4  # 3 layers, K and V of d each
+    else:
+        assert kv < full  # the window cut it: Gemma 2's one sliding layer of 3, all 3 of Mistral's

@@ -294,11 +294,13 @@ def io_bytes(m: Dims, B: int, T: int) -> int:
     return 4 * 4 * B * T * m.d
 
 
-def kv_bytes(m: Dims, tokens: int, rows: int = 0) -> int:
+def kv_bytes(m: Dims, tokens: int, rows: int = 0, new: int = 1) -> int:
     """The KV cache of ``tokens`` cached positions (rows x length) in every block; with ``rows``
-    given, a sliding layer's at most ``rows x window`` (else priced as full: an upper bound)."""
+    given, a sliding layer's at most ``rows x (window - 1 + new)`` after a step of ``new``
+    positions (else priced as full: an upper bound): transformers keeps the last ``window - 1`` as
+    a view of the step's concatenation, alive until the next step (a prefill: all of it)."""
     if m.kv_token:
-        sliding = min(tokens, rows * m.window) if rows and m.window else tokens
+        sliding = min(tokens, rows * (m.window - 1 + new)) if rows and m.window else tokens
         return tokens * (m.kv_token - m.kv_sliding) + sliding * m.kv_sliding
     return 2 * m.blocks * tokens * m.d * m.elem
 
@@ -311,12 +313,12 @@ def kv_bytes(m: Dims, tokens: int, rows: int = 0) -> int:
 SESSION_SLACK = 2.25
 
 
-def session_bytes(m: Dims, tokens: int, rows: int = 0) -> int:
-    """What a session whose cache holds ``tokens`` positions (in ``rows`` rows: a sliding layer's
-    at most ``rows x window``, :func:`kv_bytes`) is reserved for (:mod:`.memory`): its KV cache
-    times ``SESSION_SLACK`` (on CUDA the caching allocator's ``CUDA_SLACK``: its freed blocks
-    serve the next tensors)."""
-    return int(kv_bytes(m, tokens, rows) * (CUDA_SLACK if m.cuda else SESSION_SLACK))
+def session_bytes(m: Dims, tokens: int, rows: int = 0, new: int = 1) -> int:
+    """What a session whose cache holds ``tokens`` positions after a step of ``new`` (in ``rows``
+    rows: a sliding layer's at most ``rows x (window - 1 + new)``, :func:`kv_bytes`) is reserved
+    for (:mod:`.memory`): its KV cache times ``SESSION_SLACK`` (on CUDA the caching allocator's
+    ``CUDA_SLACK``: its freed blocks serve the next tensors)."""
+    return int(kv_bytes(m, tokens, rows, new) * (CUDA_SLACK if m.cuda else SESSION_SLACK))
 
 
 def update_bytes(m: Dims) -> int:

@@ -161,7 +161,8 @@ class SegmentRuntime:
         if (cfg.decode_graphs and self.device.type == "cuda" and self.adapters is None
                 and self.segment.arch.family.decode_batching):
             self.batcher.graphs = DecodeGraphs(self.segment, cfg.decode_graphs, self.memory)
-        self.sessions.account, self.sessions.kv_bytes = self.memory, lambda n: session_bytes(self.budget.dims, n)
+        self.sessions.account = self.memory
+        self.sessions.kv_bytes = lambda n, rows, new: session_bytes(self.budget.dims, n, rows, new)
         if cfg.checkpoint_dir and has_state(cfg.checkpoint_dir, "server"):
             counters = load_state(cfg.checkpoint_dir, "server", [self.segment], self.optimizer)
             self.ledger = StepLedger.from_counters(counters)

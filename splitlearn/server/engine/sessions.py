@@ -186,7 +186,7 @@ class SessionStore:
         self.max_tokens = max_tokens
         self.max_per_owner = max_per_owner or max_sessions  # one tenant's share of max_sessions
         self.account = None  # the server's MemoryAccount: each session's KV cache reserved in it
-        self.kv_bytes = lambda tokens: 0  # bytes of a KV cache of that many tokens (budget.kv_bytes)
+        self.kv_bytes = lambda tokens, rows, new: 0  # a KV cache of tokens in rows after new (budget.session_bytes)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -247,7 +247,7 @@ class SessionStore:
                     f"{self.max_tokens}: close sessions you no longer need",
                     retry_after=self.ttl_s)
             if sess.hold is not None:  # its cache after the step, reserved before it grows (429/503)
-                sess.hold.resize(self.kv_bytes(rows * (past + new_positions)))
+                sess.hold.resize(self.kv_bytes(rows * (past + new_positions), rows, new_positions))
 
     def close(self, owner: str, sid: str) -> None:
         sess = self.get(owner, sid)
