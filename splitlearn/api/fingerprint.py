@@ -79,8 +79,8 @@ def digest(tensors: dict[str, torch.Tensor], meta: Optional[dict] = None) -> byt
 # field, and its weights *at load* (before any training or checkpoint restored), part by part. The
 # server publishes a digest of each part it holds (``/v1/info`` "fingerprint"); the client makes
 # the same digests of its own copy of those parts, which it holds when it loads the whole model.
-# A part is a layer (``transformer.h.3``, ``model.layers.3``: the names up to the first number) or a
-# module outside the layers (``transformer.wte``, ``lm_head``). Digests are made in the server's
+# A part is a layer (``model.layers.3``: the names up to the first number) or a module outside the
+# layers (``model.embed_tokens``, ``lm_head``). Digests are made in the server's
 # compute dtype (a float32 client copy cast as the server cast its own at load: bit-equal).
 
 #: config fields that do not change what the weights compute: names, runtime switches, heads'
@@ -119,8 +119,8 @@ def config_differences(mine: dict, theirs: dict) -> list[str]:
 
 def part_of(name: str) -> str:
     """The part a parameter belongs to: its name up to the first number (a layer:
-    ``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3``), else its module
-    (``transformer.wte.weight`` -> ``transformer.wte``, ``lm_head.weight`` -> ``lm_head``)."""
+    ``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3``), else its module
+    (``model.embed_tokens.weight`` -> ``model.embed_tokens``, ``lm_head.weight`` -> ``lm_head``)."""
     words = name.split(".")
     for i, w in enumerate(words):
         if w.isdigit():

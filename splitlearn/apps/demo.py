@@ -40,11 +40,11 @@ def check_partition() -> None:
     model = load_model(MODEL)
     parts = partition(model, CUTS)
     total = sum(p.numel() for p in model.parameters())
-    print(f"model {MODEL}: {model.config.n_layer} blocks, d={model.config.n_embd}, "
+    print(f"model {MODEL}: {model.config.num_hidden_layers} blocks, d={model.config.hidden_size}, "
           f"vocab {model.config.vocab_size}, {total / 1e6:.2f}M parameters")
     for seg in parts:
         n = sum(p.numel() for p in seg.parameters())
-        tied = " (lm_head tied to the bottom's wte: same tensor)" if seg.kind == "top" else ""
+        tied = " (lm_head tied to the bottom's embedding: same tensor)" if seg.kind == "top" else ""
         print(f"  {seg.kind:<6} blocks [{seg.start}, {seg.end})  {n / 1e6:.3f}M params{tied}")
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

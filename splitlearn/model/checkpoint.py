@@ -67,7 +67,7 @@ def _weights(segments: Sequence[Segment]) -> dict[str, torch.Tensor]:
     out = {}
     for seg in segments:
         for k, v in seg.hf_state_dict().items():
-            # a copy: safetensors refuses tensors sharing storage (the tied wte / lm_head)
+            # a copy: safetensors refuses tensors sharing storage (a tied embedding / lm_head)
             out.setdefault(k, v.detach().cpu().contiguous().clone())
     return out
 

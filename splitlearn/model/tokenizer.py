@@ -72,7 +72,7 @@ def trained_tokenizer(name: str) -> PreTrainedTokenizerFast:
 
 def wrap(tok: Tokenizer, name: str) -> PreTrainedTokenizerFast:
     """``tok`` as transformers' fast tokenizer: eos = bos = pad = ``<|endoftext|>``, left padding
-    (no ``model_max_length``: pipelines and lm-eval read the model's ``n_positions``)."""
+    (no ``model_max_length``: pipelines and lm-eval read the model's ``max_position_embeddings``)."""
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS,
                                    padding_side="left", name_or_path=name)
 
