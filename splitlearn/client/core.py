@@ -1,5 +1,6 @@
 """``SplitClient``: split training and generation as one object over the model classes: its
-:attr:`~SplitClient.model` (a ``SplitGPT2LMHeadModel`` over the client's segments) does the work;
+:attr:`~SplitClient.model` does the work (a ``SplitGPT2LMHeadModel`` over the client's segments for
+GPT-2; any other family's ``Split<Name>``, the family's own class: :mod:`splitlearn.hf.familyclient`);
 this class adds a batch in, one step out (applied at the server's own lr), its optimizer,
 ``save``/``load`` and :class:`~.config.ClientConfig`'s options. README's SplitClient section.
 """
@@ -13,18 +14,19 @@ from typing import Iterator, Optional, Union
 import torch
 
 from ..api import protocol as P
+from ..model.arch import arch_of
 from ..model.checkpoint import make_optimizer, unique_parameters
 from ..model.devices import resolve_device
 from ..errors import ConfigError, ForwardLost, NotYourTurn, ServiceUnavailable, SplitLearnError, StaleWeights
 from ..hf.federation import federation_of
 from ..hf.lora import apply_lora, export_adapter
-from ..hf.modeling import split_segments
+from ..hf.familyclient import client_model
 from ..hf.config import RemoteConfig
 from ..hf.remote import RemoteSegment
 from ..hf.streaming import stream_tokens
 from ..procs.idlepoll import IdlePoller
 from ..transport.busy import wait_while_busy
-from ..model.segments import labels_from_batch, positions_from_mask
+from ..model.segments import labels_from_batch
 from .config import ClientConfig
 
 log = logging.getLogger(__name__)
@@ -34,11 +36,30 @@ def _model_attr(name: str, doc: str) -> property:
     return property(lambda self: getattr(self._model, name), lambda self, v: setattr(self._model, name, v), doc=doc)
 
 
+def defense_loss(model):
+    """The defense's own loss term of ``model``'s last forward (NoPeek's), or None: the split
+    model's ``defense_loss``, else (GPT-2's classes) its trunk's."""
+    extra = getattr(model, "defense_loss", None)
+    if extra is None:
+        extra = getattr(getattr(model, "transformer", None), "defense_loss", None)
+    return extra
+
+
+def _set_defense(model, defense) -> None:
+    """``model.defense = defense`` where the split class takes one; a defense it does not take is
+    a ConfigError (never dropped silently: docs/MODELS.md, "Not yet")."""
+    if isinstance(getattr(type(model), "defense", None), property):
+        model.defense = defense
+    elif defense is not None:
+        raise ConfigError(f"{type(model).__name__} takes no defense yet ({type(defense).__name__}): on this "
+                          f"family the activations would travel undefended (docs/MODELS.md, \"Not yet\")")
+
+
 class SplitClient:
     """Client of the splitlearn server at ``url``.
 
-    model: the server's model source (spec name, directory, JSON, hub id, a ``GPT2LMHeadModel``)
-        or a directory of exported segments.
+    model: the server's model source (spec name, directory, JSON, hub id, a model) of any family
+        of docs/MODELS.md, or a directory of exported GPT-2 segments.
     config / keyword options: :class:`~splitlearn.client.config.ClientConfig`'s fields (a keyword
         overrides the config's field); bad ones raise ``ConfigError`` before any call. The
         connection (``token``, ``timeout_s``, ``retries``, ``wait_timeout_s``,
@@ -55,13 +76,18 @@ class SplitClient:
         remote = RemoteSegment(RemoteConfig.of(url, c))  # every connection field; the client id's last step: the server's
         try:
             self.transport, self.info, self.cuts, self.u_shape = remote.transport, remote.info, remote.cuts, remote.u_shape
-            m, self.segments = split_segments(model, remote, self.device, c.seed)  # the same modules
-            self._model, self.bottom, self.top = m, self.segments[0], (self.segments[1] if self.u_shape else None)
-            m.defense, m.micro_batches, m.packed_weights = c.defense, c.micro_batches, c.packed_weights
+            # GPT-2: the segments' modules (None for another family: `model` holds the client's modules)
+            m, self.segments = client_model(model, remote, self.device, c.seed)
+            self._model = m
+            self.bottom = self.segments[0] if self.segments else None
+            self.top = self.segments[1] if self.segments and self.u_shape else None
+            self.arch = arch_of(m.config)
+            _set_defense(m, c.defense)
+            m.micro_batches, m.packed_weights = c.micro_batches, c.packed_weights
             lora = apply_lora(m, c.lora, seed=c.seed)  # peft adapters; the optimizer trains them alone
             self.lora = getattr(m, "lora_spec", None)
-            self.optimizer = make_optimizer(lora or unique_parameters(self.segments), c.optimizer, c.lr,
-                                            c.weight_decay)
+            params = unique_parameters(self.segments) if self.segments else list(m.parameters())
+            self.optimizer = make_optimizer(lora or params, c.optimizer, c.lr, c.weight_decay)
             self.federation = federation_of(m)
             remote.loss_gradient = 1.0  # train_step's loss.backward(): fused 2-way pieces, 1F1B
             # every step applied at the server's own lr (this optimizer's lr is the client side's)
@@ -75,8 +101,9 @@ class SplitClient:
 
     @property
     def model(self):
-        """This client as a :class:`splitlearn.SplitGPT2LMHeadModel` (its segments' modules, its
-        connection, ``client_id``, wire dtype and defense; ``model.remote.log`` is its journal).
+        """This client as a split model: a :class:`splitlearn.SplitGPT2LMHeadModel` over its segments'
+        modules (GPT-2), the family's ``Split<Name>`` (any other family); its connection,
+        ``client_id``, wire dtype and defense; ``model.remote.log`` is its journal.
         Train through it or through :meth:`train_step`, not both on one client."""
         return self._model
 
@@ -94,7 +121,15 @@ class SplitClient:
         """The last training step applied on both sides."""
         return self._model.remote.step - 1
 
-    defense = _model_attr("defense", "A splitlearn.privacy.Defense on every activation sent (the model's).")
+    @property
+    def defense(self):
+        """A splitlearn.privacy.Defense on every activation sent (the model's; None: none)."""
+        return getattr(self._model, "defense", None)
+
+    @defense.setter
+    def defense(self, defense) -> None:
+        _set_defense(self._model, defense)
+
     micro_batches = _model_attr("micro_batches", "Each training batch in this many pipelined micro-batches.")
 
     @property
@@ -140,23 +175,31 @@ class SplitClient:
     def check_batch(self, rows: int, positions: int) -> None:
         """ConfigError, before anything is sent, for a training batch of ``rows`` x ``positions``
         that the model or the server cannot take: more positions than the model's
-        ``n_positions``, or pieces of more rows than the server takes in a request."""
-        n_pos = self.bottom.config.n_positions
-        if positions > n_pos:
+        (``max_position_embeddings``), or pieces of more rows than the server takes in a request."""
+        n_pos, field = self.max_positions
+        if n_pos and positions > n_pos:
             raise ConfigError(f"a batch of {positions} tokens per row passes the model's {n_pos} positions "
-                              f"(n_positions): use at most {n_pos}")
+                              f"({field}): use at most {n_pos}")
         per_piece = -(-rows // max(int(self.micro_batches or 1), 1))
         if self.max_rows and per_piece > self.max_rows:
             raise ConfigError(f"pieces of {per_piece} rows pass the server's {self.max_rows} rows per request "
                               f"(its --max-batch): use at most {self.max_rows} rows, or micro-batches "
                               f"(micro_batches >= {-(-rows // self.max_rows)})")
 
+    @property
+    def max_positions(self) -> tuple[Optional[int], str]:
+        """(the positions the model has, the config field that says so): a learned position
+        table's size (the adapter's field), else ``max_position_embeddings`` (None: unbounded)."""
+        field = self.arch.family.max_positions or "max_position_embeddings"
+        n = getattr(self._model.config, field, None)
+        return (int(n) if n else None), field
+
     def _step(self, ids, mask, rng: torch.Tensor, noted: bool = False) -> float:
         model, remote = self._model, self._model.remote
         if not noted:  # journal_dir: the batch, so that load() runs this step again
             remote.log.note(self.step + 1, {"ids": ids, "rng": rng, **({"mask": mask} if mask is not None else {})})
         labels = labels_from_batch(ids, mask)
-        pos = None if mask is None else positions_from_mask(mask, ids.shape[1])  # left padding as generate's
+        pos = None if mask is None else self.arch.positions(mask, 0, ids.shape[1])  # left padding as generate's
 
         def attempt() -> float:
             if remote.pieces or remote.answered:  # an earlier attempt's pieces: dropped on both sides
@@ -166,7 +209,7 @@ class SplitClient:
             self.optimizer.zero_grad(set_to_none=True)
             out = model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=pos)
             out.loss.backward()
-            extra = model.transformer.defense_loss  # the defense's own term (NoPeek) is not the task's loss
+            extra = defense_loss(model)  # the defense's own term (NoPeek) is not the task's loss
             return float(out.loss.detach()) - (float(extra.detach()) if extra is not None else 0.0)
 
         step, deadline = remote.step, time.monotonic() + remote.cfg.wait_timeout_s
@@ -232,7 +275,7 @@ class SplitClient:
     def _evaluate(self, ids, mask) -> float:
         model = self._model
         model.eval()
-        pos = None if mask is None else positions_from_mask(mask, ids.shape[1])
+        pos = None if mask is None else self.arch.positions(mask, 0, ids.shape[1])
         with model.remote.loss_only():  # 2-way: the server answers the loss, not (B, T, V) logits
             out = model(input_ids=ids, attention_mask=mask, labels=labels_from_batch(ids, mask), position_ids=pos)
         return float(out.loss)
@@ -300,10 +343,10 @@ class SplitClient:
             width = max(o.shape[1] for o in outs)
             return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad if pad is not None else 0)
                               for o in outs])
-        n, t, n_pos = max_new_tokens, ids.shape[1], self.bottom.config.n_positions
+        n, t, (n_pos, field) = max_new_tokens, ids.shape[1], self.max_positions
         for ok, bad in ((isinstance(n, int) and n >= 0, f"max_new_tokens must be an integer >= 0, got {n!r}"),
-                        (not isinstance(n, int) or t + n <= n_pos,
-                         f"prompt of {t} tokens + max_new_tokens={n} passes the model's n_positions={n_pos}"),
+                        (not isinstance(n, int) or not n_pos or t + n <= n_pos,
+                         f"prompt of {t} tokens + max_new_tokens={n} passes the model's {field}={n_pos}"),
                         (temperature > 0, f"temperature must be > 0, got {temperature}"),
                         (top_k is None or top_k >= 1, f"top_k must be >= 1, got {top_k}"),
                         (top_p is None or 0 < top_p <= 1, f"top_p must lie in (0, 1], got {top_p}")):

@@ -155,7 +155,7 @@ def plain_config(model):
     config = copy.deepcopy(model.config)
     for key in [k for k in vars(config) if k.startswith("splitlearn")]:
         delattr(config, key)
-    if not model.transformer.u_shape:
+    if not model.remote.u_shape:  # any split model's segment (GPT-2's classes: their trunk's)
         config.tie_word_embeddings = False
     return config
 
@@ -203,14 +203,14 @@ def merge_and_unload(model):
 
     from .lora import adapter_tensors
 
-    remote = model.transformer.remote
+    remote = model.remote
     remote.flush()  # the last optimizer step's apply: the server's weights hold it
     server, meta = fetch_weights(remote)
     config = plain_config(model)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with _LOAD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        if getattr(model, "causal_lm", False):
+        if getattr(model, "causal_lm", False) or not hasattr(type(model), "HF_CLASS"):  # any family's Split<Name>
             unsplit = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
             unsplit = type(model).HF_CLASS(config).to(dtype)

@@ -72,7 +72,9 @@ def get_tokenizer(source: Optional[str] = None):
         tok = AutoTokenizer.from_pretrained(s, local_files_only=local)
     except Exception:  # a checkpoint without tokenizer files, or no hub: bytes, if they fit its vocabulary
         return fit_model(byte_tokenizer(), s)
-    if not tok.vocab_size:  # transformers 5 builds an empty GPT2Tokenizer where files are missing
+    if not tok.vocab_size or len(tok) <= len(set(tok.all_special_ids)):
+        # where the files are missing transformers 5 builds the family's tokenizer empty: GPT-2's with
+        # no token, Gemma's, Qwen2's, GPT-NeoX's with only their special tokens (any text: one <unk>)
         return fit_model(byte_tokenizer(), s)
     tok.padding_side = "left"
     if tok.pad_token is None:
