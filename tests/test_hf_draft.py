@@ -266,7 +266,7 @@ def _fake_split(calls=0, round_trip_s=0.0):
 
     from transformers import GenerationConfig
 
-    return SimpleNamespace(transformer=SimpleNamespace(remote=SimpleNamespace(stats=_Stats(calls, round_trip_s))),
+    return SimpleNamespace(remote=SimpleNamespace(stats=_Stats(calls, round_trip_s)),
                            generation_config=GenerationConfig(), link_aware_drafts=True)
 
 

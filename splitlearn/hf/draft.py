@@ -8,11 +8,13 @@ tokens locally and verifies them in **one** forward of the target, i.e. one roun
 :class:`~splitlearn.hf.cache.RemoteCache` drops the rejected positions on the server with the
 next step (its ``crop``), so greedy output is exactly the plain greedy output.
 
-**The free draft** (:func:`free_draft`). A U-shape client already holds the bottom blocks, the
-top blocks, ``ln_f`` and the head. Skipping the server's trunk (LayerSkip-style: the bottom's
-output feeds the top directly) gives a language model that costs no round trip and no extra
-weights: a ``GPT2LMHeadModel`` of ``c1 + (n - c2)`` blocks whose parameters *are* the split
-model's (shared tensors, so training the split model trains the draft). Usable as
+**The free draft** (:func:`free_draft`). A U-shape client already holds the bottom layers, the
+top layers, the final norm and the head. Skipping the server's trunk (LayerSkip-style: the
+bottom's output feeds the top directly) gives a language model that costs no round trip and no
+extra weights: a plain model of the split model's family (its own ``*ForCausalLM`` class) of
+``c1 + (n - c2)`` layers whose parameters *are* the split model's (shared tensors, so training
+the split model trains the draft), built through the architecture adapter
+(splitlearn/model/arch.py: the family's layer names, ``layer_types`` sliced). Usable as
 ``split_lm.generate(ids, assistant_model=free_draft(split_lm))``. How often it agrees with the
 whole model depends on how much the trunk changes the next-token argmax: measure it
 (``benchmarks/wan.py`` reports it; docs/WAN.md has the figures). Untrained as an early exit,
@@ -68,56 +70,83 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from torch import nn
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..errors import ConfigError
+from ..model.arch import arch_of
 from .cache import RemoteCache
+from .sources import CUTS_KEY
 
 
 # -- the free draft -----------------------------------------------------------------------
 
-def free_draft(model) -> GPT2LMHeadModel:
-    """The U-shape split model's own blocks with the server's trunk skipped, as a
-    ``GPT2LMHeadModel`` (see the module docstring). ``model``: a U-shape
-    ``SplitGPT2LMHeadModel`` (or anything with ``.transformer.cuts``/``.client_blocks`` and a
-    U-shape ``lm_head``). The draft's parameters are the model's own tensors (no copy); it is
-    in eval mode; a split model's ``generate(assistant_model=draft)`` drafts at the link-aware
-    length by default (:func:`default_policy`)."""
-    trunk = getattr(model, "transformer", None)
-    if trunk is None or not getattr(trunk, "u_shape", False) or getattr(model, "lm_head", None) is None:
+def free_draft(model) -> nn.Module:
+    """The U-shape split model's own layers with the server's trunk skipped, as a plain model of
+    its family (``LlamaForCausalLM``, ``Gemma2ForCausalLM``, ...: see the module docstring).
+    ``model``: a U-shape split model of any family (what ``AutoSplitModelForCausalLM`` returns).
+    The kept layers ``[0, c1) + [c2, n)`` are renumbered ``0..k-1`` under the family's layer list
+    (splitlearn/model/arch.py), the config says ``k`` layers with ``layer_types``
+    sliced (a kept sliding layer stays sliding), the embeddings, final norm, head and the family's
+    own forward (embedding scale, softcaps, alibi, OPT's positions) are the family's class's. The
+    draft's parameters and buffers are the model's own tensors (no copy); a tied head stays tied;
+    it is in eval mode; a split model's ``generate(assistant_model=draft)`` drafts at the
+    link-aware length by default (:func:`default_policy`)."""
+    arch = arch_of(model.config)
+    try:
+        base = arch.base_of(model)
+    except AttributeError:
+        base = None
+    cuts = tuple(getattr(base, "cuts", ()) or ())
+    if len(cuts) != 2 or not getattr(base, "u_shape", False) or getattr(model, arch.head_name, None) is None:
         raise ConfigError("the free draft needs a U-shape split LM (the client holds the bottom, the top "
                           "and the head); a 2-way client has no head: use prompt lookup or an assistant model")
-    keep = [i for a, b in trunk.client_blocks for i in range(a, b)]
-    cfg = GPT2Config(**{k: v for k, v in model.config.to_dict().items()
-                        if k not in ("splitlearn_cuts", "architectures", "transformers_version")})
-    cfg.n_layer = len(keep)
+    c1, c2 = cuts
+    keep = list(range(c1)) + list(range(c2, arch.n_layers))
+    cfg = arch.kept_layers_config(keep)
+    if hasattr(cfg, CUTS_KEY):  # a plain model: no server
+        delattr(cfg, CUTS_KEY)
     with torch.device("meta"):
-        draft = GPT2LMHeadModel(cfg)
+        draft = arch.model_class()(cfg)
+    cfg.architectures = [type(draft).__name__]
+    prefix = arch.layer_prefix() + "."
+    new_index = {i: j for j, i in enumerate(keep)}
+
+    def renamed(name: str) -> Optional[str]:
+        """The draft's name of the split model's ``name`` (None: a server layer's)."""
+        if not name.startswith(prefix):
+            return name
+        i, _, rest = name[len(prefix):].partition(".")
+        return f"{prefix}{new_index[int(i)]}.{rest}" if int(i) in new_index else None
+
+    want = draft.state_dict()
     state = {}
     for name, t in model.state_dict().items():
-        if name.startswith("transformer.h."):
-            i = int(name.split(".")[2])
-            if i in keep:
-                state[name.replace(f"transformer.h.{i}.", f"transformer.h.{keep.index(i)}.", 1)] = t
-        elif name.startswith(("transformer.wte.", "transformer.wpe.", "transformer.ln_f.", "lm_head.")):
-            state[name] = t
-    if "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["transformer.wte.weight"]
+        new = renamed(name)
+        if new in want:
+            state[new] = t
+    head = arch.head_name + ".weight"
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
     missing, unexpected = draft.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not m.endswith(".attn.bias") and not m.endswith("masked_bias")]
+    if tied:  # one parameter, as the family's class ties it (distillation trains it once)
+        draft.get_output_embeddings().weight = draft.get_input_embeddings().weight
+        missing = [m for m in missing if m != head]
     if missing or unexpected:
         raise ConfigError(f"free draft: missing {missing}, unexpected {unexpected}")
-    for name, buf in list(draft.named_buffers()):  # non-persistent buffers (if any) are still on meta
+    buffers = {renamed(n): b for n, b in model.named_buffers()}
+    for name, buf in list(draft.named_buffers()):  # non-persistent ones (rotary, embedding scale)
         if buf.is_meta:
-            raise ConfigError(f"free draft: buffer {name} was not set")
+            if buffers.get(name) is None:
+                raise ConfigError(f"free draft: buffer {name} was not set")
+            owner, _, leaf = name.rpartition(".")
+            draft.get_submodule(owner).register_buffer(leaf, buffers[name], persistent=False)
     draft.generation_config = copy.deepcopy(model.generation_config)
-    draft.free_draft_of = tuple(trunk.cuts)
+    draft.free_draft_of = cuts
     return draft.eval()
 
 
-def distill_draft(teacher, batches, *, draft: Optional[GPT2LMHeadModel] = None, steps: Optional[int] = None,
-                  lr: float = 1e-3, temperature: float = 1.0, progress: bool = True) -> GPT2LMHeadModel:
+def distill_draft(teacher, batches, *, draft: Optional[nn.Module] = None, steps: Optional[int] = None,
+                  lr: float = 1e-3, temperature: float = 1.0, progress: bool = True) -> nn.Module:
     """Train a draft to agree with ``teacher`` (knowledge distillation, Hinton et al. 2015):
     minimise the per-token KL divergence from the teacher's next-token distribution to the
     draft's, at ``temperature``, with AdamW (no weight decay) on a one-cycle schedule
@@ -130,7 +159,7 @@ def distill_draft(teacher, batches, *, draft: Optional[GPT2LMHeadModel] = None, 
     batches: an iterable of token id tensors (B, T) (or dicts with ``input_ids`` and an
         optional ``attention_mask``), e.g. :func:`splitlearn.model.data.lm_batches` of private text.
     draft: the model to train (updated in place); default: a **copy** of the U-shape
-        teacher's :func:`free_draft` (the client's own blocks, trunk skipped), so the split
+        teacher's :func:`free_draft` (the client's own layers, trunk skipped), so the split
         model itself is not changed. A 2-way teacher has no free draft: pass one.
     steps: batches to use (default: ``len(batches)``); the schedule spans them.
 
@@ -366,8 +395,7 @@ def measured_rtt_ms(model) -> Optional[float]:
     """The mean round trip of the calls ``model``'s client has made so far (its transport's
     ``WireStats``: request sent to answer decoded, server compute included), in ms; None
     before its first call."""
-    trunk = getattr(model, "transformer", None)  # GPT-2's split classes; any family's: model.remote
-    stats = (trunk.remote if trunk is not None else model.remote).stats
+    stats = model.remote.stats  # every split class's remote segment
     return 1000.0 * stats.round_trip_s / stats.calls if stats.calls else None
 
 

@@ -188,6 +188,17 @@ class Arch:
         """The ``*ForCausalLM``'s name of the layer list (``model.layers``, ``transformer.h``)."""
         return f"{self.base_path}.{self.layers_name}"
 
+    def kept_layers_config(self, keep: list) -> PretrainedConfig:
+        """A copy of the config for a model of the layers ``keep`` alone (global indices, in order;
+        the free draft, splitlearn/hf/draft.py): ``num_hidden_layers`` set (GPT-2's config maps it
+        to its own field) and ``layer_types`` sliced, so each kept layer keeps its attention type."""
+        import copy
+        cfg = copy.deepcopy(self.config)
+        cfg.num_hidden_layers = len(keep)
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = [self.layer_types[i] for i in keep]
+        return cfg
+
     def linear_paths(self, model: nn.Module) -> dict:
         """``{name: path in the *ForCausalLM}`` of every linear layer (``nn.Linear`` or transformers'
         ``Conv1D``) of every layer, in module order, then the LM head: ``layers.0.self_attn.q_proj
