@@ -174,7 +174,7 @@ def test_a_defense_the_familys_split_class_does_not_take_is_refused(tmp_path):
             client_of(srv, folder, defense=GaussianNoise(sigma=1.0))
 
 
-def test_a_nopeek_step_reports_the_task_loss_and_trains_with_its_term(tmp_path):
+def test_a_nopeek_step_reports_the_task_loss(tmp_path):
     """``train_step`` returns the task's loss (the model's ``defense_loss`` taken out of the loss it
     backpropagates): the unsplit model's first loss."""
     folder = save(tmp_path / "model", "llama-gqa")

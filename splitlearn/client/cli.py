@@ -262,7 +262,8 @@ def _with_formatter(add_parser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m splitlearn.client", allow_abbrev=False,
-                                description="splitlearn client: train or generate with a split GPT-2")
+                                description="splitlearn client: train or generate with a split causal LM "
+                                            "(GPT-2 or any family of docs/MODELS.md)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser = _with_formatter(sub.add_parser)
 
