@@ -332,3 +332,23 @@ def test_a_turn_holders_refused_sync_ends_its_turn_and_shares_nothing():
         fed.sync("mallory:m", {"w": torch.ones(2)})  # external: no weights here
     assert fed.status()["turn"] is None and fed.version == 0
     assert fed.take_turn("alice:a")["turn"] == "a"
+
+
+def test_a_u_shape_members_weight_is_the_stock_collators_targets_for_any_mask():
+    """The server never sees a U-shape member's labels; what it counts from the mask (and the
+    shape) equals the targets of the stock collator's labels (the padding -100) for any mask:
+    left- and right-padded rows, holes, rows of padding, 1-token rows. It cannot be raised past
+    the real positions a member sends."""
+    from splitlearn.model.segments import labels_from_batch
+    from splitlearn.server.engine.training import target_tokens
+
+    g = torch.Generator().manual_seed(0)
+    masks = [torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 1, 0, 1], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]),
+             torch.ones(3, 1, dtype=torch.long), (torch.rand(6, 9, generator=g) > 0.4).long()]
+    for mask in masks:
+        ids = torch.randint(0, 50, mask.shape, generator=g)
+        want = int((labels_from_batch(ids, mask)[:, 1:] != -100).sum())
+        assert target_tokens(ids.shape, mask, None) == want
+        assert want <= int(mask.sum())
+    assert target_tokens(torch.Size([2, 5]), None, None) == 8  # no mask: every position after the first
+    assert target_tokens(masks[0].shape, masks[0], None) == 3 + 2 + 2 + 0 + 1  # was 2 + 2 + 2 + 0 + 0
