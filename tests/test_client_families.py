@@ -8,9 +8,9 @@ servers of the same folder.
   restarted server gives the saved weights bit for bit and trains on as the unsplit model.
 * The CLI: ``train --micro-batches 2 --save``, then ``--resume``, leaves both sides bit for bit as one
   uninterrupted run; ``--export-merged`` is the whole model, whose greedy tokens ``generate --load``
-  gives; ``--lora --export-adapter`` writes both sides' adapters.
+  gives and whose loss ``--eval-data`` printed; ``--lora --export-adapter`` writes both sides' adapters.
 * Bad input: another family, other sizes or another vocabulary are refused at start naming the
-  fields (the CLI: one ``error:`` line, exit 2); a folder without tokenizer files whose vocabulary
+  fields (the CLI: one ``error:`` line, exit 2); a model given as an object is split as a copy; a folder without tokenizer files whose vocabulary
   is not the byte tokenizer's is refused naming the fix; a defense the family's split class
   does not take is refused, never dropped.
 """
@@ -25,6 +25,9 @@ from transformers import AutoModelForCausalLM
 import families as fam
 from splitlearn.client import SplitClient
 from splitlearn.client.cli import main
+from splitlearn.client.runs import eval_windows
+from splitlearn.model.data import get_tokenizer
+from splitlearn.model.inputs import read_tokens
 from splitlearn.errors import ConfigError
 from splitlearn.model.arch import arch_of
 from splitlearn.model.checkpoint import read_extra
@@ -156,8 +159,13 @@ def test_a_model_that_is_not_the_servers_is_refused_naming_the_fields(tmp_path):
                              (save(tmp_path / "seed", "llama-gqa", seed=1), "weights at load")):
             with pytest.raises(ConfigError, match=f"not the server's.*{field}"):
                 client_of(srv, other)
-        with client_of(srv, folder) as client:  # the refusals left the server serving
-            client.train_step(*BATCHES[0])
+        given = AutoModelForCausalLM.from_pretrained(folder)
+        before = {k: v.clone() for k, v in given.state_dict().items()}
+        with SplitClient(srv.url, given, token=TOKEN, optimizer="sgd", lr=LR["sgd"]) as client:
+            client.train_step(*BATCHES[0])  # the refusals left the server serving
+        # a model given is split as a copy: the caller's is still whole and untrained
+        assert type(given).__name__ == "LlamaForCausalLM" and len(given.model.layers) == 4
+        assert all(torch.equal(v, before[k]) for k, v in given.state_dict().items())
 
 
 def _takes_defenses(model) -> bool:
@@ -204,11 +212,15 @@ def test_cli_trains_resumes_exports_and_generates_a_llama(tmp_path, capsys, monk
     data.write_text("the cat sat on the mat. " * 40)
     with server(tmp_path, (1, 3), lr=CLI_LR) as whole, \
             server(tmp_path, (1, 3), checkpoints="server-2", lr=CLI_LR) as parts:
-        assert _train(whole, folder, data, 3, "--save", str(tmp_path / "whole")) == 0
+        held_out = tmp_path / "eval.txt"
+        held_out.write_text("a dog ran in the park, and the dog sat. " * 4)
+        assert _train(whole, folder, data, 3, "--save", str(tmp_path / "whole"), "--eval-data", str(held_out),
+                      "--eval-rows", "4") == 0
         out = capsys.readouterr()
         summary = json.loads(out.out)
-        assert summary["steps"] == 3 and summary["stats"]["calls"] == 3 * 2 * 2  # 2 pieces, forward + backward
-        assert "trained 3 steps" in out.err
+        assert summary["steps"] == 3
+        assert summary["stats"]["calls"] == 3 * 2 * 2 + 1  # 2 pieces, forward + backward; the evaluation
+        assert "trained 3 steps" in out.err and "step 3: eval loss" in out.err
 
         assert _train(parts, folder, data, 2, "--save", str(tmp_path / "parts")) == 0
         assert json.loads(capsys.readouterr().out)["steps"] == 2
@@ -229,6 +241,11 @@ def test_cli_trains_resumes_exports_and_generates_a_llama(tmp_path, capsys, monk
     want = merged.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 5, dtype=torch.long),
                            max_new_tokens=8, do_sample=False, pad_token_id=256, eos_token_id=None)[0].tolist()
     assert got == want and len(set(want[5:])) > 1
+    # the held-out loss the run printed is the trained model's (the merged one's: the same weights)
+    rows = eval_windows(read_tokens(get_tokenizer(folder), held_out), 8, 4)
+    with torch.no_grad():
+        loss = merged(input_ids=rows, labels=rows).loss.item()
+    assert summary["evals"][-1]["loss"] == pytest.approx(loss, abs=ATOL)
 
 
 def test_cli_lora_exports_both_sides_adapters_for_a_gemma2(tmp_path, capsys, monkeypatch):
@@ -267,8 +284,6 @@ def test_a_folder_without_tokenizer_files_gets_the_bytes_or_a_clear_error(name, 
     """transformers builds Gemma's, Qwen2's and GPT-NeoX's tokenizers from a folder without their files
     with only the special tokens (any text: one ``<unk>``); those folders get the byte tokenizer
     where their vocabulary is the bytes', else the error naming the fix, as Llama's and GPT-2's."""
-    from splitlearn.model.data import get_tokenizer
-
     tok = get_tokenizer(save(tmp_path / "bytes", name, vocab_size=BYTES))
     assert tok.encode("the cat") == list(b"the cat")
     with pytest.raises(ConfigError, match="no tokenizer files"):

@@ -9,6 +9,7 @@ state-dict names, ``generate()``, micro-batches, row groups and federation).
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 from torch import nn
@@ -36,10 +37,12 @@ def is_gpt2_source(source) -> bool:
 def client_model(source, remote: RemoteSegment, device=None, seed: int = 0) -> tuple[nn.Module, Optional[list]]:
     """The client's split model of ``source`` at ``remote``'s cuts -> (model, segments): GPT-2,
     :func:`~.modeling.split_segments`' model and segments; any other family, its ``Split<Name>``
-    (on ``device``; only the client's layers kept) and None. ``ConfigError`` naming the fields
+    (on ``device``; only the client's layers kept; a model given is copied) and None. ``ConfigError`` naming the fields
     (or weights) where ``source`` is not the server's model."""
     if is_gpt2_source(source):
         return split_segments(source, remote, device, seed)
+    if isinstance(source, nn.Module):  # split in place below: the caller's model is left as it was
+        source = copy.deepcopy(source)
     model = load_model(source, device=device, seed=seed)
     check_same_model(model.config, fingerprint_at_load(model, remote.info), remote.info)
     return split_family_model(model, remote), None
