@@ -139,7 +139,11 @@ class RemoteSegment(nn.Module):
     applies = property(lambda self: self.applier.count, doc="Applies made.")
 
     def flush(self) -> Optional[dict]:
-        """Send the deferred apply now (:meth:`Applier.flush <.applies.Applier.flush>`) -> its answer."""
+        """Send the deferred apply now (:meth:`Applier.flush <.applies.Applier.flush>`) -> its answer.
+        First, as :meth:`close`: the step of an optimizer made after the step's backward (not hooked
+        yet) is applied, a ``zero_grad`` since the backward discards the step (a generation's
+        ``new_cache`` flushes: without this it read the server's weights before that step)."""
+        self.link.notice_zero_grad()
         return self.applier.flush()
 
     def fed_transport(self):
