@@ -396,7 +396,7 @@ def session_step_cost(m: Dims, rows: int, past: int, T: int, padded: bool = True
     K = past + T
     masked = padded or past > 0  # sdpa's causal flag serves only a first, unpadded prefill
     kv_copy = 2 * rows * K * (m.layer.kv if m.layer is not None else m.d) * m.elem  # one layer's K, V grown
-    b = kv_bytes(m, rows * K, rows) + kv_copy + block_workspace(m, rows, T, K, masked, m.eager)
+    b = kv_bytes(m, rows * K, rows, T) + kv_copy + block_workspace(m, rows, T, K, masked, m.eager)
     if m.head:
         b += rows * m.vocab * (m.elem + 4)
     return _slack(m, b + io_bytes(m, rows, T))
