@@ -56,7 +56,7 @@ def check_wire_dtype(name: str) -> str:
     return check(name)
 
 
-PROTOCOL_VERSION = 2  # 2: /v1/info's limits.n_positions renamed max_position_embeddings (docs/PROTOCOL.md)
+PROTOCOL_VERSION = 2  # 2: /v1/info names the position limit max_position_embeddings (docs/PROTOCOL.md)
 CONTENT_TYPE = "application/octet-stream"
 SERVER_TIME_HEADER = "X-Server-Time-Ms"  # server compute time of the request, milliseconds
 
