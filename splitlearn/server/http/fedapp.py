@@ -8,10 +8,14 @@ docs/OPERATIONS.md, 'The fed server'.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from contextlib import contextmanager
 from typing import Iterator
+
+if __name__ == "__main__":  # the options first (.fedcli imports no torch): --help and a bad option are
+    # answered before the app's imports below (torch: ~8 s on 2 cores)
+    from .fedcli import parse_or_exit
+    _COMMAND = parse_or_exit()
 
 from flask import Flask, Response, g, jsonify, request
 
@@ -20,13 +24,12 @@ from ...errors import BadRequest, SplitLearnError
 from ..engine.budget import body_account
 from ..engine.memory import MemoryAccount, scope as memory_scope
 from ...api.wire import decode, encode
-from ..config import LoraOptions
 from ..federation.clientside import ClientSide
 from ..federation.fedserver import CLOSE_REASONS, FedConfig, FedRounds, FedServe
 from ..federation.strategy import strategy_of
-from ..options import add_options, options_of
 from ..tenants import Tenants
 from . import accesslog, probes
+from .fedcli import parse_args  # noqa: F401 (re-exported: the command line, without torch)
 from .frontdoor import make_server
 from .hooks import install_auth, install_errors
 from .metrics import ServerMetrics, _StateCollector, operator_exposition
@@ -156,19 +159,6 @@ def create_fedavg_app(rounds: FedRounds, tenants: Tenants, request_log: bool = T
     return app
 
 
-def parse_args(argv=None) -> tuple[FedServe, FedConfig]:
-    """The command line, generated from :class:`FedServe`, :class:`FedConfig` and the
-    segment server's LoRA options."""
-    p = argparse.ArgumentParser(prog="python -m splitlearn.server.http.fedapp", allow_abbrev=False,
-                                description="a fed server: averages client-side weights apart from the segment server")
-    for group in (FedConfig, LoraOptions, FedServe):
-        add_options(p, group)
-    a = p.parse_args(argv)
-    serve = FedServe(**options_of(FedServe, a))
-    cfg = FedConfig(**options_of(FedConfig, a), lora=LoraOptions(**options_of(LoraOptions, a)).spec())
-    return serve, cfg
-
-
 def build(cfg: FedConfig, tenants: Tenants, request_log: bool = True, memory: MemoryAccount | None = None) -> Flask:
     from ...model.loading import load_config
 
@@ -190,6 +180,15 @@ def app_of(serve: FedServe, cfg: FedConfig) -> Flask:
 def main(argv=None) -> int:
     try:
         serve, cfg = parse_args(argv)
+    except (SplitLearnError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run(serve, cfg)
+
+
+def run(serve: FedServe, cfg: FedConfig) -> int:
+    """Serve the fed server of these options until the process is stopped."""
+    try:
         accesslog.configure(serve.log_level, serve.log_format, serve.access_log)  # text or JSON lines
         app = app_of(serve, cfg)
         scrape = app.extensions["splitlearn.metrics"].serve_loopback(serve.metrics_port, serve.tenants()) if serve.metrics_port else None
@@ -210,4 +209,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # the fed server's command lives in its wing (http), above its state
-    sys.exit(main())
+    sys.exit(run(*_COMMAND))
