@@ -32,12 +32,13 @@ demo: $(STAMP)
 	$(PY) -m splitlearn.apps.demo
 
 # Two phases: most tests on $(TEST_WORKERS) pytest-xdist workers (a test file stays on one worker,
-# so its module-scoped servers are shared), then the tests that measure time or fairness alone
+# so its module-scoped servers are shared), the slowest files handed out first (tests/slowfirst.py;
+# --no-loadscope-reorder keeps that order), then the tests that measure time or fairness alone
 # (collected from the files that mark some: collecting every file costs ~17 s).
 TEST_WORKERS ?= 2
 SERIAL_FILES = $(shell grep -l "pytest.mark.serial" tests/test_*.py)
 test: $(STAMP)
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=15 $(PYTEST_ARGS)
 	$(PY) -m pytest $(SERIAL_FILES) -m serial --durations=5 $(PYTEST_ARGS)
 
 # The tests that reach into transformers, peft, accelerate and datasets (the model classes, the
@@ -54,7 +55,7 @@ test-latest:
 	$(LATEST)/bin/python -m pip install -q --upgrade setuptools
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager --no-build-isolation -e '.[test]'
 	$(LATEST)/bin/python tools/lockdiff.py $(LOCK) $(LATEST)
-	$(LATEST)/bin/python -m pytest $(INTERNALS_TESTS) -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest $(INTERNALS_TESTS) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -p no:cacheprovider $(PYTEST_ARGS)
 
 # Refresh the lock: the newest releases setup.py admits, frozen into constraints.txt. Then run
 # `make clean test` and commit constraints.txt with what made it pass.

@@ -15,6 +15,7 @@ from splitlearn import ByteTokenizer, load_model
 from splitlearn.model.segments import positions_from_mask
 
 import forkserver
+import slowfirst
 
 # Test servers (``python -m splitlearn.server ...`` through LocalServer/ChildServer) are forked
 # from a fork server that has imported torch and transformers once per xdist worker, instead of
@@ -79,7 +80,10 @@ def hf_forward(model, input_ids, attention_mask=None, **kw):
 
 def pytest_collection_modifyitems(config, items):
     """`make test`'s serial phase collects only the files that contain ``pytest.mark.serial``
-    (Makefile, SERIAL_FILES): a test marked serial another way would run in neither phase."""
+    (Makefile, SERIAL_FILES): a test marked serial another way would run in neither phase.
+    On a pytest-xdist worker, the slowest files first (tests/slowfirst.py)."""
+    if hasattr(config, "workerinput"):  # every worker collects the same order; the controller hands it out
+        items[:] = slowfirst.ordered(items)
     marks = {}  # file -> whether it says so
     for item in items:
         if item.get_closest_marker("serial") is None:
