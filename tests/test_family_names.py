@@ -20,21 +20,20 @@ CONVERTED = {"model/segments.py", "model/partition.py", "model/loading.py", "mod
 CONVERTED |= {"offload/model.py", "offloadmath/layers.py", "server/engine/offload.py"}  # masked offload: any family
 CONVERTED |= {"hf/federation.py", "hf/fedsync.py", "server/federation/clientside.py",  # the federation modes
               "hf/pipeline.py", "hf/halves.py"}  # micro-batches and row groups: any family
-CONVERTED |= {"hf/trunk.py", "hf/modeling.py", "hf/sources.py", "hf/splittrunk.py"}  # the split GPT-2 classes
-CONVERTED |= {"server/engine/runtime.py", "server/http/api_sessions.py", "server/http/validate.py",
-              "hf/limits.py",  # /v1/info's limits.max_position_embeddings (was n_positions) and the 400s
-              "api/openapi.py", "api/trust.py"}  # a config's generic names: trust.config_value (attribute_map)
 CONVERTED |= {"model/loraspec.py", "server/config.py", "server/engine/adapters.py",  # LoRA: the family's default
               "server/engine/budget.py",  # GPT-2's formulas on generic config names (layercost.py: the others)
               "server/engine/graphs.py"}  # the CUDA decode graphs: GPT-2's stages are arch.Family.decode_stages
+CONVERTED |= {"client/core.py", "hf/familyclient.py"}  # SplitClient and its CLI: any family
+CONVERTED |= {"hf/trunk.py", "hf/modeling.py", "hf/sources.py", "hf/splittrunk.py"}  # the split GPT-2 classes
+CONVERTED |= {"hf/draft.py"}  # the free draft: the family's own class of the kept layers
+CONVERTED |= {"server/engine/runtime.py", "server/http/api_sessions.py", "server/http/validate.py",
+              "hf/limits.py",  # /v1/info's limits.max_position_embeddings (was n_positions) and the 400s
+              "api/openapi.py", "api/trust.py"}  # a config's generic names: trust.config_value (attribute_map)
 CONVERTED |= {"api/fingerprint.py", "model/checkpoint.py", "model/tokenizer.py",  # comments: said generically
               "apps/demo.py"}  # make demo: the config's generic names
-CONVERTED |= {"hf/draft.py"}  # the free draft: the family's own class of the kept layers
 
 #: not converted yet (GPT-2 only, or partly: see docs/MODELS.md, "Not yet")
-NOT_YET = {
-    "client/core.py",
-}
+NOT_YET: set = set()
 
 
 def speakers() -> set:
