@@ -71,6 +71,7 @@ from ..api import protocol as P
 from ..api import trust
 from ..errors import NotFound
 from ..api.wire import check_wire_dtype, pack, unpack
+from ..model.segments import droppable, filled
 from .ahead import SendAhead
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,23 @@ def _delete_session(transport, session_id: str) -> None:
         pass
 
 
-def _crop_filled(layers, remove: int) -> None:
-    """Drop the last ``remove`` positions of the layers that hold any: a slot of the server's
-    layers stays empty here (a sliding one cannot crop while empty: Gemma 2's assisted decoding)."""
+def _crop_filled(cache, remove: int) -> None:
+    """Drop the last ``remove`` positions of ``cache``'s layers that hold any, each through its
+    own ``crop(-remove)``: a slot of the server's layers stays empty here (a sliding one cannot crop
+    while empty: Gemma 2's assisted decoding). A sliding layer past its window goes back only over
+    what it recorded (``activate_past_recording``, which ``generate`` calls for assisted decoding),
+    checked first so that a refused crop changes nothing; ``remove == 0`` shrinks a recording
+    sliding layer back to ``window - 1`` (transformers' ``crop(0)``)."""
+    layers = filled(cache)
+    if remove == 0:
+        layers = [layer for layer in layers if getattr(layer, "record_past", False)]
+    can = min((droppable(layer) for layer in layers), default=remove)
+    if can < remove:
+        raise ValueError(f"crop(-{remove}): a sliding-window layer of the client keeps only its window's last "
+                         f"positions (and those recorded since its last crop, after activate_past_recording()): "
+                         f"it can drop {can}")
     for layer in layers:
-        if layer.is_initialized:
-            layer.crop(-remove)
+        layer.crop(-remove)
 
 
 class RemoteCache(Cache, SendAhead):
@@ -458,9 +470,7 @@ class RemoteCache(Cache, SendAhead):
         remove = -n if n <= 0 else max(length - n, 0)
         if remove > length:
             raise ValueError(f"crop({n}): the cache holds {length} positions")
-        if remove == 0:
-            return
-        _crop_filled(self.layers, remove)  # the client's layers
+        _crop_filled(self, remove)  # the client's layers (crop(0): recording sliding ones shrink back)
         self._length = length - remove
 
     def reset(self) -> None:

@@ -55,6 +55,24 @@ class SegmentCache(DynamicCache):
         return f"SegmentCache(length={self.length})"
 
 
+def filled(cache) -> list:
+    """The layers of ``cache`` that hold keys (a segment's or a client's; the model's others stay empty)."""
+    return [layer for layer in cache.layers if layer.is_initialized and getattr(layer, "keys", None) is not None]
+
+
+def droppable(layer) -> int:
+    """How many of its last positions a filled cache ``layer`` can drop exactly with its own
+    ``crop(-k)``: a full layer (or a sliding one that still holds all it saw) all of them; a
+    sliding layer (transformers' ``DynamicSlidingWindowLayer``) past its window only those that
+    leave it the ``window - 1`` before the cut: what it recorded since its last ``crop``
+    (``activate_past_recording``), the last step's new positions; none if it records nothing."""
+    held = layer.keys.shape[-2]
+    seen = getattr(layer, "cumulative_length", None)
+    if not getattr(layer, "is_sliding", False) or not isinstance(seen, int) or held >= seen:
+        return held
+    return max(held - (layer.sliding_window - 1), 0)
+
+
 def embed(tok: nn.Module, pos: nn.Module, drop: nn.Module, position_ids: torch.Tensor,
           input_ids: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
           token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -18,7 +18,11 @@ operations applied to the session's cache *before* them, in this order::
              reorder (R = rows), select (R < rows), repeat_interleave (R = k x rows); each index
              in [0, rows), 1 <= R <= max_batch. The session has R rows from then on.
     crop     metadata "crop" = N: keep the first N cached positions, 0 <= N <= length
-             (assisted decoding drops the rejected draft); then "position" must be N.
+             (assisted decoding drops the rejected draft); then "position" must be N. A sliding
+             layer (its window's last positions only) goes back through its own crop, as in
+             transformers' assisted decoding: it records a step's positions until the next step
+             crops (every step does, 0 without the field: back to window - 1), so a crop may
+             drop at most the last step's new positions there (N = 0 always); deeper is 400.
 
 so beam search and speculative decoding cost one round trip per step, as plain decoding does.
 A step that carries either must be numbered (metadata ``step``: 1, 2, 3... per session, counting
@@ -42,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from ...errors import BadRequest, Conflict, NotFound, ServiceUnavailable, TooManyRequests
-from ...model.segments import SegmentCache
+from ...model.segments import SegmentCache, droppable, filled
 
 REORDER = "reorder"  # the tensor name (splitlearn.api.protocol.REORDER)
 
@@ -125,11 +129,22 @@ class CacheOps:
             if not 0 <= self.crop <= length:
                 raise BadRequest(f"crop={self.crop}: the session holds {length} positions "
                                  f"(0 <= crop <= {length})")
+            deepest = min((droppable(layer) for layer in filled(sess.cache.kv)), default=length)
+            if self.crop and length - self.crop > deepest:
+                raise BadRequest(f"crop={self.crop}: a sliding-window layer keeps only its window's last "
+                                 f"positions and the last step's; this session can drop at most {deepest} "
+                                 f"of its {length} (crop >= {length - deepest}, or 0)")
             length = self.crop
         return rows, length
 
     def apply(self, sess: Session) -> None:
-        """Reorder the rows, then drop the positions past ``crop`` (checked by :meth:`check`)."""
+        """Reorder the rows, then drop the positions past ``crop`` (checked by :meth:`check`).
+
+        Every step crops, as transformers' assisted decoding does after each forward: each filled
+        layer's own ``crop(-k)`` (``k = length - crop``, 0 without a crop): a full layer drops its
+        last k positions, a sliding one (recording its past since the session opened,
+        :meth:`SessionStore.open`) goes back k positions and keeps its window's last
+        ``window - 1`` of them, so ``crop(0)`` bounds it again (:func:`droppable`)."""
         kv, length = sess.cache.kv, sess.cache.length
         if self.index is not None:
             if length > 0:
@@ -137,11 +152,10 @@ class CacheOps:
             if sess.mask is not None:
                 sess.mask = sess.mask.index_select(0, self.index)  # (R, length)
             sess.rows = int(self.index.numel())
-        if self.crop is not None and self.crop < length:
-            for layer in kv.layers:
-                if layer.is_initialized and layer.keys is not None and layer.keys.numel():
-                    layer.keys = layer.keys[..., :self.crop, :]  # (R, H, crop, hd)
-                    layer.values = layer.values[..., :self.crop, :]
+        remove = length - self.crop if self.crop is not None and self.crop < length else 0
+        for layer in filled(kv):
+            layer.crop(-remove)  # (R, H, length - remove, hd); a sliding layer at most window - 1 of them
+        if remove:
             if sess.mask is not None:
                 sess.mask = sess.mask[:, :self.crop]
             sess.cache.length = self.crop
@@ -216,7 +230,9 @@ class SessionStore:
                 raise ServiceUnavailable(
                     f"the server holds its maximum of {self.max_sessions} generation sessions",
                     retry_after=max(1.0, self.ttl_s - (now - oldest)))
-            sess = Session(secrets.token_urlsafe(18), owner, rows, self._new_cache(), tenant=tenant)
+            cache = self._new_cache()
+            cache.activate_past_recording()  # sliding layers keep a step's past until the next step's crop
+            sess = Session(secrets.token_urlsafe(18), owner, rows, cache, tenant=tenant)
             if self.account is not None:  # grown with its cache at every step (reserve)
                 sess.hold = self.account.reserve(tenant, 0, "a generation session")
             self._sessions[sess.id] = sess
