@@ -5,7 +5,8 @@ recorded (``activate_past_recording``), as transformers' assisted decoding does,
 session caches and on the client's layers. A Mistral (every layer sliding) at window 4 (the prompt
 already past it) and 16 (crossed while decoding), U-shape and 2-way: assisted decoding with a
 draft and prompt lookup give plain greedy's tokens and the unsplit model's, and what each
-session's cache keeps alive stays within what the server reserved for it."""
+session's cache keeps alive stays within what the server reserved for it. The same on Gemma 3
+(alternating sliding layers), Phi-3 and Qwen2 given a window."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -22,11 +23,22 @@ from serverproc import TENANTS, TOKEN, InprocServerProcess, assert_error, auth, 
 GREEDY = dict(max_new_tokens=14, min_new_tokens=14, do_sample=False, pad_token_id=fam.PAD)
 
 
-def mistral(window: int, seed: int = 0):
-    cls, kw = fam.CONFIGS["mistral"]
+#: sliding families beside Mistral (every layer sliding): Gemma 3 (alternating; its own head, where
+#: the tied one repeats the last token), Phi-3 and Qwen2 given a window (Qwen2's first layer full)
+EXTRA = {"gemma3": dict(tie_word_embeddings=False), "phi3": {},
+         "qwen2": dict(use_sliding_window=True, max_window_layers=1)}
+
+
+def sliding(name: str, window: int, seed: int = 0):
+    """A seeded random model of family ``name`` with a window of ``window``, in eval mode."""
+    cls, kw = fam.CONFIGS[name]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(cls(**dict(kw, sliding_window=window))).eval()
+        return AutoModelForCausalLM.from_config(cls(**{**kw, **EXTRA.get(name, {}), "sliding_window": window})).eval()
+
+
+def mistral(window: int, seed: int = 0):
+    return sliding("mistral", window, seed)
 
 
 def kept_bytes(cache) -> int:
@@ -36,16 +48,18 @@ def kept_bytes(cache) -> int:
     return sum(kept.values())
 
 
-@pytest.fixture(scope="module", params=[(4, (1, 3)), (4, (2,)), (16, (1, 3)), (16, (2,))],
-                ids=["w4-u", "w4-2way", "w16-u", "w16-2way"])
+@pytest.fixture(scope="module", params=[("mistral", 4, (1, 3)), ("mistral", 4, (2,)), ("mistral", 16, (1, 3)),
+                                        ("mistral", 16, (2,)), ("gemma3", 4, (1, 3)), ("phi3", 4, (2,)),
+                                        ("qwen2", 4, (1, 3))],
+                ids=["w4-u", "w4-2way", "w16-u", "w16-2way", "gemma3-u", "phi3-2way", "qwen2-u"])
 def served(request, tmp_path_factory):
-    window, cuts = request.param
-    d = tmp_path_factory.mktemp(f"mistral{window}")
-    mistral(window).save_pretrained(d / "model")
+    name, window, cuts = request.param
+    d = tmp_path_factory.mktemp(f"{name}{window}")
+    sliding(name, window).save_pretrained(d / "model")
     (d / "tokens").write_text("\n".join(TENANTS) + "\n")
     with InprocServerProcess(cuts, model=str(d / "model"), extra=["--token-file", str(d / "tokens")]) as srv:
         model = AutoSplitModelForCausalLM.from_pretrained(str(d / "model"), server=srv.url, token=TOKEN)
-        yield window, srv, model, AutoModelForCausalLM.from_pretrained(d / "model").eval()
+        yield name, window, model, AutoModelForCausalLM.from_pretrained(d / "model").eval()
         model.remote.close()
 
 
@@ -54,7 +68,7 @@ def test_assisted_decoding_past_the_window_equals_greedy(served, monkeypatch):
     run past both windows. After every server step a session's cache keeps alive at most what its
     hold prices (``hold / SESSION_SLACK``); after every crop of the client's cache its sliding
     layers keep at most ``window - 1`` positions (``crop(0)`` shrinks them back, as in transformers)."""
-    window, srv, model, ref = served
+    name, window, model, ref = served
     ids, _ = fam.padded(batch=1)
     ids = torch.cat([ids, ids[:, 2:]], 1)  # (1, 12): repeats, for prompt lookup
     mask = torch.ones_like(ids)
@@ -82,7 +96,7 @@ def test_assisted_decoding_past_the_window_equals_greedy(served, monkeypatch):
     want = ref.generate(input_ids=ids, attention_mask=mask, **GREEDY)
     assert len(set(want[0, ids.shape[1]:].tolist())) > 1
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **GREEDY), want)
-    for draft in (dict(assistant_model=mistral(window, seed=1)), dict(prompt_lookup_num_tokens=3)):
+    for draft in (dict(assistant_model=sliding(name, window, seed=1)), dict(prompt_lookup_num_tokens=3)):
         got = model.generate(input_ids=ids, attention_mask=mask, **GREEDY, **draft)
         assert torch.equal(got, want), (draft.keys(), got, want)
     assert not over, over
