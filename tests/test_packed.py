@@ -224,17 +224,27 @@ def test_a_one_tenant_servers_decode_takes_the_fastest_product_and_a_shared_ones
         torch.testing.assert_close(served, plain, atol=1e-5, rtol=1e-5)
 
 
-def test_the_decode_products_benchmark_runs_both_rules(tmp_path):
+def test_the_decode_products_benchmark_runs_both_rules(tmp_path, monkeypatch):
     """``benchmarks/decode_products.py --quick``: the unsplit step and both servers' rules, timed."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
+    from splitlearn.procs import localserver
+
+    # a process of its own (it pins its core and sets the products' choices), forked from the tests'
+    # preloaded interpreter where it can be (tests/forkserver.py: not ~9 CPU-seconds of imports)
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "dp.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "decode_products.py"), "--quick", "--out", str(out)],
-                   check=True, cwd=root, timeout=120, capture_output=True)
+    monkeypatch.chdir(root)  # python -m benchmarks.decode_products
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = localserver.launch([sys.executable, "-m", "benchmarks.decode_products", "--quick", "--out", str(out)],
+                                  stdout=stdout, stderr=stderr)
+        try:
+            code = proc.wait(120)
+        finally:
+            proc.kill()
+    assert code == 0, (tmp_path / "stderr").read_text()[-3000:]
     res = json.loads(out.read_text())
     assert set(res["median_ms"]) == {"unsplit", "shared", "one tenant"} and all(v > 0 for v in res["median_ms"].values())
     assert res["head_choice"]["shared"] in ("True", "False")  # the earlier rule has no (in, out) copy
