@@ -10,6 +10,19 @@ class does, or the model's) between a backward and the step shows as the proxy's
 the next piece, the step or a sync first discards the step's pieces on the server
 (``{"discard": true}``).
 
+**Which optimizers.** Every live optimizer over the model's parameters applies, each with its own
+learning rate: the ones found at the first backward, and any made later (a re-created optimizer,
+a second ``Trainer`` run, while the first is still alive or not). One not hooked yet shows as the
+proxy moved with the step still pending; the next piece, flush, sync or ``close`` searches again,
+hooks it and applies its step (so its ``zero_grad`` right after the step discards nothing); its
+later steps apply at once. The first one, stepping again, still applies. An optimizer stepped and
+dropped at once (``torch.optim.SGD(model.parameters(), lr).step()``) is gone before it can be
+found: a warning naming ``model.attach_optimizer(opt)``, and the server does not step (its
+gradients stay pending until the next ``zero_grad`` discards them). With
+:meth:`OptimizerLink.attach`, only that optimizer applies while it lives; another stepping is
+warned about (the server does not step); once it is collected, the optimizers over the model
+apply again.
+
 **Gradient clipping across both sides.** The server's gradient is represented on the client
 by one parameter, the segment's ``grad_proxy`` (shape ``[1]``), whose ``.grad`` each backward
 sets to the L2 norm of the server's accumulated parameter gradients
@@ -82,7 +95,7 @@ class OptimizerLink:
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self._hooked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its step hook
         self._searched: Optional[int] = None  # the step the collector was last searched at
-        self._checked = None  # the optimizer last compared with the server's
+        self._checked = None  # (weakly) the optimizer last compared with the server's
 
     # -- which optimizer -----------------------------------------------------------------
 
@@ -101,8 +114,9 @@ class OptimizerLink:
         return self._optimizer_ref() if self._optimizer_ref is not None else None
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Only ``optimizer``'s steps apply the server's step from now on (by default the
-        optimizers holding the proxy, found at the first backward, do); with a journal on disk
+        """Only ``optimizer``'s steps apply the server's step from now on, while it lives (another
+        optimizer stepping is warned about; by default, and once it is collected, every optimizer
+        over the model's parameters does: the module docstring); with a journal on disk
         and no checkpoint yet, the step-0 client checkpoint a resume starts from."""
         self._optimizer_ref = weakref.ref(optimizer)
         self._hook(optimizer)
@@ -139,7 +153,9 @@ class OptimizerLink:
             self._hook(optimizer)
 
     def _covers(self, optimizer: torch.optim.Optimizer) -> bool:
-        return self._optimizer_ref is None or self._optimizer_ref() is optimizer
+        """Its steps apply: any optimizer's unless one attached is alive (one collected: found again)."""
+        attached = self.attached
+        return attached is None or attached is optimizer
 
     # -- the proxy and zero_grad ---------------------------------------------------------
 
@@ -171,20 +187,45 @@ class OptimizerLink:
             (float(self._proxy_set) != 0.0 and not bool(g.any()))
 
     def notice_zero_grad(self) -> None:
-        """Before a new piece, a sync or an apply: a ``zero_grad`` since the last backward
-        discards the step's pending gradients on the server too; the step of an optimizer made
-        after the step's backward (so not yet found) is applied now."""
-        steps = self._segment.steps
-        if steps.answered and not len(self._hooked) and self._proxy_version is not None and \
-                self.proxy._version != self._proxy_version:  # an optimizer made after the backward stepped
-            self._searched = None
-            self.find(steps.step)
-            late = [o for o in self._hooked.keys() if self._covers(o)]
-            if late:
-                self._stepped(late[0])  # its step (a zero_grad after it is no discard), applied now
-                return
+        """Before a new piece, a sync or an apply: the step of an optimizer not hooked yet (made
+        after the step's backward, or while another one already was: a re-created optimizer) is
+        applied now; a ``zero_grad`` since the last backward discards the step's pending
+        gradients on the server too."""
+        if self._late_step():
+            return
         if self.zeroed():
-            steps.discard()
+            self._segment.steps.discard()
+
+    def _late_step(self) -> bool:
+        """The proxy moved since this step's backward with no hooked optimizer's step seen
+        (their hook applies the step and ends it): an optimizer not hooked stepped. Search again,
+        hook what is new and apply its step (a ``zero_grad`` after it is no discard) -> True;
+        found none (stepped and gone at once): warn, the server does not step -> False."""
+        steps = self._segment.steps
+        if not steps.answered or self._proxy_version is None or self.proxy._version == self._proxy_version:
+            return False
+        self._proxy_version = self.proxy._version  # (warned or applied once per move)
+        if self.attached is not None:
+            log.warning("an optimizer other than the one given to model.attach_optimizer(opt) stepped this model's "
+                        "parameters: the server did not step (step %d), only the client did. Attach the optimizer "
+                        "that steps (model.attach_optimizer(new_opt))", steps.step)
+            return False
+        hooked = set(map(id, self._hooked.keys()))
+        owner = self.owner
+        params = [self.proxy] + [p for p in (owner.parameters() if owner is not None else ())
+                                 if p.requires_grad and p is not self.proxy]
+        late = [o for o in optimizers_holding(params) if id(o) not in hooked]
+        self._searched = steps.step
+        for optimizer in late:
+            self._hook(optimizer)
+        if late:
+            self._stepped(late[0])
+            return True
+        log.warning("an optimizer stepped this model's parameters and was gone before its step could be found "
+                    "(e.g. torch.optim.SGD(model.parameters(), lr).step() on an optimizer not kept): the server "
+                    "did not step (step %d), only the client did. Keep one optimizer for the run, or name it "
+                    "with model.attach_optimizer(opt)", steps.step)
+        return False
 
     # -- the optimizer's step ------------------------------------------------------------
 
@@ -202,7 +243,8 @@ class OptimizerLink:
         steps = self._segment.steps
         if (steps.pieces == 0 and steps.answered == 0) or not self._covers(optimizer):
             return
-        self.notice_zero_grad()
+        if self.zeroed():  # (not notice_zero_grad: this step moved the proxy, no other optimizer to find)
+            steps.discard()
         if steps.pieces:
             self._stepped(optimizer)
 
@@ -218,9 +260,9 @@ class OptimizerLink:
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Warn once if the client's optimizer is not the server's kind (only the lr travels)."""
-        if self._checked is optimizer:
+        if self._checked is not None and self._checked() is optimizer:
             return
-        self._checked = optimizer
+        self._checked = weakref.ref(optimizer)  # (weakly: a replaced optimizer must be collectable)
         server = self._segment.info.get("optimizer", {})
         kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}.get(server.get("name"))
         wd = {float(g.get("weight_decay", 0.0)) for g in optimizer.param_groups}
