@@ -9,7 +9,7 @@ session's cache keeps alive stays within what the server reserved for it. The sa
 (alternating sliding layers), Phi-3 and Qwen2 given a window."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import families as fam
 from splitlearn import AutoSplitModelForCausalLM, partition
@@ -147,3 +147,47 @@ def test_a_session_drops_drafts_past_the_window_exactly_and_refuses_what_it_no_l
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
     tensors_of(step(client, b, h[:, :21], 0, 1))  # the kept positions alone
     assert torch.allclose(got, tensors_of(step(client, b, h[:, 23:24], 21, 2))[P.HIDDEN], atol=1e-4, rtol=0)
+
+
+class StopRow0(StoppingCriteria):
+    """Row 0 stops at ``at`` positions: generate pads it from then on, where a step sent ahead
+    fed it the argmax (taken back)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        done[0] = input_ids.shape[1] >= self.at
+        return done
+
+
+def test_row_groups_take_back_a_step_sent_ahead_past_the_window(served, monkeypatch):
+    """Greedy with two row groups (the first group's next step sent ahead, docs in hf/ahead.py),
+    row 0 stopped early: the steps sent ahead for it are taken back, its client layers cropped
+    past the window (they record their past) and the server's by the next step's crop; the
+    tokens are the unsplit model's, and the first group's sliding layers keep at most the window
+    (``window - 1`` plus the step in flight)."""
+    name, window, model, ref = served
+    takes, over = [], []
+    back = RemoteCache.take_back
+
+    def counted(self, step):
+        takes.append(1)
+        back(self, step)
+        for layer in self.layers:
+            if getattr(layer, "is_sliding", False) and layer.is_initialized and layer.keys.shape[-2] > window:
+                over.append((layer.cumulative_length, layer.keys.shape[-2]))
+
+    monkeypatch.setattr(RemoteCache, "take_back", counted)
+    ids, mask = fam.padded(batch=4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=fam.PAD,
+              eos_token_id=fam.V - 1, stopping_criteria=StoppingCriteriaList([StopRow0(ids.shape[1] + 4)]))
+    want = ref.generate(**kw)
+    model.overlap = True
+    try:
+        got = model.generate(**kw)
+    finally:
+        model.overlap = None
+    assert torch.equal(got, want)
+    assert len(takes) > 1 and not over, (takes, over)

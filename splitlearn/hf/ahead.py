@@ -65,13 +65,13 @@ class SendAhead:
             done = torch.isin(ids[:, -1], self.eos.to(ids.device))  # the token this step feeds
             self._finished = done if self._finished is None else self._finished | done
         ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        step, ctx, a_ids, a_mask, a_pos, a_keep = ahead
-        if keep == a_keep and _same(ids, a_ids) and _same(mask, a_mask) and _same(positions, a_pos):
-            return step, ctx
-        child.take_back(step)
-        return None
+        if ahead is not None:
+            step, ctx, a_ids, a_mask, a_pos, a_keep = ahead
+            if not (keep == a_keep and _same(ids, a_ids) and _same(mask, a_mask) and _same(positions, a_pos)):
+                child.take_back(step)
+                ahead = None
+        child.crop(0)  # every position it holds is generate's now: its sliding layers back to window - 1
+        return None if ahead is None else (ahead[0], ahead[1])
 
     def take_back(self, step) -> None:
         """Take back ``step`` (from :meth:`start`): its answer is read and dropped, the client's

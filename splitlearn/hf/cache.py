@@ -181,6 +181,8 @@ class RemoteCache(Cache, SendAhead):
                 and self.session_id is None and rows % self.row_block == 0 and rows >= 2 * self.row_block:
             half = (rows // self.row_block + 1) // 2 * self.row_block
             self.groups = [(slice(0, half), self._child(0)), (slice(half, rows), self._child(1))]
+            if self.greedy:  # the first group's steps sent ahead may be taken back (.ahead): its
+                self.groups[0][1].activate_past_recording()  # sliding layers keep them until take_ahead's crop(0)
         return self.groups
 
     def _child(self, i: int) -> "RemoteCache":
