@@ -137,3 +137,33 @@ def test_an_attached_optimizer_replaced_while_alive_warns_and_once_gone_its_succ
         assert model.remote.applies == n
     _same_weights(model, ref, srv, stepped_from=before)
     model.remote.close()
+
+
+def test_with_peft_a_second_optimizer_over_the_adapters_steps_the_server(served):
+    """peft freezes the proxy: an optimizer's step shows as a trainable (adapter) parameter moved.
+    ``b`` over the adapters, made while ``a`` lives: each of its steps applies on the server
+    (before: its zero_grad discarded them), and the server's weights move."""
+    peft = pytest.importorskip("peft")
+    d, srv = served
+    base = split_of(d, srv).train()
+    gpt2 = base.config.model_type == "gpt2"
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, fan_in_fan_out=gpt2,
+                                                      target_modules=["c_attn"] if gpt2 else ["q_proj"]))
+    assert not base.remote.grad_proxy.requires_grad
+    ids, mask = fam.padded()
+    labels = ids.masked_fill(mask == 0, -100)
+    a = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    a.step()
+    a.zero_grad()
+    base.remote.flush()
+    before = srv.weights()
+    b = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for n in (2, 3):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        b.step()
+        b.zero_grad()
+        base.remote.flush()
+        assert base.remote.applies == n
+    assert any(not torch.equal(w, before[n]) for n, w in srv.weights().items())
+    base.remote.close()

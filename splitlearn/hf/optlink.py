@@ -10,18 +10,18 @@ class does, or the model's) between a backward and the step shows as the proxy's
 the next piece, the step or a sync first discards the step's pieces on the server
 (``{"discard": true}``).
 
-**Which optimizers.** Every live optimizer over the model's parameters applies, each with its own
-learning rate: the ones found at the first backward, and any made later (a re-created optimizer,
-a second ``Trainer`` run, while the first is still alive or not). One not hooked yet shows as the
-proxy moved with the step still pending; the next piece, flush, sync or ``close`` searches again,
-hooks it and applies its step (so its ``zero_grad`` right after the step discards nothing); its
-later steps apply at once. The first one, stepping again, still applies. An optimizer stepped and
-dropped at once (``torch.optim.SGD(model.parameters(), lr).step()``) is gone before it can be
-found: a warning naming ``model.attach_optimizer(opt)``, and the server does not step (its
-gradients stay pending until the next ``zero_grad`` discards them). With
-:meth:`OptimizerLink.attach`, only that optimizer applies while it lives; another stepping is
-warned about (the server does not step); once it is collected, the optimizers over the model
-apply again.
+**Which optimizers.** Every live optimizer over the model's parameters applies, each with its
+own learning rate: the ones found at the first backward, and any made later (a re-created
+optimizer, a second ``Trainer`` run, while the first is still alive or not). One not hooked yet
+shows as the proxy (frozen by peft: a trainable parameter) moved with the step still pending;
+the next piece, flush, sync or ``close`` searches again, hooks it and applies its step (so its
+``zero_grad`` right after the step discards nothing); its later steps apply at once. The first
+one, stepping again, still applies. An optimizer stepped and dropped at once
+(``torch.optim.SGD(model.parameters(), lr).step()``) is gone before it can be found: a warning
+naming ``model.attach_optimizer(opt)``, and the server does not step (its gradients stay
+pending until the next ``zero_grad`` discards them). With :meth:`OptimizerLink.attach`, only
+that optimizer applies while it lives; another stepping is warned about (the server does not
+step); once it is collected, the optimizers over the model apply again.
 
 **Gradient clipping across both sides.** The server's gradient is represented on the client
 by one parameter, the segment's ``grad_proxy`` (shape ``[1]``), whose ``.grad`` each backward
@@ -91,6 +91,7 @@ class OptimizerLink:
         self._proxy_set: Optional[torch.Tensor] = None  # the value the last backward gave it
         self._proxy_grad: Optional[torch.Tensor] = None  # the .grad tensor the last backward gave the proxy
         self._proxy_version: Optional[int] = None  # the proxy's version counter then
+        self._watched: list = []  # (the proxy frozen) (trainable parameter, its version counter then)
         self._optimizer_ref = None  # attach(): only this one triggers the apply
         self._owner_ref = None  # the model whose parameters identify its optimizers
         self._hooked: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its step hook
@@ -166,6 +167,19 @@ class OptimizerLink:
             self.proxy.grad = value
             self._proxy_grad, self._proxy_set = value, value.clone()
             self._proxy_version = self.proxy._version  # an optimizer's step moves it
+        else:  # (peft froze it) what an optimizer's step moves: the trainable parameters
+            self._watched = self._versions()
+
+    def _versions(self) -> list:
+        owner = self.owner
+        return [(p, p._version) for p in (owner.parameters() if owner is not None else ()) if p.requires_grad]
+
+    def _moved(self) -> bool:
+        """An optimizer stepped since this step's last backward (the proxy, or with it frozen a
+        trainable parameter, was changed in place)."""
+        if not self.proxy.requires_grad:
+            return any(p._version != v for p, v in self._watched)
+        return self._proxy_version is not None and self.proxy._version != self._proxy_version
 
     def forget(self) -> None:
         """The step ended or was dropped: no backward of the next has set the proxy yet."""
@@ -202,9 +216,9 @@ class OptimizerLink:
         hook what is new and apply its step (a ``zero_grad`` after it is no discard) -> True;
         found none (stepped and gone at once): warn, the server does not step -> False."""
         steps = self._segment.steps
-        if not steps.answered or self._proxy_version is None or self.proxy._version == self._proxy_version:
+        if not steps.answered or not self._moved():
             return False
-        self._proxy_version = self.proxy._version  # (warned or applied once per move)
+        self._proxy_version, self._watched = self.proxy._version, self._watched and self._versions()  # (once a move)
         if self.attached is not None:
             log.warning("an optimizer other than the one given to model.attach_optimizer(opt) stepped this model's "
                         "parameters: the server did not step (step %d), only the client did. Attach the optimizer "
