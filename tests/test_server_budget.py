@@ -8,7 +8,6 @@ serving.
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -77,15 +76,24 @@ def test_kept_per_block_is_what_autograd_keeps(dropout, B, T, padded):
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS reset is Linux-only")
-def test_a_measured_peak_stays_under_the_prediction():
-    """benchmarks/request_memory.py's measurement of one route (a fresh process, peak RSS) is
+def test_a_measured_peak_stays_under_the_prediction(tmp_path, monkeypatch):
+    """benchmarks/request_memory.py's measurement of one route (a process of its own, peak RSS) is
     below the model's price, and not absurdly so."""
+    # forked from the tests' preloaded interpreter where it can be (tests/forkserver.py: not ~9
+    # CPU-seconds of imports); the peak is reset (clear_refs) and read in the child itself
+    from splitlearn.procs import localserver
+
     case = ["gpt2-vocab-d64", "train_step", 4, 512, True]
-    out = subprocess.run([sys.executable, "benchmarks/request_memory.py", "--child", json.dumps(case)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    monkeypatch.chdir(ROOT)  # python -m benchmarks.request_memory
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = localserver.launch([sys.executable, "-m", "benchmarks.request_memory", "--child", json.dumps(case)],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=err)
+        try:
+            code = proc.wait(300)
+        finally:
+            proc.kill()
+    assert code == 0, (tmp_path / "err").read_text()[-3000:]
+    r = json.loads((tmp_path / "out").read_text().strip().splitlines()[-1])
     assert r["measured"] > 50 * MiB  # the route really ran
     assert r["measured"] <= r["predicted"] <= 2 * r["measured"], r
 
@@ -490,19 +498,26 @@ def test_the_flag_and_the_config_field():
 
 # -- a real server under an address-space limit -------------------------------------------------
 
-# python -m splitlearn.server, with RLIMIT_AS set first (an allocation past it fails: as out of memory)
-LAUNCH = ("import resource, runpy, sys; limit = int(sys.argv.pop(1)); "
-          "resource.setrlimit(resource.RLIMIT_AS, (limit, limit)); "
-          "runpy.run_module('splitlearn.server', run_name='__main__', alter_sys=True)")
+# python -m splitlearn.server, with RLIMIT_AS set first (an allocation past it fails: as out of memory).
+# Two malloc arenas (MALLOC_ARENA_MAX=2, set by mallopt as the process may already be running:
+# tests/forkserver.py forks it from the tests' preloaded interpreter, not ~9 CPU-seconds of imports)
+# keep the idle virtual size near 1 GB.
+LAUNCH = ("import ctypes, resource, runpy, sys\n"
+          "limit = int(sys.argv.pop(1))\n"
+          "assert ctypes.CDLL(None).mallopt(-8, 2) == 1  # M_ARENA_MAX\n"
+          "resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+          "runpy.run_module('splitlearn.server', run_name='__main__', alter_sys=True)\n")
 
 
 class LimitedServer(LocalServer):
-    """A LocalServer whose process may map at most ``as_bytes`` of address space."""
+    """A LocalServer whose process may map at most ``as_bytes`` of address space
+    (``python -m as_limited_server``: ``launcher_dir``, where it writes :data:`LAUNCH`, must be the
+    working directory when it starts)."""
 
-    def __init__(self, args, as_bytes: int):
-        # two malloc arenas and one OpenMP thread keep the idle virtual size near 1 GB
-        super().__init__(args, token=TOKEN, env={"OMP_NUM_THREADS": "2", "MALLOC_ARENA_MAX": "2"})
-        self.cmd = [sys.executable, "-c", LAUNCH, str(as_bytes), *self.cmd[3:]]  # not "-m splitlearn.server"
+    def __init__(self, args, as_bytes: int, launcher_dir: Path):
+        super().__init__(args, token=TOKEN)
+        (launcher_dir / "as_limited_server.py").write_text(LAUNCH)
+        self.cmd = [sys.executable, "-m", "as_limited_server", str(as_bytes), *self.cmd[3:]]
 
     def post(self, path, tensors, meta=None):
         return requests.post(self.url + path, data=encode(tensors, meta), timeout=300,
@@ -518,7 +533,7 @@ def _gpt2_vocab_step(B, T, step, labels=True, seed=0):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS semantics are Linux's")
-def test_a_real_server_under_an_address_space_limit_refuses_or_serves_and_keeps_serving(tmp_path):
+def test_a_real_server_under_an_address_space_limit_refuses_or_serves_and_keeps_serving(tmp_path, monkeypatch):
     """2.5 GiB of address space (the idle server maps ~1 GiB). Before the budget, this
     GPT-2-vocabulary top made all the logits: 13 GB for a forward of 64 x 1024 positions, 0.8 GB
     each for the logits, their shifted copy and log-softmax in a forward of 4 x 1024 with labels,
@@ -529,7 +544,10 @@ def test_a_real_server_under_an_address_space_limit_refuses_or_serves_and_keeps_
     spec = tmp_path / "gpt2-vocab-small.json"
     spec.write_text(json.dumps(GPT2_VOCAB_SMALL))
     args = ["--model", str(spec), "--cut", "1", "--threads", "2", "--max-request-memory-gb", "0.75"]
-    with LimitedServer(args, int(2.5 * GiB)) as srv:
+    monkeypatch.chdir(tmp_path)
+    with LimitedServer(args, int(2.5 * GiB), tmp_path) as srv:
+        limit = int(2.5 * GiB)  # the server's own process holds it (forked or not)
+        assert f"Max address space         {limit}" in Path(f"/proc/{srv.proc.pid}/limits").read_text()
         r = srv.post(P.TRAIN_STEP, *_gpt2_vocab_step(64, 1024, 1))
         assert r.status_code == 413, r.text[:500]
         err = r.json()
