@@ -297,8 +297,10 @@ def io_bytes(m: Dims, B: int, T: int) -> int:
 def kv_bytes(m: Dims, tokens: int, rows: int = 0, new: int = 1) -> int:
     """The KV cache of ``tokens`` cached positions (rows x length) in every block; with ``rows``
     given, a sliding layer's at most ``rows x (window - 1 + new)`` after a step of ``new``
-    positions (else priced as full: an upper bound): transformers keeps the last ``window - 1`` as
-    a view of the step's concatenation, alive until the next step (a prefill: all of it)."""
+    positions (else priced as full: an upper bound): a session's sliding layer keeps the step's
+    concatenation (``window - 1`` past + ``new``; it records them so that the next step's crop can
+    drop rejected drafts, :mod:`.sessions`) until the next step crops it back to ``window - 1``,
+    the bytes transformers' own view of that concatenation keeps alive (a prefill: all of it)."""
     if m.kv_token:
         sliding = min(tokens, rows * (m.window - 1 + new)) if rows and m.window else tokens
         return tokens * (m.kv_token - m.kv_sliding) + sliding * m.kv_sliding
