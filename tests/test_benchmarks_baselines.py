@@ -6,7 +6,6 @@ works only once per process and this one may need it for something else.
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -122,6 +121,7 @@ def test_config_command_line_refuses_bad_values_and_abbreviations(capsys):
 
 CHILD = """
 import json, sys, torch
+sys.path.insert(0, sys.argv.pop(1))  # the repository: `benchmarks` is a top-level folder, not installed
 from benchmarks.baselines.torch_rpc import TorchRpcSplit
 torch.set_num_threads(1)
 ids = torch.tensor(json.loads(sys.argv[1]))
@@ -145,16 +145,34 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def rpc_run():
-    """Generation, then training, then a ping, in a child process; what it measured."""
+def rpc_run(tmp_path_factory):
+    """Generation, then training, then a ping, in a child process; what it measured.
+
+    The child (``python -m rpc_baseline_child``, written to a directory of its own) is forked from
+    the tests' preloaded interpreter where it can be (tests/forkserver.py: not ~9 CPU-seconds of
+    imports); its RPC server is a process of its own as ever."""
     if not rpc.is_available():
         pytest.skip("this torch build has no torch.distributed.rpc")
+    from splitlearn.procs import localserver
+
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))  # the `batch` fixture
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(ids.tolist()), str(LR), str(NEW), str(STEPS)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return ids, json.loads(r.stdout.strip().splitlines()[-1])
+    here = tmp_path_factory.mktemp("rpc")
+    (here / "rpc_baseline_child.py").write_text(CHILD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cwd = os.getcwd()
+    with open(here / "out", "w") as out, open(here / "err", "w") as err:
+        os.chdir(here)  # python -m rpc_baseline_child: the child starts in this directory
+        try:
+            proc = localserver.launch([sys.executable, "-m", "rpc_baseline_child", str(ROOT), json.dumps(ids.tolist()),
+                                       str(LR), str(NEW), str(STEPS)], env=env, stdout=out, stderr=err)
+        finally:
+            os.chdir(cwd)
+        try:
+            code = proc.wait(180)
+        finally:
+            proc.kill()
+    assert code == 0, (here / "err").read_text()[-3000:]
+    return ids, json.loads((here / "out").read_text().strip().splitlines()[-1])
 
 
 def test_rpc_generate_equals_hf_generate(rpc_run, tiny_model):
