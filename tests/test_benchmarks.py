@@ -7,7 +7,7 @@ codec round trips are exact and carry raw bytes plus a small header, the report 
 import json
 import math
 import os
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +16,31 @@ import torch
 from benchmarks import report
 from benchmarks.run import parse_args
 
-from forkserver import FORK_ENV, python_command
+from forkserver import FORK_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# benchmarks/run.py ARGS forked from the tests' fork server (``python -m bench_boot ROOT TESTS ARGS``):
+# its servers and client processes are forked by that same fork server, not by a second one that
+# imports torch again, and it does not import torch itself (tests/forkserver.py). Run as a
+# fresh interpreter (SPLITLEARN_FORK_SERVERS=0) it is `make bench`'s plain process.
+BENCH_BOOT = """import os, runpy, sys
+from multiprocessing import forkserver as mp_forkserver
+root, tests = sys.argv.pop(1), sys.argv.pop(1)
+os.chdir(root)
+fs = mp_forkserver._forkserver  # set where this process was forked by a fork server: that one's
+if fs._forkserver_address is not None and fs._forkserver_alive_fd is not None:
+    fs.ensure_running = lambda: None  # it is running (the tests' process holds it): fork from it
+    sys.path.insert(0, tests)
+    import forkserver
+    forkserver.install()
+    del sys.path[0]
+script = os.path.join(root, "benchmarks", "run.py")
+sys.argv = [script, *sys.argv[1:]]
+sys.path.insert(0, os.path.dirname(script))
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +50,27 @@ def out_dir(tmp_path_factory):
     # measurement (~56 s of this run's ~100 s on 2 cores, spinning both cores while it runs);
     # tests/test_benchmarks_baselines.py checks that baseline itself. Its client processes (the
     # concurrency clients, the pinned client) fork from that fork server too (--mp-context).
-    out = tmp_path_factory.mktemp("bench")
+    from splitlearn.procs import localserver
+
+    out, here = tmp_path_factory.mktemp("bench"), tmp_path_factory.mktemp("bench_boot")
+    (here / "bench_boot.py").write_text(BENCH_BOOT)
     forked = ["--mp-context", "forkserver"] if os.environ.get(FORK_ENV, "1") == "1" else []
-    proc = subprocess.run(python_command("benchmarks/run.py", "--quick", "--wire-dtypes", "float32,int8",
-                                         "--baselines", "naive", *forked,
-                                         "--out", str(out)), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "wrote " in proc.stdout
+    cwd = os.getcwd()
+    with open(here / "stdout", "w") as stdout, open(here / "stderr", "w") as stderr:
+        os.chdir(here)  # python -m bench_boot: the child starts in this directory
+        try:
+            proc = localserver.launch([sys.executable, "-m", "bench_boot", str(ROOT), str(Path(__file__).parent),
+                                       "--quick", "--wire-dtypes", "float32,int8", "--baselines", "naive", *forked,
+                                       "--out", str(out)], stdout=stdout, stderr=stderr)
+        finally:
+            os.chdir(cwd)
+        try:
+            code = proc.wait(600)
+        finally:
+            proc.kill()
+    printed = (here / "stdout").read_text()
+    assert code == 0, printed[-3000:] + (here / "stderr").read_text()[-3000:]
+    assert "wrote " in printed
     return out
 
 
