@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 from families import CONFIGS
-from splitlearn import ByteTokenizer, partition
+from splitlearn import ByteTokenizer, load_model, partition
 from splitlearn.errors import ConfigError
 from splitlearn.model.data import lm_batches
 from splitlearn.privacy import AttackConfig, GaussianNoise, measure_leakage
@@ -125,11 +125,27 @@ def test_bad_input_on_a_family(family):
         measure_leakage(model, 1, attacks=("linear",), seq_len=16, attacker_model=other)
 
 
-def test_defense_fine_tuning_refuses_a_family_without_a_defended_split_class(tmp_path):
-    from splitlearn.apps.defensetrain import finetune_defense
-    model = byte_model("llama-gqa")
-    model.save_pretrained(tmp_path / "llama")
-    with pytest.raises(ConfigError, match="takes no defense yet"):
-        finetune_defense(tmp_path / "llama", (1, 3), GaussianNoise(sigma=1.0, clip=1.0), 2,
-                         cache_dir=tmp_path / "cache", progress=False)
-    assert not (tmp_path / "cache").exists()  # nothing trained, nothing cached
+@pytest.mark.parametrize("name,cut", [("llama-gqa", (1, 3)), ("gemma2", (2,))])
+def test_defense_fine_tuning_trains_both_sides_of_a_family_with_the_defense(tmp_path, name, cut):
+    """The family's split class takes the defense (Y), so --defense-train-steps runs on it: the
+    task loss falls, a client layer and a server layer move, the model comes back whole (2-way:
+    the server's own, untied, head)."""
+    from splitlearn.apps.defensetrain import finetune_defense, finetune_info
+    model = byte_model(name)
+    model.save_pretrained(tmp_path / name)
+    d = GaussianNoise(sigma=0.5, clip=1.0)
+    path = finetune_defense(tmp_path / name, cut, d, 12, batch_size=4, seq_len=16, lr=3e-3,
+                            cache_dir=tmp_path / "cache", progress=False)
+    info = finetune_info(path)
+    assert info["steps"] == 12 and info["cut"] == list(cut) and info["defense"] == d.describe()
+    assert info["loss_last"] < info["loss_first"]
+    tuned = load_model(path)
+    assert type(tuned) is type(model)
+    base, got = model.state_dict(), tuned.state_dict()
+    assert set(got) <= set(base) | {"lm_head.weight"}
+    for layer in (0, 2 if len(cut) == 1 else 1, 3):  # client, server, the top's client (U) or server (2-way)
+        key = f"model.layers.{layer}.mlp.down_proj.weight"
+        assert not torch.equal(got[key], base[key]), key
+    if len(cut) == 1:  # the server trained its own copy of the head
+        assert not tuned.config.tie_word_embeddings
+        assert not torch.equal(tuned.lm_head.weight, tuned.model.embed_tokens.weight)

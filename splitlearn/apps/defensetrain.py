@@ -4,11 +4,12 @@ fine-tuned *with* a defense on what crosses the cut, over the split, through the
     path = finetune_defense(reference_dir, (1, 5), GaussianNoise(sigma=2, clip=2.4), steps=200)
     model = splitlearn.load_model(path)          # the fine-tuned whole model, measured by the meter
 
-The client is a :class:`~splitlearn.hf.modeling.SplitGPT2LMHeadModel` with the defense
+The client is the family's split model (:class:`~splitlearn.hf.auto.AutoSplitModelForCausalLM`:
+``SplitGPT2LMHeadModel`` for GPT-2, ``Split<Name>`` for any other family) with the defense
 (``model.defense``: its noise on every activation sent, its extra loss, e.g. NoPeek's, added to
 the loss), the server a segment server of this process reached at an ``inproc://`` URL (the same
 app as ``python -m splitlearn.server``, without a socket); both sides train with AdamW. The
-client's and the server's weights are then put back into one ``GPT2LMHeadModel`` (2-way: the
+client's and the server's weights are then put back into one ``*ForCausalLM`` of the family (2-way: the
 server's LM head is its own, untied, copy), saved and cached per setting like
 :func:`~splitlearn.privacy.train_reference`.
 
@@ -38,10 +39,6 @@ from ..privacy.spent import describe as describe_spent, spent
 from ..privacy.reference import FINETUNE_JSON, default_cache_dir, finetune_info  # noqa: F401 (re-export)
 
 log = logging.getLogger(__name__)
-
-#: the families whose split model class takes ``defense=`` (SplitGPT2LMHeadModel); the other
-#: families' classes (splitlearn.hf.auto) do not yet
-DEFENDED_CLASSES = ("gpt2",)
 
 def _tag(source: Union[str, Path], cut: tuple[int, ...], defense: Defense, steps: int, batch_size: int,
          seq_len: int, lr: float, seed: int) -> str:
@@ -76,11 +73,6 @@ def finetune_defense(source: Union[str, Path], cut: Union[int, Sequence[int]], d
     limit = max_positions(base.config)
     if limit and seq_len > limit:
         raise ConfigError(f"seq_len={seq_len} is longer than the model's positions (max_position_embeddings={limit})")
-    if base.config.model_type not in DEFENDED_CLASSES:
-        raise ConfigError(f"defense-aware fine-tuning runs through the split model classes with a defense "
-                          f"({', '.join(DEFENDED_CLASSES)}); {base.config.model_type!r}'s split class takes no "
-                          f"defense yet (docs/MODELS.md, 'Not yet'): measure the defense at test time "
-                          f"(measure_leakage(model, cut, defense=...))")
     if base.config.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"{source} has a vocabulary of {base.config.vocab_size}; defense fine-tuning "
                           f"trains on bytes (257)")
@@ -111,7 +103,7 @@ def finetune_defense(source: Union[str, Path], cut: Union[int, Sequence[int]], d
 
 def _train(source, cut, defense, steps, batch_size, seq_len, lr, seed, ids, progress):
     """The training run: (task losses per step, client state dict, server state dict (HF names))."""
-    from ..hf.modeling import SplitGPT2LMHeadModel
+    from ..hf.auto import AutoSplitModelForCausalLM
     from ..server.config import ServerConfig
     from ..server.http.app import create_app
     from ..transport.inproc import serve_inproc, unserve
@@ -126,8 +118,8 @@ def _train(source, cut, defense, steps, batch_size, seq_len, lr, seed, ids, prog
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # the defense's noise draws
-            model = SplitGPT2LMHeadModel.from_pretrained(str(source), server=url, token=token, seed=seed,
-                                                         defense=defense, client_id="defense-finetune")
+            model = AutoSplitModelForCausalLM.from_pretrained(str(source), server=url, token=token, seed=seed,
+                                                              defense=defense, client_id="defense-finetune")
             model.train()
             opt = model.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01))
             bar = None
@@ -138,7 +130,7 @@ def _train(source, cut, defense, steps, batch_size, seq_len, lr, seed, ids, prog
             losses = []
             for batch in lm_batches(ids, batch_size, seq_len, seed=seed + 1, steps=steps):
                 loss = model(batch, labels=batch).loss
-                extra = model.transformer.defense_loss
+                extra = model.defense_loss  # the defense's own term (NoPeek), not the task's
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
