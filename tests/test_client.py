@@ -78,13 +78,18 @@ def assert_both_sides_equal(reference, client: SplitClient, server: ServerProces
     client.flush()  # the last step's apply rides on the next request: send it before reading the server
     sides = {"client": {k: v for s in client.segments for k, v in s.hf_state_dict().items()},
              "server": server.weights()}
+    assert_sides_match(expected, initial, sides, {n for n, _ in reference.named_parameters()} | {"lm_head.weight"})
+
+
+def assert_sides_match(expected: dict, initial: dict, sides: dict, params: set) -> None:
+    """Each side's weights (``sides``: side -> {name: tensor}) within ATOL of ``expected``, each side
+    moved from ``initial`` by more than 100 x ATOL, and every name in ``params`` checked on a side."""
     for side, weights in sides.items():
         moved = 0.0
         for name, w in weights.items():
             assert torch.allclose(w, expected[name], atol=ATOL, rtol=0), f"{side} {name}"
             moved = max(moved, float((w - initial[name]).abs().max()))
         assert moved > 100 * ATOL, f"{side} weights barely moved ({moved}): the test proves nothing"
-    params = {n for n, _ in reference.named_parameters()} | {"lm_head.weight"}
     assert params <= set(sides["client"]) | set(sides["server"])  # nothing left unchecked
 
 

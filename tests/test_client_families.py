@@ -35,7 +35,7 @@ from splitlearn.model.segments import labels_from_batch
 from splitlearn.privacy import GaussianNoise, NoPeek
 
 from serverproc import TOKEN, InprocServerProcess
-from test_client import ATOL, LR, train_whole
+from test_client import ATOL, LR, assert_sides_match, train_whole
 
 pytestmark = pytest.mark.slow
 
@@ -87,16 +87,9 @@ def client_weights(client) -> dict:
 
 
 def assert_both_sides_equal(ref, client, srv, initial):
-    expected = ref.state_dict()
     client.flush()  # the last step's apply rides on the next request
     sides = {"client": client_weights(client), "server": srv.weights()}
-    for side, weights in sides.items():
-        moved = 0.0
-        for name, w in weights.items():
-            assert torch.allclose(w, expected[name], atol=ATOL, rtol=0), f"{side} {name}"
-            moved = max(moved, float((w - initial[name]).abs().max()))
-        assert moved > 100 * ATOL, f"{side} weights barely moved ({moved}): the test proves nothing"
-    assert {n for n, _ in ref.named_parameters()} <= set(sides["client"]) | set(sides["server"])
+    assert_sides_match(ref.state_dict(), initial, sides, {n for n, _ in ref.named_parameters()})
 
 
 @pytest.mark.parametrize("name,cuts,optimizer", CASES, ids=[f"{n}-{'u' if len(c) == 2 else '2way'}-{o}"

@@ -14,7 +14,7 @@ import families as fam
 from splitlearn.model.arch import arch_of
 
 from serverproc import TENANTS, InprocServerProcess
-from test_hf_auto import LR, _pos, split_of
+from test_hf_auto import LR, _pos, check_generate_equals_the_unsplit, split_of
 
 NAMES = [n for n in fam.NAMES if n != "gpt2"]
 CUTS = {"u": (1, 3), "2way": (2,)}
@@ -67,18 +67,7 @@ def test_the_split_model_is_the_familys_class_with_its_names(served):
 def test_generate_equals_the_unsplit(served, sample):
     """Left-padded prompt of 7, 6 new tokens: past a sliding window of 4 in the prompt and the steps."""
     name, shape, d, srv = served
-    model = split_of(d, srv)
-    ref = AutoModelForCausalLM.from_pretrained(d).eval()
-    ids, mask = fam.padded()
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=sample,
-              pad_token_id=fam.PAD)
-    torch.manual_seed(3)
-    want = ref.generate(**kw)
-    torch.manual_seed(3)
-    got = model.generate(**kw)
-    assert torch.equal(got, want)
-    assert len(set(want[:, ids.shape[1]:].flatten().tolist())) > 1
-    model.remote.close()
+    check_generate_equals_the_unsplit(d, srv, sample)
 
 
 def test_forward_loss_gradients_and_a_training_step_equal_the_unsplit(served):
