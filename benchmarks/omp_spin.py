@@ -41,11 +41,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "cpu" / "omp_spin.json"
-VARIANTS = {  # name -> (GOMP_SPINCOUNT or None, the split model's quiet_openmp, the server's torch threads)
-    "unset, no guard": (None, False, None),
-    "20000": ("20000", True, None),
-    "unset (default: one thread while generating)": (None, True, None),
-    "unset, no guard, server 1 thread": (None, False, 1),
+VARIANTS = {  # name -> (GOMP_SPINCOUNT or None, the split model's guard, the server's torch threads)
+    "unset, no guard": (None, None, None),
+    "20000": ("20000", "short_spin", None),
+    "unset (default: libgomp's throttle while generating)": (None, "short_spin", None),
+    "unset, one thread while generating (the guard before)": (None, "one_thread", None),
+    "unset, no guard, server 1 thread": (None, None, 1),
 }
 
 
@@ -68,7 +69,11 @@ def child(a) -> dict:
     ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
     with LocalServer(args) as srv, SplitClient(srv.url, src, token=srv.token, device="cpu", seed=0) as client:
-        client.model.quiet_openmp = quiet
+        client.model.quiet_openmp = quiet is not None
+        if quiet == "one_thread":  # the guard of stop 56: the client's part on one torch thread
+            from splitlearn.hf import generation
+            from splitlearn.procs.openmp import one_thread
+            generation.quiet_workers = one_thread
         split = lambda: client.generate(ids, max_new_tokens=a.tokens)  # noqa: E731
 
         systems = {"unsplit": lambda: unsplit.generate(ids, attention_mask=torch.ones_like(ids),

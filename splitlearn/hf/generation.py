@@ -12,7 +12,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from ..errors import ConfigError
 from ..model.packed import PackedLinears
-from ..procs.openmp import long_spin, one_thread
+from ..procs.openmp import long_spin, quiet_workers
 from ..transport import shares_cores_with_server
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ class SplitGenerationMixin:
     #: where this process's idle OpenMP workers spin long (libgomp's default: a script that
     #: imported torch before splitlearn and exported no ``GOMP_SPINCOUNT``;
     #: :func:`splitlearn.procs.openmp.long_spin`) and the server shares its cores, ``generate``
-    #: runs on one torch thread (restored after), so no worker of this process spins on the
+    #: shortens the spin for its duration (libgomp's own throttle:
+    #: :func:`splitlearn.procs.openmp.quiet_workers`), so no worker of this process spins on the
     #: cores the server computes on while it waits (docs/PERFORMANCE.md, 'Import order'); False: never
     quiet_openmp: bool = True
 
@@ -178,7 +179,7 @@ class SplitGenerationMixin:
                 if self.packed_weights:
                     stack.enter_context(PackedLinears(self).active())  # a no-op off the CPU or float32
                 if self.quiet_openmp and _spins_against_server(self):
-                    stack.enter_context(one_thread())  # no idle OpenMP worker spins on the server's cores
+                    stack.enter_context(quiet_workers())  # no idle OpenMP worker spins on the server's cores
                 return super().generate(*args, **kwargs)
         finally:
             _SCOPE.depth -= 1

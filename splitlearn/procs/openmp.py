@@ -107,3 +107,122 @@ def one_thread() -> Iterator[None]:
     finally:
         if n > 1:
             torch.set_num_threads(n)
+
+
+# -- A short spin at run time: libgomp's own throttle -------------------------------------------
+#
+# libgomp has a second, short count, used instead of GOMP_SPINCOUNT while the process manages more
+# OpenMP threads than it has CPUs (libgomp's ``do_spin``: ``gomp_managed_threads >
+# gomp_available_cpus`` -> ``gomp_throttled_spin_count_var``, 1,000 iterations by default; the GCC
+# manual's GOMP_SPINCOUNT entry). Each thread that starts a parallel region gets a team of its
+# own, and its idle workers count as managed until the thread exits. So a helper thread that
+# starts one team of the right size and then waits makes every wait of the process's other teams
+# short, and its exit gives the long spin back: a spin chosen at run time, whatever the import order.
+
+
+def _libgomp():
+    """ctypes handle of the libgomp torch loaded (its vendored copy), or None."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.GOMP_parallel  # noqa: B018  the entry a parallel region compiles to (GCC >= 4.9)
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def _available_cpus() -> int:
+    """The CPUs libgomp counts (its affinity mask at load, as ``os.sched_getaffinity``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _Throttle:
+    """The helper thread holding one idle OpenMP team (see above): :meth:`acquire` starts it (or
+    counts one more holder), :meth:`release` lets it exit with the last holder."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._stop = None
+        self._thread = None
+
+    def acquire(self) -> bool:
+        import ctypes
+        import threading
+
+        with self._lock:
+            if self._holders:
+                self._holders += 1
+                return True
+            lib = _libgomp()
+            if lib is None:
+                return False
+            import torch
+
+            # this thread's team of n adds n - 1 managed threads to the callers' (torch's
+            # threads, less the caller itself): together one more than the CPUs
+            n = max(2, _available_cpus() - torch.get_num_threads() + 2)
+            libc = ctypes.CDLL(None)
+            noop = ctypes.cast(libc.getpid, ctypes.c_void_p)  # a C function each worker calls once
+            started, stop = threading.Event(), threading.Event()
+
+            def hold():
+                lib.GOMP_parallel(noop, None, ctypes.c_uint(n), ctypes.c_uint(0))
+                started.set()
+                stop.wait()  # the team's n - 1 workers stay docked (asleep) until this thread exits
+
+            self._thread = threading.Thread(target=hold, name="splitlearn-omp-throttle", daemon=True)
+            self._stop = stop
+            self._thread.start()
+            started.wait(5)
+            self._holders = 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                self._stop.set()
+                self._thread.join(5)
+                self._thread = self._stop = None
+
+
+_THROTTLE = _Throttle()
+
+
+@contextlib.contextmanager
+def short_spin() -> Iterator[bool]:
+    """Inside the block this process's idle OpenMP workers spin libgomp's throttled count
+    (1,000 iterations) instead of a long ``GOMP_SPINCOUNT``, whatever the import order; the
+    threads keep their number. Yields whether it could (False where torch runs no libgomp)."""
+    held = _libgomp_loaded() and _THROTTLE.acquire()
+    try:
+        yield held
+    finally:
+        if held:
+            _THROTTLE.release()
+
+
+@contextlib.contextmanager
+def quiet_workers() -> Iterator[None]:
+    """No idle OpenMP worker of this process spins long inside the block: :func:`short_spin`
+    (the threads keep their number), or :func:`one_thread` where libgomp's throttle is out of reach."""
+    with short_spin() as held:
+        if held:
+            yield
+            return
+    with one_thread():
+        yield
