@@ -14,15 +14,19 @@ Each variant runs as a fresh script process whose whole environment (and so the 
 inherits it) holds the variant's setting:
 
 - ``unset, no guard``: no ``GOMP_SPINCOUNT`` exported. The script's libgomp keeps its default
-  spin (300,000 iterations: ~2 ms of a core after each parallel operator here); the server,
-  which imports splitlearn first, gets 20,000 (``splitlearn/procs/openmp.py``); the split model's
-  ``quiet_openmp`` off: how every torch-first script ran before it;
+  spin (300,000 iterations: ~7 ms of a core after each parallel operator on this VM's Xeon); the
+  server, which imports splitlearn first, gets 20,000 (``splitlearn/procs/openmp.py``); the split
+  model's ``quiet_openmp`` off: how every torch-first script ran before the guard;
 - ``20000``: ``GOMP_SPINCOUNT=20000`` exported: both processes spin briefly;
-- ``unset (default: ...)``: no variable, ``quiet_openmp`` on (the default): the split model's
-  ``generate`` sees the long spin and a server on its cores and runs on one torch thread (the
-  unsplit model keeps two);
+- ``unset (default: libgomp's throttle while generating)``: no variable, ``quiet_openmp`` on (the
+  default): the split model's ``generate`` sees the long spin and a server on its cores and holds
+  libgomp's throttle (``openmp.short_spin``: its workers spin 1,000 iterations, the threads unchanged);
+- ``unset, one thread while generating (the guard before)``: the guard of the previous release,
+  the client's part on one torch thread;
 - ``unset, no guard, server 1 thread``: the first, with the server on one torch thread
-  (``--torch-threads 1``): the other way to keep the spinning worker off the server's cores.
+  (``--torch-threads 1``): the other way to keep the spinning worker off the server's cores;
+- ``unset (default), server GOMP_SPINCOUNT=1000``: the default, the server's own spin 1,000;
+- ``1000``: ``GOMP_SPINCOUNT=1000`` exported for both.
 
 Reported per variant: tokens/s of each system and split / unsplit speed (median of the paired
 ratios: > 1 the split is faster). Writes ``benchmarks/results/cpu/omp_spin.json`` and ``.md``
@@ -47,6 +51,8 @@ VARIANTS = {  # name -> (GOMP_SPINCOUNT or None, the split model's guard, the se
     "unset (default: libgomp's throttle while generating)": (None, "short_spin", None),
     "unset, one thread while generating (the guard before)": (None, "one_thread", None),
     "unset, no guard, server 1 thread": (None, None, 1),
+    "unset (default), server GOMP_SPINCOUNT=1000": (None, "short_spin", "spin=1000"),
+    "1000": ("1000", "short_spin", None),
 }
 
 
@@ -62,13 +68,16 @@ def child(a) -> dict:
     src, cuts = ("tiny", (1, 3)) if a.quick else ("random:gpt2", (2, 10))
     prompt = 8 if a.quick else 32
     args = ["--model", src, *[x for c in cuts for x in ("--cut", str(c))], "--device", "cpu", "--log-level", "WARNING"]
-    if server_threads:
+    server_env = {}
+    if isinstance(server_threads, str):  # "spin=N": the server's own GOMP_SPINCOUNT, the script's unchanged
+        server_env["GOMP_SPINCOUNT"] = server_threads.split("=")[1]
+    elif server_threads:
         args += ["--torch-threads", str(server_threads)]
     unsplit = load_model(src, seed=0).eval()
     unsplit.generation_config.eos_token_id = None  # every row makes --tokens
     ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
-    with LocalServer(args) as srv, SplitClient(srv.url, src, token=srv.token, device="cpu", seed=0) as client:
+    with LocalServer(args, env=server_env) as srv, SplitClient(srv.url, src, token=srv.token, device="cpu", seed=0) as client:
         client.model.quiet_openmp = quiet is not None
         if quiet == "one_thread":  # the guard of stop 56: the client's part on one torch thread
             from splitlearn.hf import generation

@@ -53,10 +53,44 @@ def test_long_spin_reads_the_spin_libgomp_read():
     assert not openmp.long_spin({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"})  # the count decides
 
 
-def test_a_split_model_generates_on_one_thread_where_its_workers_would_spin_on_the_servers_cores(
+SPIN_PROBE = """
+import statistics, sys, time, torch  # torch first: libgomp keeps its default (long) spin
+from splitlearn.procs import openmp
+torch.set_num_threads(2)
+x = torch.randn(256, 256)
+def burnt():  # CPU time this process spends in the 20 ms after a parallel operator (its workers' spin)
+    out = []
+    for _ in range(15):
+        x @ x
+        t0 = time.process_time(); time.sleep(0.02); out.append(time.process_time() - t0)
+    return statistics.median(out) * 1e3
+before = burnt()
+with openmp.short_spin() as held:
+    inside, threads = burnt(), torch.get_num_threads()
+after = burnt()
+print(held, threads, before, inside, after)
+"""
+
+
+def test_short_spin_shortens_libgomps_spin_at_run_time_whatever_the_import_order():
+    """A script that imported torch first: the workers' spin after an operator burns milliseconds
+    of CPU; inside short_spin (libgomp's throttle, held by a helper thread's idle team) a small
+    fraction of it, with the same threads; after it, the long spin is back."""
+    import torch  # noqa: F401
+
+    if not openmp._libgomp_loaded():
+        import pytest
+        pytest.skip("torch runs no libgomp here")
+    held, threads, before, inside, after = _python(SPIN_PROBE)
+    assert held == "True" and threads == "2"
+    before, inside, after = float(before), float(inside), float(after)
+    assert inside < before / 5 and inside < after / 5, (before, inside, after)
+
+
+def test_a_split_model_shortens_the_spin_while_generating_where_its_workers_would_spin_on_the_servers_cores(
         monkeypatch, varied_model):
-    """An inproc server shares this process's cores: with a long spin, generate's steps run on
-    one torch thread (no idle worker left to spin), the tokens unchanged, the threads restored."""
+    """An inproc server shares this process's cores: with a long spin, generate's steps run with
+    libgomp's throttle held (the threads unchanged), the tokens unchanged, the throttle released after."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -64,29 +98,46 @@ def test_a_split_model_generates_on_one_thread_where_its_workers_would_spin_on_t
     from serverproc import TOKEN, InprocServerProcess
     from splitlearn.hf import SplitGPT2LMHeadModel, generation
 
+    if not openmp._libgomp_loaded():
+        import pytest
+        pytest.skip("torch runs no libgomp here")
     seen = []
 
-    class Threads(LogitsProcessor):
+    class Throttle(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            seen.append(torch.get_num_threads())
+            seen.append((openmp._THROTTLE._holders, torch.get_num_threads()))
             return scores
 
     ids = torch.randint(0, 250, (1, 6), generator=torch.Generator().manual_seed(0))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=256,
-              logits_processor=LogitsProcessorList([Threads()]))
+              logits_processor=LogitsProcessorList([Throttle()]))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         with InprocServerProcess((1, 3), model=VARIED) as srv:
             model = SplitGPT2LMHeadModel.from_pretrained(VARIED, server=srv.url, token=TOKEN)
             expected = varied_model.generate(ids, **kw)
-            seen.clear()
-            for spins, quiet, want in ((True, True, {1}), (True, False, {2}), (False, True, {2})):
+            for spins, quiet, held in ((True, True, 1), (True, False, 0), (False, True, 0)):
                 monkeypatch.setattr(generation, "long_spin", lambda spins=spins: spins)
                 model.quiet_openmp = quiet
                 seen.clear()
                 assert torch.equal(model.generate(ids, **kw), expected)
-                assert set(seen) == want and torch.get_num_threads() == 2
+                assert set(seen) == {(held, 2)}
+                assert openmp._THROTTLE._holders == 0 and torch.get_num_threads() == 2
             model.remote.close()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_quiet_workers_falls_back_to_one_thread_where_the_throttle_is_out_of_reach(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(openmp, "_libgomp_loaded", lambda: False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with openmp.quiet_workers():
+            assert torch.get_num_threads() == 1 and openmp._THROTTLE._holders == 0
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
