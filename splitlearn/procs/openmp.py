@@ -21,10 +21,14 @@ briefly; a script that imports torch first keeps libgomp's default unless it set
 (docs/PERFORMANCE.md). A value the user set (``GOMP_SPINCOUNT``, or ``OMP_WAIT_POLICY``, which libgomp
 lets decide the spin when no count is given) is kept.
 
-A process whose libgomp spins long (:func:`long_spin`: torch imported first) cannot shorten it
-any more; what it can do is have no idle workers: :func:`one_thread` runs a block on one torch
-thread, so no worker is woken and none spins afterwards (the split models' ``generate`` does so
-where the server shares the cores: docs/PERFORMANCE.md, 'Import order')."""
+A process whose libgomp spins long (:func:`long_spin`: torch imported first) cannot change the
+count libgomp read, but libgomp has a second, short count of its own, used while the process
+manages more OpenMP threads than it has CPUs: :func:`short_spin` holds that state for a block (a
+helper thread keeps one idle team; its exit gives the long spin back), so the workers keep their
+number and sleep after 1,000 iterations. The split models' ``generate`` holds it where the server
+shares the cores (:func:`quiet_workers`; docs/PERFORMANCE.md, 'Import order'). Where it is out of
+reach (no libgomp's entry point), :func:`one_thread` runs the block on one torch thread, so no
+worker is woken and none spins afterwards."""
 from __future__ import annotations
 
 import contextlib
