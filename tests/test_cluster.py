@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from splitlearn.procs.localserver import ChildServer, free_port
 from splitlearn.model.lora import LoraSpec
 from splitlearn.api.wire import decode
 
+import clusterboot
 from serverproc import OTHER, TOKEN, auth
 
 HAPROXY = shutil.which("haproxy")
@@ -300,11 +300,15 @@ class ClusterProcess(ChildServer):
         tokens = run_dir.parent / "tokens"
         tokens.write_text(f"alice {TOKEN} operator\nmallory {OTHER}\n")
         self.metrics_port = free_ports_in_a_row(replicas + 1)  # HAProxy's exporter, then each replica's
-        cmd = [sys.executable, "-m", "splitlearn.cluster", "--replicas", str(replicas), "--port", str(port),
+        cmd = [*clusterboot.command("--replicas", str(replicas), "--port", str(port)),  # replicas forked
                "--run-dir", str(run_dir), "--check-interval-ms", "100", "--log-level", "WARNING",
                "--metrics-port", str(self.metrics_port), "--",
                *SERVER, "--token-file", str(tokens), "--log-level", "WARNING"]
         super().__init__(cmd, port, startup_timeout_s=180, quiet=False, env={"OMP_NUM_THREADS": "1"})
+
+    def _spawn(self) -> None:
+        with clusterboot.here():
+            super()._spawn()
 
     def ready(self) -> bool:
         return (self.run_dir / "replicas.json").is_file() and super().ready()

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -30,6 +29,7 @@ from splitlearn.procs.localserver import ChildServer, free_port
 from splitlearn.server.federation.collective import weights_sha256
 from splitlearn.api.wire import decode
 
+import clusterboot
 from forkserver import process_context
 from listening import of_pids, public_address
 from serverproc import TOKEN, auth
@@ -246,10 +246,14 @@ class SplitFedCluster(ChildServer):
         tokens = run_dir.parent / "tokens"
         tokens.write_text(f"alice {TOKEN} operator\n")
         port = free_port()
-        cmd = [sys.executable, "-m", "splitlearn.cluster", "--replicas", "2", "--port", str(port),
+        cmd = [*clusterboot.command("--replicas", "2", "--port", str(port)),  # its replicas forked
                "--run-dir", str(run_dir), "--check-interval-ms", "100", "--log-level", "WARNING", "--",
                *SPLITFED, "--token-file", str(tokens), "--log-level", "INFO"]
         super().__init__(cmd, port, startup_timeout_s=180, quiet=False, env={"OMP_NUM_THREADS": "1"})
+
+    def _spawn(self) -> None:
+        with clusterboot.here():
+            super()._spawn()
 
     def ready(self) -> bool:
         return (self.run_dir / "replicas.json").is_file() and super().ready()
