@@ -5,7 +5,9 @@ cores, so the split pays for its two processes waking each other (see README.md)
 side gets a core of its own, as two machines would give it:
 
 - the server (``python -m splitlearn.server --torch-threads 1``, ``OMP_NUM_THREADS=1``)
-  inherits the affinity ``{server_core}`` (``os.sched_setaffinity`` before it starts);
+  inherits the affinity ``{server_core}`` (``os.sched_setaffinity`` before it starts); with
+  ``--mp-context forkserver`` (the tests' quick run) it is a fork of the client's process
+  (torch and the server package imported) rather than a fresh interpreter;
 - the client, in a child process of the harness pinned to ``{client_core}`` with one torch
   thread, runs the U-shape split (float32 wire) and, on the same core, the unsplit model
   (Hugging Face ``generate``): the reference, one device doing all the work.
@@ -28,12 +30,85 @@ those systems only and paused (SIGSTOP) for all the others, the unsplit referenc
 """
 from __future__ import annotations
 
+import atexit
 import os
+import runpy
+import signal
 import statistics
+import subprocess
+import sys
+import threading
 import time
+import traceback
 
 from .config import BenchConfig
 from .timing import ONE_THREAD_ENV, run_in_child
+
+
+class _ForkedServer:
+    """``launch(cmd)`` (:data:`splitlearn.procs.localserver.launch`) for ``cmd`` = ``[python, -m,
+    MODULE, ARGS...]`` as a fork of this process, run as ``python -m`` would run it (its
+    environment, ``sys.argv``, the module as ``__main__``, the threads and ``atexit`` handlers at
+    its exit), instead of a fresh interpreter importing torch again: the quick run's pinned server
+    (``--mp-context forkserver``: this process was forked from a preloaded interpreter). A fork, it
+    inherits this process's affinity as the exec'd server does. ``close`` (this side's pipe to the
+    harness) is closed in the child. The parts of ``subprocess.Popen`` that ``ChildServer`` uses."""
+
+    def __init__(self, cmd, env=None, stdout=None, stderr=None, close=()):
+        assert cmd[1] == "-m", cmd
+        self.args, self.stdout, self.returncode = list(cmd), None, None
+        self.pid = os.fork()
+        if self.pid == 0:  # the server: never returns
+            code = 1
+            try:
+                for c in close:
+                    c.close()
+                for target, fd in ((stdout, 1), (stderr, 2)):
+                    if target is None:
+                        continue
+                    src = os.open(os.devnull, os.O_WRONLY) if target == subprocess.DEVNULL else (
+                        target if isinstance(target, int) else target.fileno())
+                    os.dup2(src, fd)
+                os.environ.clear()
+                os.environ.update(env if env is not None else {})
+                sys.argv = ["-m", *cmd[3:]]
+                try:
+                    runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)
+                    code = 0
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                threading._shutdown()
+                atexit._run_exitfuncs()
+            except BaseException:  # noqa: BLE001 - what the interpreter does with it
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(code)
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 def _child(conn, cfg: BenchConfig) -> None:
@@ -51,6 +126,10 @@ def _child(conn, cfg: BenchConfig) -> None:
         from .generation import hf_generate, prompts
         from .overhead import decode_step_overheads
 
+        if cfg.mp_context == "forkserver":  # forked from a preloaded interpreter: fork the server too
+            from splitlearn.procs import localserver
+
+            localserver.launch = lambda cmd, **kw: _ForkedServer(cmd, close=(conn,), **kw)
         os.sched_setaffinity(0, {cfg.pinned_cores[1]})  # the server process inherits this
         args = ["--model", cfg.model, "--device", "cpu", "--dtype", cfg.dtype, "--torch-threads", "1",
                 "--seed", str(cfg.seed), "--threads", "16"]
