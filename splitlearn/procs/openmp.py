@@ -133,7 +133,7 @@ def _libgomp():
             paths = {line.split()[-1] for line in f if "libgomp" in line and "/" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    for path in sorted(paths, key=lambda p: "torch" not in p):  # torch's own copy first
         try:
             lib = ctypes.CDLL(path)
             lib.GOMP_parallel  # noqa: B018  the entry a parallel region compiles to (GCC >= 4.9)
