@@ -120,8 +120,19 @@ def test_config_command_line_refuses_bad_values_and_abbreviations(capsys):
 # -- torch.distributed.rpc ---------------------------------------------------------------
 
 CHILD = """
-import json, sys, torch
-sys.path.insert(0, sys.argv.pop(1))  # the repository: `benchmarks` is a top-level folder, not installed
+import json, os, sys
+from multiprocessing import forkserver as mp_forkserver
+root = sys.argv.pop(1)
+sys.path.insert(0, root)  # the repository: `benchmarks` is a top-level folder, not installed
+os.chdir(root)  # where `python -m benchmarks...` (its RPC server) finds it with the environment left as it is
+fs = mp_forkserver._forkserver  # set where this process was forked by a fork server: that one's
+if fs._forkserver_address is not None and fs._forkserver_alive_fd is not None:
+    fs.ensure_running = lambda: None  # it is running (the tests' process holds it): fork the server from it
+    sys.path.insert(0, os.path.join(root, "tests"))
+    import forkserver
+    forkserver.install()
+    del sys.path[0]
+import torch
 from benchmarks.baselines.torch_rpc import TorchRpcSplit
 torch.set_num_threads(1)
 ids = torch.tensor(json.loads(sys.argv[1]))
@@ -150,7 +161,8 @@ def rpc_run(tmp_path_factory):
 
     The child (``python -m rpc_baseline_child``, written to a directory of its own) is forked from
     the tests' preloaded interpreter where it can be (tests/forkserver.py: not ~9 CPU-seconds of
-    imports); its RPC server is a process of its own as ever."""
+    imports), and so is its RPC server, a process of its own as ever (``python -m
+    benchmarks.baselines.torch_rpc``, started by the child through the tests' fork server)."""
     if not rpc.is_available():
         pytest.skip("this torch build has no torch.distributed.rpc")
     from splitlearn.procs import localserver

@@ -38,7 +38,6 @@ from __future__ import annotations
 import threading
 from typing import Optional, Sequence
 
-import requests
 import torch
 from flask import Flask, jsonify, request
 
@@ -140,6 +139,8 @@ class NaiveJsonSplit(BaselineSplit):
     # -- calls ---------------------------------------------------------------------------
 
     def _post(self, path: str, payload: dict) -> dict:
+        import requests  # the client's only: the server's process does without it (~1-4 s of imports)
+
         r = requests.post(self.url + path, json=payload, timeout=600)  # no Session, on purpose
         if r.status_code != 200:
             raise RuntimeError(f"POST {path} answered {r.status_code}: {r.text[:500]}")

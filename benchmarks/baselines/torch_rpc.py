@@ -46,8 +46,7 @@ Pitfalls found (torch 2.13, CPU):
 from __future__ import annotations
 
 import os
-import select
-import subprocess
+import tempfile
 import warnings
 from typing import Optional, Sequence
 
@@ -142,18 +141,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 # -- client ------------------------------------------------------------------------------
 
 class RpcServer(BaselineServer):
-    """The RPC server as a child process: ready once it prints :data:`READY` (it speaks no HTTP)."""
+    """The RPC server as a child process: ready once it prints :data:`READY` (it speaks no HTTP).
+
+    Its stdout is a temporary file this side reads, not a pipe: a child that writes to a file can
+    be forked from a preloaded interpreter where the tests fork their servers (tests/forkserver.py)."""
 
     def __init__(self, cfg: BaselineConfig, startup_timeout_s: float):
-        super().__init__(MODULE, cfg, startup_timeout_s=startup_timeout_s, env=LOOPBACK_ENV,
-                         stdout=subprocess.PIPE)
-        self._seen = b""
+        super().__init__(MODULE, cfg, startup_timeout_s=startup_timeout_s, env=LOOPBACK_ENV)
+        self.stdout = self._out = tempfile.TemporaryFile()
 
     def ready(self) -> bool:
-        fd = self.proc.stdout.fileno()
-        if select.select([fd], [], [], 0.2)[0]:
-            self._seen += os.read(fd, 4096)  # b"" once the server has exited
-        return READY.encode() in self._seen
+        return READY.encode() in os.pread(self._out.fileno(), 1 << 16, 0)
+
+    def _close_pipes(self) -> None:
+        super()._close_pipes()
+        self._out.close()
 
 
 class TorchRpcSplit(BaselineSplit):
