@@ -26,7 +26,6 @@ from splitlearn import AutoSplitModelForCausalLM, ConfigError
 from splitlearn.api import protocol as P
 from splitlearn.api.wire import decode
 from splitlearn.hf.lora import adapter_tensors, export_adapter
-from splitlearn.model.arch import arch_of
 from splitlearn.model.lora import LoraSpec, init_adapter_pair
 
 from serverproc import TOKEN, InprocServerProcess, auth, same_weights, web
@@ -104,10 +103,9 @@ def test_lora_trains_as_peft_and_its_export_loads_on_the_stock_class(name, cuts,
         stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(out)).eval()
         model.eval()
         ids, mask = fam.padded()
-        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        with torch.no_grad():
+        with torch.no_grad():  # no positions on either side: the stock class's own
             got_logits = model(input_ids=ids, attention_mask=mask).logits
-            want_logits = stock(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            want_logits = stock(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=0)
         kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False,
                   pad_token_id=fam.PAD)
@@ -191,9 +189,8 @@ def test_lora_on_families_with_other_linear_names(name, tmp_path):
         stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), str(out)).eval()
         model.eval()
         ids, mask = fam.padded()
-        pos = arch_of(model.config).positions(mask, 0, ids.shape[1])  # the family's rule (OPT's own)
-        with torch.no_grad():
+        with torch.no_grad():  # no positions on either side: the stock class's own (OPT's from the mask)
             got = model(input_ids=ids, attention_mask=mask).logits
-            want = stock(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            want = stock(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         model.remote.close()

@@ -1,7 +1,8 @@
 """``position_ids`` on the training routes (``/v1/train/forward``, ``/v1/train/step``,
 ``/v1/forward``), docs/MODELS.md and docs/PROTOCOL.md: optional (absent: the server derives them
-from the mask, as the client does); a tensor of the wrong shape, dtype or range is a 400 that
-changes nothing; given, the server's layers use them. End to end: packed sequences (two
+from the mask; a split model sends its own where they differ, tests/test_hf_family_positions.py);
+a tensor of the wrong shape, dtype or range is a 400 that changes nothing; given, the server's
+layers use them. End to end: packed sequences (two
 sequences per row, positions restarting, no mask) through ``AutoSplitModelForCausalLM`` give the
 unsplit model's loss and gradients, U-shape and 2-way, on a tiny Llama (GQA) and Gemma 2.
 

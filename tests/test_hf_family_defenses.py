@@ -83,9 +83,11 @@ def _ref(d):
     return AutoModelForCausalLM.from_pretrained(d).eval()
 
 
-def _ref_forward(ref, ids, mask, labels=None, hidden=False):
-    pos = arch_of(ref.config).positions(mask, 0, ids.shape[1])
-    return ref(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels, output_hidden_states=hidden)
+def _ref_forward(ref, ids, mask, labels=None, hidden=False, position_ids=None):
+    # no positions, as the split model is given none: both use the stock class's own (generate()'s
+    # prefill: the positions from the mask it passes)
+    return ref(input_ids=ids, attention_mask=mask, position_ids=position_ids, labels=labels,
+               output_hidden_states=hidden)
 
 
 def test_the_server_receives_the_defended_activations(served):
@@ -97,6 +99,8 @@ def test_the_server_receives_the_defended_activations(served):
     ids, mask, labels = _batch()
     with torch.no_grad():
         clean = _ref_forward(ref, ids, mask, hidden=True).hidden_states[1]  # (B, T, d): layer 0's output
+        prefill = _ref_forward(ref, ids, mask, hidden=True,  # generate()'s positions, from the mask
+                               position_ids=arch_of(ref.config).positions(mask, 0, ids.shape[1])).hidden_states[1]
     model = _split(d, srv)
     seen = _sent(model)
     with torch.no_grad():
@@ -121,7 +125,7 @@ def test_the_server_receives_the_defended_activations(served):
     model.eval()
     model.defense.generator = torch.Generator().manual_seed(SEED)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=fam.PAD)
-    assert torch.allclose(seen[4], want, rtol=0, atol=1e-6)  # the prefill
+    assert torch.allclose(seen[4], _clip(prefill, clip) + 0.7 * clip * _noise(clean.shape), rtol=0, atol=1e-6)
     # the logits: the unsplit model with the noise written in after layer 0
     handles = _hooked(ref, {0: lambda h: _clip(h, clip) + 0.7 * clip * _noise(h.shape)})
     with torch.no_grad():

@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM
 
 import families as fam
 from splitlearn import AutoSplitModelForCausalLM, ConfigError
-from splitlearn.model.arch import arch_of
 
 from serverproc import TENANTS, TOKEN, InprocServerProcess
 
@@ -41,11 +40,10 @@ def pipelined_step(name, cuts, tmp_path, known=None):
         ref = AutoModelForCausalLM.from_pretrained(tmp_path / "model").train()
         ids, mask = fam.padded(batch=3)  # micro-batches of 2 and 1 rows, the first left-padded
         labels = ids.masked_fill(mask == 0, -100)
-        pos = arch_of(ref.config).positions(mask, 0, ids.shape[1])
         opt, ref_opt = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
         calls = model.remote.stats.calls
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
-        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
+        want = ref(input_ids=ids, attention_mask=mask, labels=labels)  # no positions: the stock class's own
         assert out.logits is None  # the micro-batches' logits are not kept (pipeline.py)
         assert out.loss.detach().item() == pytest.approx(float(want.loss.detach()), rel=1e-6)
         out.loss.backward()

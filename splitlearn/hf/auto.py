@@ -84,6 +84,8 @@ class SplitFamilyMixin(DefendedModel):
                   inputs_embeds=inputs_embeds)
         h = out.last_hidden_state  # (B, T, d): the bottom's output
         loss = logits = None
+        # the positions the bottom used, where they differ from the server's own (a padded batch)
+        sent = None if out.cache is not None else dec.wire_positions(attention_mask, position_ids, h.shape[1], h.device)
         if out.cache is not None:  # generation: the server's logits of the last k positions
             keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
             logits = out.cache.remote(h, attention_mask, logits_to_keep=keep)
@@ -93,14 +95,14 @@ class SplitFamilyMixin(DefendedModel):
             if labels is None:
                 raise ConfigError("a 2-way server holds the head and computes the loss: training (gradients "
                                   "enabled) needs labels (under torch.no_grad() the forward answers the logits)")
-            loss = dec.remote.loss(h, labels.to(h.device), attention_mask, position_ids)
+            loss = dec.remote.loss(h, labels.to(h.device), attention_mask, sent)
             if kwargs.get("num_items_in_batch") is not None:
                 # the server's loss is the mean over this batch's targets; the family's is the sum over
                 # the accumulated batches' targets (Trainer's num_items_in_batch): rescale (a new tensor)
                 n = (labels[..., 1:] != -100).sum()
                 loss = loss * (n.to(loss.dtype) / torch.as_tensor(kwargs["num_items_in_batch"]).to(loss))
         else:
-            logits, loss = dec.remote.evaluate(h, attention_mask, labels, position_ids)
+            logits, loss = dec.remote.evaluate(h, attention_mask, labels, sent)
             if isinstance(logits_to_keep, int) and logits_to_keep:
                 logits = logits[:, -logits_to_keep:]
         return self._add_defense_loss(CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache))

@@ -16,11 +16,13 @@ GPT-2's trunk): the embeddings, the client's layers, the privacy defenses (the m
 what crosses the cut, the NoPeek loss in :attr:`defense_loss`, the residual design, the gradient
 defense), the server, the client's last layers and the final norm.
 
-Positions: the given ``position_ids`` (generate() passes them), else derived from the 2-D mask
-(``cumsum - 1``) as the server derives them for its layers: both sides rotate with the same
-positions (docs/MODELS.md). Given ones (packed sequences, positions of the caller's own) go with
-the training and evaluation requests (the wire's optional ``position_ids``), so the server's
-layers use them too. Generation: a :class:`~splitlearn.hf.cache.RemoteCache` whose
+Positions: the given ``position_ids`` (generate() passes them), else, as the stock class given
+none, ``arange`` past the cache (OPT: from the mask, its own rule), and with a generation cache from
+the 2-D mask (``cumsum - 1``) as the server's session derives them. A training or evaluation request
+carries the positions the client's layers used (the wire's optional ``position_ids``) where they
+differ from those the server derives from the mask (a padded batch, packed sequences), so both
+sides rotate with the same positions (docs/MODELS.md); an unpadded batch sends none. Generation: a
+:class:`~splitlearn.hf.cache.RemoteCache` whose
 ``local`` cache holds the client's layers' keys and values (a slot per model layer) and whose
 session holds the server's.
 """

@@ -327,7 +327,7 @@ def forward(model, hf_forward, input_ids, attention_mask, labels, token_type_ids
             run.sent.append(sent)
             run.defense.append(t.defense_loss)
             ctxs.append(ctx)
-            tensors = run.remote.steps.forward_tensors(sent, ctx["mask"], None if t.u_shape else y)
+            tensors = run.remote.steps.forward_tensors(sent, ctx["mask"], None if t.u_shape else y, ctx["given"])
             fused = scales[i] if run.eager is not None and not t.u_shape else None
             run.pieces.append(run.lanes.start(("f", i), "f", tensors, scale=fused))
         one = torch.full((), run.eager if run.eager is not None else 1.0, device=input_ids.device)

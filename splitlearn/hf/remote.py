@@ -224,8 +224,9 @@ class RemoteSegment(nn.Module):
     def trunk(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
               position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """U-shape: the trunk's output (B, T, d) for ``hidden`` (B, T, d); ``attention_mask``
-        (B, T) 0/1 or None; ``position_ids`` (B|1, T): the caller's own (packed sequences), or
-        None (the server derives them from the mask, as the client does). Differentiable when
+        (B, T) 0/1 or None; ``position_ids`` (B|1, T): the positions the client used where they
+        differ from the mask's (:meth:`~.splittrunk.SplitTrunk.wire_positions`), or None (the server
+        derives them from the mask). Differentiable when
         gradients are enabled."""
         if torch.is_grad_enabled():
             return _TrunkFunction.apply(hidden, self.grad_proxy, self, attention_mask, position_ids)

@@ -44,11 +44,13 @@ class SplitTrunk:
     _precomputed = None
     #: the forward's output class (the base model's)
     output_class = BaseModelOutputWithPast
-    #: the caller's own ``position_ids`` travel with a training piece (the server's layers rotate
-    #: with them); False where positions enter at the embeddings only and the server takes none
+    #: the positions the client used travel with a training piece where they differ from the mask's
+    #: (the server's layers rotate with them); False where positions enter at the embeddings only and
+    #: the server takes none
     sends_positions = True
-    #: default positions from the 2-D mask (``cumsum - 1``, as the server derives them); False:
-    #: ``arange`` past the cache, as the base model computes them (learned positions)
+    #: default positions with a generation cache from the 2-D mask (``cumsum - 1``, as generate()
+    #: and the server's session derive them); without one (training, evaluation) the stock class's
+    #: own (``arange``; OPT: from the mask). False: ``arange`` always, as GPT2Model computes them
     positions_from_mask = True
 
     @property
@@ -80,6 +82,34 @@ class SplitTrunk:
         layers = [self.layers_list[i] for i in range(start, end)]
         return self.arch.run_layers(layers, start, hidden, mask, cache, positions, getattr(self, "rotary_emb", None),
                                     embeds)
+
+    def default_positions(self, attention_mask: Optional[torch.Tensor], past: int, new: int, device=None,
+                          cached: bool = False) -> torch.Tensor:
+        """The positions of ``new`` tokens after ``past`` when the caller gives none: (B|1, new).
+        Without a generation cache, the stock class's (``arange`` past the cache; OPT derives its
+        own from the mask); with one, from the mask (generate()'s rule, the server's session's)."""
+        arch = self.arch
+        from_mask = self.positions_from_mask and (cached or arch.family.positions == "opt")
+        return arch.positions(attention_mask if from_mask else None, past, new, device)
+
+    def wire_positions(self, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                       new: int, device=None) -> Optional[torch.Tensor]:
+        """The ``position_ids`` a training or evaluation request carries (no cache): the positions
+        the client's layers use (the caller's, else :meth:`default_positions`), only where they
+        differ from what the server derives from the mask without any (``arch.positions``: a
+        padded batch's ``arange``, packed sequences); None where they are the same (an unpadded
+        batch sends no extra bytes) or where the server's layers take none (GPT-2)."""
+        if not self.sends_positions:
+            return None
+        if position_ids is None:
+            position_ids = self.default_positions(attention_mask, 0, new, device)
+        if position_ids.ndim != 2:
+            return position_ids  # as given (the server checks its shape)
+        derived = self.arch.positions(attention_mask, 0, new, position_ids.device).to(position_ids.device)
+        rows = (position_ids.shape[0], derived.shape[0])  # (B|1, T) each: compared as they broadcast
+        same = position_ids.shape[-1] == derived.shape[-1] and (1 in rows or rows[0] == rows[1]) \
+            and bool((position_ids == derived).all())
+        return None if same else position_ids
 
     def _defended(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The defense applied to the client's layers' output ``hidden`` (B, T, d) — differentiable,
@@ -126,7 +156,6 @@ class SplitTrunk:
         past = remote_cache.get_seq_length() if remote_cache is not None else 0
         T = input_shape[-1]
         check_positions(self.remote.info, self.config, past + T, position_ids)  # before anything is sent
-        given = position_ids  # the caller's own (packed sequences) travel with a training piece
         if token_type_ids is not None:
             token_type_ids = token_type_ids.view(-1, T)
         if attention_mask is not None:
@@ -136,7 +165,9 @@ class SplitTrunk:
                                                  else inputs_embeds.shape[0], -1)
         tokens = inputs_embeds if inputs_embeds is not None else self.get_input_embeddings()(input_ids)  # (B, T, d)
         if position_ids is None:
-            position_ids = arch.positions(attention_mask if self.positions_from_mask else None, past, T, tokens.device)
+            position_ids = self.default_positions(attention_mask, past, T, tokens.device, remote_cache is not None)
+        # a training or evaluation piece carries the positions the client used where the server's own differ
+        given = None if remote_cache is not None else self.wire_positions(attention_mask, position_ids, T)
         modules = {n: getattr(self, n, None) for n in arch.embed_names}
         hidden = arch.embed(modules, position_ids, inputs_embeds=tokens, attention_mask=attention_mask, past=past,
                             token_type_ids=token_type_ids)  # (B, T, d)
@@ -174,7 +205,7 @@ class SplitTrunk:
             if remote_cache is not None:
                 hidden = remote_cache.remote(hidden, ctx["mask"])  # generation: the server's KV cache
             else:
-                hidden = self.remote.trunk(hidden, ctx["mask"], ctx["given"] if self.sends_positions else None)
+                hidden = self.remote.trunk(hidden, ctx["mask"], ctx["given"])
             hidden = self.top_half(hidden, ctx)
         return hidden, remote_cache
 

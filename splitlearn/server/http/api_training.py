@@ -21,8 +21,8 @@ bp = Blueprint("training", __name__)
 def _piece(s: Served, t: dict, labels: bool):
     """A piece's hidden, mask (any 0/1 padding: a Trainer's collator pads on the right), if
     ``labels`` its labels, and its optional ``position_ids`` (the first segment's: packed
-    sequences, positions of the client's own; absent: derived from the mask, as the client
-    derives them); their values checked and the mask brought to host memory in one read
+    sequences, positions of the client's own, a padded batch's ``arange``; absent: derived from
+    the mask); their values checked and the mask brought to host memory in one read
     (:class:`.validate.Checks`: a GPU server waits for its device once)."""
     checks = validate.Checks()
     h = validate.hidden(t, P.HIDDEN, s.dims[0], s.cfg.max_batch, s.dims[1], checks=checks)
