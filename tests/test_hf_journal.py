@@ -1,7 +1,7 @@
 """kill -9 of the server while a model class trains: the request log replays what it lost.
 
 Each test trains one run undisturbed and one with the server killed (SIGKILL) and restarted
-from its checkpoint directory 1 s later, with a plain PyTorch loop over
+from its checkpoint directory at once (a fork: down for a moment), with a plain PyTorch loop over
 ``SplitGPT2LMHeadModel`` (two pieces per optimizer step: gradient accumulation), and compares
 every loss and every weight on both sides bit for bit (float32 wire).
 """
@@ -32,7 +32,7 @@ def pieces():
 def run(cuts, tmp, kill_at=None, restart_from=None, micro_batches=1):
     """Train; ``kill_at`` = (step, what) with what in "before" (before the step's first
     forward), "backward" (before piece 1's backward), "apply" (before the step's apply): the
-    server is killed there and restarted 1 s later. Returns (losses, client, server weights,
+    server is killed there and restarted at once (it is down until the new process answers). Returns (losses, client, server weights,
     the model's recoveries). Undisturbed (no ``kill_at``), the server is the same app in this
     process (tests/serverproc.py's InprocServerProcess: the same answers, bit for bit)."""
     server = ServerProcess if kill_at else InprocServerProcess
@@ -49,7 +49,7 @@ def run(cuts, tmp, kill_at=None, restart_from=None, micro_batches=1):
             srv.kill()
             if restart_from is not None:
                 restart_from(srv)
-            threading.Timer(1.0, srv.start).start()
+            threading.Thread(target=srv.start, daemon=True).start()  # (its start waits until it answers)
 
         real = remote.transport.call_meta, remote.transport.post_json, remote.transport.start_call
 
@@ -201,11 +201,13 @@ def test_a_model_class_killed_mid_training_resumes_exactly(tmp_path, cuts, crash
     """The process dies (nothing more sent, nothing flushed) after step 5, or inside step 6
     with one piece on the server; a new model with the same journal_dir resumes at its client
     checkpoint, the steps the server has applied are answered from the journal, and the run
-    ends bit-identical to an undisturbed one on both sides."""
+    ends bit-identical to an undisturbed one on both sides. The server lives throughout: it is
+    the same app in this process (InprocServerProcess), the dying client this process's model."""
     results = {}
     for name in ("undisturbed", "killed"):
         d = tmp_path / name
-        with ServerProcess(cuts, lr=LR, checkpoint_dir=d / "server", extra=["--checkpoint-every", str(EVERY)]) as srv:
+        with InprocServerProcess(cuts, lr=LR, checkpoint_dir=d / "server",
+                                 extra=["--checkpoint-every", str(EVERY)]) as srv:
             def make():
                 m = SplitGPT2LMHeadModel.from_pretrained("tiny", server=srv.url, token=TOKEN, client_id="c",
                                                          journal_dir=d / "client").train()
