@@ -69,14 +69,9 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from tqdm import tqdm
-
-    from ..model.data import CORPUS, get_tokenizer, lm_batches
-    from ..model.inputs import read_tokens
-    from ..hf.unsplit import export_merged
-    from .core import SplitClient
     from .runs import Evaluation, check_hub_source, check_save, check_weight_export, eval_windows
 
+    # what is refused without a model: before torch's and transformers' seconds of imports
     if args.sync_every is not None and args.sync_every < 1:
         raise SplitLearnError(f"--sync-every must be >= 1, got {args.sync_every}")
     if args.export_adapter and not args.lora:
@@ -87,6 +82,13 @@ def cmd_train(args) -> int:
         raise SplitLearnError("--eval-every and --early-stop-patience need --eval-data FILE")
     check_save(args.save, args.resume, args.overwrite)  # a folder holding a run: --resume or --overwrite
     check_hub_source(args.model)  # an unreachable hub id: now, once
+    from tqdm import tqdm
+
+    from ..model.data import CORPUS, get_tokenizer, lm_batches
+    from ..model.inputs import read_tokens
+    from ..hf.unsplit import export_merged
+    from .core import SplitClient
+
     tok = get_tokenizer(args.model)
     ids = read_tokens(tok, args.data or CORPUS, args.data_format, args.text_field)
     held_out = read_tokens(tok, args.eval_data, args.data_format, args.text_field, split=("validation", "test")) \
@@ -192,13 +194,13 @@ def _load_into(client, directory: str, counters: dict, weights: dict) -> None:
 
 
 def cmd_generate(args) -> int:
+    from .runs import check_hub_source
+
+    check_hub_source(args.model)  # an unreachable hub id: now, once, before torch's seconds of imports
     import torch
 
     from ..model.data import get_tokenizer
     from .core import SplitClient
-    from .runs import check_hub_source
-
-    check_hub_source(args.model)  # an unreachable hub id: now, once
     tok = get_tokenizer(args.model)
     if args.prompt_ids is not None:
         prompt = [int(x) for x in args.prompt_ids.split()]

@@ -118,7 +118,7 @@ def check_hub_source(source: str, timeout_s: float = 5.0) -> None:
     (instead of transformers' retries, each warning printed by the tokenizer and the model).
     A spec name, a local path, a cached id, or ``HF_HUB_OFFLINE=1`` (the cache only, no network)
     is left to the loader."""
-    from ..model.loading import is_spec_source
+    from ..model.specs import is_spec_source  # not .loading: no torch yet (see cmd_train)
 
     if not isinstance(source, str) or Path(source).exists() or not _HUB_ID.match(source) or \
             is_spec_source(source):

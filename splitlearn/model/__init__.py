@@ -2,7 +2,8 @@
 
 - :mod:`.partition` (cut a GPT-2 at block boundaries), :mod:`.segments` (a segment and the blocks it
   runs), :mod:`.loading` (``load_model``: a GPT-2 from a spec, a directory or the hub),
-  :mod:`.export` (segments to disk and back), :mod:`.devices` (device and dtype names);
+  :mod:`.specs` (the shipped specs, torch-free), :mod:`.export` (segments to disk and back),
+  :mod:`.devices` (device and dtype names);
 - :mod:`.headloss` (the LM loss in chunks of positions), :mod:`.packed` (few-row inference on
   prepacked weights), :mod:`.lora` (LoRA specs, adapters, the router of many adapters);
 - :mod:`.checkpoint` (a side's training state, saved atomically);

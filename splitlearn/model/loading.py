@@ -29,6 +29,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from .arch import arch_of, check_causal_lm
 from .devices import resolve_device, resolve_dtype
 from ..errors import ConfigError
+from .specs import is_spec_source, list_specs, read_spec, specs_dir  # noqa: F401 - this module's names too
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +37,6 @@ ModelSource = Union[str, Path, PretrainedConfig, PreTrainedModel]
 
 # model construction is not thread-safe (docs/INTERNALS.md, "transformers 5 and segments"): loads take turns
 _LOAD_LOCK = threading.RLock()
-
-
-def specs_dir() -> Path:
-    """Where the shipped model specs live (``models/`` of the checkout, or the installed copy)."""
-    here = Path(__file__).resolve().parents[1]  # splitlearn/
-    for candidate in (here.parent / "models", here / "_models"):
-        if candidate.is_dir():
-            return candidate
-    raise ConfigError("the model specs directory (models/) is missing from this installation")
-
-
-def list_specs() -> list[str]:
-    return sorted(p.stem for p in specs_dir().glob("*.json"))
-
-
-def read_spec(name: str) -> dict:
-    path = specs_dir() / f"{name}.json"
-    if not path.is_file():
-        raise ConfigError(f"no model spec named {name!r}; shipped specs: {', '.join(list_specs())}")
-    return json.loads(path.read_text())
 
 
 def config_from_dict(d: dict) -> PretrainedConfig:
@@ -157,14 +138,6 @@ def name_causal_lm_loss(model: nn.Module) -> nn.Module:
     if isinstance(model, PreTrainedModel) and getattr(model, "loss_type", "") is None:
         model.loss_type = "ForCausalLM"
     return model
-
-
-def is_spec_source(s: str) -> bool:
-    p = Path(s)
-    if p.suffix == ".json" and p.is_file():
-        return True
-    name = s.removeprefix("random:")
-    return s.startswith("random:") or (name in list_specs() and "hub_id" not in read_spec(name))
 
 
 def _refuse_missing_file(s: str) -> None:
