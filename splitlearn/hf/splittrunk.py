@@ -166,8 +166,6 @@ class SplitTrunk:
         tokens = inputs_embeds if inputs_embeds is not None else self.get_input_embeddings()(input_ids)  # (B, T, d)
         if position_ids is None:
             position_ids = self.default_positions(attention_mask, past, T, tokens.device, remote_cache is not None)
-        # a training or evaluation piece carries the positions the client used where the server's own differ
-        given = None if remote_cache is not None else self.wire_positions(attention_mask, position_ids, T)
         modules = {n: getattr(self, n, None) for n in arch.embed_names}
         hidden = arch.embed(modules, position_ids, inputs_embeds=tokens, attention_mask=attention_mask, past=past,
                             token_type_ids=token_type_ids)  # (B, T, d)
@@ -176,6 +174,9 @@ class SplitTrunk:
         clean = hidden
         hidden = self._defended(hidden, tokens)  # what crosses the cut
         residual = self.u_shape and getattr(self.defense, "residual", False)
+        # a training or evaluation piece carries the positions the client used where the server's own
+        # differ (compared after the layers: on a GPU its read waits only for what the send waits for)
+        given = None if remote_cache is not None else self.wire_positions(attention_mask, position_ids, T)
         return hidden, dict(mask=attention_mask, cache=remote_cache, local=local, position_ids=position_ids,
                             given=given, output_shape=output_shape, residual=(clean, hidden) if residual else None)
 
