@@ -20,11 +20,11 @@ from __future__ import annotations
 #: seconds of a file on one worker (relative figures: see the module's docstring)
 SECONDS = {  # file: seconds
     "test_benchmarks.py": 238, "test_docs_snippets.py": 280, "test_server_budget.py": 273,
-    "test_hf_auto_families.py": 226, "test_benchmarks_baselines.py": 106, "test_client_interrupt.py": 165,
-    "test_hf_modeling.py": 135, "test_recovery.py": 132, "test_analysis_families.py": 127,
-    "test_hf_applies.py": 124, "test_openapi.py": 123, "test_client_cli.py": 122, "test_cluster.py": 109,
-    "test_hf_journal.py": 107, "test_privacy_families.py": 105, "test_client_cli_runs.py": 104,
-    "test_transport_unix.py": 92, "test_cluster_splitfed.py": 88, "test_privacy_attacks.py": 78,
+    "test_hf_auto_families.py": 226, "test_benchmarks_baselines.py": 106, "test_client_interrupt.py": 147,
+    "test_hf_modeling.py": 135, "test_recovery.py": 68, "test_analysis_families.py": 127,
+    "test_hf_applies.py": 124, "test_openapi.py": 123, "test_client_cli.py": 122, "test_cluster.py": 35,
+    "test_hf_journal.py": 93, "test_privacy_families.py": 105, "test_client_cli_runs.py": 104,
+    "test_transport_unix.py": 92, "test_cluster_splitfed.py": 34, "test_privacy_attacks.py": 78,
     "test_privacy_finetune.py": 78, "test_hf_auto_lora.py": 76, "test_client_generation.py": 74,
     "test_readme.py": 71, "test_hf_draft.py": 70, "test_packed.py": 68, "test_hf_pipeline.py": 66,
     "test_packaging.py": 58, "test_hf_family_generation.py": 55, "test_hf_generation.py": 53,
