@@ -78,6 +78,14 @@ def hf_forward(model, input_ids, attention_mask=None, **kw):
     return model(input_ids, attention_mask=attention_mask, position_ids=pos, **kw)
 
 
+def pytest_configure(config):
+    """`make test`'s serial phase (``-m serial``) starts its fork server before it collects: the
+    fork server's ~9 CPU-seconds of imports overlap the collection on the other core instead of
+    delaying the first test server (tests/forkserver.py, prestart)."""
+    if config.option.markexpr == "serial" and os.environ.get(forkserver.FORK_ENV, "1") == "1":
+        forkserver.prestart()
+
+
 def pytest_collection_modifyitems(config, items):
     """`make test`'s serial phase collects only the files that contain ``pytest.mark.serial``
     (Makefile, SERIAL_FILES): a test marked serial another way would run in neither phase.
