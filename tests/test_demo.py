@@ -20,7 +20,7 @@ def sample_line(out: str, tag: str) -> str:
 
 
 def test_the_demo_trains_split_as_unsplit_and_judges_its_sample(capsys):
-    rc = demo.main(["--steps", "20", "--batch-size", "8", "--fed-rounds", "0", "--max-new-tokens", "24",
+    rc = demo.main(["--steps", "20", "--batch-size", "4", "--fed-rounds", "0", "--max-new-tokens", "24",
                     "--want-loss-ratio", "0.95", "--want-pairs", "0.99"])
     out = capsys.readouterr().out
     split, unsplit = sample_line(out, "split"), sample_line(out, "unsplit")
