@@ -4,7 +4,8 @@
     python tools/lockdiff.py constraints.txt .venv-latest --write   # the lock becomes the venv's
 
 The lock keeps its comment header and its build tools (pip, setuptools, uv) at the venv's versions;
-torch stays at the version the Makefile installs first (2.13.0: the CPU build on disk).
+torch stays at the version the Makefile installs first (2.13.0: the CPU build on disk); a package
+in :data:`HELD` keeps its locked version, for the reason given there.
 """
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ from pathlib import Path
 BUILD = ("pip", "setuptools", "uv")  # the build tools the lock pins first
 RUNTIME = "# Runtime and test dependencies:"
 TORCH = "2.13.0"  # installed first by the Makefile, never upgraded by the lock
+# held back from the newest release, and why (a --write keeps the locked version)
+HELD = {
+    # requests imports chardet at its own import when it is installed (lm-eval's mbstrdecoder pulls
+    # it in, admitting chardet<7); 6.0's import takes 2.5 s on a 2-core VM (5.2.0: 0.5 s for all of
+    # requests), paid by every client process and every test that starts one
+    "chardet": "5.2.0",
+}
 PIN = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;#]+)")
 
 
@@ -69,7 +77,7 @@ def main(argv=None) -> int:
             if line != RUNTIME:
                 header.append(line)
         build = [f"{k}=={have[k][1]}" for k in BUILD if k in have]
-        body = [f"{have[k][0]}=={have[k][1]}" for k in sorted(have) if k not in BUILD and k != "torch"]
+        body = [f"{have[k][0]}=={HELD.get(k, have[k][1])}" for k in sorted(have) if k not in BUILD and k != "torch"]
         args.lock.write_text("\n".join(header + build + [RUNTIME] + body + [f"torch=={TORCH}"]) + "\n")
         print(f"wrote {args.lock} ({len(build) + len(body) + 1} pins)")
     return 0
