@@ -427,6 +427,38 @@ def test_a_tenant_routes_as_itself_and_holds_its_caps_over_all_replicas(cluster)
 
 @needs_haproxy
 @pytest.mark.slow
+def test_haproxy_and_every_replica_serve_metrics_on_loopback(cluster):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = cluster.manifest()
+    assert m["haproxy"]["metrics"] == f"http://127.0.0.1:{cluster.metrics_port}/metrics"
+    proxy = requests.get(m["haproxy"]["metrics"], timeout=10)
+    assert proxy.status_code == 200
+    names = {f.name for f in text_string_to_metric_families(proxy.text)}
+    assert {"haproxy_backend_http_responses", "haproxy_server_check_status"} & names, sorted(names)[:20]
+    assert 'proxy="replicas"' in proxy.text
+    for i, r in enumerate(m["replicas"]):
+        assert r["metrics"] == f"http://127.0.0.1:{cluster.metrics_port + 1 + i}/metrics"
+        deadline = time.monotonic() + 90  # (before the test that kills r0: no replica is starting again)
+        while True:
+            try:
+                info = requests.get(r["url"] + P.INFO, headers=auth(OTHER), timeout=10)
+                # the operator's token, on loopback too (docs/SECURITY.md, 'Tenants see their own')
+                assert requests.get(r["metrics"], timeout=10).status_code == 401
+                text = requests.get(r["metrics"], headers=auth(TOKEN), timeout=10).text
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, f"replica {i} did not come back"
+                time.sleep(0.5)
+        assert info.status_code == 200
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        assert any(s.name == "splitlearn_requests_total" and s.labels == {
+            "route": P.INFO, "method": "GET", "status": "200", "tenant": "mallory"} and s.value >= 1 for s in samples)
+        assert TOKEN not in text and OTHER not in text
+
+
+@needs_haproxy
+@pytest.mark.slow
 def test_a_replica_killed_mid_training_and_mid_generation_loses_nothing(cluster):
     """Two LoRA owners per replica, of two tenants (the same client id "o0" in both is two
     clients), train; a third owner on r0 generates. r0 is killed with SIGKILL between steps
@@ -500,38 +532,6 @@ def test_a_replica_killed_mid_training_and_mid_generation_loses_nothing(cluster)
         time.sleep(0.2)
     for cl in [gen, *clients.values()]:
         cl.close()
-
-
-@needs_haproxy
-@pytest.mark.slow
-def test_haproxy_and_every_replica_serve_metrics_on_loopback(cluster):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    m = cluster.manifest()
-    assert m["haproxy"]["metrics"] == f"http://127.0.0.1:{cluster.metrics_port}/metrics"
-    proxy = requests.get(m["haproxy"]["metrics"], timeout=10)
-    assert proxy.status_code == 200
-    names = {f.name for f in text_string_to_metric_families(proxy.text)}
-    assert {"haproxy_backend_http_responses", "haproxy_server_check_status"} & names, sorted(names)[:20]
-    assert 'proxy="replicas"' in proxy.text
-    for i, r in enumerate(m["replicas"]):
-        assert r["metrics"] == f"http://127.0.0.1:{cluster.metrics_port + 1 + i}/metrics"
-        deadline = time.monotonic() + 90  # a replica killed by a test above may be starting again
-        while True:
-            try:
-                info = requests.get(r["url"] + P.INFO, headers=auth(OTHER), timeout=10)
-                # the operator's token, on loopback too (docs/SECURITY.md, 'Tenants see their own')
-                assert requests.get(r["metrics"], timeout=10).status_code == 401
-                text = requests.get(r["metrics"], headers=auth(TOKEN), timeout=10).text
-                break
-            except requests.ConnectionError:
-                assert time.monotonic() < deadline, f"replica {i} did not come back"
-                time.sleep(0.5)
-        assert info.status_code == 200
-        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
-        assert any(s.name == "splitlearn_requests_total" and s.labels == {
-            "route": P.INFO, "method": "GET", "status": "200", "tenant": "mallory"} and s.value >= 1 for s in samples)
-        assert TOKEN not in text and OTHER not in text
 
 
 @needs_haproxy
