@@ -53,7 +53,7 @@ FORK_ENV = "SPLITLEARN_FORK_SERVERS"  # "0": the tests' servers start as plain s
 # that go unseen.
 PRELOAD = ("splitlearn.procs.localserver", "splitlearn.server.http.cli", "splitlearn.server.http.app",
            "splitlearn.server.http.frontdoor", "splitlearn.procs.idlepoll", "splitlearn.server.federation.fedserver",
-           "splitlearn.server.http.fedapp")
+           "splitlearn.server.http.fedapp", "requests")  # requests: every client child (0.5 s of imports each)
 
 # Environment variables read when an interpreter or the preloaded libraries start (glibc's
 # malloc, OpenBLAS, libgomp, MKL, huggingface_hub's paths and switches, the locale...), not
