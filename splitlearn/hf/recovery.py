@@ -130,6 +130,27 @@ class Recovery:
         self.log.durable(min(int(state.get("durable", 0)), server))
         self.log.replay(server, seg.steps.step, lambda r: self.send_once(r, lane)[0])
 
+    def current(self) -> None:
+        """Before a read of this client's state on the server (an evaluation, a generation, the
+        adapter or an export, a sync): a server behind the last step this client applied (one
+        restarted from its checkpoint, or a replica that took this owner back and loaded its last
+        durable state: docs/CLUSTER.md) first gets the steps it lost from the log, as a training
+        request would at the next step; without this the read saw the weights of that durable
+        step. One ``GET /v1/clients/<id>``, only while the log holds an applied step past the
+        server's durable one (a server restarted from that state lacks nothing else). A server
+        that does not answer is left to the read itself (which meets it as before)."""
+        seg = self._segment
+        if not self.log.enabled or not any(self.log.durable_step < s < seg.steps.step for s in self.log.steps):
+            return
+        try:
+            state = seg.transport.get_json(P.CLIENT_STATE.format(client_id=seg.client_id))
+        except TransportError as e:
+            log.warning("could not ask %s which step of this client it holds before a read: %s",
+                        seg.cfg.server, e.message)
+            return
+        if int(state["step"]) < seg.steps.step - 1:
+            self.catch_up()
+
     def recover(self) -> int:
         """Bring a server that restarted from its checkpoint back to this client's step (training
         does it by itself) -> the number of steps replayed."""

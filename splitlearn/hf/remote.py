@@ -142,9 +142,13 @@ class RemoteSegment(nn.Module):
         """Send the deferred apply now (:meth:`Applier.flush <.applies.Applier.flush>`) -> its answer.
         First, as :meth:`close`: the step of an optimizer made after the step's backward (not hooked
         yet) is applied, a ``zero_grad`` since the backward discards the step (a generation's
-        ``new_cache`` flushes: without this it read the server's weights before that step)."""
+        ``new_cache`` flushes: without this it read the server's weights before that step). Then
+        a server behind the last applied step (restarted, or a replica that took this owner back)
+        gets the steps it lost (:meth:`Recovery.current <.recovery.Recovery.current>`)."""
         self.link.notice_zero_grad()
-        return self.applier.flush()
+        answer = self.applier.flush()
+        self.journal.current()  # a restarted server (replica) holds every applied step before a read
+        return answer
 
     def fed_transport(self):
         """The separate fed server's connection (``cfg.fed_url``), or None. Its token is its own:
@@ -258,6 +262,7 @@ class RemoteSegment(nn.Module):
     def _evaluate(self, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor],
                   labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
         self.applier.flush()  # the server's weights hold the last step before they are evaluated
+        self.journal.current()  # ...and every step before it, on a restarted server too
         tensors = self.steps.forward_tensors(hidden, attention_mask, labels, position_ids)
         meta = {"wire_dtype": self.cfg.wire_dtype, "padding": "any"}
         if not self.u_shape and not (self._loss_only and labels is not None):
