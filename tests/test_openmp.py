@@ -141,3 +141,15 @@ def test_quiet_workers_falls_back_to_one_thread_where_the_throttle_is_out_of_rea
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_quiet_workers_does_nothing_on_one_torch_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with openmp.quiet_workers():
+            assert torch.get_num_threads() == 1 and openmp._THROTTLE._holders == 0
+    finally:
+        torch.set_num_threads(threads)

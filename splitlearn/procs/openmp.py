@@ -223,7 +223,13 @@ def short_spin() -> Iterator[bool]:
 @contextlib.contextmanager
 def quiet_workers() -> Iterator[None]:
     """No idle OpenMP worker of this process spins long inside the block: :func:`short_spin`
-    (the threads keep their number), or :func:`one_thread` where libgomp's throttle is out of reach."""
+    (the threads keep their number), or :func:`one_thread` where libgomp's throttle is out of reach;
+    nothing on one torch thread (no worker to spin, and the throttle's team would be one per CPU)."""
+    import torch
+
+    if torch.get_num_threads() <= 1:
+        yield
+        return
     with short_spin() as held:
         if held:
             yield
