@@ -102,6 +102,24 @@ def launch(cmd: Sequence[str], env: Optional[dict] = None, stdout=None, stderr=N
     return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
 
 
+def run_module(folder: Path, module: str, args: Sequence[str], env: Optional[dict] = None,
+               timeout: float = 600) -> int:
+    """``python -m module *args`` started in ``folder`` (where the caller wrote the module), through
+    ``localserver.launch`` (forked where :func:`install` made it so), run to its exit -> its exit code;
+    its output in ``folder / "stdout"`` and ``folder / "stderr"``."""
+    cwd = os.getcwd()
+    with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
+        os.chdir(folder)  # python -m MODULE: the child starts in this directory
+        try:
+            proc = localserver.launch([sys.executable, "-m", module, *args], env=env, stdout=stdout, stderr=stderr)
+        finally:
+            os.chdir(cwd)
+        try:
+            return proc.wait(timeout)
+        finally:
+            proc.kill()
+
+
 # What libraries write into os.environ when imported: scikit-learn and joblib (imported by some
 # tests through lm-eval and datasets) ``setdefault`` these Intel OpenMP switches. Imported after the
 # fork server started, they made every later child's environment differ from its own, so each

@@ -16,6 +16,7 @@ import torch
 from benchmarks import report
 from benchmarks.run import parse_args
 
+import forkserver
 from forkserver import FORK_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,24 +51,12 @@ def out_dir(tmp_path_factory):
     # measurement (~56 s of this run's ~100 s on 2 cores, spinning both cores while it runs);
     # tests/test_benchmarks_baselines.py checks that baseline itself. Its client processes (the
     # concurrency clients, the pinned client) fork from that fork server too (--mp-context).
-    from splitlearn.procs import localserver
-
     out, here = tmp_path_factory.mktemp("bench"), tmp_path_factory.mktemp("bench_boot")
     (here / "bench_boot.py").write_text(BENCH_BOOT)
     forked = ["--mp-context", "forkserver"] if os.environ.get(FORK_ENV, "1") == "1" else []
-    cwd = os.getcwd()
-    with open(here / "stdout", "w") as stdout, open(here / "stderr", "w") as stderr:
-        os.chdir(here)  # python -m bench_boot: the child starts in this directory
-        try:
-            proc = localserver.launch([sys.executable, "-m", "bench_boot", str(ROOT), str(Path(__file__).parent),
-                                       "--quick", "--wire-dtypes", "float32,int8", "--baselines", "naive", *forked,
-                                       "--out", str(out)], stdout=stdout, stderr=stderr)
-        finally:
-            os.chdir(cwd)
-        try:
-            code = proc.wait(600)
-        finally:
-            proc.kill()
+    code = forkserver.run_module(here, "bench_boot", [str(ROOT), str(Path(__file__).parent), "--quick",
+                                                      "--wire-dtypes", "float32,int8", "--baselines", "naive",
+                                                      *forked, "--out", str(out)])
     printed = (here / "stdout").read_text()
     assert code == 0, printed[-3000:] + (here / "stderr").read_text()[-3000:]
     assert "wrote " in printed

@@ -22,6 +22,7 @@ from benchmarks.baselines.common import BaselineConfig, parse_config  # noqa: E4
 from benchmarks.baselines.naive_json import NaiveJsonSplit  # noqa: E402
 from splitlearn import load_model  # noqa: E402
 from splitlearn.errors import ConfigError, TransportError  # noqa: E402
+import forkserver  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -165,26 +166,14 @@ def rpc_run(tmp_path_factory):
     benchmarks.baselines.torch_rpc``, started by the child through the tests' fork server)."""
     if not rpc.is_available():
         pytest.skip("this torch build has no torch.distributed.rpc")
-    from splitlearn.procs import localserver
-
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))  # the `batch` fixture
     here = tmp_path_factory.mktemp("rpc")
     (here / "rpc_baseline_child.py").write_text(CHILD)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cwd = os.getcwd()
-    with open(here / "out", "w") as out, open(here / "err", "w") as err:
-        os.chdir(here)  # python -m rpc_baseline_child: the child starts in this directory
-        try:
-            proc = localserver.launch([sys.executable, "-m", "rpc_baseline_child", str(ROOT), json.dumps(ids.tolist()),
-                                       str(LR), str(NEW), str(STEPS)], env=env, stdout=out, stderr=err)
-        finally:
-            os.chdir(cwd)
-        try:
-            code = proc.wait(180)
-        finally:
-            proc.kill()
-    assert code == 0, (here / "err").read_text()[-3000:]
-    return ids, json.loads((here / "out").read_text().strip().splitlines()[-1])
+    code = forkserver.run_module(here, "rpc_baseline_child", [str(ROOT), json.dumps(ids.tolist()), str(LR), str(NEW),
+                                                              str(STEPS)], env=env, timeout=180)
+    assert code == 0, (here / "stderr").read_text()[-3000:]
+    return ids, json.loads((here / "stdout").read_text().strip().splitlines()[-1])
 
 
 def test_rpc_generate_equals_hf_generate(rpc_run, tiny_model):
