@@ -21,8 +21,26 @@ import families as fam
 from splitlearn.api import protocol as P
 from splitlearn.model.arch import arch_of
 
+from serverproc import TENANTS, InprocServerProcess
 from test_hf_auto import LR, split_of
-from test_hf_auto_families import served  # noqa: F401  (one server per family and shape, the same fixture)
+
+CUTS = {"u": (1, 3), "2way": (2,)}
+_SAVED = {}  # family -> its saved folder
+
+
+@pytest.fixture(scope="module", params=[(n, s) for n in fam.NAMES for s in CUTS],
+                ids=[f"{n}-{s}" for n in fam.NAMES for s in CUTS])
+def served(request, tmp_path_factory):
+    """(name, shape, the saved model's folder, its server)."""
+    name, shape = request.param
+    d = tmp_path_factory.mktemp(f"{name}-{shape}")
+    if name not in _SAVED:  # one folder per family, both shapes' servers load it
+        _SAVED[name] = tmp_path_factory.mktemp(name) / "model"
+        fam.model(name).save_pretrained(_SAVED[name])
+    (d / "tokens").write_text("\n".join(TENANTS) + "\n")
+    with InprocServerProcess(CUTS[shape], optimizer="sgd", lr=LR, model=str(_SAVED[name]),
+                             extra=["--token-file", str(d / "tokens")]) as srv:
+        yield name, shape, _SAVED[name], srv
 
 
 def _batch():
